@@ -1,0 +1,52 @@
+"""The ``rrfp`` command: ``rrfp train | simulate | bench``.
+
+Each subcommand lives in its own module exposing ``register(subparsers)``, which adds an
+argparse parser whose ``func`` default takes the parsed namespace and returns an exit code.
+Modules are imported only when listed, so ``rrfp simulate`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "train": "rrfp.train.cli",
+    "simulate": "rrfp.sim.cli",
+    "bench": "rrfp.bench_cli",
+}
+
+
+class UsageError(Exception):
+    """Bad input found before any process starts: printed as one line, exit code 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="rrfp", description="Readiness-driven runtime for pipeline-parallel training."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    name = next((a for a in argv if not a.startswith("-")), None)
+    for cmd, module in SUBCOMMANDS.items():
+        if name is None or cmd == name:
+            try:
+                importlib.import_module(module).register(sub)
+            except ModuleNotFoundError as e:
+                if e.name is None or not e.name.startswith("rrfp"):
+                    raise
+                sub.add_parser(cmd, help="(not available in this build)")
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"rrfp {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Tasks, placements and dependency rules of a pipeline (RRFP §3, "Execution model").
+
+A *task* is one unit of compute on one stage for one microbatch:
+
+- ``F``: forward.
+- ``B``: full backward (input and weight gradients together).
+- ``I``: input-gradient backward only (the split backward's critical part; the paper's "B" in BFW).
+- ``W``: weight-gradient backward (runs after ``I``; fills bubbles).
+
+Text form follows ``torch.distributed.pipelining``'s action grammar: ``"2F0"`` is stage 2,
+forward, microbatch 0; ``"1I3"``, ``"0W1"``, ``"3B2"``.
+
+Pure module: no torch, no asyncio, no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, NamedTuple
+
+F, B, I, W = "F", "B", "I", "W"
+KINDS = (F, B, I, W)
+BACKWARD_INPUT = (B, I)  # kinds that produce the gradient the previous stage waits for
+
+_ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
+
+
+class Task(NamedTuple):
+    """One compute task: ``stage`` (global stage index, virtual stages included), ``kind``
+    (one of ``F``, ``B``, ``I``, ``W``) and ``mb`` (microbatch index)."""
+
+    stage: int
+    kind: str
+    mb: int
+
+    def __str__(self) -> str:  # PyTorch action grammar, e.g. "2F0"
+        return f"{self.stage}{self.kind}{self.mb}"
+
+
+def parse_action(text: str) -> Task:
+    """Parse one action in PyTorch's grammar (``"2F0"``) into a :class:`Task`.
+
+    Raises:
+        ValueError: naming the text when it is not ``<stage><F|B|I|W><microbatch>``.
+    """
+    m = _ACTION_RE.match(text)
+    if not m:
+        raise ValueError(
+            f"bad action {text!r}: expected <stage><F|B|I|W><microbatch>, e.g. '2F0'"
+        )
+    return Task(int(m.group(1)), m.group(2), int(m.group(3)))
+
+
+def format_order(order: Iterable[Task]) -> str:
+    """Text form of one rank's order: actions separated by spaces (``"0F0 0F1 0B0"``)."""
+    return " ".join(str(t) for t in order)
+
+
+def parse_order(text: str) -> list[Task]:
+    """Inverse of :func:`format_order`; commas and whitespace both separate actions."""
+    return [parse_action(a) for a in re.split(r"[\s,]+", text.strip()) if a]
+
+
+PLACEMENTS = ("loop", "v")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which rank holds which stage.
+
+    ``n_ranks`` pipeline ranks each hold ``n_virtual`` virtual stages, so the pipeline has
+    ``n_stages = n_ranks * n_virtual`` stages.
+
+    - ``loop`` (interleaved, Megatron/PyTorch ``Interleaved1F1B``): stage ``s`` on rank
+      ``s % n_ranks``.
+    - ``v`` (zig-zag, as ZB-V): stages run down the ranks then back up, so with two virtual
+      stages rank ``r`` holds stages ``r`` and ``2 * n_ranks - 1 - r``.
+
+    Raises:
+        ValueError: for a non-positive count or an unknown placement.
+    """
+
+    n_ranks: int
+    n_virtual: int = 1
+    kind: str = "loop"
+
+    def __post_init__(self) -> None:
+        if self.n_ranks < 1:
+            raise ValueError(f"n_ranks={self.n_ranks}: expected at least 1 pipeline rank")
+        if self.n_virtual < 1:
+            raise ValueError(f"n_virtual={self.n_virtual}: expected at least 1 virtual stage per rank")
+        if self.kind not in PLACEMENTS:
+            raise ValueError(f"placement {self.kind!r}: expected one of {', '.join(PLACEMENTS)}")
+
+    @property
+    def n_stages(self) -> int:
+        return self.n_ranks * self.n_virtual
+
+    def rank_of(self, stage: int) -> int:
+        block, pos = divmod(stage, self.n_ranks)
+        if self.kind == "v" and block % 2 == 1:
+            return self.n_ranks - 1 - pos
+        return pos
+
+    def virtual_index(self, stage: int) -> int:
+        """Position of ``stage`` among its rank's stages (0 = earliest in the pipeline)."""
+        return stage // self.n_ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The global stages rank ``rank`` holds, ordered by virtual index."""
+        return [s for s in range(self.n_stages) if self.rank_of(s) == rank]
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """The shape of one step: a placement, the microbatch count, and whether the backward is
+    split into ``I`` + ``W``.
+
+    Raises:
+        ValueError: for ``n_microbatches < 1``.
+    """
+
+    placement: Placement
+    n_microbatches: int
+    split_backward: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_microbatches < 1:
+            raise ValueError(f"n_microbatches={self.n_microbatches}: expected at least 1")
+
+    @property
+    def n_stages(self) -> int:
+        return self.placement.n_stages
+
+    @property
+    def backward_kind(self) -> str:
+        return I if self.split_backward else B
+
+    def tasks_of(self, rank: int) -> list[Task]:
+        """Every task rank ``rank`` must run in one step (any order)."""
+        kinds = (F, I, W) if self.split_backward else (F, B)
+        return [
+            Task(s, k, m)
+            for s in self.placement.stages_of(rank)
+            for m in range(self.n_microbatches)
+            for k in kinds
+        ]
+
+    def all_tasks(self) -> list[Task]:
+        return [t for r in range(self.placement.n_ranks) for t in self.tasks_of(r)]
+
+    def dependencies(self, task: Task) -> list[Task]:
+        """The tasks that must finish before ``task`` may start (RRFP §3).
+
+        ``F(s,m)`` needs ``F(s-1,m)`` (its activation); ``B/I(s,m)`` needs ``F(s,m)`` and, except
+        on the last stage (which has its own loss), ``B/I(s+1,m)`` (its gradient); ``W(s,m)``
+        needs ``I(s,m)``.
+        """
+        s, k, m = task
+        bk = self.backward_kind
+        if k == F:
+            return [Task(s - 1, F, m)] if s > 0 else []
+        if k in BACKWARD_INPUT:
+            deps = [Task(s, F, m)]
+            if s < self.n_stages - 1:
+                deps.append(Task(s + 1, bk, m))
+            return deps
+        return [Task(s, I, m)]
+
+    def consumer(self, task: Task) -> Task | None:
+        """The task on another stage that waits for ``task``'s output message, or None."""
+        s, k, m = task
+        if k == F:
+            return Task(s + 1, F, m) if s < self.n_stages - 1 else None
+        if k in BACKWARD_INPUT:
+            return Task(s - 1, self.backward_kind, m) if s > 0 else None
+        return None
