@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 sub.add_parser(cmd, help="(not available in this build)")
     args = parser.parse_args(argv)
+    args.argv = list(argv)  # lets a launcher re-run the same command in each rank
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

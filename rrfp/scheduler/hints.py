@@ -1,23 +1,38 @@
 """Hints: a rank's ordered preference over its ready tasks (RRFP §4, App. A).
 
 A hint is either a *policy* (``bf``, ``bfw``, ``fb``, ``b-priority``, ``f-priority``), which
-ranks whatever is ready by kind, or a *total order* per rank compiled from a named schedule
-(``gpipe``, ``1f1b``) or given by the user. Any hint runs in readiness mode (dispatch the
-best-ranked ready task, skip unready ones) or, prefixed ``strict-``, in strict mode (the
-fixed-order baseline: run only the order's next task, waiting for it).
+ranks whatever is ready by kind, or a *total order* per rank: compiled from a named schedule
+(:data:`~rrfp.scheduler.schedules.SCHEDULES`: ``gpipe``, ``looped-bfs``, ``1f1b``,
+``interleaved-1f1b``, ``zb-h1``, ``zb-v``) or given by the user as text or a CSV file.
 
-Pure module: no torch, no asyncio, no I/O.
+Any hint runs in readiness mode (dispatch the best-ranked ready task, skip unready ones) or,
+prefixed ``strict-``, in strict mode (the fixed-order baseline: run only the order's next task,
+waiting for it). A policy in strict mode is first compiled into a total order by running it
+with nominal durations (:func:`compile_policy`).
+
+Hint text grammar (:func:`resolve_hint`)::
+
+    [strict-]<name>            a policy or named schedule, e.g. "bf", "strict-zb-v"
+    [strict-]order:<orders>    per-rank orders inline, ranks separated by newlines or "|",
+                               optionally labelled: "order:rank0: 0F0 0B0 | rank1: 1F0 1B0"
+    [strict-]csv:<path>        a PyTorch compute-only schedule CSV (one row per rank)
+    [strict-]<path>.csv        the same, recognised by the suffix
+
+Pure module: no torch, no asyncio; only the CSV form reads a file.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
+from typing import Sequence, Union
 
-from .schedules import SCHEDULES, Order
-from .tasks import PipelineSpec, Placement
+from .schedules import SCHEDULES, SPLIT_BACKWARD_DEFAULT, Order, load_order_csv, parse_orders
+from .tasks import B, F, I, W, PipelineSpec, Placement
+from .validate import ScheduleError, validate_schedule
 
 POLICIES = {
-    # name: (first preferred kind when both are ready, alternate?, split backward?)
+    # name: (first preferred kind when both are ready first, alternate?, split backward?)
     "bf": ("B", True, False),
     "fb": ("F", True, False),
     "bfw": ("B", False, True),
@@ -25,6 +40,9 @@ POLICIES = {
     "f-priority": ("F", False, False),
 }
 HINT_NAMES = tuple(POLICIES) + tuple(SCHEDULES)
+
+NOMINAL_DURATIONS = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
+"""Task durations (arbitrary units) used to compile a policy into a strict order."""
 
 
 @dataclass(frozen=True)
@@ -48,33 +66,154 @@ class Hint:
         return self.order is None
 
 
+def compile_policy(
+    spec: PipelineSpec,
+    hint: Hint,
+    inflight_limit: Union[int, Sequence[int]] = 32,
+    durations: dict[str, float] | None = None,
+) -> Order:
+    """Compile a policy hint into per-rank total orders: the order in which each rank
+    dispatches its tasks when the policy runs in readiness mode with fixed durations
+    (default :data:`NOMINAL_DURATIONS`: ``F = 1``, ``B = 2``, ``I = W = 1``) and no
+    communication time. Ties resolve as in :func:`rrfp.sim.engine.simulate` (all events of an
+    instant first, then idle ranks decide), so the result equals that simulation's per-rank
+    order. Any executed order respects every dependency, so the result always runs strictly.
+
+    Args:
+        spec: the pipeline's shape.
+        hint: the policy (``hint.order`` is ignored).
+        inflight_limit: one in-flight limit for every rank, or one per rank.
+        durations: seconds (any unit) per task kind.
+
+    Returns:
+        ``Order``: per rank, all of its tasks.
+
+    Raises:
+        ValueError: for a bad limit (from the arbiter).
+        RuntimeError: if the policy cannot finish (a bug in the arbiter).
+    """
+    from .arbiter import Arbiter  # deferred: arbiter imports this module for Hint
+
+    P = spec.placement.n_ranks
+    limits = [inflight_limit] * P if isinstance(inflight_limit, int) else list(inflight_limit)
+    if len(limits) != P:
+        raise ValueError(f"{len(limits)} in-flight limits given for {P} ranks")
+    dur = NOMINAL_DURATIONS if durations is None else durations
+    policy = Hint(hint.name, hint.first, hint.alternate)
+    arbs = [Arbiter(spec, r, policy, inflight_limit=limits[r]) for r in range(P)]
+    orders: Order = [[] for _ in range(P)]
+    events: list[tuple[float, int, int]] = []  # (end time, seq, rank)
+    seq = 0
+
+    def dispatch(r: int, now: float) -> None:
+        nonlocal seq
+        if arbs[r].running is not None:
+            return
+        t = arbs[r].next()
+        if t is not None:
+            orders[r].append(t)
+            seq += 1
+            heapq.heappush(events, (now + dur[t.kind], seq, r))
+
+    for r in range(P):
+        dispatch(r, 0.0)
+    while events:
+        now = events[0][0]
+        touched: set[int] = set()
+        while events and events[0][0] == now:
+            _, _, r = heapq.heappop(events)
+            t = arbs[r].running
+            arbs[r].complete(t)
+            touched.add(r)
+            c = spec.consumer(t)
+            if c is not None:
+                dst = spec.placement.rank_of(c.stage)
+                arbs[dst].mark_input(c.stage, c.mb, c.kind != F)
+                touched.add(dst)
+        for r in sorted(touched):
+            dispatch(r, now)
+    stuck = [r for r in range(P) if not arbs[r].finished]
+    if stuck:
+        raise RuntimeError(
+            f"policy {hint.name!r} cannot finish: "
+            + "; ".join(f"rank {r} waits for {arbs[r].waiting_for()}" for r in stuck[:4])
+        )
+    return orders
+
+
+def _forms() -> str:
+    names = ", ".join(HINT_NAMES)
+    return f"{names} (each also as strict-<name>), order:<per-rank orders>, csv:<path> or <path>.csv"
+
+
 def resolve_hint(
     text: str,
     placement: Placement,
     n_microbatches: int,
     split_backward: bool | None = None,
+    *,
+    inflight_limit: Union[int, Sequence[int]] = 32,
 ) -> tuple[PipelineSpec, Hint, bool]:
-    """Turn a hint name (``"bf"``, ``"strict-1f1b"``, ...) into ``(spec, hint, strict)``.
+    """Turn hint text (``"bf"``, ``"strict-1f1b"``, ``"order:..."``, ``"sched.csv"``; grammar in
+    the module docstring) into ``(spec, hint, strict)``.
 
-    ``split_backward`` defaults to what the hint implies (``bfw`` splits, others do not).
+    ``split_backward`` defaults to what the hint implies: ``bfw``, ``zb-h1`` and ``zb-v`` split;
+    a user order splits when it holds ``I``/``W`` actions; the rest do not.
+    A strict policy (``strict-bf``...) is compiled with :func:`compile_policy` under
+    ``inflight_limit``. Strict orders are checked with
+    :func:`~rrfp.scheduler.validate.validate_schedule`; user orders in readiness mode only need
+    to hold each of their rank's tasks once.
+
+    Args:
+        text: the hint text.
+        placement: which rank holds which stage.
+        n_microbatches: microbatches per step (``>= 1``).
+        split_backward: force the split (``I`` + ``W``) or full (``B``) backward.
+        inflight_limit: the in-flight limit a strict policy is compiled under (one, or one
+            per rank); readiness mode takes its limit from the arbiter instead.
 
     Raises:
-        ValueError: one line naming an unknown hint and listing the known ones, or a policy
-            hint asked for in strict mode.
+        ValueError: one line naming an unknown hint and listing the known forms, or a named
+            schedule that does not fit the placement or microbatch count.
+        ScheduleError: (a ``ValueError``) a user order that is not a valid schedule, naming
+            its first offending action.
+        OSError: a CSV file that cannot be read.
     """
     strict = text.startswith("strict-")
     name = text[len("strict-"):] if strict else text
     if name in POLICIES:
-        if strict:
-            raise ValueError(
-                f"hint {text!r}: strict mode needs a total order, not the policy {name!r}; "
-                f"use one of {', '.join('strict-' + s for s in SCHEDULES)}"
-            )
         first, alternate, split = POLICIES[name]
         spec = PipelineSpec(placement, n_microbatches, split if split_backward is None else split_backward)
-        return spec, Hint(name, first, alternate), False
+        hint = Hint(name, first, alternate)
+        if strict:
+            hint = Hint(name, first, alternate, order=compile_policy(spec, hint, inflight_limit))
+        return spec, hint, strict
     if name in SCHEDULES:
-        spec = PipelineSpec(placement, n_microbatches, bool(split_backward))
-        return spec, Hint(name, order=SCHEDULES[name](spec)), strict
-    known = ", ".join(list(POLICIES) + [f"{s}, strict-{s}" for s in SCHEDULES])
-    raise ValueError(f"unknown hint {text!r}: expected one of {known}")
+        split = SPLIT_BACKWARD_DEFAULT[name] if split_backward is None else split_backward
+        spec = PipelineSpec(placement, n_microbatches, split)
+        hint = Hint(name, order=SCHEDULES[name](spec))
+        if strict:
+            validate_schedule(spec, hint.order)
+        return spec, hint, strict
+    if name.startswith("order:"):
+        orders = parse_orders(name[len("order:"):])
+        label = "order"
+    elif name.startswith("csv:") or name.endswith(".csv"):
+        path = name[len("csv:"):] if name.startswith("csv:") else name
+        orders = load_order_csv(path)
+        label = path
+    else:
+        raise ValueError(f"unknown hint {text!r}: expected one of {_forms()}")
+    if split_backward is None:
+        kinds = {t.kind for o in orders for t in o}
+        if B in kinds and kinds & {I, W}:
+            first_b = next(t for o in orders for t in o if t.kind == B)
+            raise ScheduleError(
+                f"hint {label!r}: action {first_b} is a full backward but the order also has "
+                "split I/W actions; use one form",
+                action=first_b,
+            )
+        split_backward = bool(kinds & {I, W})
+    spec = PipelineSpec(placement, n_microbatches, split_backward)
+    validate_schedule(spec, orders, strict=strict)
+    return spec, Hint(label, order=orders), strict

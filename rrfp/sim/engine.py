@@ -15,15 +15,17 @@ from typing import Callable, Sequence
 
 from ..scheduler.arbiter import Arbiter
 from ..scheduler.hints import Hint
-from ..scheduler.tasks import F, PipelineSpec, Task
+from ..scheduler.tasks import F, W, PipelineSpec, Task
 
 DurationFn = Callable[[int, int, Task], float]  # (step, rank, task) -> seconds
 DelayFn = Callable[[int, int, int, Task], float]  # (step, src rank, dst rank, producing task) -> seconds
 
 
-@dataclass
+@dataclass(slots=True)
 class TaskRecord:
-    """One executed task: where, when (seconds from the start) and in which step."""
+    """One executed task: where (``rank``), in which ``step``, which ``task``, and when
+    (``start``/``end``, seconds from the start of the run). The runtime writes the same record
+    type, so :mod:`rrfp.obs.trace` draws simulated and real runs alike."""
 
     rank: int
     step: int
@@ -38,10 +40,12 @@ class SimResult:
 
     Attributes:
         makespan: time from the start until the last rank finished its last step (s).
-        records: every executed task, in completion order.
+        records: every executed task, in dispatch order (empty when ``record=False``).
         busy: per rank, total compute time (s).
         peak_inflight: per rank, the largest in-flight count ``D`` seen in any step.
         step_end: per step, the time the last rank finished it (s).
+        peak_inflight_stage: per stage, the most microbatches whose forward had finished and
+            whose input backward (``B`` or ``I``) had not: the activations that stage held.
     """
 
     makespan: float
@@ -49,6 +53,7 @@ class SimResult:
     busy: list[float]
     peak_inflight: list[int]
     step_end: list[float] = field(default_factory=list)
+    peak_inflight_stage: list[int] = field(default_factory=list)
 
     def bubble_fraction(self) -> list[float]:
         """Per rank, the idle share of the makespan (0..1)."""
@@ -78,104 +83,158 @@ def simulate(
     """Simulate ``steps`` training steps of ``spec`` under ``hint``.
 
     Each rank runs one task at a time; when it is idle it asks its arbiter for the next task.
-    A finished task's output reaches its consumer after ``delay(...)`` seconds (0 when the
-    consumer is on the same rank). Events of equal time are all applied before any idle rank
-    decides, so ties resolve the same way on every run. A rank starts step ``k+1`` after its own
-    tasks of step ``k`` and ``step_overhead`` seconds (the optimizer step).
+    ``duration(step, rank, task)`` is called once per task, when the rank dispatches it, in each
+    rank's dispatch order (a stateful duration model may rely on that). A finished task's
+    output reaches its consumer after ``delay(step, src, dst, task)`` seconds (not called, and
+    0, when the consumer is on the same rank). Events of equal time are all applied before any
+    idle rank decides, and idle ranks decide in rank order, so ties resolve the same way on
+    every run. A rank starts step ``k+1`` after its own tasks of step ``k`` and
+    ``step_overhead`` seconds (the optimizer step).
 
     Args:
+        spec: the pipeline's shape.
+        hint: a policy or total order (:func:`~rrfp.scheduler.hints.resolve_hint`).
+        duration: seconds per task.
+        strict: run the hint's order exactly (the fixed-order baseline).
         inflight_limit: one limit for every rank, or one per rank.
+        delay: seconds per cross-rank message.
+        steps: training steps to run back to back.
+        step_overhead: seconds each rank spends between its steps.
+        record: keep a :class:`TaskRecord` per task (memory grows with the task count).
 
     Raises:
+        ValueError: a limit list of the wrong length (or a bad hint, from the arbiter).
         DeadlockError: naming each unfinished rank and what it waits for.
     """
     place = spec.placement
     P = place.n_ranks
+    S = spec.n_stages
     limits = [inflight_limit] * P if isinstance(inflight_limit, int) else list(inflight_limit)
     if len(limits) != P:
         raise ValueError(f"{len(limits)} in-flight limits given for {P} ranks")
 
-    arbiters: list[dict[int, Arbiter]] = [{} for _ in range(P)]
+    def new_arbiter(rank: int) -> Arbiter:
+        return Arbiter(spec, rank, hint, strict=strict, inflight_limit=limits[rank])
 
-    def arb(rank: int, step: int) -> Arbiter:
-        a = arbiters[rank].get(step)
-        if a is None:
-            a = arbiters[rank][step] = Arbiter(spec, rank, hint, strict=strict, inflight_limit=limits[rank])
-        return a
+    rank_of = [place.rank_of(s) for s in range(S)]
+    next_rank = [rank_of[s + 1] if s + 1 < S else -1 for s in range(S)]
+    prev_rank = [rank_of[s - 1] if s > 0 else -1 for s in range(S)]
+    zero_delay = delay is _zero_delay
 
+    # A rank's arbiter for its current step, plus arbiters for later steps whose inputs
+    # arrive early (a neighbour may be a step ahead).
+    cur: list[Arbiter | None] = [new_arbiter(r) for r in range(P)]
+    ahead: list[dict[int, Arbiter]] = [{} for _ in range(P)]
+    if steps < 1:
+        cur = [None] * P
     cur_step = [0] * P
+    running: list[Task | None] = [None] * P
     busy_until = [0.0] * P
-    running = [False] * P
     busy = [0.0] * P
     peak = [0] * P
+    held = [0] * S
+    peak_held = [0] * S
     records: list[TaskRecord] = []
-    step_end = [0.0] * steps
-    events: list[tuple[float, int, int, int, int, Task | None, bool]] = []
-    seq = 0
-    # event: (time, seq, kind, rank, step, task, grad); kind 0 = task done, 1 = input arrives, 2 = step start
-    for r in range(P):
-        arb(r, 0)
+    step_end = [0.0] * max(steps, 0)
 
-    def try_dispatch(r: int, now: float) -> None:
-        nonlocal seq
-        if running[r] or cur_step[r] >= steps or now < busy_until[r]:
-            return
-        a = arb(r, cur_step[r])
-        t = a.next()
-        if t is None:
-            return
-        d = duration(cur_step[r], r, t)
-        running[r] = True
-        busy[r] += d
-        seq += 1
-        heapq.heappush(events, (now + d, seq, 0, r, cur_step[r], t, False))
-        if record:
-            records.append(TaskRecord(r, cur_step[r], t, now, now + d))
+    # Heap entries: (time, seq, rank) a task finishes; (time, seq, rank, None) the rank's
+    # optimizer step ends; (time, seq, rank, step, stage, mb, grad) an input arrives.
+    # seq is unique, so tuples never compare past it.
+    events: list[tuple] = []
+    push, pop = heapq.heappush, heapq.heappop
+    seq = 0
+
+    def arbiter_for(r: int, step: int) -> Arbiter:
+        if step == cur_step[r]:
+            return cur[r]  # type: ignore[return-value]
+        a = ahead[r].get(step)
+        if a is None:
+            a = ahead[r][step] = new_arbiter(r)
+        return a
 
     now = 0.0
-    for r in range(P):
-        try_dispatch(r, now)
-    touched: set[int] = set()
-    while events:
+    touched: list[int] = list(range(P))
+    while True:
+        # Decisions: every idle rank touched at this instant, in rank order.
+        if len(touched) > 1:
+            touched = sorted(set(touched))
+        for r in touched:
+            a = cur[r]
+            if running[r] is not None or a is None or now < busy_until[r]:
+                continue
+            t = a.next()
+            if t is None:
+                continue
+            step = cur_step[r]
+            d = duration(step, r, t)
+            running[r] = t
+            busy[r] += d
+            seq += 1
+            push(events, (now + d, seq, r))
+            if record:
+                records.append(TaskRecord(r, step, t, now, now + d))
+        if not events:
+            break
+        touched = []
         now = events[0][0]
-        touched.clear()
         while events and events[0][0] == now:
-            _, _, kind, r, step, t, grad = heapq.heappop(events)
-            touched.add(r)
-            if kind == 2:
+            ev = pop(events)
+            r = ev[2]
+            touched.append(r)
+            n = len(ev)
+            if n == 4:
                 continue
-            if kind == 1:
-                arb(r, step).mark_input(t.stage, t.mb, grad)
+            if n == 7:
+                _, _, _, step, stage, mb, grad = ev
+                arbiter_for(r, step).mark_input(stage, mb, grad)
                 continue
-            a = arb(r, step)
-            a.complete(t)
-            running[r] = False
-            consumer = spec.consumer(t)
-            if consumer is not None:
-                dst = place.rank_of(consumer.stage)
-                is_grad = consumer.kind != F
-                if dst == r:
-                    arb(r, step).mark_input(consumer.stage, consumer.mb, is_grad)
+            t = running[r]
+            running[r] = None
+            a = cur[r]
+            a.complete(t)  # type: ignore[union-attr]
+            step = cur_step[r]
+            s, k, m = t  # type: ignore[misc]
+            if k == F:
+                held[s] += 1
+                if held[s] > peak_held[s]:
+                    peak_held[s] = held[s]
+                dst, cs, grad = next_rank[s], s + 1, False
+            elif k == W:
+                dst = -1
+            else:
+                held[s] -= 1
+                dst, cs, grad = prev_rank[s], s - 1, True
+            if dst == r:
+                a.mark_input(cs, m, grad)  # type: ignore[union-attr]
+            elif dst >= 0:
+                dd = 0.0 if zero_delay else delay(step, r, dst, t)  # type: ignore[arg-type]
+                if dd == 0.0:
+                    # Same instant: applying it now equals popping it later in this batch.
+                    arbiter_for(dst, step).mark_input(cs, m, grad)
+                    touched.append(dst)
                 else:
                     seq += 1
-                    heapq.heappush(
-                        events, (now + delay(step, r, dst, t), seq, 1, dst, step, consumer, is_grad)
-                    )
-            if a.finished:
-                peak[r] = max(peak[r], a.peak_inflight)
-                step_end[step] = max(step_end[step], now)
-                del arbiters[r][step]
-                cur_step[r] += 1
-                if step_overhead > 0 and cur_step[r] < steps:
-                    busy_until[r] = now + step_overhead
-                    seq += 1
-                    heapq.heappush(events, (now + step_overhead, seq, 2, r, step, None, False))
-        for r in sorted(touched):
-            try_dispatch(r, now)
+                    push(events, (now + dd, seq, dst, step, cs, m, grad))
+            if a.finished:  # type: ignore[union-attr]
+                if a.peak_inflight > peak[r]:  # type: ignore[union-attr]
+                    peak[r] = a.peak_inflight  # type: ignore[union-attr]
+                if now > step_end[step]:
+                    step_end[step] = now
+                nxt = step + 1
+                cur_step[r] = nxt
+                if nxt < steps:
+                    cur[r] = ahead[r].pop(nxt, None) or new_arbiter(r)
+                    if step_overhead > 0:
+                        busy_until[r] = now + step_overhead
+                        seq += 1
+                        push(events, (now + step_overhead, seq, r, None))
+                else:
+                    cur[r] = None
     unfinished = [r for r in range(P) if cur_step[r] < steps]
     if unfinished:
         why = "; ".join(
-            f"rank {r} step {cur_step[r]}: waits for {arb(r, cur_step[r]).waiting_for()}" for r in unfinished[:4]
+            f"rank {r} step {cur_step[r]}: waits for {cur[r].waiting_for()}"  # type: ignore[union-attr]
+            for r in unfinished[:4]
         )
         raise DeadlockError(f"simulation cannot finish: {why}")
-    return SimResult(now, records, busy, peak, step_end)
+    return SimResult(now, records, busy, peak, step_end, peak_held)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install rrfp into the active Python environment.
+#   ./install.sh          runtime dependencies
+#   ./install.sh --test   plus the test tools
+# A torch that is already installed (e.g. your CUDA build) is kept; otherwise the CPU build of
+# torch 2.13 is installed (override with TORCH_SPEC, e.g. TORCH_SPEC="torch==2.13.0+cu128").
+set -euo pipefail
+cd "$(dirname "$0")"
+PY="${PYTHON:-python}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+extra=""
+[ "${1:-}" = "--test" ] && extra="[test]"
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  "$PY" -m pip install --disable-pip-version-check -q ${TORCH_SPEC:-torch==2.13.0}
+fi
+"$PY" -m pip install --disable-pip-version-check -q -e ".${extra}"
+"$PY" -c "import torch, rrfp; print(f'rrfp {rrfp.__version__} with torch {torch.__version__}')"

@@ -1,0 +1,55 @@
+"""Joining a job launched by torchrun / torch.distributed.run (or Kubernetes with its env).
+
+rrfp has no cluster layer of its own: ranks, world size and the rendezvous store come from
+torch.distributed's ``env://`` initialisation (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``WORLD_SIZE``), and ZeroMQ endpoints are published in that store.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch.distributed as dist
+
+REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+def in_launched_worker() -> bool:
+    """True inside a process started by torchrun / torch.distributed.run (or with its env)."""
+    return all(k in os.environ for k in REQUIRED_ENV)
+
+
+def init_distributed(timeout_s: float = 120.0) -> None:
+    """Initialise the default process group (gloo, ``env://``) unless already done.
+
+    The group provides the store for endpoint exchange and a barrier; pipeline traffic itself
+    goes over rrfp's transport.
+
+    Raises:
+        RuntimeError: naming the missing environment variables outside a launched job.
+    """
+    if dist.is_initialized():
+        return
+    missing = [k for k in REQUIRED_ENV if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"not inside a torchrun-launched job: {', '.join(missing)} unset "
+            "(start with `rrfp train`, `torchrun`, or pass rank, n_ranks and transport)"
+        )
+    dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def default_store() -> dist.Store:
+    """The default process group's store (the one torchrun's rendezvous set up)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def default_transport(rank: int, world_size: int, job: str):
+    """A :class:`~rrfp.transport.zmq.ZmqTransport` rendezvousing through the default store."""
+    from ..transport.zmq import ZmqTransport
+
+    init_distributed()
+    return ZmqTransport(rank, world_size, default_store(), job)

@@ -1,0 +1,350 @@
+"""The public API: a pipeline schedule object in the shape of ``torch.distributed.pipelining``.
+
+Switching from PyTorch is a one-line change::
+
+    # schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
+    schedule = rrfp.Pipeline(stage, n_microbatches=8, loss_fn=loss_fn, hint="bf")
+    schedule.step(x, target=y, losses=losses)   # then optimizer.step() as usual
+
+:class:`LocalPipeline` runs every rank of a pipeline inside one process over the in-process
+fake transport, for users' own unit tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..scheduler.hints import resolve_hint
+from ..scheduler.tasks import Placement, PipelineSpec
+from ..transport.base import Transport
+from .rank import DelayFn, LossFn, RankRuntime, StepStats
+from .stage import PipelineStage, as_tuple
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """A uvloop event loop where uvloop is installed, else asyncio's default."""
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        return asyncio.new_event_loop()
+
+
+def split_microbatches(args: Sequence[Any], n_microbatches: int, what: str = "input") -> list[tuple]:
+    """Split each tensor of ``args`` along dim 0 into ``n_microbatches`` parts
+    (``torch.tensor_split`` sizes: as equal as possible, earlier parts one larger).
+
+    Returns:
+        one tuple per microbatch, holding that microbatch's slice of every argument.
+
+    Raises:
+        ValueError: when a tensor's batch size is smaller than ``n_microbatches``.
+    """
+    parts = []
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"{what} arguments must be tensors, got {type(a).__name__}")
+        if a.dim() == 0 or a.shape[0] < n_microbatches:
+            size = 0 if a.dim() == 0 else a.shape[0]
+            raise ValueError(
+                f"n_microbatches={n_microbatches} exceeds the {what} batch size {size}: "
+                "each microbatch needs at least one sample"
+            )
+        parts.append(torch.tensor_split(a, n_microbatches, dim=0))
+    return [tuple(p[m] for p in parts) for m in range(n_microbatches)]
+
+
+def _check_stages(stages: Sequence[PipelineStage], n_stages: int) -> None:
+    for s in stages:
+        if s.num_stages != n_stages:
+            raise ValueError(
+                f"stage {s.stage_index} says num_stages={s.num_stages}, but the pipeline has {n_stages} stages"
+            )
+
+
+class Pipeline:
+    """This rank's part of a multi-process pipeline (one process per pipeline rank).
+
+    Args:
+        stages: this rank's :class:`PipelineStage` (or its virtual stages, in placement order).
+        n_microbatches: microbatches per step.
+        loss_fn: ``loss_fn(output, target) -> scalar tensor`` on the last stage.
+        hint: ``bf`` (default), ``bfw``, ``fb``, ``b-priority``, ``f-priority``, a schedule
+            name (``1f1b``, ``gpipe``...) used as a hint, or ``strict-<schedule>`` for the
+            fixed-order baseline (RRFP §4).
+        inflight_limit: the in-flight limit (RRFP §6, default 32); a sequence gives one per rank.
+        placement: ``loop`` or ``v`` for virtual stages.
+        loss_weight_fn: ``fn(target) -> float`` weighting microbatch losses (e.g. token counts,
+            so the step loss is the mean over all tokens); None: each microbatch ``1/M``.
+        transport: a started-or-not :class:`~rrfp.transport.base.Transport`; default: ZeroMQ
+            with endpoints exchanged through torch.distributed's store (initialised from the
+            torchrun environment if needed).
+        rank, n_ranks: this rank's pipeline index and the pipeline's rank count (default: the
+            torch.distributed rank and world size).
+        watchdog: seconds without progress before an error naming what the rank waits for.
+        record: keep per-task timestamps in :attr:`last_stats` (for traces).
+        task_delay: ``fn(step, rank, task) -> seconds`` of injected delay (experiments).
+
+    Raises:
+        ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...).
+    """
+
+    def __init__(
+        self,
+        stages: PipelineStage | Sequence[PipelineStage],
+        n_microbatches: int,
+        loss_fn: LossFn | None = None,
+        *,
+        hint: str = "bf",
+        inflight_limit: int | Sequence[int] = 32,
+        placement: str = "loop",
+        loss_weight_fn: Callable[[Any], float] | None = None,
+        transport: Transport | None = None,
+        rank: int | None = None,
+        n_ranks: int | None = None,
+        job: str = "rrfp",
+        watchdog: float = 300.0,
+        record: bool = False,
+        task_delay: DelayFn | None = None,
+    ) -> None:
+        stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if not stages:
+            raise ValueError("a pipeline rank needs at least one stage")
+        if rank is None or n_ranks is None:
+            import torch.distributed as dist
+
+            from .dist import init_distributed
+
+            init_distributed()
+            rank = dist.get_rank() if rank is None else rank
+            n_ranks = dist.get_world_size() if n_ranks is None else n_ranks
+        n_stages = stages[0].num_stages
+        _check_stages(stages, n_stages)
+        if n_stages != n_ranks * len(stages):
+            raise ValueError(
+                f"{n_stages} stages do not fit {n_ranks} ranks x {len(stages)} virtual stages per rank"
+            )
+        place = Placement(n_ranks, len(stages), placement)
+        self.spec, self.hint, self.strict = resolve_hint(hint, place, n_microbatches)
+        limit = inflight_limit if isinstance(inflight_limit, int) else list(inflight_limit)[rank]
+        self.rank = rank
+        self.stages = stages
+        self.n_microbatches = n_microbatches
+        self._loop = new_event_loop()
+        if transport is None:
+            from .dist import default_transport
+
+            transport = default_transport(rank, n_ranks, job)
+        self.transport = transport
+        self._loop.run_until_complete(self.transport.start())
+        self.runtime = self._loop.run_until_complete(
+            _make_runtime(
+                rank, stages, self.spec, self.hint, transport, strict=self.strict, inflight_limit=limit, job=job,
+                loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog, task_delay=task_delay, record=record,
+            )
+        )
+        self._step = 0
+        self.last_stats: StepStats | None = None
+
+    def step(
+        self,
+        *args: torch.Tensor,
+        target: torch.Tensor | None = None,
+        losses: list | None = None,
+        microbatches: Sequence[tuple] | None = None,
+        targets: Sequence[Any] | None = None,
+    ) -> torch.Tensor | None:
+        """Run one step's forwards and backwards on this rank (then call ``optimizer.step()``).
+
+        Stage 0's rank passes the whole batch as ``*args`` (split along dim 0 into
+        ``n_microbatches``) or pre-split ``microbatches`` (one tuple per microbatch, e.g. each
+        padded to its own length); the last stage's rank passes ``target`` (split the same
+        way) or ``targets``. Gradients accumulate into the parameters' ``.grad``.
+
+        Returns:
+            on the rank holding the last stage, the step loss (weighted sum of microbatch
+            losses, a detached scalar); elsewhere None.
+        """
+        return self._loop.run_until_complete(
+            self.astep(*args, target=target, losses=losses, microbatches=microbatches, targets=targets)
+        )
+
+    async def astep(self, *args, target=None, losses=None, microbatches=None, targets=None) -> torch.Tensor | None:
+        """Coroutine form of :meth:`step`, for callers that run their own event loop."""
+        M = self.n_microbatches
+        if microbatches is None and args:
+            microbatches = split_microbatches(args, M)
+        if targets is None and target is not None:
+            targets = [t[0] for t in split_microbatches([target], M, "target")]
+        stats = await self.runtime.run_step(self._step, microbatches, targets, losses)
+        self._step += 1
+        self.last_stats = stats
+        return None if stats.loss is None else torch.tensor(stats.loss)
+
+    def run(self, coro):
+        """Run a coroutine on this rank's event loop (e.g. ``runtime.control()``)."""
+        return self._loop.run_until_complete(coro)
+
+    def close(self) -> None:
+        """Say goodbye to the peers (waits until every rank is done) and free the sockets."""
+        if self._loop.is_closed():
+            return
+        try:
+            self._loop.run_until_complete(self.runtime.close())
+            self._loop.run_until_complete(self.transport.close())
+        finally:
+            self._loop.close()
+
+    def abort(self) -> None:
+        """Close at once without waiting for peers (error path)."""
+        self.transport.abort()
+        if not self._loop.is_closed():
+            self._loop.close()
+
+
+async def _make_runtime(*args, **kwargs) -> RankRuntime:
+    # Built inside the loop so its asyncio primitives bind to it.
+    return RankRuntime(*args, **kwargs)
+
+
+class LocalPipeline:
+    """Every rank of a pipeline in this process, over the in-process fake transport.
+
+    For users' unit tests and for ours: the same :class:`RankRuntime` as a real job, with
+    seeded per-message delays so messages overtake each other.
+
+    Args:
+        modules: one ``nn.Module`` per stage, in pipeline order (``n_ranks * n_virtual``).
+        n_microbatches, loss_fn, hint, inflight_limit, placement, loss_weight_fn: as
+            :class:`Pipeline`.
+        n_virtual: virtual stages per rank.
+        delay: ``(low, high)`` seconds of uniform random delay per message.
+        seed: seeds the message delays.
+        encode: pass every message through the codec, as between processes.
+        task_delay: ``fn(step, rank, task) -> seconds`` of injected compute time.
+
+    Raises:
+        ValueError: as :class:`Pipeline`.
+    """
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        n_microbatches: int,
+        loss_fn: LossFn,
+        *,
+        hint: str = "bf",
+        inflight_limit: int | Sequence[int] = 32,
+        n_virtual: int = 1,
+        placement: str = "loop",
+        loss_weight_fn: Callable[[Any], float] | None = None,
+        delay: tuple[float, float] = (0.0, 0.0),
+        seed: int = 0,
+        encode: bool = True,
+        record: bool = False,
+        task_delay: DelayFn | None = None,
+        watchdog: float = 60.0,
+        job: str = "rrfp-local",
+    ) -> None:
+        from ..transport.fake import FakeNetwork
+
+        n_stages = len(modules)
+        if n_stages % n_virtual:
+            raise ValueError(f"{n_stages} stage modules do not split into ranks of {n_virtual} virtual stages")
+        n_ranks = n_stages // n_virtual
+        place = Placement(n_ranks, n_virtual, placement)
+        self.spec, self.hint, self.strict = resolve_hint(hint, place, n_microbatches)
+        limits = [inflight_limit] * n_ranks if isinstance(inflight_limit, int) else list(inflight_limit)
+        self.n_microbatches = n_microbatches
+        self.n_ranks = n_ranks
+        self._loop = new_event_loop()
+        self.net = FakeNetwork(n_ranks, seed=seed, delay=delay, encode=encode)
+        self.transports = [self.net.transport(r) for r in range(n_ranks)]
+
+        async def build() -> list[RankRuntime]:
+            for t in self.transports:
+                await t.start()
+            return [
+                RankRuntime(
+                    r,
+                    [PipelineStage(modules[s], s, n_stages) for s in place.stages_of(r)],
+                    self.spec, self.hint, self.transports[r], strict=self.strict, inflight_limit=limits[r],
+                    job=job, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog,
+                    task_delay=task_delay, record=record,
+                )
+                for r in range(n_ranks)
+            ]
+
+        self.runtimes = self._loop.run_until_complete(build())
+        self._step = 0
+        self.last_stats: list[StepStats] = []
+
+    def step(
+        self,
+        *args: torch.Tensor,
+        target: torch.Tensor | None = None,
+        losses: list | None = None,
+        microbatches: Sequence[tuple] | None = None,
+        targets: Sequence[Any] | None = None,
+    ) -> torch.Tensor:
+        """Run one step of every rank; returns the step loss (detached scalar)."""
+        M = self.n_microbatches
+        if microbatches is None:
+            microbatches = split_microbatches(args, M)
+        if targets is None:
+            if target is None:
+                raise ValueError("the last stage needs a target: pass target= or targets=")
+            targets = [t[0] for t in split_microbatches([target], M, "target")]
+        microbatches = [as_tuple(x) for x in microbatches]
+        last_rank = self.spec.placement.rank_of(self.spec.n_stages - 1)
+
+        async def run() -> list[StepStats]:
+            coros = [
+                rt.run_step(
+                    self._step,
+                    microbatches if 0 in rt.stages else None,
+                    targets if r == last_rank else None,
+                    losses if r == last_rank else None,
+                )
+                for r, rt in enumerate(self.runtimes)
+            ]
+            tasks = [asyncio.ensure_future(c) for c in coros]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+        self.last_stats = self._loop.run_until_complete(run())
+        self._step += 1
+        return torch.tensor(self.last_stats[last_rank].loss)
+
+    def close(self) -> None:
+        """Stop every rank's receiver and close the loop."""
+        if self._loop.is_closed():
+            return
+
+        async def shut() -> None:
+            for rt in self.runtimes:
+                await rt.close()
+            for t in self.transports:
+                t.abort()
+
+        try:
+            self._loop.run_until_complete(shut())
+        finally:
+            self._loop.close()
+
+    def __enter__(self) -> "LocalPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,428 @@
+"""One rank's asyncio program: inbox -> ready set -> arbiter -> executor -> outbox.
+
+A receiver coroutine turns transport arrivals into buffered stage inputs and readiness events;
+one scheduler coroutine asks the :class:`~rrfp.scheduler.arbiter.Arbiter` for the next task and
+runs it. Tasks run inline on the loop thread: ZeroMQ keeps receiving in its own I/O thread
+while Python computes, and an inline dispatch costs microseconds where a hop to a worker thread
+and back costs about 90 us on a 2-core machine (ARCHITECTURE.md, "One rank, one event loop").
+Sends are enqueued to the transport's outbox and never block compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..scheduler.arbiter import Arbiter
+from ..scheduler.hints import Hint
+from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task
+from ..transport.base import Message, Transport
+from ..transport.keys import Direction, MsgKey
+from .stage import PipelineStage, as_tuple, detach_for_next
+
+log = logging.getLogger("rrfp.runtime")
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+DelayFn = Callable[[int, int, Task], float]  # (step, rank, task) -> extra seconds
+
+
+class WatchdogTimeout(RuntimeError):
+    """A rank made no progress for the watchdog's period; the message says what it waits for."""
+
+
+class PipelineError(RuntimeError):
+    """A message or input that a correct pipeline cannot produce (wrong job, stale step...)."""
+
+
+@dataclass
+class TaskRecord:
+    """One executed task (same fields as :class:`rrfp.sim.engine.TaskRecord`); times are
+    ``time.perf_counter()`` seconds, comparable across processes on one Linux host."""
+
+    rank: int
+    step: int
+    task: Task
+    start: float
+    end: float
+
+
+@dataclass
+class StepStats:
+    """What one rank measured in one step.
+
+    Attributes:
+        step: the step index.
+        wall: seconds from the step's start to this rank's last task's end.
+        busy: seconds spent computing tasks (injected delays included).
+        peak_inflight: the largest in-flight count ``D`` seen.
+        loss: weighted step loss (only on the rank holding the last stage, else None).
+        n_tasks: tasks run.
+    """
+
+    step: int
+    wall: float
+    busy: float
+    peak_inflight: int
+    loss: float | None = None
+    n_tasks: int = 0
+    records: list[TaskRecord] = field(default_factory=list)
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of this rank's step (0..1)."""
+        return max(0.0, 1.0 - self.busy / self.wall) if self.wall > 0 else 0.0
+
+
+class RankRuntime:
+    """Runs the steps of one pipeline rank.
+
+    Args:
+        rank: this rank's pipeline index.
+        stages: the :class:`PipelineStage` objects this rank holds (its virtual stages), in the
+            placement's order.
+        spec: the pipeline's shape (placement, microbatches, split backward).
+        hint, strict, inflight_limit: arbitration (see :class:`~rrfp.scheduler.arbiter.Arbiter`).
+        transport: moves messages to other ranks (started by the caller).
+        job: job id carried in every message key.
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the last stage (per microbatch).
+        loss_weight_fn: ``loss_weight_fn(target) -> float``: microbatch ``m``'s loss is weighted
+            ``w_m / sum(w)``; None weights every microbatch ``1 / M`` (PyTorch's semantics).
+        watchdog: seconds without progress before :class:`WatchdogTimeout` (0 disables).
+        task_delay: optional injected extra seconds per task (jitter experiments), awaited after
+            the task's compute while the rank counts as busy.
+        record: keep a :class:`TaskRecord` per task (for traces).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        stages: Sequence[PipelineStage],
+        spec: PipelineSpec,
+        hint: Hint,
+        transport: Transport,
+        *,
+        strict: bool = False,
+        inflight_limit: int = 32,
+        job: str = "rrfp",
+        loss_fn: LossFn | None = None,
+        loss_weight_fn: Callable[[Any], float] | None = None,
+        watchdog: float = 300.0,
+        task_delay: DelayFn | None = None,
+        record: bool = False,
+    ) -> None:
+        self.rank = rank
+        self.spec = spec
+        self.hint = hint
+        self.strict = strict
+        self.inflight_limit = inflight_limit
+        self.transport = transport
+        self.job = job
+        self.loss_fn = loss_fn
+        self.loss_weight_fn = loss_weight_fn
+        self.watchdog = watchdog
+        self.task_delay = task_delay
+        self.record = record
+        want = spec.placement.stages_of(rank)
+        got = [s.stage_index for s in stages]
+        if got != want:
+            raise ValueError(f"rank {rank} holds stages {want} under this placement, but got stages {got}")
+        self.stages = {s.stage_index: s for s in stages}
+        self.last_stage = spec.n_stages - 1
+        if self.last_stage in self.stages and loss_fn is None:
+            raise ValueError("the rank holding the last stage needs a loss_fn")
+        self._pending: dict[int, list[Message]] = {}  # early arrivals, by step
+        self._control: asyncio.Queue[Message] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._error: BaseException | None = None
+        self._receiver: asyncio.Task | None = None
+        self._step: int | None = None
+        self._arb: Arbiter | None = None
+        self._act: dict[tuple[int, int], tuple] = {}
+        self._grad: dict[tuple[int, int], list] = {}
+        self._out: dict[tuple[int, int], tuple] = {}
+        self._wstate: dict[tuple[int, int], Any] = {}
+        self._progress = time.monotonic()
+
+    # ------------------------------------------------------------ receiving
+    def start(self) -> None:
+        """Start the receiver coroutine on the running loop (idempotent)."""
+        if self._receiver is None:
+            self._receiver = asyncio.get_running_loop().create_task(self._receive_loop(), name=f"rrfp-recv-{self.rank}")
+
+    async def _receive_loop(self) -> None:
+        try:
+            while True:
+                msg = await self.transport.recv()
+                self._on_message(msg)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the scheduler coroutine
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        if self._error is None:
+            self._error = e
+        self._wake.set()
+
+    def _on_message(self, msg: Message) -> None:
+        key = msg.key
+        if key.job != self.job:
+            self._fail(PipelineError(f"rank {self.rank}: message for job {key.job!r} from rank {msg.src}, expected {self.job!r}"))
+            return
+        if key.direction == Direction.CTL:
+            self._control.put_nowait(msg)
+            return
+        if self._step is None or key.step > self._step:
+            self._pending.setdefault(key.step, []).append(msg)
+            return
+        if key.step < self._step:
+            self._fail(PipelineError(f"rank {self.rank}: stale message for step {key.step} in step {self._step}: {key}"))
+            return
+        self._accept(msg)
+
+    def _accept(self, msg: Message) -> None:
+        key = msg.key
+        stage = self.stages.get(key.stage)
+        if stage is None:
+            self._fail(PipelineError(f"rank {self.rank}: message for stage {key.stage}, which it does not hold"))
+            return
+        tensors = stage.to_device(msg.tensors)
+        grad = key.direction == Direction.GRAD
+        if grad:
+            self._grad[(key.stage, key.microbatch)] = list(tensors)
+        else:
+            self._act[(key.stage, key.microbatch)] = tensors
+        self._arb.mark_input(key.stage, key.microbatch, grad)
+        self._wake.set()
+
+    async def control(self, timeout: float | None = None) -> Message:
+        """Next control (``Direction.CTL``) message addressed to this rank."""
+        if self._error is not None:
+            raise self._error
+        get = asyncio.ensure_future(self._control.get())
+        err = asyncio.ensure_future(self._wake_on_error())
+        done, _ = await asyncio.wait({get, err}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        err.cancel()
+        if get in done:
+            return get.result()
+        get.cancel()
+        if self._error is not None:
+            raise self._error
+        raise TimeoutError(f"rank {self.rank}: no control message within {timeout} s")
+
+    def poll_control(self) -> list[Message]:
+        """Control messages received so far, without waiting."""
+        out = []
+        while not self._control.empty():
+            out.append(self._control.get_nowait())
+        return out
+
+    async def _wake_on_error(self) -> None:
+        while self._error is None:
+            self._wake.clear()
+            await self._wake.wait()
+
+    def send_control(self, dst: int, step: int, meta: dict) -> None:
+        """Send a small control message (statistics, losses) to rank ``dst``."""
+        self.transport.send(dst, MsgKey(self.job, step, 0, 0, Direction.CTL), [], meta)
+
+    # ------------------------------------------------------------- one step
+    async def run_step(
+        self,
+        step: int,
+        inputs: Sequence[tuple] | None = None,
+        targets: Sequence[Any] | None = None,
+        losses: list | None = None,
+    ) -> StepStats:
+        """Run every task of this rank for step ``step``.
+
+        Args:
+            inputs: on the rank holding stage 0, one tuple of input tensors per microbatch.
+            targets: on the rank holding the last stage, one target per microbatch.
+            losses: if given (last stage), per-microbatch unweighted losses are appended.
+
+        Returns:
+            This rank's :class:`StepStats` (with the weighted loss on the last stage's rank).
+
+        Raises:
+            WatchdogTimeout, PeerLost, PipelineError, ValueError (inputs of the wrong length).
+        """
+        M = self.spec.n_microbatches
+        if 0 in self.stages and (inputs is None or len(inputs) != M):
+            raise ValueError(f"stage 0 needs {M} microbatch inputs, got {None if inputs is None else len(inputs)}")
+        if self.last_stage in self.stages and (targets is None or len(targets) != M):
+            raise ValueError(f"the last stage needs {M} microbatch targets, got {None if targets is None else len(targets)}")
+        self.start()
+        if self._error is not None:
+            raise self._error
+        arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit)
+        self._arb, self._step = arb, step
+        self._act.clear(), self._grad.clear(), self._out.clear(), self._wstate.clear()
+        if 0 in self.stages:
+            first = self.stages[0]
+            for m, x in enumerate(inputs):
+                self._act[(0, m)] = first.to_device(as_tuple(x))
+        weights = self._loss_weights(targets) if targets is not None else None
+        mb_losses: list[torch.Tensor | None] = [None] * M
+        for msg in self._pending.pop(step, []):
+            self._accept(msg)
+        stats = StepStats(step, 0.0, 0.0, 0)
+        t_start = time.perf_counter()
+        self._progress = time.monotonic()
+        while not arb.finished:
+            if self._error is not None:
+                raise self._error
+            self._wake.clear()
+            task = arb.next()
+            if task is None:
+                await self._wait_for_event(arb)
+                continue
+            t0 = time.perf_counter()
+            self._run_task(task, targets, weights, mb_losses)
+            if self.task_delay is not None:
+                # Injected delays stand for device time: the rank stays busy but its loop keeps
+                # receiving, as with a GPU kernel awaited through an event.
+                extra = self.task_delay(step, self.rank, task)
+                if extra > 0:
+                    await asyncio.sleep(extra)
+            t1 = time.perf_counter()
+            arb.complete(task)
+            stats.busy += t1 - t0
+            stats.n_tasks += 1
+            if self.record:
+                stats.records.append(TaskRecord(self.rank, step, task, t0, t1))
+            self._progress = time.monotonic()
+            # Let the receiver drain arrivals so the next decision sees them.
+            await asyncio.sleep(0)
+        stats.wall = time.perf_counter() - t_start
+        stats.peak_inflight = arb.peak_inflight
+        if weights is not None:
+            if losses is not None:
+                losses.extend(mb_losses)
+            stats.loss = float(sum(w * l for w, l in zip(weights, mb_losses)))
+        await self.transport.flush()
+        self._step = None
+        return stats
+
+    async def _wait_for_event(self, arb: Arbiter) -> None:
+        if self.watchdog <= 0:
+            await self._wake.wait()
+            return
+        left = self.watchdog - (time.monotonic() - self._progress)
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=max(left, 0.0))
+        except asyncio.TimeoutError:
+            raise WatchdogTimeout(
+                f"rank {self.rank} (stages {list(self.stages)}) made no progress for {self.watchdog:g} s "
+                f"in step {self._step}: waiting for {arb.waiting_for()}"
+            ) from None
+
+    def _loss_weights(self, targets: Sequence[Any]) -> list[float]:
+        M = len(targets)
+        if self.loss_weight_fn is None:
+            return [1.0 / M] * M
+        raw = [float(self.loss_weight_fn(t)) for t in targets]
+        total = sum(raw)
+        if total <= 0:
+            raise ValueError(f"loss weights {raw} sum to {total}: expected a positive total")
+        return [r / total for r in raw]
+
+    # ------------------------------------------------------------ executing
+    def _run_task(self, task: Task, targets, weights, mb_losses) -> None:
+        s, kind, m = task
+        if kind == F:
+            self._forward(s, m, targets, weights, mb_losses)
+        elif kind == B:
+            self._backward(s, m, split=False)
+        elif kind == I:
+            self._backward(s, m, split=True)
+        else:
+            self._weight(s, m)
+
+    def _forward(self, s: int, m: int, targets, weights, mb_losses) -> None:
+        stage = self.stages[s]
+        inputs = self._act[(s, m)]
+        with torch.enable_grad():
+            out = stage.submod(*inputs)
+            if s == self.last_stage:
+                loss = self.loss_fn(out, targets[m])
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise PipelineError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+                mb_losses[m] = loss.detach()
+                self._out[(s, m)] = (loss * weights[m],)
+                return
+        outs = as_tuple(out)
+        self._out[(s, m)] = outs
+        self._emit(s + 1, m, Direction.ACT, [detach_for_next(o) for o in outs])
+
+    def _grad_pairs(self, s: int, m: int) -> tuple[list, list | None]:
+        outs = self._out.pop((s, m))
+        if s == self.last_stage:
+            return list(outs), None
+        grads = self._grad.pop((s, m))
+        if len(grads) != len(outs):
+            raise PipelineError(
+                f"rank {self.rank}: stage {s} microbatch {m} got {len(grads)} gradients for {len(outs)} outputs"
+            )
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _backward(self, s: int, m: int, split: bool) -> None:
+        stage = self.stages[s]
+        inputs = self._act.pop((s, m))
+        outs, grads = self._grad_pairs(s, m)
+        need = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        if split:
+            from torch.distributed.pipelining._backward import stage_backward_input
+
+            if outs:
+                in_grads, groups = stage_backward_input(outs, grads, need, stage.submod.parameters())
+                self._wstate[(s, m)] = groups
+                grad_of = {id(x): g for x, g in zip(need, in_grads)}
+            else:
+                self._wstate[(s, m)] = None
+                grad_of = {}
+        else:
+            if outs:
+                torch.autograd.backward(outs, grads)
+            grad_of = {id(x): x.grad for x in need}
+        if s > 0:
+            in_grads = [grad_of.get(id(x)) if isinstance(x, torch.Tensor) else None for x in inputs]
+            self._emit(s - 1, m, Direction.GRAD, in_grads)
+
+    def _weight(self, s: int, m: int) -> None:
+        groups = self._wstate.pop((s, m))
+        if groups is None:
+            return
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
+        stage_backward_weight(self.stages[s].submod.parameters(), groups)
+
+    def _emit(self, dst_stage: int, m: int, direction: Direction, tensors: list) -> None:
+        dst_rank = self.spec.placement.rank_of(dst_stage)
+        if dst_rank == self.rank:
+            # Same rank (virtual stages): hand over directly, no serialization.
+            if direction == Direction.ACT:
+                self._act[(dst_stage, m)] = tuple(tensors)
+            else:
+                self._grad[(dst_stage, m)] = [None if t is None else t.detach() for t in tensors]
+            self._arb.mark_input(dst_stage, m, direction == Direction.GRAD)
+            return
+        payload = [None if t is None else (t.detach().cpu() if t.device.type != "cpu" else t) for t in tensors]
+        self.transport.send(dst_rank, MsgKey(self.job, self._step, m, dst_stage, direction), payload)
+
+    async def close(self) -> None:
+        """Stop the receiver coroutine (the caller closes the transport)."""
+        if self._receiver is not None:
+            self._receiver.cancel()
+            try:
+                await self._receiver
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._receiver = None
+

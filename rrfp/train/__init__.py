@@ -1,0 +1,1 @@
+"""The training job: real text -> microbatches -> pipeline step -> optimizer, per rank."""

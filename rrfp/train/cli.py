@@ -1,0 +1,148 @@
+"""``rrfp train``: validate flags, then launch one process per pipeline rank with PyTorch's
+own launcher (torch.distributed.run, i.e. torchrun) unless already inside a launched job.
+
+The same command is the per-rank entry point: ``torchrun --nproc-per-node 4 -m rrfp train``
+runs each rank directly, and plain ``rrfp train`` calls torchrun's launcher on itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ..cli import UsageError
+
+DEFAULTS = dict(
+    stages=4,
+    virtual_stages=1,
+    microbatches=8,
+    batch_size=32,
+    steps=40,
+    model="tiny",
+    max_len=128,
+    lr=3e-3,
+    seed=0,
+    hint="bf",
+    inflight_limit="32",
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a GPT on real text with the readiness-driven pipeline runtime",
+        description="Train a GPT-style language model split into pipeline stages, one process per "
+        "pipeline rank, on real text (default: this Python's standard-library sources).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--stages", type=int, default=DEFAULTS["stages"], help="pipeline ranks (processes)")
+    p.add_argument("--virtual-stages", type=int, default=DEFAULTS["virtual_stages"], help="virtual stages per rank")
+    p.add_argument("--placement", choices=["loop", "v"], default="loop", help="virtual-stage placement")
+    p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
+    p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
+    p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
+    p.add_argument("--hint", default=DEFAULTS["hint"], help="bf, bfw, fb, b-priority, f-priority, 1f1b, gpipe, strict-1f1b, strict-gpipe")
+    p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], help="in-flight limit (an integer, or '1f1b' for p - rank)")
+    p.add_argument("--model", default=DEFAULTS["model"], help="model preset: tiny, small, medium")
+    p.add_argument("--max-len", type=int, default=DEFAULTS["max_len"], help="longest sample, in tokens (bytes)")
+    p.add_argument("--data", nargs="+", metavar="PATH", default=None, help="text files or folders (default: the Python standard library's sources)")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed for weights and data order")
+    p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="AdamW learning rate")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--trace", metavar="DIR", default=None, help="write a Chrome trace and a PNG timeline of the run to DIR")
+    p.add_argument("--watchdog", type=float, default=60.0, help="seconds without progress before a rank fails with what it waits for")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (+ rank)")
+    p.add_argument("--quiet", action="store_true", help="print only the summary")
+    p.set_defaults(func=run)
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Check every flag before any process starts.
+
+    Raises:
+        UsageError: one line naming the bad value and what was expected.
+    """
+    from ..model.gpt import GPT_PRESETS
+    from ..scheduler.hints import resolve_hint
+    from ..scheduler.tasks import Placement
+
+    for name in ("stages", "virtual_stages", "microbatches", "batch_size", "steps", "max_len", "threads"):
+        v = getattr(args, name)
+        if v < 1:
+            raise UsageError(f"--{name.replace('_', '-')}={v}: expected a positive integer")
+    if args.model not in GPT_PRESETS:
+        raise UsageError(f"--model={args.model!r}: expected one of {', '.join(GPT_PRESETS)}")
+    n_layer = GPT_PRESETS[args.model].n_layer
+    n_stages = args.stages * args.virtual_stages
+    if n_stages > n_layer:
+        raise UsageError(
+            f"--stages={args.stages} x --virtual-stages={args.virtual_stages} = {n_stages} stages exceeds "
+            f"the {n_layer} layers of model {args.model!r}: each stage needs at least one layer"
+        )
+    if args.microbatches > args.batch_size:
+        raise UsageError(
+            f"--microbatches={args.microbatches} exceeds --batch-size={args.batch_size}: "
+            "each microbatch needs at least one sample"
+        )
+    try:
+        resolve_hint(args.hint, Placement(args.stages, args.virtual_stages, args.placement), args.microbatches)
+    except ValueError as e:
+        raise UsageError(f"--hint: {e}") from None
+    if args.inflight_limit != "1f1b":
+        try:
+            limit = int(args.inflight_limit)
+        except ValueError:
+            limit = 0
+        if limit < 1:
+            raise UsageError(f"--inflight-limit={args.inflight_limit!r}: expected a positive integer or '1f1b'")
+    if args.lr <= 0:
+        raise UsageError(f"--lr={args.lr}: expected a positive learning rate")
+    for path in args.data or []:
+        if not Path(path).exists():
+            raise UsageError(f"--data: data path {path!r} does not exist")
+
+
+def run(args: argparse.Namespace) -> int:
+    validate(args)
+    from ..runtime.dist import in_launched_worker
+
+    if in_launched_worker():
+        from .worker import main as worker_main
+
+        return worker_main(args)
+    return launch(args)
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Start ``args.stages`` local ranks through torch.distributed.run (torchrun)."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    argv = getattr(args, "argv", None) or ["train"]
+    run_args = torchrun.get_args_parser().parse_args(
+        ["--standalone", "--nproc-per-node", str(args.stages), "--max-restarts", "0", "--monitor-interval", "0.5",
+         "-m", "rrfp", *argv]
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    _quiet_launcher_logs()
+    try:
+        torchrun.run(run_args)
+    except ChildFailedError as e:
+        first = e.get_first_failure()[1]
+        print(
+            f"rrfp train: error: rank {first.local_rank} failed (exit code {first.exitcode}); "
+            f"{len(e.failures)} rank(s) failed in all",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _quiet_launcher_logs() -> None:
+    import logging
+
+    # torchrun's agent logs every rendezvous detail at INFO; users want the job's own lines.
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,0 +1,193 @@
+"""One rank of ``rrfp train``: build this rank's stages, run the steps, report.
+
+Rank 0 prints one line per step (loss, tokens per second, each stage's bubble fraction) from
+statistics every rank sends it as control messages, so reporting adds no barrier to a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..data.batches import BatchSampler, make_microbatches
+from ..data.text import load_samples
+from ..model.gpt import GPT_PRESETS, build_stage, count_tokens, lm_loss
+from ..runtime.dist import init_distributed
+from ..runtime.pipeline import Pipeline
+from ..runtime.stage import PipelineStage
+from ..scheduler.schedules import one_f_one_b_limits
+from ..scheduler.tasks import Placement
+
+
+def sample_limit(args: argparse.Namespace) -> int:
+    """How many samples to load: enough for every step without reuse, capped to keep start-up
+    fast (the sampler reshuffles per epoch)."""
+    return max(4 * args.batch_size, min(args.steps * args.batch_size, 20_000))
+
+
+def _limit_for(args: argparse.Namespace, rank: int, n_ranks: int) -> int:
+    if args.inflight_limit == "1f1b":
+        return one_f_one_b_limits(n_ranks)[rank] * args.virtual_stages
+    return int(args.inflight_limit)
+
+
+class Reporter:
+    """Rank 0's view of the run: collects per-rank step statistics and prints them."""
+
+    def __init__(self, args: argparse.Namespace, n_ranks: int, place: Placement) -> None:
+        self.args = args
+        self.n_ranks = n_ranks
+        self.place = place
+        self.pending: dict[int, dict[int, dict]] = {}
+        self.tokens: dict[int, int] = {}
+        self.step_time: dict[int, float] = {}
+        self.rows: list[dict] = []
+        self.next_step = 0
+
+    def add(self, meta: dict, src: int) -> None:
+        self.pending.setdefault(int(meta["step"]), {})[src] = meta
+
+    def flush(self) -> None:
+        while self.next_step in self.pending and len(self.pending[self.next_step]) == self.n_ranks:
+            k = self.next_step
+            per_rank = self.pending.pop(k)
+            loss = next(m["loss"] for m in per_rank.values() if m.get("loss") is not None)
+            bubble = [1.0 - per_rank[r]["busy"] / per_rank[r]["wall"] if per_rank[r]["wall"] > 0 else 0.0 for r in range(self.n_ranks)]
+            peak = [per_rank[r]["peak"] for r in range(self.n_ranks)]
+            t = self.step_time[k]
+            row = dict(step=k, loss=loss, seconds=t, tokens=self.tokens[k], tok_s=self.tokens[k] / t, bubble=bubble, peak=peak)
+            self.rows.append(row)
+            if not self.args.quiet:
+                print(
+                    f"step {k + 1:4d}/{self.args.steps}  loss {loss:7.4f}  tok/s {row['tok_s']:8.0f}  "
+                    f"step {t:6.3f} s  bubble/rank [{' '.join(f'{b:.2f}' for b in bubble)}]  "
+                    f"peak in-flight [{' '.join(str(p) for p in peak)}]",
+                    flush=True,
+                )
+            self.next_step += 1
+
+    def summary(self, total: float) -> None:
+        rows = self.rows
+        if not rows:
+            return
+        first, last = rows[0]["loss"], rows[-1]["loss"]
+        steady = rows[1:] or rows
+        tok_s = sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady)
+        mean_bubble = [sum(r["bubble"][i] for r in steady) / len(steady) for i in range(self.n_ranks)]
+        print(
+            f"done: {len(rows)} steps in {total:.1f} s, {tok_s:.0f} tok/s after the first step; "
+            f"loss {first:.4f} -> {last:.4f} ({(last - first) / first * 100:+.1f}%); "
+            f"mean bubble/rank [{' '.join(f'{b:.2f}' for b in mean_bubble)}]; hint {self.args.hint}",
+            flush=True,
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except Exception as e:  # one line per rank, then a non-zero exit the launcher reports
+        rank = os.environ.get("RANK", "?")
+        print(f"rrfp train: rank {rank}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    init_distributed()
+    rank, n_ranks = dist.get_rank(), dist.get_world_size()
+    if n_ranks != args.stages:
+        raise ValueError(f"world size {n_ranks} != --stages={args.stages}: launch one process per pipeline rank")
+    cfg = dataclasses.replace(GPT_PRESETS[args.model], max_len=args.max_len)
+    place = Placement(n_ranks, args.virtual_stages, args.placement)
+    n_stages = place.n_stages
+    stage_ids = place.stages_of(rank)
+    stages = [PipelineStage(build_stage(cfg, n_stages, s, args.seed), s, n_stages) for s in stage_ids]
+    sampler = None
+    if 0 in stage_ids or n_stages - 1 in stage_ids:
+        samples = load_samples(args.data, args.max_len, args.seed, limit=sample_limit(args))
+        sampler = BatchSampler(samples, args.batch_size, args.seed)
+    metrics = None
+    if args.metrics_port is not None:
+        from ..obs.metrics import RankMetrics
+
+        metrics = RankMetrics(rank, port=args.metrics_port + rank)
+    pipe = Pipeline(
+        stages, args.microbatches, lm_loss, hint=args.hint, inflight_limit=_limit_for(args, rank, n_ranks),
+        placement=args.placement, loss_weight_fn=count_tokens, rank=rank, n_ranks=n_ranks,
+        job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
+        record=args.trace is not None,
+    )
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    reporter = Reporter(args, n_ranks, place) if rank == 0 else None
+    records = []
+    t_begin = last = time.perf_counter()
+    try:
+        for k in range(args.steps):
+            opt.zero_grad(set_to_none=True)
+            mbs = make_microbatches(sampler.batch(k), args.microbatches) if sampler else None
+            loss = pipe.step(
+                microbatches=[(mb.tokens,) for mb in mbs] if 0 in stage_ids else None,
+                targets=[mb.targets for mb in mbs] if n_stages - 1 in stage_ids else None,
+            )
+            opt.step()
+            st = pipe.last_stats
+            records += st.records
+            meta = {"kind": "stats", "step": k, "busy": st.busy, "wall": st.wall, "peak": st.peak_inflight,
+                    "loss": None if loss is None else float(loss)}
+            if metrics is not None:
+                metrics.observe(st, meta["loss"])
+            if reporter is None:
+                pipe.runtime.send_control(0, k, meta)
+            else:
+                now = time.perf_counter()
+                reporter.step_time[k], last = now - last, now
+                reporter.tokens[k] = sum(mb.n_tokens for mb in mbs)
+                reporter.add(meta, 0)
+                for msg in pipe.runtime.poll_control():
+                    reporter.add(msg.meta, msg.src)
+                reporter.flush()
+        if reporter is not None:
+            while reporter.next_step < args.steps:
+                msg = pipe.run(pipe.runtime.control(timeout=args.watchdog))
+                reporter.add(msg.meta, msg.src)
+                reporter.flush()
+            reporter.summary(time.perf_counter() - t_begin)
+        pipe.close()
+    except BaseException:
+        pipe.abort()
+        raise
+    if args.trace:
+        _write_trace(args, rank, n_ranks, records)
+    dist.destroy_process_group()
+    return 0
+
+
+def _write_trace(args: argparse.Namespace, rank: int, n_ranks: int, records: list) -> None:
+    out = Path(args.trace)
+    out.mkdir(parents=True, exist_ok=True)
+    part = out / f"records.rank{rank}.json"
+    tmp = part.with_suffix(".tmp")
+    tmp.write_text(json.dumps([[r.rank, r.step, str(r.task), r.start, r.end] for r in records]))
+    tmp.replace(part)
+    dist.barrier()
+    if rank != 0:
+        return
+    from ..obs.trace import records_from_json, write_chrome_trace, write_gantt_png, write_profile
+
+    merged = []
+    for r in range(n_ranks):
+        merged += records_from_json(json.loads((out / f"records.rank{r}.json").read_text()))
+    write_chrome_trace(merged, out / "trace.json")
+    write_gantt_png(merged, out / "timeline.png", title=f"rrfp train, hint {args.hint}")
+    write_profile(merged, out / "profile.json")
+    print(f"trace: {out / 'trace.json'} (Perfetto), {out / 'timeline.png'}, costs {out / 'profile.json'}", flush=True)

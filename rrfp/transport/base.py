@@ -1,0 +1,322 @@
+"""Transport interface shared by the ZeroMQ transport and the in-process fake.
+
+A transport moves tagged tensor messages between the ranks of one job. Sends never
+block the caller; arrivals from every peer come out of one :meth:`Transport.recv`
+in arrival order (no ordering promise across messages: the runtime keys inputs by
+:class:`~rrfp.transport.keys.MsgKey`). A peer that disconnects without first
+saying goodbye (BYE, sent by :meth:`Transport.close`) makes ``recv`` raise
+:class:`PeerLost`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from .codec import DEFAULT_MAX_BYTES, CodecError, decode, frames_nbytes
+from .keys import MsgKey
+
+__all__ = ["Message", "PeerLost", "Transport", "TransportClosed"]
+
+log = logging.getLogger("rrfp.transport")
+
+STAT_KEYS = (
+    "messages_sent",
+    "bytes_sent",
+    "messages_received",
+    "bytes_received",
+    "rejected",
+    "peers_lost",
+)
+
+
+@dataclass
+class Message:
+    """One arrival.
+
+    Attributes:
+        src: rank that sent it.
+        key: the sender's key (``key.stage`` is the destination stage).
+        tensors: payload; fresh tensors owned by the receiver (None entries kept).
+        meta: small control dict (empty for plain tensor messages).
+    """
+
+    src: int
+    key: MsgKey
+    tensors: list[Tensor | None]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class PeerLost(RuntimeError):
+    """A peer disconnected (died, hung past the heartbeat timeout, or aborted)
+    without saying goodbye. ``rank`` is the lost peer."""
+
+    def __init__(self, rank: int, reason: str = "connection closed") -> None:
+        self.rank = rank
+        self.reason = reason
+        super().__init__(f"rank {rank} lost: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PeerLost, (self.rank, self.reason))
+
+
+class TransportClosed(RuntimeError):
+    """The local transport was closed or aborted; no more messages will arrive."""
+
+
+class _Mailbox:
+    """Arrivals for one rank, plus a sticky terminal error.
+
+    Once failed, every pending and later :meth:`get` raises the error at once,
+    even if messages are still queued: a lost peer must be reported promptly, not
+    after draining a backlog.
+    """
+
+    def __init__(self) -> None:
+        self._items: deque[Message] = deque()
+        self._waiters: deque[asyncio.Future[Message]] = deque()
+        self.error: BaseException | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, msg: Message, front: bool = False) -> None:
+        if self.error is not None:
+            return
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_result(msg)
+                return
+        if front:
+            self._items.appendleft(msg)
+        else:
+            self._items.append(msg)
+
+    def fail(self, exc: BaseException) -> None:
+        # A lost peer is the interesting error; only closing may replace it, so
+        # that recv after close() says "closed".
+        if self.error is not None and not isinstance(exc, TransportClosed):
+            return
+        self.error = exc
+        self._items.clear()
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_exception(exc)
+
+    async def get(self) -> Message:
+        if self.error is not None:
+            raise self.error
+        if self._items:
+            return self._items.popleft()
+        fut: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # The message may have been handed to us just before the cancel landed;
+            # give it back instead of losing it.
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.put(fut.result(), front=True)
+            raise
+
+
+class Transport(abc.ABC):
+    """Moves keyed tensor messages between the ``world_size`` ranks of one job.
+
+    Lifecycle: ``await start()``, then any number of :meth:`send` / :meth:`recv`,
+    then either ``await close()`` (graceful, on every rank) or :meth:`abort`
+    (error path). A malformed incoming message is rejected, counted in
+    ``stats["rejected"]`` and logged; receiving continues.
+
+    Attributes:
+        rank: this rank, ``0 <= rank < world_size``.
+        world_size: number of ranks.
+        stats: counters ``messages_sent``, ``bytes_sent``, ``messages_received``,
+            ``bytes_received`` (wire bytes, header included), ``rejected``,
+            ``peers_lost``.
+    """
+
+    rank: int
+    world_size: int
+    stats: dict[str, int]
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        job: str | None = None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.job = job
+        self.max_bytes = max_bytes
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self._mailbox = _Mailbox()
+        self._byes: set[int] = set()
+        self._lost: dict[int, PeerLost] = {}
+        self._bye_event = asyncio.Event()
+        self._started = False
+        self._closing = False
+        self._closed = False
+
+    # -- interface -------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Connect to every peer. Raises TimeoutError or PeerLost on failure."""
+
+    @abc.abstractmethod
+    def send(
+        self,
+        dst: int,
+        key: MsgKey,
+        tensors: Sequence[Tensor | None],
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Encode now and enqueue for ``dst``; never blocks or yields.
+
+        ``dst`` may be ``self.rank`` (loopback). The tensors' bytes are read
+        later, from the sender coroutine or the I/O thread: do not modify them in
+        place after sending (clone first if you must). Raises CodecError for an
+        unencodable payload, ValueError for a bad ``dst``, TransportClosed after
+        close/abort.
+        """
+
+    async def recv(self) -> Message:
+        """Next arrival from any peer, in arrival order.
+
+        Raises:
+            PeerLost: a peer disconnected without saying goodbye (sticky: every
+                later call raises it too).
+            TransportClosed: after :meth:`close` or :meth:`abort`.
+        """
+        return await self._mailbox.get()
+
+    @abc.abstractmethod
+    async def flush(self) -> None:
+        """Return once every message enqueued so far is handed to the wire.
+
+        Raises PeerLost if a peer is lost while waiting."""
+
+    @abc.abstractmethod
+    async def close(self, timeout: float = 30.0) -> None:
+        """Graceful shutdown; call it on every rank (concurrently).
+
+        Sends BYE to every peer after all earlier sends, waits up to ``timeout``
+        seconds for BYE from every peer, then releases resources. Messages not
+        yet received are discarded. Always releases resources; afterwards raises
+        PeerLost if a peer vanished without BYE, or TimeoutError naming the ranks
+        whose BYE never came.
+        """
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Close immediately without waiting (error path). Peers see this rank as
+        lost unless it already said goodbye. Pending ``recv`` raise TransportClosed."""
+
+    # -- helpers for implementations ------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def lost_peers(self) -> dict[int, PeerLost]:
+        """Peers lost so far (rank -> error)."""
+        return dict(self._lost)
+
+    def _peers(self) -> set[int]:
+        return set(range(self.world_size)) - {self.rank}
+
+    def _check_send(self, dst: int) -> None:
+        if self._closed or self._closing:
+            raise TransportClosed(f"rank {self.rank}: send after close")
+        if not self._started:
+            raise RuntimeError(f"rank {self.rank}: send before start()")
+        if not isinstance(dst, int) or not 0 <= dst < self.world_size:
+            raise ValueError(f"dst {dst!r} out of range for world_size {self.world_size}")
+
+    def _deliver_frames(self, src: int, frames: Sequence[Any]) -> None:
+        """Decode wire frames from ``src`` into the mailbox, rejecting bad input."""
+        if self._closed:
+            return
+        nbytes = frames_nbytes(frames)
+        try:
+            key, tensors, meta = decode(frames, max_bytes=self.max_bytes)
+            if self.job is not None and key.job != self.job:
+                raise CodecError(f"message for job {key.job!r}, this is job {self.job!r}")
+        except CodecError as e:
+            self._reject(src, str(e))
+            return
+        self.stats["messages_received"] += 1
+        self.stats["bytes_received"] += nbytes
+        self._mailbox.put(Message(src, key, tensors, meta))
+
+    def _deliver_message(self, msg: Message, nbytes: int) -> None:
+        if self._closed:
+            return
+        self.stats["messages_received"] += 1
+        self.stats["bytes_received"] += nbytes
+        self._mailbox.put(msg)
+
+    def _reject(self, src: int | str, why: str) -> None:
+        n = self.stats["rejected"] = self.stats["rejected"] + 1
+        # Bounded logging: a broken or hostile peer must not flood the log.
+        if n <= 10 or n & (n - 1) == 0:
+            log.warning("rank %d: rejected message #%d from %s: %s", self.rank, n, src, why)
+
+    def _on_bye(self, src: int) -> None:
+        self._byes.add(src)
+        self._bye_event.set()
+
+    def _on_peer_lost(self, src: int, reason: str) -> None:
+        """Record that ``src`` is gone; not an error if it said goodbye first."""
+        if src in self._byes or src in self._lost or self._closed:
+            return
+        exc = PeerLost(src, reason)
+        self._lost[src] = exc
+        self.stats["peers_lost"] += 1
+        log.error("rank %d: %s", self.rank, exc)
+        self._mailbox.fail(exc)
+        self._bye_event.set()
+        self._wake_flush()
+
+    def _wake_flush(self) -> None:
+        """Hook: wake flush() waiters so they notice a lost peer."""
+
+    async def _await_byes(self, timeout: float) -> set[int]:
+        """Wait up to ``timeout`` s for BYE or loss of every peer; return the rest."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            missing = self._peers() - self._byes - set(self._lost)
+            remaining = deadline - loop.time()
+            if not missing or remaining <= 0:
+                return missing
+            self._bye_event.clear()
+            try:
+                await asyncio.wait_for(self._bye_event.wait(), remaining)
+            except TimeoutError:
+                pass
+
+    def _close_outcome(self, missing: set[int], timeout: float) -> None:
+        """After resources are released: raise if the goodbye was not mutual."""
+        if self._lost:
+            raise self._lost[min(self._lost)]
+        if missing:
+            raise TimeoutError(
+                f"rank {self.rank}: no BYE from ranks {sorted(missing)} within {timeout} s"
+            )

@@ -1,0 +1,220 @@
+"""In-process fake network for asyncio tests: seeded delays, reordering, kills.
+
+All ranks live on one event loop. Each message gets a delay drawn from a seeded
+per-(src, dst) random stream, so messages overtake each other (also between the
+same pair, which ZeroMQ never does: code that passes here does not depend on any
+ordering). Delivery is deterministic for a given seed and the same sends: delays
+depend only on the seed, the pair and the message's position in that pair's
+stream; sends issued in the same loop iteration share one base time; ties
+deliver in send order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from .base import Message, PeerLost, Transport, TransportClosed
+from .codec import DEFAULT_MAX_BYTES, _check_meta, encode, frames_nbytes
+from .keys import MsgKey
+
+__all__ = ["DelayFn", "FakeNetwork", "FakeTransport"]
+
+DelayFn = Callable[[int, int, MsgKey | None, random.Random], float]
+"""``(src, dst, key, rng) -> seconds``; ``key`` is None for the internal BYE."""
+
+_BYE = object()
+
+
+class FakeNetwork:
+    """A network of ``world_size`` :class:`FakeTransport` on the running loop.
+
+    Args:
+        world_size: number of ranks.
+        seed: seeds every per-pair delay stream.
+        delay: ``(lo, hi)`` seconds, uniform; or a :data:`DelayFn`.
+        encode: pass payloads through the codec (catches aliasing and codec bugs);
+            if False the receiver gets the sender's tensor objects.
+        max_bytes: decode limit per message when ``encode``.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        seed: int = 0,
+        delay: tuple[float, float] | DelayFn = (0.0, 0.0),
+        encode: bool = True,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not callable(delay):
+            lo, hi = delay
+            if not 0 <= lo <= hi:
+                raise ValueError(f"delay must be 0 <= lo <= hi, got {delay}")
+        self.world_size = world_size
+        self.seed = seed
+        self.encode = encode
+        self.max_bytes = max_bytes
+        self._delay = delay
+        self._transports: dict[int, FakeTransport] = {}
+        self._rngs: dict[tuple[int, int], random.Random] = {}
+        self._heap: list[tuple[float, int, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._last_when: dict[tuple[int, int], float] = {}
+        self._base: float | None = None
+        self.dead: set[int] = set()
+
+    def transport(self, rank: int) -> FakeTransport:
+        """The transport of ``rank`` (created on first call, then the same object)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {self.world_size}")
+        t = self._transports.get(rank)
+        if t is None:
+            t = self._transports[rank] = FakeTransport(self, rank)
+            for r in self.dead:
+                t._on_peer_lost(r, "killed")
+        return t
+
+    def kill(self, rank: int) -> None:
+        """Simulate the death of ``rank``: every other rank's pending and next
+        ``recv`` raises ``PeerLost(rank)`` (unless ``rank`` already said BYE to it);
+        messages in flight to ``rank`` are dropped; the killed transport's own
+        ``recv``/``send`` raise TransportClosed."""
+        self._gone(rank, "killed", TransportClosed(f"rank {rank} was killed"))
+
+    # -- internals -------------------------------------------------------------
+
+    def _gone(self, rank: int, reason: str, own_error: BaseException) -> None:
+        if rank in self.dead:
+            return
+        self.dead.add(rank)
+        own = self._transports.get(rank)
+        if own is not None:
+            own._die(own_error)
+        for r, t in self._transports.items():
+            if r != rank:
+                t._on_peer_lost(rank, reason)
+
+    def _draw(self, src: int, dst: int, key: MsgKey | None) -> float:
+        rng = self._rngs.get((src, dst))
+        if rng is None:
+            # str seeds hash with sha512: stable across runs and PYTHONHASHSEED.
+            rng = self._rngs[(src, dst)] = random.Random(f"rrfp-fake:{self.seed}:{src}:{dst}")
+        if callable(self._delay):
+            d = float(self._delay(src, dst, key, rng))
+        else:
+            lo, hi = self._delay
+            d = rng.uniform(lo, hi) if hi > lo else lo
+        if d < 0:
+            raise ValueError(f"delay function returned a negative delay {d}")
+        return d
+
+    def _now(self, loop: asyncio.AbstractEventLoop) -> float:
+        # One base time per loop iteration, so that a burst of sends is ordered by
+        # its drawn delays alone, not by the wall-clock time encoding took.
+        if self._base is None:
+            self._base = loop.time()
+            loop.call_soon(self._reset_base)
+        return self._base
+
+    def _reset_base(self) -> None:
+        self._base = None
+
+    def _post(self, src: int, dst: int, key: MsgKey | None, item: Any) -> None:
+        loop = asyncio.get_running_loop()
+        when = self._now(loop) + self._draw(src, dst, key)
+        if item is _BYE:
+            # BYE must not overtake the sender's data, as on a real FIFO link.
+            when = max(when, self._last_when.get((src, dst), when))
+        else:
+            self._last_when[(src, dst)] = max(when, self._last_when.get((src, dst), when))
+        heapq.heappush(self._heap, (when, next(self._seq), src, dst, item))
+        loop.call_at(when, self._pump)
+
+    def _pump(self) -> None:
+        now = asyncio.get_running_loop().time()
+        while self._heap and self._heap[0][0] <= now:
+            _, _, src, dst, item = heapq.heappop(self._heap)
+            t = self._transports.get(dst)
+            if t is None or dst in self.dead:
+                continue
+            if item is _BYE:
+                t._on_bye(src)
+            elif self.encode:
+                t._deliver_frames(src, item)
+            else:
+                msg, nbytes = item
+                t._deliver_message(msg, nbytes)
+
+
+class FakeTransport(Transport):
+    """One rank's end of a :class:`FakeNetwork`; same contract as any Transport."""
+
+    def __init__(self, net: FakeNetwork, rank: int) -> None:
+        super().__init__(rank, net.world_size, max_bytes=net.max_bytes)
+        self._net = net
+
+    async def start(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"rank {self.rank}: start after close")
+        self._started = True
+
+    def send(
+        self,
+        dst: int,
+        key: MsgKey,
+        tensors: Sequence[Tensor | None],
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self._check_send(dst)
+        if self._net.encode:
+            frames = encode(key, tensors, meta)
+            nbytes = frames_nbytes(frames)
+            item: Any = frames
+        else:
+            meta = {} if meta is None else meta
+            _check_meta(meta, "meta")
+            nbytes = sum(t.nbytes for t in tensors if t is not None)
+            item = (Message(self.rank, key, list(tensors), dict(meta)), nbytes)
+        self.stats["messages_sent"] += 1
+        self.stats["bytes_sent"] += nbytes
+        self._net._post(self.rank, dst, key, item)
+
+    async def flush(self) -> None:
+        # Sends are on the (fake) wire as soon as send() returns.
+        if self._lost:
+            raise self._lost[min(self._lost)]
+
+    async def close(self, timeout: float = 30.0) -> None:
+        if self._closed:
+            return
+        if not self._started:
+            self._finish(TransportClosed(f"rank {self.rank}: closed"))
+            return
+        self._closing = True
+        for p in self._peers():
+            if p not in self._net.dead:
+                self._net._post(self.rank, p, None, _BYE)
+        missing = await self._await_byes(timeout)
+        self._finish(TransportClosed(f"rank {self.rank}: closed"))
+        self._close_outcome(missing, timeout)
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        self._net._gone(self.rank, "aborted", TransportClosed(f"rank {self.rank}: aborted"))
+
+    def _die(self, err: BaseException) -> None:
+        self._finish(err)
+
+    def _finish(self, err: BaseException) -> None:
+        self._closed = True
+        self._mailbox.fail(err)
+        self._bye_event.set()

@@ -1,0 +1,450 @@
+"""ZeroMQ transport: one ROUTER to receive, one DEALER per peer to send.
+
+Topology: every rank binds a ROUTER on ``tcp://host:0`` and publishes the bound
+endpoint in a torch.distributed Store under ``rrfp/{job}/zmq/{rank}``; it then
+connects one DEALER (routing id = its own rank in ASCII) to each peer's ROUTER.
+The ROUTER therefore tags every arrival with the sender's rank.
+
+Ordering: messages from one sender to one receiver arrive in send order (ZeroMQ
+keeps a pipe FIFO); nothing is promised across senders.
+
+Peer loss: a socket monitor on each DEALER reports EVENT_DISCONNECTED when the
+connection to that peer drops, either because its process exited (the kernel
+closes its sockets) or because ZMTP heartbeats went unanswered for
+``heartbeat_timeout`` seconds (a hung host). Unless the peer said BYE, ``recv``
+then raises :class:`PeerLost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from torch import Tensor
+from zmq.utils.monitor import parse_monitor_message
+
+from .base import Transport, TransportClosed
+from .codec import DEFAULT_MAX_BYTES, Frame, encode, frames_nbytes
+from .keys import MsgKey
+
+__all__ = ["ZmqTransport", "default_host"]
+
+log = logging.getLogger("rrfp.transport.zmq")
+
+# A msgpack header always starts with a map marker, so this never parses as data.
+_BYE = b"\x00rrfp-bye"
+ZERO_COPY_MIN = 64 * 1024
+"""Frames at least this big are sent without copying (smaller ones copy faster)."""
+_MONITOR_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+)
+
+
+def default_host() -> str:
+    """Address to bind: 127.0.0.1 when MASTER_ADDR is unset or loopback, else the
+    local address of the interface that routes to MASTER_ADDR.
+
+    The route is found by connecting a UDP socket, which sends nothing."""
+    addr = os.environ.get("MASTER_ADDR", "")
+    if not addr or addr == "localhost":
+        return "127.0.0.1"
+    try:
+        if ipaddress.ip_address(addr).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass  # a host name: resolve it below
+    port = int(os.environ.get("MASTER_PORT", "29500") or 29500)
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(sockaddr)
+        return str(s.getsockname()[0])
+
+
+def _tcp_endpoint(host: str) -> str:
+    return f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+
+
+class ZmqTransport(Transport):
+    """Transport over ZeroMQ TCP sockets (``zmq.asyncio``; works under uvloop).
+
+    Args:
+        rank, world_size: this rank and the number of ranks.
+        store: a torch.distributed Store shared by all ranks (rendezvous only).
+        job: job id; keys the store entries, and arrivals of other jobs are rejected.
+        host: address to bind; default :func:`default_host`.
+        hwm: SNDHWM/RCVHWM in messages; must exceed the runtime's in-flight limit.
+        connect_timeout: seconds :meth:`start` waits for every peer.
+        heartbeat_ivl: seconds between ZMTP heartbeats.
+        heartbeat_timeout: seconds without an answer before a connection is
+            dropped (and the peer reported lost).
+        max_bytes: largest accepted payload per message.
+        close_linger: seconds close() lets queued frames (its BYEs) drain.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store: Any,
+        job: str,
+        host: str | None = None,
+        hwm: int = 100000,
+        connect_timeout: float = 60.0,
+        heartbeat_ivl: float = 1.0,
+        heartbeat_timeout: float = 10.0,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        close_linger: float = 5.0,
+    ) -> None:
+        super().__init__(rank, world_size, job=job, max_bytes=max_bytes)
+        self._store = store
+        self._host = host
+        self._hwm = hwm
+        self._connect_timeout = connect_timeout
+        self._hb_ivl_ms = max(1, int(heartbeat_ivl * 1000))
+        self._hb_timeout_ms = max(1, int(heartbeat_timeout * 1000))
+        self._close_linger_ms = max(0, int(close_linger * 1000))
+        # After our BYE went out, a peer's disconnect may race ahead of its own BYE
+        # (they travel on different connections): allow it this long to show up.
+        self._bye_grace = 2.0
+        self.endpoint: str | None = None
+        self.peer_endpoints: dict[int, str] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._dealers: dict[int, zmq.asyncio.Socket] = {}
+        self._monitors: dict[int, zmq.asyncio.Socket] = {}
+        self._connected: dict[int, asyncio.Future[None]] = {}
+        self._outq: dict[int, deque[list[Frame]]] = {}
+        self._out_ready: dict[int, asyncio.Event] = {}
+        self._pending = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop_rendezvous = threading.Event()
+
+    def _store_key(self, rank: int) -> str:
+        return f"rrfp/{self.job}/zmq/{rank}"
+
+    # -- start -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind, publish the endpoint, connect to every peer and wait for every
+        handshake.
+
+        Raises:
+            TimeoutError: a peer did not publish or accept within connect_timeout.
+            PeerLost: a peer disconnected during start.
+            TransportClosed: abort() was called meanwhile.
+        """
+        if self._started or self._closed:
+            raise RuntimeError(f"rank {self.rank}: start() called twice")
+        try:
+            await self._start()
+        except BaseException:
+            self.abort()
+            raise
+        self._started = True
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._connect_timeout
+        host = self._host or default_host()
+        self._ctx = zmq.asyncio.Context()
+        router = self._router = self._ctx.socket(zmq.ROUTER)
+        self._sockopts(router)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if self.max_bytes < 2**63:
+            router.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
+        if ":" in host:
+            router.setsockopt(zmq.IPV6, 1)
+        router.bind(_tcp_endpoint(host))
+        self.endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._tasks.append(asyncio.create_task(self._receiver(router)))
+
+        self.peer_endpoints = await asyncio.to_thread(self._rendezvous, self.endpoint)
+        self._check_alive()
+
+        for p in sorted(self._peers()):
+            d = self._ctx.socket(zmq.DEALER)
+            self._sockopts(d)
+            d.setsockopt(zmq.ROUTING_ID, str(self.rank).encode())
+            if ":" in self.peer_endpoints[p].split("//", 1)[1].rsplit(":", 1)[0]:
+                d.setsockopt(zmq.IPV6, 1)
+            # Monitor before connect, or the handshake event could be missed.
+            mon = d.get_monitor_socket(_MONITOR_EVENTS)
+            self._dealers[p], self._monitors[p] = d, mon
+            self._connected[p] = loop.create_future()
+            self._outq[p] = deque()
+            self._out_ready[p] = asyncio.Event()
+            self._tasks.append(asyncio.create_task(self._monitor(p, mon)))
+            d.connect(self.peer_endpoints[p])
+            self._tasks.append(asyncio.create_task(self._sender(p, d)))
+
+        # Wake on each handshake, and on loss (which sets _bye_event).
+        for fut in self._connected.values():
+            fut.add_done_callback(lambda _f: self._bye_event.set())
+        while not all(f.done() for f in self._connected.values()) and not self._lost:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or self._closed:
+                break
+            self._bye_event.clear()
+            try:
+                await asyncio.wait_for(self._bye_event.wait(), remaining)
+            except TimeoutError:
+                break
+        self._check_alive()
+        slow = sorted(p for p, f in self._connected.items() if not f.done())
+        if slow:
+            raise TimeoutError(
+                f"rank {self.rank}: no connection to ranks {slow} within "
+                f"{self._connect_timeout} s"
+            )
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"rank {self.rank}: aborted during start")
+        if self._lost:
+            raise self._lost[min(self._lost)]
+
+    def _rendezvous(self, endpoint: str) -> dict[int, str]:
+        """Publish our endpoint and collect every peer's (runs in a worker thread)."""
+        store = self._store
+        store.set(self._store_key(self.rank), endpoint)
+        keys = {p: self._store_key(p) for p in self._peers()}
+        deadline = time.monotonic() + self._connect_timeout
+        todo = dict(keys)
+        out: dict[int, str] = {}
+        # Poll with check() rather than block in wait(): abort() can stop us, and a
+        # timed-out wait() spams C++ warnings.
+        while todo:
+            for p, k in list(todo.items()):
+                if store.check([k]):
+                    out[p] = bytes(store.get(k)).decode()
+                    del todo[p]
+            if not todo:
+                break
+            if self._stop_rendezvous.is_set():
+                raise TransportClosed(f"rank {self.rank}: aborted during rendezvous")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rank {self.rank}: ranks {sorted(todo)} did not publish endpoints "
+                    f"within {self._connect_timeout} s"
+                )
+            self._stop_rendezvous.wait(0.005)
+        return out
+
+    def _sockopts(self, s: zmq.Socket) -> None:
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, self._hwm)
+        s.setsockopt(zmq.RCVHWM, self._hwm)
+        s.setsockopt(zmq.HEARTBEAT_IVL, self._hb_ivl_ms)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._hb_timeout_ms)
+        # TTL makes the remote side drop us too if our pings stop (we hang).
+        s.setsockopt(zmq.HEARTBEAT_TTL, min(self._hb_timeout_ms, 6553500))
+        s.copy_threshold = ZERO_COPY_MIN
+
+    # -- coroutines ------------------------------------------------------------
+
+    async def _receiver(self, router: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                parts = await router.recv_multipart(copy=False)
+                src = _parse_rank(parts[0].bytes, self.world_size)
+                if src is None:
+                    self._reject(repr(parts[0].bytes[:16]), "unknown routing id")
+                    continue
+                payload = parts[1:]
+                if len(payload) == 1 and len(payload[0]) == len(_BYE) and payload[0].bytes == _BYE:
+                    self._on_bye(src)
+                    continue
+                self._deliver_frames(src, payload)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # never die silently: the runtime would hang
+            if not self._closed:
+                log.exception("rank %d: receiver failed", self.rank)
+                self._mailbox.fail(TransportClosed(f"rank {self.rank}: receiver failed: {e!r}"))
+
+    async def _sender(self, p: int, sock: zmq.asyncio.Socket) -> None:
+        q, ready = self._outq[p], self._out_ready[p]
+        try:
+            while True:
+                while q:
+                    frames = q[0]
+                    # copy=False + copy_threshold: only frames >= 64 KiB go zero-copy.
+                    await sock.send_multipart(frames, copy=False)
+                    q.popleft()
+                    if frames[0] is not _BYE:
+                        self.stats["messages_sent"] += 1
+                        self.stats["bytes_sent"] += frames_nbytes(frames)
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self._idle.set()
+                ready.clear()
+                await ready.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not self._closed:
+                log.exception("rank %d: sender to rank %d failed", self.rank, p)
+                self._mailbox.fail(
+                    TransportClosed(f"rank {self.rank}: sender to rank {p} failed: {e!r}")
+                )
+                self._idle.set()
+
+    async def _monitor(self, p: int, mon: zmq.asyncio.Socket) -> None:
+        while True:
+            ev = parse_monitor_message(await mon.recv_multipart())
+            what = ev["event"]
+            if what == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if not self._connected[p].done():
+                    self._connected[p].set_result(None)
+            elif what == zmq.EVENT_DISCONNECTED:
+                self._on_disconnect(
+                    p,
+                    f"connection to {self.peer_endpoints.get(p)} closed "
+                    f"(process gone, or no heartbeat for {self._hb_timeout_ms / 1000:g} s)",
+                )
+            elif what in _HANDSHAKE_FAILED:
+                self._on_disconnect(p, f"ZMTP handshake failed ({zmq.Event(what).name})")
+            elif what == zmq.EVENT_MONITOR_STOPPED:
+                return
+
+    def _on_disconnect(self, p: int, reason: str) -> None:
+        if p in self._byes or self._closed:
+            return
+        if self._closing:
+            asyncio.get_running_loop().call_later(self._bye_grace, self._on_peer_lost, p, reason)
+        else:
+            self._on_peer_lost(p, reason)
+
+    def _wake_flush(self) -> None:
+        self._idle.set()
+
+    # -- send side -------------------------------------------------------------
+
+    def send(
+        self,
+        dst: int,
+        key: MsgKey,
+        tensors: Sequence[Tensor | None],
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        self._check_send(dst)
+        if key.job != self.job:
+            raise ValueError(f"key.job {key.job!r} is not this transport's job {self.job!r}")
+        frames = encode(key, tensors, meta)
+        if dst == self.rank:
+            # Loopback skips the wire but not the codec: the receiver still gets
+            # fresh tensors that do not alias the sender's.
+            self.stats["messages_sent"] += 1
+            self.stats["bytes_sent"] += frames_nbytes(frames)
+            self._deliver_frames(self.rank, frames)
+            return
+        self._enqueue(dst, frames)
+
+    def _enqueue(self, dst: int, frames: list[Frame]) -> None:
+        self._outq[dst].append(frames)
+        self._out_ready[dst].set()
+        self._pending += 1
+        self._idle.clear()
+
+    async def flush(self) -> None:
+        while True:
+            if self._lost:
+                raise self._lost[min(self._lost)]
+            if self._mailbox.error is not None and not self._lost:
+                raise self._mailbox.error
+            if self._pending == 0:
+                return
+            self._idle.clear()
+            await self._idle.wait()
+
+    # -- shutdown --------------------------------------------------------------
+
+    async def close(self, timeout: float = 30.0) -> None:
+        if self._closed:
+            return
+        if not self._started:
+            self.abort()
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        self._closing = True
+        for p in self._peers():
+            self._enqueue(p, [_BYE])
+        missing = await self._await_byes(timeout)
+        try:
+            # Our BYEs must be in ZeroMQ's queues before the sockets close.
+            await asyncio.wait_for(self.flush(), max(0.0, deadline - loop.time()))
+        except Exception:
+            pass  # a lost peer or timeout is reported below
+        await self._teardown(graceful=True)
+        self._close_outcome(missing, timeout)
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_rendezvous.set()
+        for t in self._tasks:
+            t.cancel()
+        self._close_sockets(linger_ms=0)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+        self._mailbox.fail(TransportClosed(f"rank {self.rank}: aborted"))
+        self._bye_event.set()
+        self._idle.set()
+
+    async def _teardown(self, graceful: bool) -> None:
+        self._closed = True
+        self._stop_rendezvous.set()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._close_sockets(linger_ms=self._close_linger_ms if graceful else 0)
+        if self._ctx is not None:
+            # term() blocks until lingering frames are out: keep the loop free.
+            await asyncio.to_thread(self._ctx.term)
+        self._mailbox.fail(TransportClosed(f"rank {self.rank}: closed"))
+        self._idle.set()
+
+    def _close_sockets(self, linger_ms: int) -> None:
+        for p, d in self._dealers.items():
+            if not d.closed:
+                try:
+                    d.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+        for m in self._monitors.values():
+            m.close(linger=0)
+        for d in self._dealers.values():
+            d.close(linger=linger_ms)
+        if self._router is not None:
+            self._router.close(linger=0)
+
+
+def _parse_rank(ident: bytes, world_size: int) -> int | None:
+    if not 0 < len(ident) <= 10 or not ident.isdigit():
+        return None
+    r = int(ident)
+    return r if r < world_size else None

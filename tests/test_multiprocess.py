@@ -1,0 +1,123 @@
+"""Real processes: ZeroMQ between ranks, torchrun's launcher, a rank killed mid-step."""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rrfp.data.batches import make_microbatches, pad_batch
+from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
+
+pytestmark = pytest.mark.slow
+
+CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)
+SAMPLES = [b"def f(x):\n    return x + 1\n"[: 5 + 3 * i] for i in range(8)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, hint: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    from rrfp.runtime.pipeline import Pipeline
+    from rrfp.runtime.stage import PipelineStage
+
+    stage_mod = split_gpt(GPT(CFG, seed=7), world)[rank]
+    pipe = Pipeline(PipelineStage(stage_mod, rank, world), 4, lm_loss, hint=hint, loss_weight_fn=count_tokens, watchdog=60)
+    mbs = make_microbatches(SAMPLES, 4)
+    loss = pipe.step(
+        microbatches=[(m.tokens,) for m in mbs] if rank == 0 else None,
+        targets=[m.targets for m in mbs] if rank == world - 1 else None,
+    )
+    pipe.close()
+    torch.save({"loss": loss, "grads": {stage_mod.stage_param_names[n]: p.grad for n, p in stage_mod.named_parameters()}},
+               f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hint", ["bf", "strict-1f1b"])
+def test_zmq_processes_match_single_process_reference(tmp_path, hint):
+    world = 4
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, hint, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(100)
+    assert [p.exitcode for p in procs] == [0] * world
+    ref = GPT(CFG, seed=7)
+    tokens, targets = pad_batch(SAMPLES)
+    ref_loss = lm_loss(ref(tokens), targets)
+    ref_loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    got = {}
+    for r in range(world):
+        part = torch.load(tmp_path / f"rank{r}.pt")
+        got.update(part["grads"])
+        if r == world - 1:
+            torch.testing.assert_close(part["loss"], ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    assert set(got) == set(ref_grads)
+    for name, g in got.items():
+        torch.testing.assert_close(g, ref_grads[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _rrfp(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rrfp", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **(env or {})}, **kw,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_rrfp_train_runs_under_torchrun_launcher():
+    p = _rrfp("train", "--stages", "2", "--steps", "3", "--batch-size", "4", "--microbatches", "2",
+              "--max-len", "32", "--model", "tiny")
+    out, err = p.communicate(timeout=170)
+    assert p.returncode == 0, err[-2000:]
+    lines = [l for l in out.splitlines() if l.startswith("step")]
+    assert len(lines) == 3, out
+    assert "done: 3 steps" in out
+
+
+@pytest.mark.timeout(150)
+def test_killed_rank_makes_every_other_rank_exit_naming_it(tmp_path):
+    world, victim = 4, 2
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
+                   LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+        procs.append(_rrfp("train", "--stages", "4", "--steps", "100000", "--batch-size", "8", "--microbatches", "4",
+                           "--max-len", "64", "--watchdog", "60", env=env))
+    # Rank 0 prints a line per step: once two are out, every rank is mid-run.
+    seen = 0
+    deadline = time.monotonic() + 90
+    while seen < 2 and time.monotonic() < deadline:
+        line = procs[0].stdout.readline()
+        assert line, procs[0].stderr.read()[-2000:]
+        seen += line.startswith("step")
+    assert seen == 2
+    procs[victim].send_signal(signal.SIGKILL)
+    t_kill = time.monotonic()
+    for r, p in enumerate(procs):
+        if r == victim:
+            continue
+        _, err = p.communicate(timeout=40)
+        assert time.monotonic() - t_kill < 30, f"rank {r} took too long to exit"
+        assert p.returncode != 0, f"rank {r} exited 0"
+        assert f"rank {victim} lost" in err, err[-2000:]

@@ -1,0 +1,121 @@
+"""The runtime against a single-process, unpipelined reference (in-process, fake transport)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rrfp.data.batches import make_microbatches, pad_batch
+from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
+from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
+from rrfp.runtime.pipeline import LocalPipeline
+
+RTOL, ATOL = 1e-5, 1e-6
+CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)
+
+
+def _samples(n: int, seed: int = 0) -> list[bytes]:
+    # Real text of very different lengths, like the training job's samples.
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (n,), generator=g).tolist()
+    text = (b"def f(x):\n    return x * 2 + 1\n" * 8)
+    return [text[i : i + n_] for i, n_ in enumerate(lengths)]
+
+
+def _reference(model: GPT, samples: list[bytes]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ref = copy.deepcopy(model)
+    tokens, targets = pad_batch(samples)
+    loss = lm_loss(ref(tokens), targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _assert_grads_match(stages, ref_grads) -> None:
+    seen = set()
+    for st in stages:
+        for name, p in st.named_parameters():
+            full = st.stage_param_names[name]
+            seen.add(full)
+            assert p.grad is not None, f"{full} got no gradient"
+            torch.testing.assert_close(p.grad, ref_grads[full], rtol=RTOL, atol=ATOL, msg=lambda m: f"{full}: {m}")
+    assert seen == set(ref_grads)
+
+
+@pytest.mark.parametrize("hint", ["bf", "strict-1f1b", "strict-gpipe"])
+@pytest.mark.parametrize("n_microbatches", [1, 2, 3, 8])
+@pytest.mark.parametrize("n_stages", [1, 2, 4])
+def test_gpt_gradients_equal_single_process_reference(n_stages, n_microbatches, hint):
+    model = GPT(CFG, seed=1)
+    samples = _samples(8, seed=n_stages * 10 + n_microbatches)
+    ref_loss, ref_grads = _reference(model, samples)
+    stages = split_gpt(model, n_stages)
+    mbs = make_microbatches(samples, n_microbatches)
+    assert len({mb.tokens.shape[1] for mb in mbs}) > 1 or n_microbatches == 1  # unequal lengths
+    with LocalPipeline(
+        stages, n_microbatches, lm_loss, hint=hint, loss_weight_fn=count_tokens, delay=(0.0, 0.002), seed=3
+    ) as pipe:
+        loss = pipe.step(microbatches=[(mb.tokens,) for mb in mbs], targets=[mb.targets for mb in mbs])
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    _assert_grads_match(stages, ref_grads)
+
+
+def test_losses_list_gets_each_microbatch_loss():
+    model = GPT(CFG, seed=2)
+    samples = _samples(6)
+    mbs = make_microbatches(samples, 3)
+    losses: list = []
+    with LocalPipeline(split_gpt(model, 2), 3, lm_loss, loss_weight_fn=count_tokens) as pipe:
+        total = pipe.step(microbatches=[(mb.tokens,) for mb in mbs], targets=[mb.targets for mb in mbs], losses=losses)
+    expect = [lm_loss(model(mb.tokens), mb.targets) for mb in mbs]
+    assert len(losses) == 3
+    for got, want in zip(losses, expect):
+        torch.testing.assert_close(got, want.detach(), rtol=RTOL, atol=ATOL)
+    counts = [count_tokens(mb.targets) for mb in mbs]
+    want_total = sum(c * l for c, l in zip(counts, expect)) / sum(counts)
+    torch.testing.assert_close(total, want_total.detach(), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("hint", ["bf", "strict-1f1b"])
+def test_mixed_dtype_tuple_io_passes_unchanged(hint):
+    cfg = ToyConfig(d=8, n_layer=4)
+    model = ToyModel(cfg, seed=0)
+    (x, ids, mask, scale), target = toy_batch(cfg, 8, seed=1)
+    ref = copy.deepcopy(model)
+    ref_loss = toy_loss(ref((x, ids, mask, scale)), target)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    stages = split_toy(model, 4)
+    with LocalPipeline(stages, 4, toy_loss, hint=hint, delay=(0.0, 0.001), seed=5) as pipe:
+        loss = pipe.step(x, ids, mask, scale, target=target)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    _assert_grads_match(stages, ref_grads)
+
+
+def test_two_steps_accumulate_like_reference():
+    # Gradients accumulate across steps exactly as in single-process training.
+    model = GPT(CFG, seed=4)
+    a, b = _samples(4, 1), _samples(4, 2)
+    ref = copy.deepcopy(model)
+    for s in (a, b):
+        t, y = pad_batch(s)
+        lm_loss(ref(t), y).backward()
+    stages = split_gpt(model, 2)
+    with LocalPipeline(stages, 2, lm_loss, loss_weight_fn=count_tokens, delay=(0, 0.001)) as pipe:
+        for s in (a, b):
+            mbs = make_microbatches(s, 2)
+            pipe.step(microbatches=[(m.tokens,) for m in mbs], targets=[m.targets for m in mbs])
+    _assert_grads_match(stages, {n: p.grad for n, p in ref.named_parameters()})
+
+
+def test_too_many_microbatches_is_a_clear_error():
+    model = GPT(CFG, seed=0)
+    with LocalPipeline(split_gpt(model, 2), 8, lm_loss) as pipe:
+        with pytest.raises(ValueError, match="n_microbatches=8 exceeds the input batch size 4"):
+            pipe.step(torch.zeros(4, 5, dtype=torch.long), target=torch.zeros(4, 5, dtype=torch.long))
+
+
+def test_unknown_hint_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown hint 'nope'"):
+        LocalPipeline(split_gpt(GPT(CFG), 2), 2, lm_loss, hint="nope")

@@ -1,0 +1,635 @@
+"""Tests for rrfp.transport: codec, in-process fake network, ZeroMQ transport."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed import TCPStore
+
+from rrfp.transport import (
+    CodecError,
+    Direction,
+    FakeNetwork,
+    Message,
+    MsgKey,
+    PeerLost,
+    TransportClosed,
+    ZmqTransport,
+    decode,
+    encode,
+)
+from rrfp.transport.codec import DTYPES, MAX_HEADER_BYTES, MAX_TENSORS
+
+KEY = MsgKey("job", 3, 7, 1, Direction.ACT)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    """Raw bytes of a tensor, for bit-exact comparison (NaN payloads included)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert bits(a) == bits(b)
+
+
+def make(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=g, dtype=dtype)
+
+
+def roundtrip(tensors: list[Any], meta: dict | None = None, key: MsgKey = KEY):
+    frames = encode(key, tensors, meta)
+    # Bytes copies: the decoder must not depend on the sender's buffers.
+    return decode([bytes(f) for f in frames])
+
+
+# ---------------------------------------------------------------------------
+# codec
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5,), (2, 3, 4)], ids=str)
+def test_codec_roundtrip_every_dtype(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x = make(dtype, shape)
+    key, out, meta = roundtrip([x])
+    assert key == KEY and meta == {}
+    assert_same(out[0], x)
+    assert not out[0].requires_grad
+
+
+def test_codec_non_contiguous_inputs() -> None:
+    base = torch.randn(6, 8)
+    cases = [
+        base.t(),
+        base[::2, 1::3],
+        torch.randn(1, 5).expand(4, 5),
+        torch.randn(2, 3, 4).permute(2, 0, 1),
+        torch.randn(3, 3, dtype=torch.complex64).conj(),
+        torch.randn(4, 4).to(torch.bfloat16)[:, ::2],
+        torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+    ]
+    _, out, _ = roundtrip(cases)
+    for x, y in zip(cases, out):
+        assert y.is_contiguous()
+        assert_same(y, x.resolve_conj().contiguous())
+
+
+def test_codec_mixed_tuple_none_and_requires_grad() -> None:
+    h = torch.randn(2, 5, requires_grad=True) * 2  # non-leaf: sent as requires_grad
+    ids = torch.tensor([[1, 2**40], [-3, 0]], dtype=torch.int64)
+    mask = torch.tensor([True, False, True])
+    plain = torch.randn(3)
+    _, out, _ = roundtrip([h, None, ids, mask, plain, None])
+    assert out[1] is None and out[5] is None
+    assert out[0].requires_grad and out[0].is_leaf and out[0].grad_fn is None
+    assert not out[2].requires_grad and not out[3].requires_grad and not out[4].requires_grad
+    assert_same(out[0], h)
+    assert_same(out[2], ids)
+    assert_same(out[3], mask)
+    assert_same(out[4], plain)
+    # A received leaf really takes part in autograd.
+    out[0].sum().backward()
+    assert torch.equal(out[0].grad, torch.ones(2, 5))
+
+
+def test_codec_int64_extremes_and_bool_patterns_bit_exact() -> None:
+    ints = torch.tensor(
+        [-(2**63), 2**63 - 1, 0, -1, 1, 2**53 + 1, -(2**53) - 1], dtype=torch.int64
+    )
+    bools = torch.tensor([i % 3 == 0 or i % 7 == 1 for i in range(257)])
+    floats = torch.tensor([float("nan"), float("inf"), -0.0, 1e-45, -float("inf")])
+    bf = torch.tensor([float("nan"), 1e38, -3.5, 0.0]).to(torch.bfloat16)
+    _, out, _ = roundtrip([ints, bools, floats, bf])
+    assert out[0].tolist() == ints.tolist()
+    assert out[1].tolist() == bools.tolist()
+    assert_same(out[2], floats)
+    assert_same(out[3], bf)
+
+
+def test_codec_decoded_tensors_are_fresh_and_writable() -> None:
+    x = torch.arange(1000, dtype=torch.float32)
+    frames = encode(KEY, [x])
+    wire = [bytearray(f) for f in frames]
+    _, out, _ = decode(wire)
+    wire[1][:] = bytes(len(wire[1]))  # receive buffer reused
+    x.zero_()  # sender reuses its tensor
+    assert torch.equal(out[0], torch.arange(1000, dtype=torch.float32))
+    out[0].add_(1)  # writable, and no warning about read-only buffers
+    assert out[0][0].item() == 1.0
+
+
+def test_codec_meta_roundtrip() -> None:
+    meta = {"kind": "stats", "t": 1.5, "n": -3, "big": 2**64 - 1, "ok": True,
+            "none": None, "ids": [1, 2, [3, "x"]], "nested": {"a": {"b": b"\x00\x01"}}}
+    key = MsgKey("other-job", -1, 0, 0, Direction.CTL)
+    k, out, m = roundtrip([], meta, key)
+    assert k == key and out == [] and m == meta
+
+
+_SHAPES = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
+_ENTRY = st.one_of(st.none(), st.tuples(st.sampled_from(sorted(DTYPES)), _SHAPES, st.booleans()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(entries=st.lists(_ENTRY, max_size=6), seed=st.integers(0, 2**16))
+def test_codec_property_roundtrip(entries: list, seed: int) -> None:
+    tensors: list[torch.Tensor | None] = []
+    for e in entries:
+        if e is None:
+            tensors.append(None)
+            continue
+        name, shape, rg = e
+        t = make(DTYPES[name], shape, seed)
+        if rg and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_(True)
+        tensors.append(t)
+    _, out, _ = roundtrip(tensors)
+    assert len(out) == len(tensors)
+    for x, y in zip(tensors, out):
+        if x is None:
+            assert y is None
+        else:
+            assert_same(y, x)
+            assert y.requires_grad == x.requires_grad
+
+
+def test_codec_encode_rejects_unencodable() -> None:
+    with pytest.raises(CodecError, match="unsupported dtype"):
+        encode(KEY, [torch.zeros(2, dtype=torch.float8_e4m3fn)])
+    with pytest.raises(CodecError, match="meta"):
+        encode(KEY, [], {"x": torch.zeros(1)})
+    with pytest.raises(CodecError, match="map keys"):
+        encode(KEY, [], {"x": {1: 2}})
+    with pytest.raises(CodecError, match="too many tensors"):
+        encode(KEY, [None] * (MAX_TENSORS + 1))
+    with pytest.raises(CodecError, match="ndim"):
+        encode(KEY, [torch.zeros([1] * 17)])
+
+
+# ---------------------------------------------------------------------------
+# codec: malformed input
+
+
+def _header(**over: Any) -> dict:
+    h = {"job": "job", "step": 0, "microbatch": 0, "stage": 0, "direction": 0,
+         "tensors": [["float32", [2, 3], False]], "meta": {}}
+    h.update(over)
+    return h
+
+
+def _pack(h: Any) -> bytes:
+    return msgpack.packb(h, use_bin_type=True)
+
+
+GOOD_PAYLOAD = bytes(24)
+
+
+@pytest.mark.parametrize(
+    "frames, match",
+    [
+        ([], "empty message"),
+        ([b"\xc1"], "bad msgpack"),
+        ([_pack(_header())[:-3], GOOD_PAYLOAD], "bad msgpack"),
+        ([_pack(_header()) + b"\x00", GOOD_PAYLOAD], "bad msgpack"),
+        ([_pack([1, 2, 3])], "expected a map"),
+        ([b"\x91" * 5000 + b"\xc0"], "nesting"),
+        ([b"\x80" + b"\x00" * MAX_HEADER_BYTES], "header too big"),
+        ([_pack({k: v for k, v in _header().items() if k != "stage"}), GOOD_PAYLOAD],
+         "missing field 'stage'"),
+        ([_pack(_header(extra=1)), GOOD_PAYLOAD], "unexpected field 'extra'"),
+        ([_pack(_header(step="0")), GOOD_PAYLOAD], "header.step"),
+        ([_pack(_header(step=True)), GOOD_PAYLOAD], "header.step"),
+        ([_pack(_header(direction=9)), GOOD_PAYLOAD], "unknown direction"),
+        ([_pack(_header(tensors=[["float99", [2], False]])), bytes(8)], "unknown dtype 'float99'"),
+        ([_pack(_header(tensors=[["float32", [1] * 17, False]])), bytes(4)], "ndim 17 > 16"),
+        ([_pack(_header(tensors=[["float32", [2, -3], False]]))], "negative dim -3"),
+        ([_pack(_header(tensors=[["float32", [2.0], False]])), bytes(8)], "dim must be an int"),
+        ([_pack(_header(tensors=[["float32", [2], 1]])), bytes(8)], "requires_grad must be a bool"),
+        ([_pack(_header(tensors=[["int64", [2], True]])), bytes(16)], "requires_grad on non-floating"),
+        ([_pack(_header(tensors=[None] * (MAX_TENSORS + 1)))], "too many tensors"),
+        ([_pack(_header(tensors=[["float32", [2**40, 2**40], False]])), b""], "exceeds limit"),
+        ([_pack(_header())], "frame count mismatch"),
+        ([_pack(_header()), GOOD_PAYLOAD, b""], "frame count mismatch"),
+        ([_pack(_header()), GOOD_PAYLOAD[:-1]], "frame has 23 bytes, expected 24"),
+        ([_pack(_header()), GOOD_PAYLOAD + b"\x00"], "frame has 25 bytes, expected 24"),
+        ([_pack(_header(tensors=[["bool", [3], False]])), b"\x00\x02\x01"], "bool frame"),
+        ([_pack(_header(meta={"x": msgpack.ExtType(5, b"abc")}))], "ext type"),
+        ([_pack(_header(meta={"x": msgpack.Timestamp(1, 0)}))], "ext type"),
+        ([_pack(_header(meta=[1]))], "header.meta"),
+        ([_pack(_header(meta={"a": [[[[[[[[[[1]]]]]]]]]]}))], "nesting deeper"),
+        ([_pack({1: 2})], "bad msgpack"),  # strict_map_key
+        ([_pack(_header(job="x" * 300))], "header.job"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_codec_rejects_malformed(frames: list[bytes], match: str) -> None:
+    with pytest.raises(CodecError, match=match) as ei:
+        decode(frames)
+    assert "\n" not in str(ei.value)
+
+
+def test_codec_max_bytes_is_configurable() -> None:
+    frames = encode(KEY, [torch.zeros(100), torch.zeros(100)])
+    decode(frames, max_bytes=800)
+    with pytest.raises(CodecError, match="exceeds limit"):
+        decode(frames, max_bytes=799)
+
+
+# ---------------------------------------------------------------------------
+# fake network
+
+
+def k(i: int, stage: int = 1) -> MsgKey:
+    return MsgKey("job", 0, i, stage, Direction.ACT)
+
+
+async def _arrival_order(seed: int, n: int = 40) -> list[int]:
+    net = FakeNetwork(2, seed=seed, delay=(0.0, 0.02))
+    a, b = net.transport(0), net.transport(1)
+    await a.start()
+    await b.start()
+    for i in range(n):
+        a.send(1, k(i), [torch.tensor([i])])
+    order = []
+    for _ in range(n):
+        m = await asyncio.wait_for(b.recv(), 5)
+        assert m.src == 0 and m.key.microbatch == m.tensors[0].item()
+        order.append(m.key.microbatch)
+    return order
+
+
+async def test_fake_reorders_and_delivers_exactly_once() -> None:
+    order = await _arrival_order(seed=1)
+    assert sorted(order) == list(range(40))  # every message, exactly once
+    assert order != sorted(order)  # some message overtook an earlier one
+
+
+async def test_fake_is_deterministic_per_seed() -> None:
+    first = await _arrival_order(seed=7)
+    assert await _arrival_order(seed=7) == first
+    assert await _arrival_order(seed=8) != first
+
+
+async def test_fake_all_to_all_exactly_once_and_fresh_tensors() -> None:
+    net = FakeNetwork(3, seed=3, delay=(0.0, 0.005))
+    ts = [net.transport(r) for r in range(3)]
+    assert net.transport(1) is ts[1]
+    for t in ts:
+        await t.start()
+    sent: dict[tuple[int, int, int], torch.Tensor] = {}
+    for i in range(20):
+        for s in range(3):
+            for d in range(3):  # includes loopback
+                x = torch.randn(4)
+                sent[(s, d, i)] = x
+                ts[s].send(d, MsgKey("job", 0, i, d, Direction.GRAD), [x, None], {"from": s})
+    got: dict[tuple[int, int, int], Message] = {}
+    for d in range(3):
+        for _ in range(60):
+            m = await asyncio.wait_for(ts[d].recv(), 5)
+            assert m.meta == {"from": m.src}
+            tag = (m.src, d, m.key.microbatch)
+            assert tag not in got
+            got[tag] = m
+    assert got.keys() == sent.keys()
+    for tag, m in got.items():
+        assert torch.equal(m.tensors[0], sent[tag]) and m.tensors[1] is None
+        assert m.tensors[0].data_ptr() != sent[tag].data_ptr()
+    assert ts[0].stats["messages_sent"] == 60 and ts[0].stats["messages_received"] == 60
+    await asyncio.gather(*(t.close() for t in ts))
+
+
+async def test_fake_callable_delay_and_no_encode() -> None:
+    calls = []
+
+    def delay(src: int, dst: int, key: MsgKey | None, rng) -> float:
+        calls.append((src, dst, key))
+        # Later microbatches arrive first.
+        return 0.0 if key is None else 0.01 * (5 - key.microbatch)
+
+    net = FakeNetwork(2, delay=delay, encode=False)
+    a, b = net.transport(0), net.transport(1)
+    await a.start()
+    await b.start()
+    x = torch.ones(2)
+    for i in range(5):
+        a.send(1, k(i), [x])
+    order = [(await b.recv()).key.microbatch for _ in range(5)]
+    assert order == [4, 3, 2, 1, 0]
+    assert [c[2].microbatch for c in calls] == [0, 1, 2, 3, 4]
+
+
+async def test_fake_kill_raises_peer_lost_naming_rank() -> None:
+    net = FakeNetwork(3, seed=0, delay=(0.0, 0.001))
+    ts = [net.transport(r) for r in range(3)]
+    for t in ts:
+        await t.start()
+    pending = asyncio.create_task(ts[0].recv())
+    await asyncio.sleep(0)  # let recv start waiting
+    net.kill(2)
+    with pytest.raises(PeerLost, match="rank 2 lost") as ei:
+        await asyncio.wait_for(pending, 5)
+    assert ei.value.rank == 2
+    with pytest.raises(PeerLost) as ei:
+        await ts[1].recv()  # next recv too, even though nothing is pending
+    assert ei.value.rank == 2
+    with pytest.raises(TransportClosed):
+        await ts[2].recv()
+    with pytest.raises(PeerLost):
+        await ts[0].recv()  # sticky
+    assert ts[0].stats["peers_lost"] == 1
+
+
+async def test_fake_graceful_close_then_abort_is_not_an_error() -> None:
+    net = FakeNetwork(3, seed=5, delay=(0.0, 0.003))
+    ts = [net.transport(r) for r in range(3)]
+    for t in ts:
+        await t.start()
+    for i in range(10):
+        ts[0].send(1, k(i), [torch.zeros(3)])
+    await asyncio.gather(*(t.close() for t in ts))
+    for t in ts:
+        assert not t.lost_peers
+        t.abort()  # after BYE, a disconnect is not an error
+    for t in ts:
+        with pytest.raises(TransportClosed):
+            await t.recv()
+        with pytest.raises(TransportClosed):
+            t.send(0, k(0), [])
+
+
+async def test_fake_close_times_out_naming_silent_rank() -> None:
+    net = FakeNetwork(2)
+    a, b = net.transport(0), net.transport(1)
+    await a.start()
+    await b.start()
+    with pytest.raises(TimeoutError, match=r"no BYE from ranks \[1\]"):
+        await a.close(timeout=0.05)
+
+
+async def test_fake_abort_is_seen_as_peer_lost() -> None:
+    net = FakeNetwork(2)
+    a, b = net.transport(0), net.transport(1)
+    await a.start()
+    await b.start()
+    b.abort()
+    with pytest.raises(PeerLost, match="rank 1 lost: aborted"):
+        await a.recv()
+
+
+async def test_fake_rejects_malformed_and_keeps_receiving() -> None:
+    net = FakeNetwork(2)
+    a, b = net.transport(0), net.transport(1)
+    await a.start()
+    await b.start()
+    b._deliver_frames(0, [b"\xc1"])  # what a corrupt wire would hand the receiver
+    a.send(1, k(1), [torch.ones(1)])
+    m = await asyncio.wait_for(b.recv(), 5)
+    assert m.key == k(1) and b.stats["rejected"] == 1
+
+
+async def test_recv_cancel_does_not_lose_message() -> None:
+    net = FakeNetwork(2)
+    a, b = net.transport(0), net.transport(1)
+    await a.start()
+    await b.start()
+    waiter = asyncio.create_task(b.recv())
+    await asyncio.sleep(0)
+    a.send(1, k(1), [])
+    await asyncio.sleep(0)  # delivery hands the message to the waiter...
+    waiter.cancel()  # ...which is cancelled before it runs
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiter
+    if waiter.cancelled():
+        m = await asyncio.wait_for(b.recv(), 5)
+    else:
+        m = waiter.result()
+    assert m.key == k(1)
+
+
+# ---------------------------------------------------------------------------
+# zmq, several ranks in this process
+
+
+def _job() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@contextlib.asynccontextmanager
+async def zmq_group(world_size: int, **kw: Any) -> AsyncIterator[list[ZmqTransport]]:
+    master = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    stores = [master] + [
+        TCPStore("127.0.0.1", master.port, world_size, is_master=False)
+        for _ in range(world_size - 1)
+    ]
+    job = _job()
+    ts = [ZmqTransport(r, world_size, stores[r], job, **kw) for r in range(world_size)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(t.start() for t in ts)), 20)
+        yield ts
+    finally:
+        for t in ts:
+            t.abort()
+        del stores
+
+
+@pytest.mark.timeout(30)
+async def test_zmq_exchange_sizes_bit_exact_and_close() -> None:
+    sizes = [1 << 10, 64 << 10, (64 << 10) + 4, 1 << 20, 16 << 20]
+    async with zmq_group(3) as ts:
+        job = ts[0].job
+        sent = {}
+        for i, n in enumerate(sizes):
+            for s in range(3):
+                d = (s + 1 + i) % 3  # includes loopback when i % 3 == 2
+                x = make(torch.float32, (n // 4,), seed=i * 3 + s)
+                ids = make(torch.int64, (7,), seed=i)
+                sent[(s, i)] = (d, x, ids)
+                ts[s].send(d, MsgKey(job, 0, i, d, Direction.ACT), [x, None, ids], {"n": n})
+        await asyncio.gather(*(t.flush() for t in ts))
+        expected = {d: sum(1 for v in sent.values() if v[0] == d) for d in range(3)}
+        for d in range(3):
+            for _ in range(expected[d]):
+                m = await asyncio.wait_for(ts[d].recv(), 10)
+                dd, x, ids = sent[(m.src, m.key.microbatch)]
+                assert dd == d and m.key.stage == d
+                assert_same(m.tensors[0], x)
+                assert m.tensors[1] is None
+                assert_same(m.tensors[2], ids)
+                assert m.meta == {"n": sizes[m.key.microbatch]}
+        await asyncio.wait_for(asyncio.gather(*(t.close() for t in ts)), 20)
+        for t in ts:
+            assert not t.lost_peers and t.stats["rejected"] == 0
+        assert sum(t.stats["messages_sent"] for t in ts) == len(sent)
+        assert sum(t.stats["messages_received"] for t in ts) == len(sent)
+
+
+@pytest.mark.timeout(30)
+async def test_zmq_many_messages_all_delivered_fifo_per_sender() -> None:
+    n = 1500
+    async with zmq_group(3) as ts:
+        job = ts[0].job
+        for i in range(n):
+            for s in (1, 2):
+                ts[s].send(0, MsgKey(job, i // 8, i % 8, 0, Direction.GRAD),
+                           [torch.tensor([s, i])])
+        seen: dict[int, list[int]] = {1: [], 2: []}
+        for _ in range(2 * n):
+            m = await asyncio.wait_for(ts[0].recv(), 10)
+            s, i = m.tensors[0].tolist()
+            assert s == m.src
+            seen[s].append(i)
+        assert seen[1] == list(range(n)) and seen[2] == list(range(n))
+        await asyncio.wait_for(asyncio.gather(*(t.close() for t in ts)), 20)
+        assert all(not t.lost_peers for t in ts)
+
+
+@pytest.mark.timeout(30)
+async def test_zmq_abort_is_peer_lost_for_others() -> None:
+    async with zmq_group(3) as ts:
+        pending = asyncio.create_task(ts[0].recv())
+        ts[2].abort()
+        with pytest.raises(PeerLost, match="rank 2 lost") as ei:
+            await asyncio.wait_for(pending, 10)
+        assert ei.value.rank == 2
+        with pytest.raises(PeerLost, match="rank 2 lost"):
+            await asyncio.wait_for(ts[1].recv(), 10)
+        with pytest.raises(PeerLost):
+            await ts[0].flush()
+
+
+@pytest.mark.timeout(30)
+async def test_zmq_close_times_out_when_peer_stays() -> None:
+    async with zmq_group(2) as ts:
+        with pytest.raises(TimeoutError, match=r"no BYE from ranks \[1\]"):
+            await ts[0].close(timeout=0.2)
+        assert ts[0].closed
+
+
+@pytest.mark.timeout(30)
+async def test_zmq_rejects_malformed_from_impostor_and_keeps_receiving() -> None:
+    """Rank 2 is a hand-made peer speaking raw ZeroMQ; ranks 0 and 1 are real."""
+    master = TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    s1 = TCPStore("127.0.0.1", master.port, 3, is_master=False)
+    job = _job()
+    ctx = zmq.Context()
+    fake_router = ctx.socket(zmq.ROUTER)
+    fake_router.setsockopt(zmq.LINGER, 0)
+    fake_router.bind("tcp://127.0.0.1:0")
+    master.set(f"rrfp/{job}/zmq/2", fake_router.getsockopt(zmq.LAST_ENDPOINT))
+    ts = [ZmqTransport(r, 3, st, job) for r, st in ((0, master), (1, s1))]
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(t.start() for t in ts)), 20)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.ROUTING_ID, b"2")
+        dealer.connect(ts[0].endpoint)
+        bad = [
+            [b"\xc1"],
+            [_pack(_header()), b"\x00"],
+            encode(MsgKey("other-job", 0, 0, 0, Direction.ACT), [torch.ones(2)]),
+        ]
+        for frames in bad:
+            dealer.send_multipart(frames)
+        dealer.send_multipart(encode(MsgKey(job, 0, 5, 0, Direction.ACT), [torch.ones(2)]))
+        m = await asyncio.wait_for(ts[0].recv(), 10)
+        assert m.src == 2 and m.key.microbatch == 5
+        assert ts[0].stats["rejected"] == 3
+        # Real traffic still flows.
+        ts[1].send(0, MsgKey(job, 0, 6, 0, Direction.ACT), [torch.zeros(1)])
+        m = await asyncio.wait_for(ts[0].recv(), 10)
+        assert m.src == 1 and m.key.microbatch == 6
+    finally:
+        for t in ts:
+            t.abort()
+        dealer.close(0)
+        fake_router.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(30)
+async def test_zmq_send_rejects_foreign_job_and_bad_dst() -> None:
+    async with zmq_group(2) as ts:
+        with pytest.raises(ValueError, match="job"):
+            ts[0].send(1, MsgKey("nope", 0, 0, 1, Direction.ACT), [])
+        with pytest.raises(ValueError, match="dst"):
+            ts[0].send(2, MsgKey(ts[0].job, 0, 0, 1, Direction.ACT), [])
+
+
+# ---------------------------------------------------------------------------
+# zmq, a real child process that dies or hangs
+
+
+def _child_main(port: int, job: str, hb_ivl: float, hb_timeout: float) -> None:
+    import uvloop
+
+    async def main() -> None:
+        store = TCPStore("127.0.0.1", port, 2, is_master=False)
+        t = ZmqTransport(1, 2, store, job, heartbeat_ivl=hb_ivl, heartbeat_timeout=hb_timeout)
+        await t.start()
+        t.send(0, MsgKey(job, 0, 0, 0, Direction.CTL), [torch.arange(3)], {"pid": os.getpid()})
+        await t.flush()
+        await asyncio.Event().wait()  # until the parent kills or stops us
+
+    uvloop.run(main())
+
+
+async def _lost_child(sig: signal.Signals, hb_timeout: float) -> PeerLost:
+    master = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    job = _job()
+    proc = mp.get_context("spawn").Process(
+        target=_child_main, args=(master.port, job, 0.2, hb_timeout), daemon=True
+    )
+    proc.start()
+    t = ZmqTransport(0, 2, master, job, heartbeat_ivl=0.2, heartbeat_timeout=hb_timeout)
+    try:
+        await asyncio.wait_for(t.start(), 30)
+        hello = await asyncio.wait_for(t.recv(), 30)
+        assert hello.src == 1 and hello.meta == {"pid": proc.pid}
+        os.kill(proc.pid, sig)
+        t0 = time.monotonic()
+        with pytest.raises(PeerLost) as ei:
+            await asyncio.wait_for(t.recv(), 10)
+        assert time.monotonic() - t0 < 10
+        return ei.value
+    finally:
+        t.abort()
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+async def test_zmq_child_sigkill_raises_peer_lost() -> None:
+    err = await _lost_child(signal.SIGKILL, hb_timeout=10.0)
+    assert err.rank == 1 and "rank 1 lost" in str(err)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+async def test_zmq_hung_child_detected_by_heartbeat() -> None:
+    # SIGSTOP freezes every thread, ZeroMQ's I/O thread included: the TCP connection
+    # stays up and only the missing heartbeat answer reveals the hang.
+    err = await _lost_child(signal.SIGSTOP, hb_timeout=1.0)
+    assert err.rank == 1 and "heartbeat" in str(err)
