@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 from collections import defaultdict
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,11 +31,12 @@ from rrfp.sim.engine import simulate
 
 # Derandomized so CI sees the same examples every run; raise RRFP_HYPOTHESIS_EXAMPLES to
 # search harder locally.
-EXAMPLES = int(os.environ.get("RRFP_HYPOTHESIS_EXAMPLES", "120"))
+EXAMPLES = int(os.environ.get("RRFP_HYPOTHESIS_EXAMPLES", "300"))
 SETTINGS = settings(
     max_examples=EXAMPLES,
     deadline=None,
     derandomize=True,
+    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
@@ -155,7 +158,7 @@ def test_any_hint_any_mode_completes_correctly(sc):
     check_run(spec, hint, strict, limits, res, sc["steps"])
 
 
-@settings(max_examples=max(20, EXAMPLES // 3), deadline=None, derandomize=True)
+@settings(max_examples=max(20, EXAMPLES // 3), deadline=None, derandomize=True, database=None)
 @given(
     p=st.integers(1, 8),
     v=st.integers(1, 4),
@@ -175,3 +178,123 @@ def test_compiled_policy_respects_the_bound_and_matches_the_simulator(p, v, kind
     assert ran == strict_hint.order
     bound = limit + (v if v > 1 else 0)
     assert max(order_peak_inflight(spec, strict_hint.order)) <= bound
+
+
+def _largest(name: str) -> tuple[Placement, int]:
+    if name in ("1f1b", "zb-h1"):
+        return Placement(8), 32
+    if name == "zb-v":
+        return Placement(8, 2, "v"), 32
+    if name == "interleaved-1f1b":
+        return Placement(8, 4), 32
+    return Placement(8, 4, "v"), 32
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("name", HINT_NAMES)
+def test_largest_shapes_with_heavy_tails_and_tight_limits(name, strict):
+    """The corner hypothesis reaches least often: 8 ranks, up to 4 virtual stages (the v
+    placement, any V, is valid for the arbiter), 32 microbatches, limit 1 on some ranks,
+    Pareto durations and delays."""
+    place, m = _largest(name)
+    limits = [1, 2, 3, 1, 32, 1, 5, 2]
+    spec, hint, s = resolve_hint(("strict-" if strict else "") + name, place, m, inflight_limit=limits)
+    rng = random.Random(zlib.crc32(f"{name}-{strict}".encode()))
+    res = simulate(
+        spec, hint,
+        lambda k, r, t: NOMINAL[t.kind] * rng.paretovariate(1.3),
+        strict=s, inflight_limit=limits,
+        delay=lambda k, a, b, t: rng.paretovariate(1.5) - 1.0,
+    )
+    check_run(spec, hint, s, limits, res, 1)
+
+
+@st.composite
+def one_rank_cases(draw):
+    name = draw(st.sampled_from(HINT_NAMES))
+    p = draw(st.integers(1, 4))
+    kind = "loop"
+    if name in ("1f1b", "zb-h1"):
+        v = 1
+    elif name == "zb-v":
+        v, kind = 2, "v"
+    else:
+        v = draw(st.integers(1, 4))
+        if name != "interleaved-1f1b" and v > 1:
+            kind = draw(st.sampled_from(["loop", "v"]))
+    if name == "interleaved-1f1b" and v > 1:
+        m = draw(st.sampled_from([m for m in range(1, 9) if _interleaved_ok(p, m)]))
+    else:
+        m = draw(st.integers(1, 8))
+    return (name, Placement(p, v, kind), m, draw(st.integers(0, p - 1)), draw(st.integers(1, 8)),
+            draw(st.sampled_from([None, True, False])), draw(st.integers(0, 2**32 - 1)))
+
+
+@settings(max_examples=max(30, EXAMPLES // 2), deadline=None, derandomize=True, database=None)
+@given(one_rank_cases())
+def test_one_arbiter_against_adversarial_arrivals(case):
+    """One rank's arbiter in readiness mode, the other ranks infinitely fast but their messages
+    arriving in any causally possible order and at any moment (inputs from this rank's own
+    stages arrive at once, as in the runtime). The simulator rarely produces such orders. The
+    rank must finish, never dispatch a task twice or early, and respect the in-flight bound."""
+    from rrfp.scheduler import Arbiter, Task
+
+    name, place, m, rank, limit, split, seed = case
+    spec, hint, _ = resolve_hint(name, place, m, split)
+    rng = random.Random(seed)
+    a = Arbiter(spec, rank, hint, inflight_limit=limit)
+    mine = a.stages
+    bk = spec.backward_kind
+    last = spec.n_stages - 1
+    done: set = set()
+    sent: set = set()
+
+    def prev_mine(s):
+        return next((x for x in reversed(mine) if x < s), None)
+
+    def next_mine(s):
+        return next((x for x in mine if x > s), None)
+
+    def remote_inputs():
+        out = []
+        for s in mine:
+            for mb in range(m):
+                if s > 0 and place.rank_of(s - 1) != rank and ("a", s, mb) not in sent:
+                    p_ = prev_mine(s)
+                    if p_ is None or Task(p_, "F", mb) in done:
+                        out.append(("a", s, mb))
+                if s < last and place.rank_of(s + 1) != rank and ("g", s, mb) not in sent:
+                    n_ = next_mine(s)
+                    if Task(s, "F", mb) in done and (n_ is None or Task(n_, bk, mb) in done):
+                        out.append(("g", s, mb))
+        return out
+
+    for _ in range(20 * len(spec.tasks_of(rank)) + 100):
+        if a.finished:
+            break
+        pending = remote_inputs()
+        if a.running is not None and (not pending or rng.random() < 0.5):
+            t = a.running
+            a.complete(t)
+            done.add(t)
+            c = spec.consumer(t)
+            if c is not None and place.rank_of(c.stage) == rank:
+                a.mark_input(c.stage, c.mb, c.kind != "F")
+            continue
+        if pending and (a.running is not None or rng.random() < 0.5):
+            k, s, mb = rng.choice(pending)
+            sent.add((k, s, mb))
+            a.mark_input(s, mb, k == "g")
+            continue
+        t = a.next()
+        if t is None:
+            assert pending, f"rank {rank} stuck: waits for {a.waiting_for()}"
+            continue
+        assert t not in done, f"{t} dispatched twice"
+        for d in spec.dependencies(t):
+            if place.rank_of(d.stage) == rank:
+                assert d in done, f"{t} dispatched before its dependency {d}"
+    assert a.finished, f"rank {rank} did not finish: waits for {a.waiting_for()}"
+    assert done == set(spec.tasks_of(rank))
+    bound = limit + (place.n_virtual if place.n_virtual > 1 else 0)
+    assert a.peak_inflight <= bound

@@ -10,9 +10,10 @@ float tensor: every stage boundary carries
     * ``scale`` float32 ``[B]``, never requires grad (a float side input),
 
 passed either as four positional arguments (how a runtime calls
-``stage(*outputs)``) or as one tuple, and every layer uses all four. ``ids`` and ``mask`` change from layer to layer
-so a runtime that forwards a stale tensor gives different results than the
-reference; ``scale`` is passed through as the very same tensor.
+``stage(*outputs)``) or as one tuple, and every layer uses all four. ``ids``
+and ``mask`` change from layer to layer so a runtime that forwards a stale
+tensor gives different results than the reference; ``scale`` is passed
+through as the very same tensor.
 
 Each layer computes
 ``x' = tanh(linear(x)) * scale[:, None] + embedding(ids) * mask[:, None]``,
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rrfp.model.gpt import stage_layer_ranges, _full_param_name
+from rrfp.model.gpt import _full_param_name, stage_layer_ranges
 
 __all__ = [
     "ToyConfig",
@@ -99,7 +100,7 @@ def _as_io(args: tuple, d: int) -> ToyIO:
             "toy stages take (x, ids, mask, scale), as four tensors or one tuple"
         )
     x, ids, mask, scale = io
-    b = x.shape[0]
+    b = x.shape[0] if x.dim() else -1
     if (
         x.dtype != torch.float32
         or x.shape != (b, d)

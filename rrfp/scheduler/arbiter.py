@@ -25,6 +25,10 @@ import heapq
 from .hints import Hint
 from .tasks import B, F, I, W, PipelineSpec, Task
 
+# Task(...) runs a Python-level __new__; the arbiter builds a task per event, so its hot paths
+# build the tuple directly (same object, about half the cost).
+_new = tuple.__new__
+
 
 class SchedulingError(RuntimeError):
     """An event that cannot happen in a correct pipeline (duplicate input, unknown task)."""
@@ -90,41 +94,48 @@ class Arbiter:
         self._vidx = {s: i for i, s in enumerate(self.stages)}
         self._last_stage = spec.n_stages - 1
         self._bk = spec.backward_kind
+        self._n_mb = spec.n_microbatches
         self._interleaved = len(self.stages) > 1
         self.n_tasks = len(self.stages) * spec.n_microbatches * (3 if spec.split_backward else 2)
         self.n_done = 0
         self.inflight = 0
         self.peak_inflight = 0
         self.running: Task | None = None
-        self._grad: set[tuple[int, int]] = set()
-        self._act: set[tuple[int, int]] = set()
-        self._fdone: set[tuple[int, int]] = set()
-        self._done: set[Task] = set()
+        # Per-(stage, microbatch) state as flags indexed by virtual index * M + microbatch:
+        # bytearrays keep a 128-rank, 1024-microbatch simulation in cache, where sets of
+        # tuples (millions of objects) made every event a cache miss and fed the GC.
+        n = len(self.stages) * spec.n_microbatches
+        self._act = bytearray(n)  # activation arrived (stage 0: the data)
+        self._grad = bytearray(n)  # gradient arrived
+        # Kind codes index the next two: 0 = F, 1 = B or I (one spec has one of them), 2 = W.
+        self._done = (bytearray(n), bytearray(n), bytearray(n))  # finished
+        self._rdy = (bytearray(n), bytearray(n), bytearray(n))  # in the ready set
         # Policy hints keep one heap per direction, keyed by the hint's within-direction
-        # preference; total-order hints keep a plain set and scan their order.
+        # preference; total-order hints scan their order.
         self._policy = hint.order is None
         self._rf: list[tuple[int, int, int]] = []  # (virtual index, mb, stage): F prefers lower
         self._rb: list[tuple[int, int, int]] = []  # (-virtual index, mb, stage): B prefers higher
         self._rw: list[tuple[int, int, int]] = []  # (mb, -virtual index, stage)
-        self._ready: set[Task] = set()
+        # Entries taken out of a heap's middle by the completion order, one set per heap (the
+        # heaps' entries can be equal tuples); dropped lazily when they reach the top, so
+        # that a heap is empty exactly when it holds no live entry.
+        self._stale: dict[int, set[tuple[int, int, int]]] = {id(self._rf): set(), id(self._rb): set(), id(self._rw): set()}
+        self._n_stale = 0
         self._phase = hint.first
         self._alternate = hint.alternate
         if hint.order is not None:
             validate_rank_order(spec, rank, list(hint.order[rank]))
             self._order = list(hint.order[rank])
+            self._keys = [self._key(t) for t in self._order]
             self._pos = 0  # first index of self._order not yet dispatched (strict: the next)
         if self._interleaved:
-            M = spec.n_microbatches
-            self._canon = [
-                t
-                for m in range(M)
-                for t in [Task(s, F, m) for s in self.stages]
-                + [Task(s, self._bk, m) for s in reversed(self.stages)]
-            ]
+            # The completion order (m = 0..M-1, each F_0..F_{V-1}, B_{V-1}..B_0) is computed
+            # position by position (_next_completion_order) rather than stored: M * 2V tasks per rank.
+            self._canon_len = spec.n_microbatches * 2 * len(self.stages)
             self._canon_pos = 0
         if self.stages[0] == 0:
             for m in range(spec.n_microbatches):
-                self._act.add((0, m))
+                self._act[m] = 1
                 self._make_ready(Task(0, F, m))
 
     # ----------------------------------------------------------------- events
@@ -140,22 +151,28 @@ class Arbiter:
         Raises:
             SchedulingError: for a stage this rank does not hold, or a duplicate input.
         """
-        if stage not in self._vidx or not 0 <= mb < self.spec.n_microbatches:
+        v = self._vidx.get(stage)
+        if v is None or not 0 <= mb < self._n_mb:
             raise SchedulingError(
                 f"rank {self.rank}: input for stage {stage} microbatch {mb}, which this rank does not run"
             )
-        key = (stage, mb)
+        i = v * self._n_mb + mb
+        # _make_ready inlined: the simulator calls this once per message.
         if grad:
-            if key in self._grad or stage == self._last_stage:
+            if self._grad[i] or stage == self._last_stage:
                 raise SchedulingError(f"rank {self.rank}: duplicate gradient for stage {stage} microbatch {mb}")
-            self._grad.add(key)
-            if key in self._fdone:
-                self._make_ready(Task(stage, self._bk, mb))
+            self._grad[i] = 1
+            if self._done[0][i]:
+                self._rdy[1][i] = 1
+                if self._policy:
+                    heapq.heappush(self._rb, (-v, mb, stage))
         else:
-            if key in self._act:
+            if self._act[i]:
                 raise SchedulingError(f"rank {self.rank}: duplicate activation for stage {stage} microbatch {mb}")
-            self._act.add(key)
-            self._make_ready(Task(stage, F, mb))
+            self._act[i] = 1
+            self._rdy[0][i] = 1
+            if self._policy:
+                heapq.heappush(self._rf, (v, mb, stage))
 
     def complete(self, task: Task) -> None:
         """The dispatched ``task`` finished.
@@ -163,24 +180,32 @@ class Arbiter:
         Raises:
             SchedulingError: if ``task`` is not the running task.
         """
-        if task != self.running:
+        if task is not self.running and task != self.running:
             raise SchedulingError(f"rank {self.rank}: completed {task} but {self.running} was running")
         self.running = None
         self.n_done += 1
-        self._done.add(task)
         s, k, m = task
+        v = self._vidx[s]
+        i = v * self._n_mb + m
+        # _make_ready inlined: the simulator calls this once per task.
         if k == F:
+            self._done[0][i] = 1
             self.inflight += 1
             if self.inflight > self.peak_inflight:
                 self.peak_inflight = self.inflight
-            self._fdone.add((s, m))
-            if s == self._last_stage or (s, m) in self._grad:
-                self._make_ready(Task(s, self._bk, m))
-        elif k == I:
+            if s == self._last_stage or self._grad[i]:
+                self._rdy[1][i] = 1
+                if self._policy:
+                    heapq.heappush(self._rb, (-v, m, s))
+        elif k == W:
+            self._done[2][i] = 1
+        else:
+            self._done[1][i] = 1
             self.inflight -= 1
-            self._make_ready(Task(s, W, m))
-        elif k == B:
-            self.inflight -= 1
+            if k == I:
+                self._rdy[2][i] = 1
+                if self._policy:
+                    heapq.heappush(self._rw, (m, -v, s))
 
     # --------------------------------------------------------------- decisions
     def next(self) -> Task | None:
@@ -193,10 +218,12 @@ class Arbiter:
         if self.running is not None:
             raise SchedulingError(f"rank {self.rank}: next() while {self.running} is running")
         if self.strict:
-            if self._pos < len(self._order) and self._order[self._pos] in self._ready:
-                t = self._order[self._pos]
-                self._pos += 1
-                return self._dispatch(t)
+            if self._pos < len(self._order):
+                c, i = self._keys[self._pos]
+                if self._rdy[c][i]:
+                    t = self._order[self._pos]
+                    self._pos += 1
+                    return self._dispatch(t)
             return None
         if self._interleaved and self.inflight >= self.limit:
             return self._next_completion_order()
@@ -205,14 +232,12 @@ class Arbiter:
         return self._next_in_order(self.inflight < self.limit)
 
     def _next_policy(self, f_allowed: bool) -> Task | None:
-        have_f = f_allowed and bool(self._rf)
-        have_b = bool(self._rb)
-        if have_f and have_b:
-            kind = self._phase
-        elif have_b:
+        # The simulator calls this once per task: pops and dispatch are inlined.
+        rf, rb = self._rf, self._rb
+        if f_allowed and rf:
+            kind = self._phase if rb else F
+        elif rb:
             kind = "B"
-        elif have_f:
-            kind = F
         elif self._rw:
             return self._dispatch(self._pop(self._rw, W))
         else:
@@ -220,69 +245,111 @@ class Arbiter:
         if self._alternate:
             self._phase = F if kind == "B" else "B"
         if kind == F:
-            return self._dispatch(self._pop(self._rf, F))
-        return self._dispatch(self._pop(self._rb, self._bk))
-
-    def _next_in_order(self, f_allowed: bool) -> Task | None:
-        order, ready = self._order, self._ready
-        while self._pos < len(order) and order[self._pos] in self._done:
-            self._pos += 1
-        for i in range(self._pos, len(order)):
-            t = order[i]
-            if t in ready and (f_allowed or t.kind != F):
-                return self._dispatch(t)
-        return None
-
-    def _next_completion_order(self) -> Task | None:
-        canon, done = self._canon, self._done
-        while self._canon_pos < len(canon) and canon[self._canon_pos] in done:
-            self._canon_pos += 1
-        if self._canon_pos < len(canon):
-            t = canon[self._canon_pos]
-            if t in self._ready:
-                if self._policy:
-                    self._remove_from_heap(t)
-                return self._dispatch(t)
-        # W never changes D, so it may fill the wait without weakening the bound.
-        if self._policy:
-            return self._dispatch(self._pop(self._rw, W)) if self._rw else None
-        for t in self._order[self._pos:]:
-            if t.kind == W and t in self._ready:
-                return self._dispatch(t)
-        return None
-
-    # ------------------------------------------------------------- internals
-    def _make_ready(self, t: Task) -> None:
-        if self._policy:
-            v = self._vidx[t.stage]
-            if t.kind == F:
-                heapq.heappush(self._rf, (v, t.mb, t.stage))
-            elif t.kind == W:
-                heapq.heappush(self._rw, (t.mb, -v, t.stage))
-            else:
-                heapq.heappush(self._rb, (-v, t.mb, t.stage))
-        self._ready.add(t)
-
-    @staticmethod
-    def _pop(heap: list[tuple[int, int, int]], kind: str) -> Task:
-        a, b, s = heapq.heappop(heap)
-        return Task(s, kind, b if kind != W else a)
-
-    def _dispatch(self, t: Task) -> Task:
-        self._ready.discard(t)
+            v, m, s = heapq.heappop(rf)
+            if self._n_stale:
+                self._drop_stale(rf)
+            self._rdy[0][v * self._n_mb + m] = 0
+            t = _new(Task, (s, F, m))
+        else:
+            v, m, s = heapq.heappop(rb)
+            if self._n_stale:
+                self._drop_stale(rb)
+            self._rdy[1][-v * self._n_mb + m] = 0
+            t = _new(Task, (s, self._bk, m))
         self.running = t
         return t
 
-    def _remove_from_heap(self, t: Task) -> None:
+    def _next_in_order(self, f_allowed: bool) -> Task | None:
+        order, keys, rdy, done = self._order, self._keys, self._rdy, self._done
+        n = len(order)
+        while self._pos < n and done[keys[self._pos][0]][keys[self._pos][1]]:
+            self._pos += 1
+        for j in range(self._pos, n):
+            c, i = keys[j]
+            if rdy[c][i] and (f_allowed or c != 0):
+                return self._dispatch(order[j])
+        return None
+
+    def _next_completion_order(self) -> Task | None:
+        # Position pos of the completion order is microbatch pos // 2V; within it, F on
+        # virtual stages 0..V-1, then the backward on V-1..0. Computed, not stored.
+        done, n, M = self._done, self._canon_len, self._n_mb
+        nv = len(self.stages)
+        per = 2 * nv
+        pos = self._canon_pos
+        while pos < n:
+            m, j = divmod(pos, per)
+            c, v = (0, j) if j < nv else (1, per - 1 - j)
+            i = v * M + m
+            if not done[c][i]:
+                break
+            pos += 1
+        self._canon_pos = pos
+        if pos < n and self._rdy[c][i]:
+            s = self.stages[v]
+            self._rdy[c][i] = 0
+            if c == 0:
+                t = _new(Task, (s, F, m))
+                if self._policy:
+                    self._remove_from_heap(self._rf, (v, m, s))
+            else:
+                t = _new(Task, (s, self._bk, m))
+                if self._policy:
+                    self._remove_from_heap(self._rb, (-v, m, s))
+            self.running = t
+            return t
+        # W never changes D, so it may fill the wait without weakening the bound.
+        if self._policy:
+            return self._dispatch(self._pop(self._rw, W)) if self._rw else None
+        rdy = self._rdy[2]
+        for j in range(self._pos, len(self._order)):
+            c, i = self._keys[j]
+            if c == 2 and rdy[i]:
+                return self._dispatch(self._order[j])
+        return None
+
+    # ------------------------------------------------------------- internals
+    def _key(self, t: Task) -> tuple[int, int]:
+        """(kind code, flag index) of one of this rank's tasks."""
+        s, k, m = t
+        return (0 if k == F else 2 if k == W else 1), self._vidx[s] * self._n_mb + m
+
+    def _make_ready(self, t: Task) -> None:
+        if self._policy:
+            s, k, m = t
+            v = self._vidx[s]
+            if k == F:
+                heapq.heappush(self._rf, (v, m, s))
+            elif k == W:
+                heapq.heappush(self._rw, (m, -v, s))
+            else:
+                heapq.heappush(self._rb, (-v, m, s))
+        c, i = self._key(t)
+        self._rdy[c][i] = 1
+
+    def _pop(self, heap: list[tuple[int, int, int]], kind: str) -> Task:
+        a, b, s = heapq.heappop(heap)
+        if self._n_stale:
+            self._drop_stale(heap)
+        return _new(Task, (s, kind, b if kind != W else a))
+
+    def _drop_stale(self, heap: list[tuple[int, int, int]]) -> None:
+        stale = self._stale[id(heap)]
+        while heap and heap[0] in stale:
+            stale.discard(heapq.heappop(heap))
+            self._n_stale -= 1
+
+    def _dispatch(self, t: Task) -> Task:
+        c, i = self._key(t)
+        self._rdy[c][i] = 0
+        self.running = t
+        return t
+
+    def _remove_from_heap(self, heap: list[tuple[int, int, int]], item: tuple[int, int, int]) -> None:
         # Only the completion-order path picks a task that may sit anywhere in a heap.
-        v = self._vidx[t.stage]
-        heap, item = (
-            (self._rf, (v, t.mb, t.stage)) if t.kind == F
-            else (self._rw, (t.mb, -v, t.stage)) if t.kind == W
-            else (self._rb, (-v, t.mb, t.stage))
-        )
-        heap.remove(item)
-        heapq.heapify(heap)
+        self._stale[id(heap)].add(item)
+        self._n_stale += 1
+        self._drop_stale(heap)
 
     # ------------------------------------------------------------ diagnostics
     def waiting_for(self, limit: int = 3) -> str:
@@ -294,10 +361,11 @@ class Arbiter:
         place = self.spec.placement
         missing = []
         for m in range(self.spec.n_microbatches):
-            for s in self.stages:
-                if (s, m) not in self._act:
+            for v, s in enumerate(self.stages):
+                i = v * self._n_mb + m
+                if not self._act[i]:
                     missing.append(f"activation for {Task(s, F, m)} from stage {s - 1} (rank {place.rank_of(s - 1)})")
-                elif (s, m) in self._fdone and s != self._last_stage and (s, m) not in self._grad:
+                elif self._done[0][i] and s != self._last_stage and not self._grad[i]:
                     missing.append(
                         f"gradient for {Task(s, self._bk, m)} from stage {s + 1} (rank {place.rank_of(s + 1)})"
                     )

@@ -209,9 +209,12 @@ def interleaved_1f1b(spec: PipelineSpec) -> Order:
     ``min((V - 1) * round + 2 * (p - 1 - r), V * M)`` forwards, then runs one forward and one
     backward per slot (forward first), then drains.
 
+    With ``V = 1`` any ``M`` is accepted (the round size then changes nothing; PyTorch still
+    refuses the counts it refuses for ``V > 1``).
+
     Raises:
-        ValueError: for the ``v`` placement with ``V > 1``, or a microbatch count PyTorch
-            refuses (see :func:`microbatches_per_round`).
+        ValueError: for the ``v`` placement with ``V > 1``, or, with ``V > 1``, a microbatch
+            count PyTorch refuses (see :func:`microbatches_per_round`).
     """
     if spec.placement.kind != "loop" and spec.placement.n_virtual > 1:
         raise ValueError("schedule interleaved-1f1b needs the loop placement (stage s on rank s % ranks)")

@@ -1,0 +1,299 @@
+"""Run several hints on one simulated pipeline and compare them (what ``rrfp simulate`` does).
+
+:class:`SimConfig` holds a pipeline and its duration model; :func:`run_one` simulates one hint
+on it through :func:`rrfp.scheduler.hints.resolve_hint` and the real arbiter;
+:func:`compare` runs several hints under the same seed (same workload, same noise per task)
+and fills each one's speedup over a baseline (strict 1F1B by default); :func:`sweep` repeats
+that over pipeline depth, microbatches per stage, jitter level and encoder imbalance.
+
+Pure module: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Sequence
+
+from ..scheduler.hints import resolve_hint
+from ..scheduler.schedules import one_f_one_b_limits
+from ..scheduler.tasks import Placement
+from .costs import CostModel
+from .duration import CommModel, Dist, DurationModel
+from .engine import SimResult, simulate
+from .jitter import JitterLevel
+from .metrics import RunSummary, set_speedups, summarize
+
+DEFAULT_F = 0.010
+DEFAULT_B = 0.020
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated pipeline and its duration model (units: seconds, bytes, bytes/s).
+
+    Attributes:
+        n_ranks, n_virtual, placement: the placement (:class:`~rrfp.scheduler.tasks.Placement`).
+        n_microbatches: microbatches per step.
+        steps: steps run back to back; step_overhead: seconds between a rank's steps.
+        limit: the in-flight limit: an int, a per-rank list, or ``"1f1b"`` (1F1B's own
+            per-rank limits ``p - r``, which match its activation memory).
+        costs: per-stage costs (None: every stage ``F = 10 ms``, ``B = 20 ms``).
+        seed, jitter, noise, seqlen, images, samples_per_microbatch, encoder_stages,
+        encoder_scale, stragglers: the compute model (:class:`~rrfp.sim.duration.DurationModel`).
+        latency, bandwidth, comm_noise, comm_jitter: the message model
+            (:class:`~rrfp.sim.duration.CommModel`).
+    """
+
+    n_ranks: int
+    n_microbatches: int
+    n_virtual: int = 1
+    placement: str = "loop"
+    steps: int = 1
+    step_overhead: float = 0.0
+    limit: Any = 32
+    costs: CostModel | None = None
+    seed: int = 0
+    jitter: JitterLevel | None = None
+    noise: float = 0.0
+    seqlen: Dist | None = None
+    images: Dist | None = None
+    samples_per_microbatch: int = 1
+    encoder_stages: int = 1
+    encoder_scale: float = 1.0
+    stragglers: dict[int, float] = field(default_factory=dict)
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    comm_noise: float = 0.0
+    comm_jitter: JitterLevel | None = None
+
+    def make_placement(self) -> Placement:
+        """Raises ValueError for a bad count or placement kind."""
+        return Placement(self.n_ranks, self.n_virtual, self.placement)
+
+    def limits(self) -> int | list[int]:
+        """The in-flight limit as the arbiter takes it.
+
+        Raises:
+            ValueError: a limit that is not ``"1f1b"``, an int >= 1, or one int per rank.
+        """
+        lim = self.limit
+        if lim == "1f1b":
+            return one_f_one_b_limits(self.n_ranks)
+        if isinstance(lim, int) and not isinstance(lim, bool) and lim >= 1:
+            return lim
+        if isinstance(lim, (list, tuple)) and len(lim) == self.n_ranks and all(
+            isinstance(x, int) and x >= 1 for x in lim
+        ):
+            return list(lim)
+        raise ValueError(f"in-flight limit {lim!r}: expected an integer >= 1, '1f1b', or one per rank")
+
+    def cost_model(self) -> CostModel:
+        """Costs fitted to the pipeline's stage count.
+
+        Raises:
+            ValueError: a multi-stage cost model of the wrong length.
+        """
+        n = self.n_ranks * self.n_virtual
+        if self.costs is None:
+            return CostModel.uniform(n, DEFAULT_F, DEFAULT_B)
+        return self.costs.for_stages(n)
+
+    def duration_model(self) -> DurationModel:
+        return DurationModel(
+            self.cost_model(), seed=self.seed, jitter=self.jitter, noise=self.noise, seqlen=self.seqlen,
+            images=self.images, samples_per_microbatch=self.samples_per_microbatch,
+            encoder_stages=self.encoder_stages, encoder_scale=self.encoder_scale, stragglers=self.stragglers,
+        )
+
+    def comm_model(self) -> CommModel:
+        return CommModel(
+            self.cost_model(), latency=self.latency, bandwidth=self.bandwidth, noise=self.comm_noise,
+            jitter=self.comm_jitter, seed=self.seed,
+        )
+
+
+def _resolve(text: str, placement: Placement, n_microbatches: int, limits: Any):
+    try:
+        return resolve_hint(text, placement, n_microbatches, inflight_limit=limits)
+    except TypeError:  # a resolve_hint without the keyword (strict policies not compiled)
+        return resolve_hint(text, placement, n_microbatches)
+
+
+def run_one(cfg: SimConfig, hint: str, *, record: bool = True) -> tuple[RunSummary, SimResult]:
+    """Simulate ``hint`` (``"bf"``, ``"strict-1f1b"``, any text resolve_hint accepts) on
+    ``cfg`` with a fresh duration model.
+
+    Returns:
+        the run's summary (lower bound included when ``record``) and the raw result.
+
+    Raises:
+        ValueError: an unknown hint, one that does not fit the placement or microbatch count,
+            or a bad configuration (one line each).
+        rrfp.sim.engine.DeadlockError: the schedule cannot finish.
+    """
+    placement = cfg.make_placement()
+    limits = cfg.limits()
+    spec, h, strict = _resolve(hint, placement, cfg.n_microbatches, limits)
+    comm = cfg.comm_model()
+    delay = None if comm.is_zero else comm
+    kw: dict[str, Any] = {} if delay is None else {"delay": delay}
+    res = simulate(
+        spec, h, cfg.duration_model(), strict=strict, inflight_limit=limits, steps=cfg.steps,
+        step_overhead=cfg.step_overhead, record=record, **kw,
+    )
+    act = [c.act_bytes for c in cfg.cost_model().stages]
+    if record:
+        summary = summarize(
+            hint, spec, res, act, delay=delay, steps=cfg.steps, step_overhead=cfg.step_overhead, limit=cfg.limit
+        )
+    else:
+        held = res.peak_inflight_stage
+        summary = RunSummary(hint, res.makespan, res.bubble_fraction(), list(held),
+                             [h_ * a for h_, a in zip(held, act)], [], math.nan, limit=cfg.limit)
+    summary.extra["split_backward"] = spec.split_backward
+    summary.extra["strict"] = strict
+    return summary, res
+
+
+def default_baseline(n_virtual: int) -> str:
+    """Strict 1F1B, or strict interleaved 1F1B with virtual stages."""
+    return "strict-1f1b" if n_virtual == 1 else "strict-interleaved-1f1b"
+
+
+def compare(
+    cfg: SimConfig,
+    hints: Sequence[str],
+    baseline: str | None = "auto",
+    *,
+    on_result: Callable[[str, RunSummary, SimResult], None] | None = None,
+) -> list[RunSummary]:
+    """Run each hint (and the baseline, appended when missing) on ``cfg`` and set each
+    row's speedup over the baseline.
+
+    Args:
+        baseline: a hint text, ``"auto"`` (:func:`default_baseline`) or None (no speedups).
+        on_result: called after each run (e.g. to write its trace).
+
+    Raises:
+        ValueError / DeadlockError: as :func:`run_one`, naming the hint.
+    """
+    if baseline == "auto":
+        baseline = default_baseline(cfg.n_virtual)
+    names = list(dict.fromkeys(hints))
+    if baseline and baseline not in names:
+        names.append(baseline)
+    rows = []
+    base_row = None
+    for name in names:
+        try:
+            summary, res = run_one(cfg, name)
+        except ValueError as e:
+            raise ValueError(f"hint {name!r}: {e}") from None
+        if on_result:
+            on_result(name, summary, res)
+        rows.append(summary)
+        if name == baseline:
+            base_row = summary
+    set_speedups(rows, base_row)
+    return rows
+
+
+@dataclass
+class SweepPoint:
+    """One configuration of a sweep and its runs, by hint (a missing hint did not apply)."""
+
+    n_ranks: int
+    mb_per_stage: int
+    n_microbatches: int
+    jitter: str
+    imbalance: float
+    runs: dict[str, RunSummary]
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def sweep(
+    base: SimConfig,
+    *,
+    depths: Iterable[int],
+    mb_per_stage: Iterable[int],
+    jitters: Iterable[JitterLevel | None],
+    imbalances: Iterable[float],
+    hints: Sequence[str],
+    baseline: str | None = "auto",
+    seeds: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> list[SweepPoint]:
+    """The paper's scaling study on the simulator: every combination of pipeline depth
+    (ranks), microbatches per stage (``M = mb_per_stage * ranks``), jitter level and encoder
+    imbalance (``encoder_scale``), each hint under ``seeds`` seeds (makespans averaged; the
+    lower bound averaged too). A hint that does not fit a configuration is recorded in
+    ``errors`` instead of stopping the sweep.
+
+    Raises:
+        ValueError: ``seeds < 1``.
+    """
+    if seeds < 1:
+        raise ValueError(f"seeds={seeds}: expected at least 1")
+    if baseline == "auto":
+        baseline = default_baseline(base.n_virtual)
+    names = list(dict.fromkeys(list(hints) + ([baseline] if baseline else [])))
+    points = []
+    for P in depths:
+        for mps in mb_per_stage:
+            for jit in jitters:
+                for imb in imbalances:
+                    cfg = replace(base, n_ranks=P, n_microbatches=mps * P, jitter=jit, encoder_scale=imb)
+                    pt = SweepPoint(P, mps, mps * P, jit.name if jit else "J0", imb, {})
+                    for name in names:
+                        try:
+                            runs = [run_one(replace(cfg, seed=base.seed + k), name)[0] for k in range(seeds)]
+                        except ValueError as e:
+                            pt.errors[name] = str(e)
+                            continue
+                        avg = runs[0]
+                        avg.makespan = sum(r.makespan for r in runs) / seeds
+                        avg.lower_bound = sum(r.lower_bound for r in runs) / seeds
+                        avg.bubble = [sum(b) / seeds for b in zip(*(r.bubble for r in runs))]
+                        pt.runs[name] = avg
+                    set_speedups(list(pt.runs.values()), pt.runs.get(baseline) if baseline else None)
+                    points.append(pt)
+                    if progress:
+                        progress(f"P={P} m/stage={mps} jitter={pt.jitter} imbalance={imb:g}: done")
+    return points
+
+
+def sweep_table(points: Sequence[SweepPoint], hints: Sequence[str], baseline: str | None) -> tuple[list[str], list[list[str]]]:
+    """Header and cells of the sweep's table: one row per configuration; the baseline's
+    makespan and mean bubble, the lower bound (the smallest of the runs' bounds, so it holds
+    for each), then each hint's speedup over the baseline (``n/a`` where the hint did not
+    apply), and the fastest hint."""
+    others = [h for h in dict.fromkeys(hints) if h != baseline]
+    header = ["ranks", "mb/stage", "M", "jitter", "imbalance"]
+    if baseline:
+        header += [f"{baseline} (s)", f"{baseline} bubble"]
+    header += ["bound (s)"] + [f"{h} speedup" for h in others] + ["best"]
+    cells = []
+    for pt in points:
+        row = [str(pt.n_ranks), str(pt.mb_per_stage), str(pt.n_microbatches), pt.jitter, f"{pt.imbalance:g}"]
+        base = pt.runs.get(baseline) if baseline else None
+        if baseline:
+            row += [f"{base.makespan:.4g}", f"{base.bubble_mean:.2f}"] if base else ["n/a", "n/a"]
+        # Each run is bounded with its own durations (jitter depends on the dispatch order;
+        # split and full backward differ): the smallest bound holds for every run.
+        bound = min((r.lower_bound for r in pt.runs.values()), default=math.nan)
+        row.append(f"{bound:.4g}")
+        best, best_v = "", -1.0
+        for h in others:
+            r = pt.runs.get(h)
+            if r is None or r.speedup is None:
+                row.append("n/a")
+                continue
+            row.append(f"{r.speedup:.2f}x")
+            if r.speedup > best_v:
+                best, best_v = h, r.speedup
+        if base is not None and best_v < 1.0:
+            best = baseline
+        row.append(best)
+        cells.append(row)
+    return header, cells

@@ -1,0 +1,339 @@
+"""Duration models: seconds per task and per message, seeded and order-independent.
+
+:class:`DurationModel` is the ``duration(step, rank, task) -> seconds`` function the simulator
+calls (and the real runtime can call to pad or delay its tasks to the same durations, so that
+simulated and measured runs can be compared task by task). :class:`CommModel` is the
+``delay(step, src, dst, task) -> seconds`` of a message.
+
+A task's duration, for stage ``s`` and microbatch ``m`` in step ``k``::
+
+    c = cost[s][kind]                     (CostModel: flags, TOML or a profile JSON)
+        * encoder_scale                   (first `encoder_stages` stages only: encoder/LLM imbalance)
+        * images(k, m) / E[images]        (the same stages, when an image-count distribution is set)
+        * seqlen(k, m)                    (a per-microbatch sequence-length ratio, mean ~1)
+        * straggler[rank]                 (slowdown factor of a straggler rank, default 1)
+        * lognormal(k, s, m, kind)        (compute noise, mean 1)
+    duration = c + injected(k, s, m, kind, e_s)   (RRFP §7 jitter, e_s the stage's running mean of c)
+
+A message from the task that produced it (``F`` of stage ``s``: ``msg_bytes[s]``; ``B``/``I`` of
+stage ``s``: ``msg_bytes[s - 1]``, the gradient of that stage's output)::
+
+    delay = (latency + bytes / bandwidth) * lognormal(...) + injected(..., e = that nominal time)
+
+Every draw is keyed by ``(seed, step, stage, microbatch, kind)`` (:mod:`rrfp.sim.jitter`), so
+policies compared under one seed see the same workload and the same noise for each task.
+
+Pure module: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Mapping
+
+from ..scheduler.tasks import F, Task
+from .costs import CostModel
+from .jitter import (
+    STREAM_COMM_HIT,
+    STREAM_COMM_NOISE,
+    STREAM_COMM_SIZE,
+    STREAM_IMAGES,
+    STREAM_NOISE,
+    STREAM_SEQLEN,
+    InjectedJitter,
+    JitterLevel,
+    injected_delay,
+    keyed_uniform,
+    lognormal_factor,
+)
+
+_NORMAL = NormalDist()
+
+
+@dataclass(frozen=True)
+class Dist:
+    """A distribution over non-negative numbers, sampled by inverse CDF from one uniform (so a
+    keyed uniform gives a keyed sample).
+
+    Text forms (:meth:`parse`): ``fixed:x``, ``uniform:lo,hi``, ``lognormal:sigma`` (mean 1),
+    ``poisson:lam``, ``randint:lo,hi`` (inclusive), ``choice:a,b,...`` (equally likely).
+
+    Raises:
+        ValueError: for a bad form or parameters.
+    """
+
+    kind: str
+    params: tuple[float, ...]
+
+    _ARITY = {"fixed": 1, "uniform": 2, "lognormal": 1, "poisson": 1, "randint": 2, "choice": -1}
+
+    def __post_init__(self) -> None:
+        k, p = self.kind, self.params
+        if k not in self._ARITY:
+            raise ValueError(f"distribution {k!r}: expected one of {', '.join(self._ARITY)}")
+        n = self._ARITY[k]
+        if (n >= 0 and len(p) != n) or (n < 0 and not p):
+            raise ValueError(f"distribution {k}: expected {n if n >= 0 else 'one or more'} parameters, got {len(p)}")
+        if any(x < 0 or not math.isfinite(x) for x in p):
+            raise ValueError(f"distribution {k}:{','.join(map(str, p))}: parameters must be finite and >= 0")
+        if k in ("uniform", "randint") and p[0] > p[1]:
+            raise ValueError(f"distribution {k}: lo={p[0]} > hi={p[1]}")
+        if k == "poisson" and p[0] > 500:
+            raise ValueError(f"distribution poisson: lam={p[0]} too large (at most 500)")
+
+    @classmethod
+    def parse(cls, text: str) -> "Dist":
+        """Parse ``kind:p1,p2,...``.
+
+        Raises:
+            ValueError: one line naming the text and the accepted forms.
+        """
+        kind, _, rest = text.strip().partition(":")
+        try:
+            params = tuple(float(x) for x in rest.split(",")) if rest else ()
+        except ValueError:
+            raise ValueError(
+                f"distribution {text!r}: expected kind:numbers, e.g. uniform:0.5,1.5, lognormal:0.3, poisson:2"
+            ) from None
+        return cls(kind.strip().lower(), params)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{','.join(f'{x:g}' for x in self.params)}"
+
+    @property
+    def mean(self) -> float:
+        k, p = self.kind, self.params
+        if k in ("fixed", "poisson"):
+            return p[0]
+        if k in ("uniform", "randint"):
+            return (p[0] + p[1]) / 2
+        if k == "lognormal":
+            return 1.0
+        return sum(p) / len(p)
+
+    def sample(self, u: float) -> float:
+        """The value at quantile ``u`` in ``[0, 1)``."""
+        k, p = self.kind, self.params
+        if k == "fixed":
+            return p[0]
+        if k == "uniform":
+            return p[0] + u * (p[1] - p[0])
+        if k == "lognormal":
+            z = _NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12))
+            return math.exp(p[0] * z - 0.5 * p[0] * p[0])
+        if k == "randint":
+            lo, hi = int(p[0]), int(p[1])
+            return float(min(hi, lo + int(u * (hi - lo + 1))))
+        if k == "choice":
+            return p[min(len(p) - 1, int(u * len(p)))]
+        lam = p[0]  # poisson: walk the CDF
+        n, term = 0, math.exp(-lam)
+        cdf = term
+        while u >= cdf and n < 10_000:
+            n += 1
+            term *= lam / n
+            cdf += term
+        return float(n)
+
+
+class DurationModel:
+    """``duration(step, rank, task) -> seconds`` (formula in the module docstring).
+
+    Stateful only through the injected jitter's per-stage running average, which advances
+    once per call: call it once per task, when the task starts, in each rank's dispatch order
+    (what :func:`rrfp.sim.engine.simulate` does). Build a fresh model (or :meth:`reset`) for
+    each run being compared.
+
+    Args:
+        costs: per-stage costs, one entry per stage of the pipeline.
+        seed: seeds every draw.
+        jitter: the injected-jitter level (None or J0: none).
+        noise: sigma of the lognormal compute noise (0: none).
+        seqlen: per-microbatch sequence-length ratio distribution (mean about 1), or None.
+        images: per-sample image-count distribution (multimodal), or None.
+        samples_per_microbatch: samples drawing an image count each.
+        encoder_stages: how many leading stages form the image encoder (scaled by
+            ``encoder_scale`` and by the image count).
+        encoder_scale: cost multiplier of the encoder stages (encoder/LLM imbalance).
+        stragglers: rank -> slowdown factor (``>= 0``).
+
+    Raises:
+        ValueError: for a negative factor or count, or an image distribution with mean 0.
+    """
+
+    def __init__(
+        self,
+        costs: CostModel,
+        *,
+        seed: int = 0,
+        jitter: JitterLevel | None = None,
+        noise: float = 0.0,
+        seqlen: Dist | None = None,
+        images: Dist | None = None,
+        samples_per_microbatch: int = 1,
+        encoder_stages: int = 1,
+        encoder_scale: float = 1.0,
+        stragglers: Mapping[int, float] | None = None,
+    ) -> None:
+        if noise < 0 or encoder_scale < 0 or encoder_stages < 0 or samples_per_microbatch < 1:
+            raise ValueError(
+                f"noise={noise}, encoder_scale={encoder_scale}, encoder_stages={encoder_stages}, "
+                f"samples_per_microbatch={samples_per_microbatch}: expected noise, scale, stages >= 0 "
+                "and at least one sample per microbatch"
+            )
+        if images is not None and images.mean <= 0:
+            raise ValueError(f"image-count distribution {images}: mean must be > 0")
+        stragglers = dict(stragglers or {})
+        for r, f in stragglers.items():
+            if f < 0 or not math.isfinite(f):
+                raise ValueError(f"straggler rank {r}: factor {f}: expected a finite number >= 0")
+        self.costs = costs
+        self.seed = seed
+        self.jitter = jitter if jitter is not None and jitter.p > 0 else None
+        self.noise = noise
+        self.seqlen = seqlen
+        self.images = images
+        self.samples_per_microbatch = samples_per_microbatch
+        self.encoder_stages = encoder_stages
+        self.encoder_scale = encoder_scale
+        self.stragglers = stragglers
+        self._tab = costs.table()
+        for s in range(min(encoder_stages, len(self._tab))):
+            self._tab[s] = {k: v * encoder_scale for k, v in self._tab[s].items()}
+        self._inject = InjectedJitter(self.jitter, seed) if self.jitter else None
+        self._plain = self.jitter is None and noise == 0 and seqlen is None and images is None and not stragglers
+        self._mb_scale: dict[tuple[int, int], float] = {}
+        self._img_scale: dict[tuple[int, int], float] = {}
+
+    def reset(self) -> None:
+        """Forget the injected jitter's running averages (start of a new run)."""
+        if self._inject is not None:
+            self._inject.reset()
+
+    def seqlen_ratio(self, step: int, microbatch: int) -> float:
+        """Microbatch ``microbatch``'s sequence-length ratio in step ``step`` (1 without a
+        distribution). The same for every stage."""
+        if self.seqlen is None:
+            return 1.0
+        key = (step, microbatch)
+        r = self._mb_scale.get(key)
+        if r is None:
+            r = self._mb_scale[key] = self.seqlen.sample(
+                keyed_uniform(self.seed, step, -1, microbatch, None, STREAM_SEQLEN)
+            )
+        return r
+
+    def image_count(self, step: int, microbatch: int) -> float:
+        """Total images in the microbatch (sum over its samples' draws); the distribution's
+        mean times the sample count without a distribution."""
+        if self.images is None:
+            return self.samples_per_microbatch * 1.0
+        return sum(
+            self.images.sample(keyed_uniform(self.seed, step, i, microbatch, None, STREAM_IMAGES))
+            for i in range(self.samples_per_microbatch)
+        )
+
+    def _image_scale(self, step: int, microbatch: int) -> float:
+        key = (step, microbatch)
+        r = self._img_scale.get(key)
+        if r is None:
+            r = self._img_scale[key] = self.image_count(step, microbatch) / (
+                self.samples_per_microbatch * self.images.mean  # type: ignore[union-attr]
+            )
+        return r
+
+    def compute(self, step: int, rank: int, task: Task) -> float:
+        """Seconds of ``task`` without the injected jitter (stateless)."""
+        s, kind, m = task
+        c = self._tab[s][kind]
+        if self._plain:
+            return c
+        if self.images is not None and s < self.encoder_stages:
+            c *= self._image_scale(step, m)
+        if self.seqlen is not None:
+            c *= self.seqlen_ratio(step, m)
+        if self.stragglers:
+            c *= self.stragglers.get(rank, 1.0)
+        if self.noise:
+            c *= lognormal_factor(self.noise, self.seed, step, s, m, kind, STREAM_NOISE)
+        return c
+
+    def __call__(self, step: int, rank: int, task: Task) -> float:
+        if self._plain:
+            return self._tab[task[0]][task[1]]
+        c = self.compute(step, rank, task)
+        if self._inject is not None:
+            c += self._inject(step, task[0], task[2], task[1], c)
+        return c
+
+
+class CommModel:
+    """``delay(step, src, dst, task) -> seconds`` of the message ``task`` produced (formula in
+    the module docstring). Stateless: any call order gives the same delays.
+
+    Args:
+        costs: per-stage ``msg_bytes``.
+        latency: seconds per message.
+        bandwidth: bytes per second (``math.inf``: size costs nothing).
+        noise: sigma of the lognormal noise on each message (0: none).
+        jitter: injected-jitter level for messages (None: none); its ``e`` is the message's
+            nominal time.
+        seed: seeds every draw.
+
+    Raises:
+        ValueError: negative latency or noise, or a bandwidth that is not positive.
+    """
+
+    def __init__(
+        self,
+        costs: CostModel,
+        *,
+        latency: float = 0.0,
+        bandwidth: float = math.inf,
+        noise: float = 0.0,
+        jitter: JitterLevel | None = None,
+        seed: int = 0,
+    ) -> None:
+        if latency < 0 or noise < 0 or not bandwidth > 0:
+            raise ValueError(
+                f"latency={latency}, bandwidth={bandwidth}, noise={noise}: expected latency >= 0, "
+                "bandwidth > 0, noise >= 0"
+            )
+        self.costs = costs
+        self.latency = latency
+        self.bandwidth = bandwidth
+        self.noise = noise
+        self.jitter = jitter if jitter is not None and jitter.p > 0 else None
+        self.seed = seed
+        self._msg = [c.msg_bytes for c in costs.stages]
+
+    @property
+    def is_zero(self) -> bool:
+        """True when every message takes no time (the simulator then skips the calls)."""
+        sizes_free = self.bandwidth == math.inf or not any(self._msg)
+        return self.latency == 0 and sizes_free and self.jitter is None
+
+    def message_bytes(self, task: Task) -> int:
+        """Bytes of the message ``task`` sends: a forward's output, or a backward's gradient
+        for the previous stage's output."""
+        s = task[0]
+        return self._msg[s] if task[1] == F else self._msg[s - 1]
+
+    def nominal(self, task: Task) -> float:
+        """Seconds of the message without noise or jitter."""
+        b = self.message_bytes(task)
+        return self.latency + (b / self.bandwidth if b else 0.0)
+
+    def __call__(self, step: int, src: int, dst: int, task: Task) -> float:
+        s, kind, m = task
+        d = self.nominal(task)
+        if self.noise:
+            d *= lognormal_factor(self.noise, self.seed, step, s, m, kind, STREAM_COMM_NOISE)
+        if self.jitter is not None:
+            d += injected_delay(
+                self.jitter, self.seed, step, s, m, kind, self.nominal(task),
+                streams=(STREAM_COMM_HIT, STREAM_COMM_SIZE),
+            )
+        return d

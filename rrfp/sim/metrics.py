@@ -1,0 +1,264 @@
+"""What a simulated run is worth: bubbles, memory, the lower bound, and side-by-side tables.
+
+Lower bound (RRFP "Bounds": the busiest stage's work plus unavoidable fill and drain), made
+exact for any placement, cost model and communication delays, and computed from the run's own
+task durations (with jitter, durations depend on the dispatch order, so each run is bounded
+with its own). For each rank ``r`` with first stage ``s0`` (its lowest stage):
+
+- head: every task of ``r`` depends on a forward of ``s0`` (a backward needs its stage's
+  forward; ``F(s, m)`` on a later stage of ``r`` needs ``F(s0, m)``). ``F(s0, m)`` cannot start
+  before its activation went through stages ``0..s0-1``, none of which is on ``r``:
+  ``head_r = min_m sum_{j<s0} (F(j, m) + msg(j -> j+1))`` over step 0's durations.
+- work: ``r`` runs one task at a time, so its tasks fill ``work_r = sum of its durations`` and
+  ``(steps - 1) * step_overhead`` more between its steps.
+- tail: nothing of ``r`` depends on its last task, so that task is ``B(s0, m)`` for some ``m``
+  (any other backward of ``r`` feeds ``B(s0, m)``, any forward feeds its own backward), and
+  the gradient still has to go down stages ``s0-1..0``, none on ``r``:
+  ``tail_r = min_m sum_{j<s0} (msg(j+1 -> j) + B(j, m))`` in the last step. With a split
+  backward the last task can be a ``W``, which feeds nothing: ``tail_r = 0``.
+
+``makespan >= head_r + work_r + tail_r`` for every rank. Also, every microbatch's dependency
+chain ``F(0..S-1), then B/I(S-1..0), then the longest W after its I`` runs in sequence. The
+bound is the largest of all these. For ``p`` ranks, ``m`` microbatches, equal stages
+``(t_f, t_b)`` and no communication it is ``(m + p - 1)(t_f + t_b)``: the last rank's
+``(p-1) t_f`` fill, ``m (t_f + t_b)`` work and ``(p-1) t_b`` drain, which GPipe and 1F1B reach.
+
+Pure module: no torch.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task
+from .engine import SimResult, TaskRecord
+
+DelayFn = Callable[[int, int, int, Task], float]
+
+
+def _durations(records: Iterable[TaskRecord]) -> dict[tuple[int, int, str, int], float]:
+    return {(r.step, r.task[0], r.task[1], r.task[2]): r.end - r.start for r in records}
+
+
+def lower_bound(
+    spec: PipelineSpec,
+    records: Sequence[TaskRecord],
+    *,
+    delay: DelayFn | None = None,
+    steps: int = 1,
+    step_overhead: float = 0.0,
+) -> float:
+    """A lower bound on the makespan of any schedule of ``spec`` whose tasks take the durations
+    in ``records`` (derivation in the module docstring), in seconds.
+
+    Args:
+        records: every task of the run (``simulate(..., record=True)``).
+        delay: the run's message delays; must be a pure function of its arguments (as
+            :class:`~rrfp.sim.duration.CommModel` is). None: messages are free.
+        steps: the run's step count; step_overhead: seconds between a rank's steps.
+
+    Raises:
+        ValueError: when ``records`` lacks a task of the run.
+    """
+    dur = _durations(records)
+    place = spec.placement
+    P, S, M = place.n_ranks, spec.n_stages, spec.n_microbatches
+    bk = spec.backward_kind
+    rank_of = [place.rank_of(s) for s in range(S)]
+    expected = steps * len(spec.all_tasks())
+    if len(dur) != expected:
+        raise ValueError(f"lower bound: {len(dur)} task records for {expected} tasks ({steps} steps)")
+
+    def msg(step: int, src_stage: int, dst_stage: int, task: Task) -> float:
+        if delay is None or rank_of[src_stage] == rank_of[dst_stage]:
+            return 0.0
+        return delay(step, rank_of[src_stage], rank_of[dst_stage], task)
+
+    last = steps - 1
+    # fill[s][m]: earliest start of F(s, m) in step 0 by its forward chain alone.
+    fill = [[0.0] * M for _ in range(S)]
+    for s in range(1, S):
+        for m in range(M):
+            fill[s][m] = fill[s - 1][m] + dur[(0, s - 1, F, m)] + msg(0, s - 1, s, Task(s - 1, F, m))
+    # drain[s][m]: time after B(s, m) ends until B(0, m) can end, last step.
+    drain = [[0.0] * M for _ in range(S)]
+    for s in range(1, S):
+        for m in range(M):
+            drain[s][m] = drain[s - 1][m] + msg(last, s, s - 1, Task(s, bk, m)) + dur[(last, s - 1, bk, m)]
+
+    work = [0.0] * P
+    for (_, s, _, _), d in dur.items():
+        work[rank_of[s]] += d
+    best = 0.0
+    for r in range(P):
+        s0 = min(s for s in range(S) if rank_of[s] == r)
+        head = min(fill[s0])
+        tail = 0.0 if spec.split_backward else min(drain[s0])
+        best = max(best, head + work[r] + (steps - 1) * step_overhead + tail)
+    for k in range(steps):
+        for m in range(M):
+            t = 0.0
+            for s in range(S):
+                t += dur[(k, s, F, m)] + (msg(k, s, s + 1, Task(s, F, m)) if s + 1 < S else 0.0)
+            tail_w = 0.0
+            for s in range(S - 1, -1, -1):
+                t += dur[(k, s, bk, m)]
+                if spec.split_backward:
+                    tail_w = max(tail_w - dur[(k, s, bk, m)], dur[(k, s, W, m)])
+                if s > 0:
+                    c = msg(k, s, s - 1, Task(s, bk, m))
+                    t += c
+                    tail_w = max(0.0, tail_w - c)
+            best = max(best, t + tail_w)
+    return best
+
+
+def peak_memory_by_rank(spec: PipelineSpec, records: Sequence[TaskRecord], act_bytes: Sequence[int]) -> list[int]:
+    """Per rank, the most activation bytes held at once: ``act_bytes[s]`` from the end of
+    ``F(s, m)`` to the end of its input backward (``B`` or ``I``), summed over the rank's
+    stages and replayed in time order (exact, unlike the per-stage peaks summed)."""
+    P = spec.placement.n_ranks
+    events: list[list[tuple[float, int]]] = [[] for _ in range(P)]
+    for rec in records:
+        s, k, _ = rec.task
+        if k == F:
+            events[rec.rank].append((rec.end, act_bytes[s]))
+        elif k in (B, I):
+            events[rec.rank].append((rec.end, -act_bytes[s]))
+    out = []
+    for ev in events:
+        ev.sort()
+        cur = peak = 0
+        for _, b in ev:
+            cur += b
+            peak = max(peak, cur)
+        out.append(peak)
+    return out
+
+
+@dataclass
+class RunSummary:
+    """One simulated run, ready for a table.
+
+    Attributes:
+        hint: the hint text (``bf``, ``strict-1f1b``...).
+        makespan: seconds.
+        bubble: per rank, idle time / makespan.
+        peak_inflight: per stage, the most microbatches held (forward done, backward not).
+        peak_memory: per stage, ``peak_inflight * act_bytes`` (bytes).
+        peak_memory_rank: per rank, the most activation bytes held at once (bytes).
+        lower_bound: seconds (:func:`lower_bound`).
+        speedup: baseline makespan / this makespan (None without a baseline).
+        limit: the in-flight limit used (an int, or per rank).
+    """
+
+    hint: str
+    makespan: float
+    bubble: list[float]
+    peak_inflight: list[int]
+    peak_memory: list[int]
+    peak_memory_rank: list[int]
+    lower_bound: float
+    speedup: float | None = None
+    limit: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        """makespan / lower bound (>= 1)."""
+        return self.makespan / self.lower_bound if self.lower_bound > 0 else math.inf
+
+    @property
+    def bubble_mean(self) -> float:
+        return sum(self.bubble) / len(self.bubble)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        d["bubble_mean"] = self.bubble_mean
+        return d
+
+
+def summarize(
+    hint: str,
+    spec: PipelineSpec,
+    result: SimResult,
+    act_bytes: Sequence[int],
+    *,
+    delay: DelayFn | None = None,
+    steps: int = 1,
+    step_overhead: float = 0.0,
+    limit: Any = None,
+) -> RunSummary:
+    """Collect a :class:`RunSummary` from a run made with ``record=True``."""
+    lb = lower_bound(spec, result.records, delay=delay, steps=steps, step_overhead=step_overhead)
+    held = result.peak_inflight_stage
+    return RunSummary(
+        hint=hint,
+        makespan=result.makespan,
+        bubble=result.bubble_fraction(),
+        peak_inflight=list(held),
+        peak_memory=[h * a for h, a in zip(held, act_bytes)],
+        peak_memory_rank=peak_memory_by_rank(spec, result.records, act_bytes),
+        lower_bound=lb,
+        limit=limit,
+    )
+
+
+def set_speedups(rows: Sequence[RunSummary], baseline: RunSummary | None) -> None:
+    """Fill each row's ``speedup`` = baseline makespan / its makespan."""
+    for r in rows:
+        r.speedup = baseline.makespan / r.makespan if baseline and r.makespan > 0 else None
+
+
+_COLUMNS = (
+    ("policy", lambda r: r.hint),
+    ("makespan_s", lambda r: f"{r.makespan:.6g}"),
+    ("speedup", lambda r: "" if r.speedup is None else f"{r.speedup:.3f}"),
+    ("lower_bound_s", lambda r: f"{r.lower_bound:.6g}"),
+    ("makespan/bound", lambda r: f"{r.ratio:.3f}"),
+    ("bubble_mean", lambda r: f"{r.bubble_mean:.3f}"),
+    ("bubble_max", lambda r: f"{max(r.bubble):.3f}"),
+    ("peak_inflight_max", lambda r: str(max(r.peak_inflight))),
+    ("peak_act_MiB_max", lambda r: f"{max(r.peak_memory_rank) / 2**20:.1f}"),
+)
+
+
+def table_rows(rows: Sequence[RunSummary]) -> tuple[list[str], list[list[str]]]:
+    """Header and formatted cells of a side-by-side table."""
+    return [c for c, _ in _COLUMNS], [[f(r) for _, f in _COLUMNS] for r in rows]
+
+
+def format_text(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    """A fixed-width text table."""
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def format_markdown(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def format_csv(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    """CSV text with a header row."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(header)
+    w.writerows(cells)
+    return buf.getvalue()
+
+
+def to_json(rows: Sequence[RunSummary], config: dict[str, Any]) -> str:
+    """JSON text: ``{"config": ..., "runs": [RunSummary as a dict, ...]}``."""
+    return json.dumps({"config": config, "runs": [r.to_dict() for r in rows]}, indent=1, default=str)
