@@ -89,6 +89,8 @@ class Pipeline:
         watchdog: seconds without progress before an error naming what the rank waits for.
         record: keep per-task timestamps in :attr:`last_stats` (for traces).
         task_delay: ``fn(step, rank, task) -> seconds`` of injected delay (experiments).
+        deterministic: accumulate weight gradients in microbatch order, so that runs are
+            bitwise reproducible whatever order tasks ran in.
 
     Raises:
         ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...).
@@ -111,6 +113,7 @@ class Pipeline:
         watchdog: float = 300.0,
         record: bool = False,
         task_delay: DelayFn | None = None,
+        deterministic: bool = False,
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -130,7 +133,7 @@ class Pipeline:
                 f"{n_stages} stages do not fit {n_ranks} ranks x {len(stages)} virtual stages per rank"
             )
         place = Placement(n_ranks, len(stages), placement)
-        self.spec, self.hint, self.strict = resolve_hint(hint, place, n_microbatches)
+        self.spec, self.hint, self.strict = resolve_hint(hint, place, n_microbatches, inflight_limit=inflight_limit)
         limit = inflight_limit if isinstance(inflight_limit, int) else list(inflight_limit)[rank]
         self.rank = rank
         self.stages = stages
@@ -146,6 +149,7 @@ class Pipeline:
             _make_runtime(
                 rank, stages, self.spec, self.hint, transport, strict=self.strict, inflight_limit=limit, job=job,
                 loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog, task_delay=task_delay, record=record,
+                deterministic=deterministic,
             )
         )
         self._step = 0
@@ -227,6 +231,7 @@ class LocalPipeline:
         seed: seeds the message delays.
         encode: pass every message through the codec, as between processes.
         task_delay: ``fn(step, rank, task) -> seconds`` of injected compute time.
+        deterministic: as :class:`Pipeline`.
 
     Raises:
         ValueError: as :class:`Pipeline`.
@@ -250,6 +255,7 @@ class LocalPipeline:
         task_delay: DelayFn | None = None,
         watchdog: float = 60.0,
         job: str = "rrfp-local",
+        deterministic: bool = False,
     ) -> None:
         from ..transport.fake import FakeNetwork
 
@@ -258,7 +264,7 @@ class LocalPipeline:
             raise ValueError(f"{n_stages} stage modules do not split into ranks of {n_virtual} virtual stages")
         n_ranks = n_stages // n_virtual
         place = Placement(n_ranks, n_virtual, placement)
-        self.spec, self.hint, self.strict = resolve_hint(hint, place, n_microbatches)
+        self.spec, self.hint, self.strict = resolve_hint(hint, place, n_microbatches, inflight_limit=inflight_limit)
         limits = [inflight_limit] * n_ranks if isinstance(inflight_limit, int) else list(inflight_limit)
         self.n_microbatches = n_microbatches
         self.n_ranks = n_ranks
@@ -275,7 +281,7 @@ class LocalPipeline:
                     [PipelineStage(modules[s], s, n_stages) for s in place.stages_of(r)],
                     self.spec, self.hint, self.transports[r], strict=self.strict, inflight_limit=limits[r],
                     job=job, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog,
-                    task_delay=task_delay, record=record,
+                    task_delay=task_delay, record=record, deterministic=deterministic,
                 )
                 for r in range(n_ranks)
             ]

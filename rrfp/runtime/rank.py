@@ -11,6 +11,7 @@ Sends are enqueued to the transport's outbox and never block compute.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -96,6 +97,8 @@ class RankRuntime:
         task_delay: optional injected extra seconds per task (jitter experiments), awaited after
             the task's compute while the rank counts as busy.
         record: keep a :class:`TaskRecord` per task (for traces).
+        deterministic: accumulate weight gradients in microbatch order whatever order the
+            backwards ran in, so runs are bitwise reproducible (see :class:`_OrderedGrads`).
     """
 
     def __init__(
@@ -114,8 +117,10 @@ class RankRuntime:
         watchdog: float = 300.0,
         task_delay: DelayFn | None = None,
         record: bool = False,
+        deterministic: bool = False,
     ) -> None:
         self.rank = rank
+        self.deterministic = deterministic
         self.spec = spec
         self.hint = hint
         self.strict = strict
@@ -146,6 +151,7 @@ class RankRuntime:
         self._grad: dict[tuple[int, int], list] = {}
         self._out: dict[tuple[int, int], tuple] = {}
         self._wstate: dict[tuple[int, int], Any] = {}
+        self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self._progress = time.monotonic()
 
     # ------------------------------------------------------------ receiving
@@ -299,6 +305,9 @@ class RankRuntime:
             self._progress = time.monotonic()
             # Let the receiver drain arrivals so the next decision sees them.
             await asyncio.sleep(0)
+        if self._ordered is not None:
+            for acc in self._ordered.values():
+                acc.finish(M)
         stats.wall = time.perf_counter() - t_start
         stats.peak_inflight = arb.peak_inflight
         if weights is not None:
@@ -380,28 +389,38 @@ class RankRuntime:
         if split:
             from torch.distributed.pipelining._backward import stage_backward_input
 
-            if outs:
+            if outs and need:
                 in_grads, groups = stage_backward_input(outs, grads, need, stage.submod.parameters())
-                self._wstate[(s, m)] = groups
+                self._wstate[(s, m)] = ("groups", groups)
                 grad_of = {id(x): g for x, g in zip(need, in_grads)}
             else:
-                self._wstate[(s, m)] = None
+                # No input needs a gradient (stage 0): nothing is on the critical path, so the
+                # whole backward moves to W, as PyTorch's zero-bubble schedules do.
+                self._wstate[(s, m)] = ("full", outs, grads) if outs else None
                 grad_of = {}
         else:
-            if outs:
-                torch.autograd.backward(outs, grads)
+            with self._capture(s, m):
+                if outs:
+                    torch.autograd.backward(outs, grads)
             grad_of = {id(x): x.grad for x in need}
         if s > 0:
             in_grads = [grad_of.get(id(x)) if isinstance(x, torch.Tensor) else None for x in inputs]
             self._emit(s - 1, m, Direction.GRAD, in_grads)
 
     def _weight(self, s: int, m: int) -> None:
-        groups = self._wstate.pop((s, m))
-        if groups is None:
-            return
         from torch.distributed.pipelining._backward import stage_backward_weight
 
-        stage_backward_weight(self.stages[s].submod.parameters(), groups)
+        state = self._wstate.pop((s, m))
+        with self._capture(s, m):
+            if state is None:
+                pass
+            elif state[0] == "full":
+                torch.autograd.backward(state[1], state[2])
+            else:
+                stage_backward_weight(self.stages[s].submod.parameters(), state[1])
+
+    def _capture(self, s: int, m: int):
+        return self._ordered[s].capture(m) if self._ordered is not None else contextlib.nullcontext()
 
     def _emit(self, dst_stage: int, m: int, direction: Direction, tensors: list) -> None:
         dst_rank = self.spec.placement.rank_of(dst_stage)
@@ -426,3 +445,65 @@ class RankRuntime:
                 pass
             self._receiver = None
 
+
+
+class _OrderedGrads:
+    """Deterministic weight-gradient accumulation for one stage (``--deterministic``).
+
+    Each microbatch's weight gradients are computed into fresh ``.grad`` tensors and added to
+    the accumulated gradient in microbatch order ``0..M-1``; a contribution that finishes early
+    is held until every lower microbatch has been added. Floating-point addition is not
+    associative, so this fixes the summation order and makes the result independent of
+    execution order. Cost: one extra gradient buffer per microbatch finished ahead of its turn
+    (at most ``M - 1`` per stage, typically the in-flight count), and one extra add per
+    parameter per microbatch.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.held: dict[int, list] = {}
+        self.next_mb = 0
+
+    def capture(self, mb: int):
+        return _Capture(self, mb)
+
+    def _add(self, contrib: list) -> None:
+        for p, g in zip(self.params, contrib):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+
+    def put(self, mb: int, contrib: list) -> None:
+        self.held[mb] = contrib
+        while self.next_mb in self.held:
+            self._add(self.held.pop(self.next_mb))
+            self.next_mb += 1
+
+    def finish(self, n_microbatches: int) -> None:
+        """End of step: every microbatch's contribution must have been added."""
+        if self.next_mb != n_microbatches or self.held:
+            raise PipelineError(
+                f"deterministic accumulation saw microbatches 0..{self.next_mb - 1} of {n_microbatches}, "
+                f"holding {sorted(self.held)}"
+            )
+        self.next_mb = 0
+
+
+class _Capture:
+    def __init__(self, acc: _OrderedGrads, mb: int) -> None:
+        self.acc, self.mb = acc, mb
+
+    def __enter__(self) -> None:
+        self.saved = [p.grad for p in self.acc.params]
+        for p in self.acc.params:
+            p.grad = None
+
+    def __exit__(self, *exc) -> None:
+        contrib = [p.grad for p in self.acc.params]
+        for p, g in zip(self.acc.params, self.saved):
+            p.grad = g
+        if exc[0] is None:
+            self.acc.put(self.mb, contrib)
