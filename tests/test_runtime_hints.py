@@ -130,3 +130,28 @@ def test_deterministic_mode_is_bitwise_reproducible_under_different_delays(hint)
 
 def test_deterministic_mode_equals_reference():
     _check(*_run(2, 2, "loop", "bfw", 5, deterministic=True))
+
+
+def test_split_backward_defers_linear_weight_gradients_to_w():
+    from rrfp.runtime.split import WeightGradStore, deferring, enable_split_backward
+
+    full = split_gpt(GPT(CFG, seed=8), 2)[1]
+    split = copy.deepcopy(full)
+    assert enable_split_backward(split) > 0
+    x = torch.randn(2, 9, CFG.d_model)
+    g = torch.randn(2, 9, CFG.vocab_size)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.autograd.backward([full(xa)], [g])
+    store = WeightGradStore()
+    with deferring(store):
+        torch.autograd.backward([split(xb)], [g])
+    # After I: the input gradient is complete, linear weights have none yet, norms have theirs.
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=RTOL, atol=ATOL)
+    linear = {n for n, m in split.named_modules() if isinstance(m, torch.nn.Linear)}
+    for n, p in split.named_parameters():
+        owner = n.rsplit(".", 1)[0]
+        assert (p.grad is None) == (owner in linear), n
+    assert len(store) > 0
+    store.flush()  # W
+    for (n, p), q in zip(split.named_parameters(), full.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")

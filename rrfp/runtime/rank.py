@@ -24,6 +24,7 @@ from ..scheduler.hints import Hint
 from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task
 from ..transport.base import Message, Transport
 from ..transport.keys import Direction, MsgKey
+from .split import WeightGradStore, deferring, enable_split_backward
 from .stage import PipelineStage, as_tuple, detach_for_next
 
 log = logging.getLogger("rrfp.runtime")
@@ -137,6 +138,9 @@ class RankRuntime:
         if got != want:
             raise ValueError(f"rank {rank} holds stages {want} under this placement, but got stages {got}")
         self.stages = {s.stage_index: s for s in stages}
+        if spec.split_backward:
+            for st in stages:
+                enable_split_backward(st.submod)
         self.last_stage = spec.n_stages - 1
         if self.last_stage in self.stages and loss_fn is None:
             raise ValueError("the rank holding the last stage needs a loss_fn")
@@ -386,41 +390,38 @@ class RankRuntime:
         inputs = self._act.pop((s, m))
         outs, grads = self._grad_pairs(s, m)
         need = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        if split:
-            from torch.distributed.pipelining._backward import stage_backward_input
-
-            if outs and need:
-                in_grads, groups = stage_backward_input(outs, grads, need, stage.submod.parameters())
-                self._wstate[(s, m)] = ("groups", groups)
-                grad_of = {id(x): g for x, g in zip(need, in_grads)}
-            else:
-                # No input needs a gradient (stage 0): nothing is on the critical path, so the
-                # whole backward moves to W, as PyTorch's zero-bubble schedules do.
-                self._wstate[(s, m)] = ("full", outs, grads) if outs else None
-                grad_of = {}
+        if split and need:
+            # I: input gradients now; the linear layers' weight gradients wait in a store for W.
+            store = WeightGradStore()
+            with deferring(store), self._capture(s, m, final=False):
+                if outs:
+                    torch.autograd.backward(outs, grads)
+            self._wstate[(s, m)] = ("store", store)
+        elif split:
+            # No input needs a gradient (stage 0): nothing is on the critical path, so the
+            # whole backward moves to W, as PyTorch's zero-bubble schedules do.
+            self._wstate[(s, m)] = ("full", outs, grads)
         else:
             with self._capture(s, m):
                 if outs:
                     torch.autograd.backward(outs, grads)
-            grad_of = {id(x): x.grad for x in need}
+        grad_of = {id(x): x.grad for x in need}
         if s > 0:
             in_grads = [grad_of.get(id(x)) if isinstance(x, torch.Tensor) else None for x in inputs]
             self._emit(s - 1, m, Direction.GRAD, in_grads)
 
     def _weight(self, s: int, m: int) -> None:
-        from torch.distributed.pipelining._backward import stage_backward_weight
-
         state = self._wstate.pop((s, m))
         with self._capture(s, m):
-            if state is None:
-                pass
-            elif state[0] == "full":
+            if state[0] == "store":
+                state[1].flush()
+            elif state[1]:
                 torch.autograd.backward(state[1], state[2])
-            else:
-                stage_backward_weight(self.stages[s].submod.parameters(), state[1])
 
-    def _capture(self, s: int, m: int):
-        return self._ordered[s].capture(m) if self._ordered is not None else contextlib.nullcontext()
+    def _capture(self, s: int, m: int, final: bool = True):
+        if self._ordered is None:
+            return contextlib.nullcontext()
+        return self._ordered[s].capture(m, final)
 
     def _emit(self, dst_stage: int, m: int, direction: Direction, tensors: list) -> None:
         dst_rank = self.spec.placement.rank_of(dst_stage)
@@ -462,10 +463,11 @@ class _OrderedGrads:
     def __init__(self, module: torch.nn.Module) -> None:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.held: dict[int, list] = {}
+        self.partial: dict[int, list] = {}
         self.next_mb = 0
 
-    def capture(self, mb: int):
-        return _Capture(self, mb)
+    def capture(self, mb: int, final: bool = True):
+        return _Capture(self, mb, final)
 
     def _add(self, contrib: list) -> None:
         for p, g in zip(self.params, contrib):
@@ -476,7 +478,13 @@ class _OrderedGrads:
             else:
                 p.grad.add_(g)
 
-    def put(self, mb: int, contrib: list) -> None:
+    def put(self, mb: int, contrib: list, final: bool = True) -> None:
+        first = self.partial.pop(mb, None)
+        if first is not None:  # I's part (norms, embeddings) then W's part, in that order
+            contrib = [b if a is None else (a if b is None else a + b) for a, b in zip(first, contrib)]
+        if not final:
+            self.partial[mb] = contrib
+            return
         self.held[mb] = contrib
         while self.next_mb in self.held:
             self._add(self.held.pop(self.next_mb))
@@ -484,7 +492,7 @@ class _OrderedGrads:
 
     def finish(self, n_microbatches: int) -> None:
         """End of step: every microbatch's contribution must have been added."""
-        if self.next_mb != n_microbatches or self.held:
+        if self.next_mb != n_microbatches or self.held or self.partial:
             raise PipelineError(
                 f"deterministic accumulation saw microbatches 0..{self.next_mb - 1} of {n_microbatches}, "
                 f"holding {sorted(self.held)}"
@@ -493,8 +501,8 @@ class _OrderedGrads:
 
 
 class _Capture:
-    def __init__(self, acc: _OrderedGrads, mb: int) -> None:
-        self.acc, self.mb = acc, mb
+    def __init__(self, acc: _OrderedGrads, mb: int, final: bool) -> None:
+        self.acc, self.mb, self.final = acc, mb, final
 
     def __enter__(self) -> None:
         self.saved = [p.grad for p in self.acc.params]
@@ -506,4 +514,4 @@ class _Capture:
         for p, g in zip(self.acc.params, self.saved):
             p.grad = g
         if exc[0] is None:
-            self.acc.put(self.mb, contrib)
+            self.acc.put(self.mb, contrib, self.final)

@@ -50,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", nargs="+", metavar="PATH", default=None, help="text files or folders (default: the Python standard library's sources)")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed for weights and data order")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="AdamW learning rate")
+    p.add_argument("--deterministic", action="store_true", help="accumulate weight gradients in microbatch order: bitwise reproducible runs")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--trace", metavar="DIR", default=None, help="write a Chrome trace and a PNG timeline of the run to DIR")
     p.add_argument("--watchdog", type=float, default=60.0, help="seconds without progress before a rank fails with what it waits for")

@@ -124,7 +124,7 @@ def _main(args: argparse.Namespace) -> int:
         stages, args.microbatches, lm_loss, hint=args.hint, inflight_limit=_limit_for(args, rank, n_ranks),
         placement=args.placement, loss_weight_fn=count_tokens, rank=rank, n_ranks=n_ranks,
         job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
-        record=args.trace is not None,
+        record=args.trace is not None, deterministic=args.deterministic,
     )
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
