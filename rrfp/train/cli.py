@@ -89,8 +89,8 @@ def validate(args: argparse.Namespace) -> None:
         )
     try:
         resolve_hint(args.hint, Placement(args.stages, args.virtual_stages, args.placement), args.microbatches)
-    except ValueError as e:
-        raise UsageError(f"--hint: {e}") from None
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--hint={args.hint!r}: {e}") from None
     if args.inflight_limit != "1f1b":
         try:
             limit = int(args.inflight_limit)

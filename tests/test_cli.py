@@ -1,0 +1,41 @@
+"""`rrfp train` rejects bad input with one line and exit code 2, before any process starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from rrfp.cli import main
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--microbatches", "64", "--batch-size", "8"], "--microbatches=64 exceeds --batch-size=8"),
+        (["--stages", "8"], "8 stages exceeds the 4 layers of model 'tiny'"),
+        (["--stages", "2", "--virtual-stages", "4"], "8 stages exceeds the 4 layers"),
+        (["--hint", "nope"], "unknown hint 'nope'"),
+        (["--hint", "strict-missing.csv"], "missing.csv"),
+        (["--data", "/no/such/path"], "data path '/no/such/path' does not exist"),
+        (["--inflight-limit", "0"], "--inflight-limit='0'"),
+        (["--model", "huge"], "--model='huge'"),
+        (["--steps", "0"], "--steps=0"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys, monkeypatch):
+    def no_launch(*a, **k):
+        raise AssertionError("a process was launched")
+
+    monkeypatch.setattr("rrfp.train.cli.launch", no_launch)
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rrfp train: error: ") and needle in err[0], err
+
+
+@pytest.mark.timeout(60)
+def test_console_entry_point_exit_code():
+    p = subprocess.run([sys.executable, "-m", "rrfp", "train", "--hint", "nope"], capture_output=True, text=True, timeout=50)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "unknown hint 'nope'" in p.stderr
