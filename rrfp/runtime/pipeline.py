@@ -340,8 +340,7 @@ class LocalPipeline:
         async def shut() -> None:
             for rt in self.runtimes:
                 await rt.close()
-            for t in self.transports:
-                t.abort()
+            await asyncio.gather(*(t.close() for t in self.transports))
 
         try:
             self._loop.run_until_complete(shut())

@@ -155,6 +155,7 @@ class RankRuntime:
         self._grad: dict[tuple[int, int], list] = {}
         self._out: dict[tuple[int, int], tuple] = {}
         self._wstate: dict[tuple[int, int], Any] = {}
+        self._held: list | None = None  # outputs of a task whose injected delay is running
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self._progress = time.monotonic()
 
@@ -293,13 +294,20 @@ class RankRuntime:
                 await self._wait_for_event(arb)
                 continue
             t0 = time.perf_counter()
-            self._run_task(task, targets, weights, mb_losses)
-            if self.task_delay is not None:
+            if self.task_delay is None:
+                self._run_task(task, targets, weights, mb_losses)
+            else:
                 # Injected delays stand for device time: the rank stays busy but its loop keeps
-                # receiving, as with a GPU kernel awaited through an event.
+                # receiving, as with a GPU kernel awaited through an event, and the task's
+                # outputs leave only when it is done.
+                self._held = []
+                self._run_task(task, targets, weights, mb_losses)
+                held, self._held = self._held, None
                 extra = self.task_delay(step, self.rank, task)
                 if extra > 0:
                     await asyncio.sleep(extra)
+                for args in held:
+                    self._emit(*args)
             t1 = time.perf_counter()
             arb.complete(task)
             stats.busy += t1 - t0
@@ -424,6 +432,9 @@ class RankRuntime:
         return self._ordered[s].capture(m, final)
 
     def _emit(self, dst_stage: int, m: int, direction: Direction, tensors: list) -> None:
+        if self._held is not None:
+            self._held.append((dst_stage, m, direction, tensors))
+            return
         dst_rank = self.spec.placement.rank_of(dst_stage)
         if dst_rank == self.rank:
             # Same rank (virtual stages): hand over directly, no serialization.

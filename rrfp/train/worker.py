@@ -173,6 +173,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _write_trace(args: argparse.Namespace, rank: int, n_ranks: int, records: list) -> None:
+    """Every rank writes its task records; rank 0 merges them into a Chrome trace, a PNG
+    timeline and a per-stage cost profile that ``rrfp simulate --costs`` reads."""
     out = Path(args.trace)
     out.mkdir(parents=True, exist_ok=True)
     part = out / f"records.rank{rank}.json"
@@ -182,12 +184,41 @@ def _write_trace(args: argparse.Namespace, rank: int, n_ranks: int, records: lis
     dist.barrier()
     if rank != 0:
         return
-    from ..obs.trace import records_from_json, write_chrome_trace, write_gantt_png, write_profile
+    from ..obs.trace import write_chrome_trace, write_gantt_png
+    from ..runtime.rank import TaskRecord
+    from ..scheduler.tasks import parse_action
+    from ..sim.costs import save_profile
 
     merged = []
     for r in range(n_ranks):
-        merged += records_from_json(json.loads((out / f"records.rank{r}.json").read_text()))
+        for rk, step, task, start, end in json.loads((out / f"records.rank{r}.json").read_text()):
+            merged.append(TaskRecord(rk, step, parse_action(task), start, end))
+    t0 = min(r.start for r in merged)
+    merged = [dataclasses.replace(r, start=r.start - t0, end=r.end - t0) for r in merged]
     write_chrome_trace(merged, out / "trace.json")
-    write_gantt_png(merged, out / "timeline.png", title=f"rrfp train, hint {args.hint}")
-    write_profile(merged, out / "profile.json")
-    print(f"trace: {out / 'trace.json'} (Perfetto), {out / 'timeline.png'}, costs {out / 'profile.json'}", flush=True)
+    write_gantt_png(merged, out / "timeline.png", title=f"rrfp train, hint {args.hint}", n_ranks=n_ranks)
+    save_profile(profile_from_records(merged, n_ranks * args.virtual_stages), out / "profile.json",
+                 meta={"source": "rrfp train", "model": args.model, "microbatches": args.microbatches,
+                       "batch_size": args.batch_size, "max_len": args.max_len, "hint": args.hint})
+    print(f"trace: {out / 'trace.json'} (open in Perfetto), timeline {out / 'timeline.png'}, "
+          f"costs {out / 'profile.json'}", flush=True)
+
+
+def profile_from_records(records: list, n_stages: int):
+    """Median seconds of each task kind per stage (steps after the first, which warms up) as a
+    :class:`~rrfp.sim.costs.CostModel`."""
+    import statistics
+
+    from ..sim.costs import CostModel, StageCost
+
+    first_step = min(r.step for r in records)
+    steady = [r for r in records if r.step > first_step] or records
+    stages = []
+    for s in range(n_stages):
+        by_kind: dict[str, list[float]] = {}
+        for r in steady:
+            if r.task.stage == s:
+                by_kind.setdefault(r.task.kind, []).append(r.end - r.start)
+        med = {k: statistics.median(v) for k, v in by_kind.items()}
+        stages.append(StageCost.from_mapping({k: med.get(k) for k in ("F", "B", "I", "W")}, f"stage {s}"))
+    return CostModel(tuple(stages))
