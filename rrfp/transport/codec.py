@@ -50,6 +50,7 @@ DEFAULT_MAX_BYTES = 2 * 1024**3
 MAX_META_DEPTH = 8
 """Deepest nesting of lists/maps accepted inside ``meta``."""
 MAX_JOB_LEN = 256
+_ALLOC_COPY_MIN = 64 * 1024
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -257,11 +258,18 @@ def decode(
             out.append(None)
             continue
         name, shape, rg = d
-        t = torch.empty(shape, dtype=DTYPES[name])
-        if t.numel():
-            # One copy into fresh storage: the receive buffer may be reused or
-            # read-only, and tensors must not alias it.
-            np.copyto(t.view(-1).view(torch.uint8).numpy(), np.frombuffer(bufs[bi], np.uint8))
+        buf = bufs[bi]
+        # Exactly one copy into fresh storage: the receive buffer may be reused or
+        # read-only, and tensors must not alias it.
+        if buf.nbytes >= _ALLOC_COPY_MIN or buf.nbytes == 0:
+            # Allocator memory: 64-byte aligned and resizable, like any tensor.
+            t = torch.empty(shape, dtype=DTYPES[name])
+            if buf.nbytes:
+                np.copyto(t.view(-1).view(torch.uint8).numpy(), np.frombuffer(buf, np.uint8))
+        else:
+            # Small tensors: a bytearray copy is ~5x cheaper per tensor than the
+            # numpy route (the storage is then not resizable).
+            t = torch.frombuffer(bytearray(buf), dtype=DTYPES[name]).view(shape)
         if rg:
             t.requires_grad_(True)
         out.append(t)

@@ -199,7 +199,7 @@ class FakeTransport(Transport):
             raise self._lost[min(self._lost)]
 
     async def close(self, timeout: float = 30.0) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             return
         if not self._started:
             self._finish(TransportClosed(f"rank {self.rank}: closed"))

@@ -33,7 +33,7 @@ import zmq.asyncio
 from torch import Tensor
 from zmq.utils.monitor import parse_monitor_message
 
-from .base import Transport, TransportClosed
+from .base import PeerLost, Transport, TransportClosed
 from .codec import DEFAULT_MAX_BYTES, Frame, encode, frames_nbytes
 from .keys import MsgKey
 
@@ -136,8 +136,8 @@ class ZmqTransport(Transport):
         self._outq: dict[int, deque[list[Frame]]] = {}
         self._out_ready: dict[int, asyncio.Event] = {}
         self._pending = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Set after every frame handed to ZeroMQ and on failures; waiters re-check.
+        self._progress = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stop_rendezvous = threading.Event()
 
@@ -226,31 +226,29 @@ class ZmqTransport(Transport):
             raise self._lost[min(self._lost)]
 
     def _rendezvous(self, endpoint: str) -> dict[int, str]:
-        """Publish our endpoint and collect every peer's (runs in a worker thread)."""
+        """Publish our endpoint and collect every peer's (runs in a worker thread).
+
+        Polls ``store.check`` (one round trip for all missing keys) with a growing
+        interval, rather than blocking in ``store.wait``: abort() can then stop it,
+        and no timed-out wait spams C++ warnings.
+        """
         store = self._store
         store.set(self._store_key(self.rank), endpoint)
-        keys = {p: self._store_key(p) for p in self._peers()}
+        keys = {p: self._store_key(p) for p in sorted(self._peers())}
         deadline = time.monotonic() + self._connect_timeout
-        todo = dict(keys)
-        out: dict[int, str] = {}
-        # Poll with check() rather than block in wait(): abort() can stop us, and a
-        # timed-out wait() spams C++ warnings.
-        while todo:
-            for p, k in list(todo.items()):
-                if store.check([k]):
-                    out[p] = bytes(store.get(k)).decode()
-                    del todo[p]
-            if not todo:
-                break
+        interval = 0.002
+        while keys and not store.check(list(keys.values())):
             if self._stop_rendezvous.is_set():
                 raise TransportClosed(f"rank {self.rank}: aborted during rendezvous")
             if time.monotonic() > deadline:
+                missing = sorted(p for p, k in keys.items() if not store.check([k]))
                 raise TimeoutError(
-                    f"rank {self.rank}: ranks {sorted(todo)} did not publish endpoints "
+                    f"rank {self.rank}: ranks {missing} did not publish endpoints "
                     f"within {self._connect_timeout} s"
                 )
-            self._stop_rendezvous.wait(0.005)
-        return out
+            self._stop_rendezvous.wait(interval)
+            interval = min(interval * 1.5, 0.1)
+        return {p: bytes(store.get(k)).decode() for p, k in keys.items()}
 
     def _sockopts(self, s: zmq.Socket) -> None:
         s.setsockopt(zmq.LINGER, 0)
@@ -297,8 +295,7 @@ class ZmqTransport(Transport):
                         self.stats["messages_sent"] += 1
                         self.stats["bytes_sent"] += frames_nbytes(frames)
                     self._pending -= 1
-                    if self._pending == 0:
-                        self._idle.set()
+                    self._progress.set()
                 ready.clear()
                 await ready.wait()
         except asyncio.CancelledError:
@@ -309,25 +306,33 @@ class ZmqTransport(Transport):
                 self._mailbox.fail(
                     TransportClosed(f"rank {self.rank}: sender to rank {p} failed: {e!r}")
                 )
-                self._idle.set()
+                self._progress.set()
 
     async def _monitor(self, p: int, mon: zmq.asyncio.Socket) -> None:
-        while True:
-            ev = parse_monitor_message(await mon.recv_multipart())
-            what = ev["event"]
-            if what == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if not self._connected[p].done():
-                    self._connected[p].set_result(None)
-            elif what == zmq.EVENT_DISCONNECTED:
-                self._on_disconnect(
-                    p,
-                    f"connection to {self.peer_endpoints.get(p)} closed "
-                    f"(process gone, or no heartbeat for {self._hb_timeout_ms / 1000:g} s)",
-                )
-            elif what in _HANDSHAKE_FAILED:
-                self._on_disconnect(p, f"ZMTP handshake failed ({zmq.Event(what).name})")
-            elif what == zmq.EVENT_MONITOR_STOPPED:
-                return
+        try:
+            while True:
+                ev = parse_monitor_message(await mon.recv_multipart())
+                what = ev["event"]
+                if what == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    if not self._connected[p].done():
+                        self._connected[p].set_result(None)
+                elif what == zmq.EVENT_DISCONNECTED:
+                    self._on_disconnect(
+                        p,
+                        f"connection to {self.peer_endpoints.get(p)} closed (process "
+                        f"gone, or no heartbeat answer for {self._hb_timeout_ms / 1000:g} s)",
+                    )
+                elif what in _HANDSHAKE_FAILED:
+                    self._on_disconnect(p, f"ZMTP handshake failed ({zmq.Event(what).name})")
+                elif what == zmq.EVENT_MONITOR_STOPPED:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            # Without its monitor a peer's death would go unnoticed: fail loudly.
+            if not self._closed:
+                log.exception("rank %d: monitor of rank %d failed", self.rank, p)
+                self._on_peer_lost(p, f"monitor failed: {e!r}")
 
     def _on_disconnect(self, p: int, reason: str) -> None:
         if p in self._byes or self._closed:
@@ -338,7 +343,7 @@ class ZmqTransport(Transport):
             self._on_peer_lost(p, reason)
 
     def _wake_flush(self) -> None:
-        self._idle.set()
+        self._progress.set()
 
     # -- send side -------------------------------------------------------------
 
@@ -366,23 +371,30 @@ class ZmqTransport(Transport):
         self._outq[dst].append(frames)
         self._out_ready[dst].set()
         self._pending += 1
-        self._idle.clear()
 
     async def flush(self) -> None:
         while True:
             if self._lost:
                 raise self._lost[min(self._lost)]
-            if self._mailbox.error is not None and not self._lost:
+            if self._mailbox.error is not None:
                 raise self._mailbox.error
             if self._pending == 0:
                 return
-            self._idle.clear()
-            await self._idle.wait()
+            self._progress.clear()
+            await self._progress.wait()
+
+    async def _drain_live(self) -> None:
+        """Wait until the queues of all peers not lost are handed to ZeroMQ."""
+        while any(q for p, q in self._outq.items() if p not in self._lost):
+            if self._mailbox.error is not None and not isinstance(self._mailbox.error, PeerLost):
+                return
+            self._progress.clear()
+            await self._progress.wait()
 
     # -- shutdown --------------------------------------------------------------
 
     async def close(self, timeout: float = 30.0) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             return
         if not self._started:
             self.abort()
@@ -394,10 +406,11 @@ class ZmqTransport(Transport):
             self._enqueue(p, [_BYE])
         missing = await self._await_byes(timeout)
         try:
-            # Our BYEs must be in ZeroMQ's queues before the sockets close.
-            await asyncio.wait_for(self.flush(), max(0.0, deadline - loop.time()))
-        except Exception:
-            pass  # a lost peer or timeout is reported below
+            # Our BYEs must be in ZeroMQ's queues before the sockets close; a lost
+            # peer's queue may never drain, so it is not waited for.
+            await asyncio.wait_for(self._drain_live(), max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            pass  # reported below as missing BYEs
         await self._teardown(graceful=True)
         self._close_outcome(missing, timeout)
 
@@ -413,7 +426,7 @@ class ZmqTransport(Transport):
             self._ctx.destroy(linger=0)
         self._mailbox.fail(TransportClosed(f"rank {self.rank}: aborted"))
         self._bye_event.set()
-        self._idle.set()
+        self._progress.set()
 
     async def _teardown(self, graceful: bool) -> None:
         self._closed = True
@@ -426,7 +439,7 @@ class ZmqTransport(Transport):
             # term() blocks until lingering frames are out: keep the loop free.
             await asyncio.to_thread(self._ctx.term)
         self._mailbox.fail(TransportClosed(f"rank {self.rank}: closed"))
-        self._idle.set()
+        self._progress.set()
 
     def _close_sockets(self, linger_ms: int) -> None:
         for p, d in self._dealers.items():
@@ -437,8 +450,9 @@ class ZmqTransport(Transport):
                     pass
         for m in self._monitors.values():
             m.close(linger=0)
-        for d in self._dealers.values():
-            d.close(linger=linger_ms)
+        for p, d in self._dealers.items():
+            # Lingering toward a lost peer would only stall ctx.term().
+            d.close(linger=0 if p in self._lost else linger_ms)
         if self._router is not None:
             self._router.close(linger=0)
 
