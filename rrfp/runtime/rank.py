@@ -476,6 +476,8 @@ class _OrderedGrads:
         self.held: dict[int, list] = {}
         self.partial: dict[int, list] = {}
         self.next_mb = 0
+        self.held_bytes = 0
+        self.peak_held_bytes = 0  # extra gradient memory this mode has needed at once
 
     def capture(self, mb: int, final: bool = True):
         return _Capture(self, mb, final)
@@ -495,11 +497,21 @@ class _OrderedGrads:
             contrib = [b if a is None else (a if b is None else a + b) for a, b in zip(first, contrib)]
         if not final:
             self.partial[mb] = contrib
+            self._count(contrib, +1)
             return
+        if first is not None:
+            self._count(first, -1)
         self.held[mb] = contrib
+        self._count(contrib, +1)
         while self.next_mb in self.held:
-            self._add(self.held.pop(self.next_mb))
+            done = self.held.pop(self.next_mb)
+            self._add(done)
+            self._count(done, -1)
             self.next_mb += 1
+
+    def _count(self, contrib: list, sign: int) -> None:
+        self.held_bytes += sign * sum(g.numel() * g.element_size() for g in contrib if g is not None)
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def finish(self, n_microbatches: int) -> None:
         """End of step: every microbatch's contribution must have been added."""
