@@ -155,7 +155,8 @@ def write_gantt_png(
     for rec in records:
         t = _task(rec)
         bars.setdefault((rec.rank, t.kind), []).append(((rec.start - t0) * scale, (rec.end - rec.start) * scale))
-        if label and rec.end > rec.start:
+        # A label only where it fits (about 1.2% of the span for a short action text).
+        if label and rec.end - rec.start >= 0.012 * span:
             ax.text((rec.start + rec.end - 2 * t0) / 2 * scale, rec.rank, str(t), ha="center", va="center",
                     fontsize=6, color="white", clip_on=True)
     for (rank, kind), spans in bars.items():
@@ -166,8 +167,8 @@ def write_gantt_png(
     ax.set_xlim(0, span * scale if span > 0 else 1)
     ax.set_xlabel(f"time ({time_unit})")
     kinds = sorted({k for _, k in bars}, key="FBIW".index)
-    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds], loc="upper right", fontsize=8,
-              ncol=len(kinds) or 1)
+    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in kinds], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     if P <= 8:
         bub = ", ".join(f"{b:.1%}" for b in bubbles)
     else:

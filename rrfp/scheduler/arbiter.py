@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 
 from .hints import Hint
-from .tasks import B, F, I, W, PipelineSpec, Task
+from .tasks import F, I, W, PipelineSpec, Task
 
 # Task(...) runs a Python-level __new__; the arbiter builds a task per event, so its hot paths
 # build the tuple directly (same object, about half the cost).
@@ -133,6 +133,7 @@ class Arbiter:
             # position by position (_next_completion_order) rather than stored: M * 2V tasks per rank.
             self._canon_len = spec.n_microbatches * 2 * len(self.stages)
             self._canon_pos = 0
+            self._canon_flag = (0, 0)  # (kind code, flag index) of position _canon_pos: F_0 of mb 0
         if self.stages[0] == 0:
             for m in range(spec.n_microbatches):
                 self._act[m] = 1
@@ -272,27 +273,30 @@ class Arbiter:
 
     def _next_completion_order(self) -> Task | None:
         # Position pos of the completion order is microbatch pos // 2V; within it, F on
-        # virtual stages 0..V-1, then the backward on V-1..0. Computed, not stored.
-        done, n, M = self._done, self._canon_len, self._n_mb
-        nv = len(self.stages)
-        per = 2 * nv
+        # virtual stages 0..V-1, then the backward on V-1..0. Computed, not stored; the flag
+        # of the current position is cached because a waiting rank asks again and again.
+        done, n = self._done, self._canon_len
         pos = self._canon_pos
-        while pos < n:
-            m, j = divmod(pos, per)
-            c, v = (0, j) if j < nv else (1, per - 1 - j)
-            i = v * M + m
-            if not done[c][i]:
-                break
-            pos += 1
-        self._canon_pos = pos
+        c, i = self._canon_flag
+        if pos < n and done[c][i]:
+            M, nv = self._n_mb, len(self.stages)
+            while pos < n and done[c][i]:
+                pos += 1
+                m, j = divmod(pos, 2 * nv)
+                c, i = (0, j * M + m) if j < nv else (1, (2 * nv - 1 - j) * M + m)
+            self._canon_pos = pos
+            self._canon_flag = (c, i)
         if pos < n and self._rdy[c][i]:
-            s = self.stages[v]
             self._rdy[c][i] = 0
+            m, j = divmod(pos, 2 * len(self.stages))
             if c == 0:
+                s = self.stages[j]
                 t = _new(Task, (s, F, m))
                 if self._policy:
-                    self._remove_from_heap(self._rf, (v, m, s))
+                    self._remove_from_heap(self._rf, (j, m, s))
             else:
+                v = 2 * len(self.stages) - 1 - j
+                s = self.stages[v]
                 t = _new(Task, (s, self._bk, m))
                 if self._policy:
                     self._remove_from_heap(self._rb, (-v, m, s))
@@ -347,9 +351,13 @@ class Arbiter:
 
     def _remove_from_heap(self, heap: list[tuple[int, int, int]], item: tuple[int, int, int]) -> None:
         # Only the completion-order path picks a task that may sit anywhere in a heap.
-        self._stale[id(heap)].add(item)
-        self._n_stale += 1
-        self._drop_stale(heap)
+        if heap[0] == item:
+            heapq.heappop(heap)
+            if self._n_stale:
+                self._drop_stale(heap)
+        else:
+            self._stale[id(heap)].add(item)
+            self._n_stale += 1
 
     # ------------------------------------------------------------ diagnostics
     def waiting_for(self, limit: int = 3) -> str:

@@ -113,13 +113,6 @@ class SimConfig:
         )
 
 
-def _resolve(text: str, placement: Placement, n_microbatches: int, limits: Any):
-    try:
-        return resolve_hint(text, placement, n_microbatches, inflight_limit=limits)
-    except TypeError:  # a resolve_hint without the keyword (strict policies not compiled)
-        return resolve_hint(text, placement, n_microbatches)
-
-
 def run_one(cfg: SimConfig, hint: str, *, record: bool = True) -> tuple[RunSummary, SimResult]:
     """Simulate ``hint`` (``"bf"``, ``"strict-1f1b"``, any text resolve_hint accepts) on
     ``cfg`` with a fresh duration model.
@@ -134,7 +127,8 @@ def run_one(cfg: SimConfig, hint: str, *, record: bool = True) -> tuple[RunSumma
     """
     placement = cfg.make_placement()
     limits = cfg.limits()
-    spec, h, strict = _resolve(hint, placement, cfg.n_microbatches, limits)
+    # The limit also shapes a strict policy (strict-bf), which resolve_hint compiles under it.
+    spec, h, strict = resolve_hint(hint, placement, cfg.n_microbatches, inflight_limit=limits)
     comm = cfg.comm_model()
     delay = None if comm.is_zero else comm
     kw: dict[str, Any] = {} if delay is None else {"delay": delay}
@@ -156,9 +150,15 @@ def run_one(cfg: SimConfig, hint: str, *, record: bool = True) -> tuple[RunSumma
     return summary, res
 
 
-def default_baseline(n_virtual: int) -> str:
-    """Strict 1F1B, or strict interleaved 1F1B with virtual stages."""
-    return "strict-1f1b" if n_virtual == 1 else "strict-interleaved-1f1b"
+def default_baseline(n_virtual: int, placement: str = "loop") -> str | None:
+    """The fixed-order baseline a placement has: strict 1F1B (one stage per rank), strict
+    interleaved 1F1B (``loop`` with virtual stages), strict ZB-V (``v``, two virtual stages),
+    else None."""
+    if n_virtual == 1:
+        return "strict-1f1b"
+    if placement == "loop":
+        return "strict-interleaved-1f1b"
+    return "strict-zb-v" if n_virtual == 2 else None
 
 
 def compare(
@@ -172,14 +172,15 @@ def compare(
     row's speedup over the baseline.
 
     Args:
-        baseline: a hint text, ``"auto"`` (:func:`default_baseline`) or None (no speedups).
+        baseline: a hint text, ``"auto"`` (:func:`default_baseline`; none when the placement
+            has no fixed-order baseline) or None (no speedups).
         on_result: called after each run (e.g. to write its trace).
 
     Raises:
         ValueError / DeadlockError: as :func:`run_one`, naming the hint.
     """
     if baseline == "auto":
-        baseline = default_baseline(cfg.n_virtual)
+        baseline = default_baseline(cfg.n_virtual, cfg.placement)
     names = list(dict.fromkeys(hints))
     if baseline and baseline not in names:
         names.append(baseline)
@@ -236,7 +237,7 @@ def sweep(
     if seeds < 1:
         raise ValueError(f"seeds={seeds}: expected at least 1")
     if baseline == "auto":
-        baseline = default_baseline(base.n_virtual)
+        baseline = default_baseline(base.n_virtual, base.placement)
     names = list(dict.fromkeys(list(hints) + ([baseline] if baseline else [])))
     points = []
     for P in depths:
@@ -283,17 +284,22 @@ def sweep_table(points: Sequence[SweepPoint], hints: Sequence[str], baseline: st
         # split and full backward differ): the smallest bound holds for every run.
         bound = min((r.lower_bound for r in pt.runs.values()), default=math.nan)
         row.append(f"{bound:.4g}")
-        best, best_v = "", -1.0
+        speeds = {}
         for h in others:
             r = pt.runs.get(h)
             if r is None or r.speedup is None:
                 row.append("n/a")
                 continue
             row.append(f"{r.speedup:.2f}x")
-            if r.speedup > best_v:
-                best, best_v = h, r.speedup
-        if base is not None and best_v < 1.0:
-            best = baseline
+            speeds[h] = round(r.speedup, 2)
+        # Ties at the printed precision are all named: "bfw=zb-h1".
+        top = max(speeds.values(), default=None)
+        if top is None:
+            best = ""
+        elif base is not None and top < 1.0:
+            best = baseline or ""
+        else:
+            best = "=".join(h for h, v in speeds.items() if v == top)
         row.append(best)
         cells.append(row)
     return header, cells

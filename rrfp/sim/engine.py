@@ -180,11 +180,15 @@ def _simulate(
     touched: list[int] = list(range(P))
     while True:
         # Decisions: every idle rank touched at this instant, in rank order.
-        if len(touched) > 1:
+        if len(touched) > 2:
             touched = sorted(set(touched))
+        elif len(touched) == 2 and touched[0] >= touched[1]:
+            touched = [touched[1]] if touched[0] == touched[1] else [touched[1], touched[0]]
         for r in touched:
+            if running[r] is not None:
+                continue
             a = cur[r]
-            if running[r] is not None or a is None or now < busy_until[r]:
+            if a is None or now < busy_until[r]:
                 continue
             t = a.next()
             if t is None:
@@ -205,12 +209,10 @@ def _simulate(
             ev = pop(events)
             r = ev[2]
             touched.append(r)
-            n = len(ev)
-            if n == 4:
-                continue
-            if n == 7:
-                _, _, _, step, stage, mb, grad = ev
-                arbiter_for(r, step).mark_input(stage, mb, grad)
+            if len(ev) != 3:
+                if len(ev) == 7:
+                    _, _, _, step, stage, mb, grad = ev
+                    arbiter_for(r, step).mark_input(stage, mb, grad)
                 continue
             t = running[r]
             running[r] = None

@@ -1,0 +1,66 @@
+"""Simulator speed: 128 ranks x 2 virtual stages, 1024 microbatches, BFW (786,432 tasks).
+
+Prints wall and CPU seconds per repeat and the best of them (the usual benchmark figure: the
+least disturbed run), tasks per second, and the simulated makespan against the busiest rank's
+work. Not a test: the target (under 5 s on a 2-core machine) is for a person to read.
+
+    python benchmarks/bench_sim.py                     # the issue's configuration
+    python benchmarks/bench_sim.py --limit 100000      # without backpressure
+    python benchmarks/bench_sim.py --profile           # cProfile, top 20 by own time
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+from rrfp.scheduler import Placement, resolve_hint
+from rrfp.sim.costs import CostModel
+from rrfp.sim.duration import DurationModel
+from rrfp.sim.engine import simulate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=128)
+    ap.add_argument("--virtual", type=int, default=2)
+    ap.add_argument("--microbatches", type=int, default=1024)
+    ap.add_argument("--hint", default="bfw")
+    ap.add_argument("--limit", type=int, default=32, help="in-flight limit (RRFP default 32)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--record", action="store_true", help="keep a TaskRecord per task")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+
+    spec, hint, strict = resolve_hint(a.hint, Placement(a.ranks, a.virtual), a.microbatches)
+    costs = CostModel.uniform(spec.n_stages, F=0.010, B=0.020)  # I = W = 10 ms
+    n_tasks = len(spec.all_tasks())
+    print(f"{a.ranks} ranks x {a.virtual} virtual stages, {a.microbatches} microbatches, hint {a.hint}, "
+          f"limit {a.limit}: {n_tasks} tasks")
+
+    def once():
+        return simulate(spec, hint, DurationModel(costs), strict=strict, inflight_limit=a.limit, record=a.record)
+
+    if a.profile:
+        prof = cProfile.Profile()
+        prof.runcall(once)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        return
+    walls = []
+    for i in range(a.repeat):
+        w0, c0 = time.perf_counter(), time.process_time()
+        res = once()
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        walls.append(wall)
+        print(f"  run {i + 1}: wall {wall:.2f} s, cpu {cpu:.2f} s")
+    best = min(walls)
+    work = max(res.busy)
+    print(f"best wall {best:.2f} s ({n_tasks / best / 1e6:.2f} M tasks/s); simulated makespan "
+          f"{res.makespan:.2f} s = {res.makespan / work:.2f} x the busiest rank's work ({work:.2f} s); "
+          f"peak in-flight {max(res.peak_inflight)}")
+
+
+if __name__ == "__main__":
+    main()

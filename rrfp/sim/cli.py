@@ -1,0 +1,336 @@
+"""``rrfp simulate``: discrete-event simulation of a pipeline under one or more hints.
+
+Examples::
+
+    rrfp simulate --ranks 8 --microbatches 32 --hints bf,bfw,strict-1f1b --jitter J2
+    rrfp simulate --ranks 16 --costs profile.json --limit 1f1b --trace out/
+    rrfp simulate --sweep --depths 4,8,16 --mb-per-stage 1,2,4 --jitter-levels J0,J2 \\
+        --imbalance 1,2 --out sweep
+
+The guide is docs/simulator.md. No torch is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from ..cli import UsageError
+from .compare import SimConfig, compare, default_baseline, sweep, sweep_table
+from .costs import CostModel, StageCost, load_costs
+from .duration import Dist
+from .engine import DeadlockError
+from .jitter import parse_jitter
+from .metrics import format_csv, format_markdown, format_text, table_rows, to_json
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``simulate`` subcommand to ``rrfp``'s argparse subparsers."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate a pipeline under hints (no GPUs, no processes)",
+        description="Discrete-event simulation of a pipeline driving the real scheduler. "
+        "Times in seconds, sizes in bytes. Guide: docs/simulator.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("pipeline")
+    g.add_argument("-p", "--ranks", type=int, default=4, help="pipeline ranks (PP degree)")
+    g.add_argument("-v", "--virtual", type=int, default=1, help="virtual stages per rank")
+    g.add_argument("--placement", choices=("loop", "v"), default="loop", help="stage placement")
+    g.add_argument("-m", "--microbatches", type=int, default=None, help="microbatches per step (default 4 x ranks)")
+    g.add_argument("--steps", type=int, default=1, help="training steps back to back")
+    g.add_argument("--step-overhead", type=float, default=0.0, help="seconds between a rank's steps (optimizer)")
+
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--hint", action="append", default=[], help="a hint (repeatable): bf, bfw, strict-1f1b, ...")
+    g.add_argument("--hints", default=None, help="comma-separated hints, side by side (default bf,bfw + baseline)")
+    g.add_argument("--limit", default="32", help="in-flight limit: an integer, or 1f1b (1F1B's p - r per rank)")
+    g.add_argument("--baseline", default="auto",
+                   help="hint the speedups are over: auto (strict-1f1b; strict-interleaved-1f1b with virtual stages) or none")
+
+    g = p.add_argument_group("task costs (seconds per microbatch)")
+    g.add_argument("--costs", default=None, help="cost file: .json profile (rrfp train) or .toml")
+    g.add_argument("--cost-f", default=None, help="forward (default 0.010); one value, or one per stage (a,b,...)")
+    g.add_argument("--cost-b", default=None, help="full backward (default 0.020); one value, or one per stage (a,b,...)")
+    g.add_argument("--cost-i", default=None, help="split backward, input gradient (default B/2); one value, or one per stage (a,b,...)")
+    g.add_argument("--cost-w", default=None, help="split backward, weight gradient (default B/2); one value, or one per stage (a,b,...)")
+    g.add_argument("--act-bytes", default=None, help="activation bytes one microbatch holds on a stage (or one per stage)")
+    g.add_argument("--msg-bytes", default=None, help="bytes of a stage's output message (default act-bytes; or one per stage)")
+
+    g = p.add_argument_group("variability (all seeded)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--jitter", default="J0", help="injected compute jitter: J0..J3, or p,b,a (b in seconds)")
+    g.add_argument("--noise", type=float, default=0.0, help="sigma of lognormal compute noise (mean 1)")
+    g.add_argument("--seqlen", default=None, help="per-microbatch length ratio, e.g. lognormal:0.4, uniform:0.5,1.5")
+    g.add_argument("--images", default=None, help="per-sample image count, e.g. poisson:2, randint:0,4")
+    g.add_argument("--samples-per-mb", type=int, default=4, help="samples per microbatch (image draws)")
+    g.add_argument("--encoder-stages", type=int, default=1, help="leading stages forming the image encoder")
+    g.add_argument("--encoder-scale", type=float, default=1.0, help="encoder stages' cost multiplier (imbalance)")
+    g.add_argument("--straggler", action="append", default=[], metavar="RANK:FACTOR",
+                   help="slow rank RANK down by FACTOR (repeatable)")
+
+    g = p.add_argument_group("communication")
+    g.add_argument("--latency", type=float, default=0.0, help="seconds per message")
+    g.add_argument("--bandwidth", type=float, default=math.inf, help="bytes per second (inf: free)")
+    g.add_argument("--comm-noise", type=float, default=0.0, help="sigma of lognormal message noise")
+    g.add_argument("--comm-jitter", default="J0", help="injected message jitter level (J0..J3 or p,b,a)")
+
+    g = p.add_argument_group("outputs")
+    g.add_argument("--csv", default=None, help="write the table as CSV")
+    g.add_argument("--json", default=None, help="write every run's details as JSON")
+    g.add_argument("--markdown", default=None, help="write the table as markdown")
+    g.add_argument("--trace", default=None, metavar="DIR",
+                   help="write <hint>.json (Chrome trace) and <hint>.png (Gantt) per hint")
+
+    g = p.add_argument_group("sweep (the paper's scaling study)")
+    g.add_argument("--sweep", action="store_true", help="sweep the axes below instead of one run")
+    g.add_argument("--depths", default="4,8,16", help="pipeline depths (ranks)")
+    g.add_argument("--mb-per-stage", default="1,2,4", help="microbatches per stage (M = value x ranks)")
+    g.add_argument("--jitter-levels", default="J0,J1,J2,J3", help="jitter levels")
+    g.add_argument("--imbalance", default="1", help="encoder-scale values (encoder/LLM imbalance)")
+    g.add_argument("--seeds", type=int, default=1, help="seeds per point (makespans averaged)")
+    g.add_argument("--out", default="sweep", help="sweep output prefix: writes PREFIX.csv and PREFIX.md")
+    p.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------- argument parsing
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--{what} {text!r}: expected comma-separated integers") from None
+    if not vals or any(v < 1 for v in vals):
+        raise UsageError(f"--{what} {text!r}: expected integers >= 1")
+    return vals
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--{what} {text!r}: expected comma-separated numbers") from None
+    if not vals or any(not v >= 0 for v in vals):
+        raise UsageError(f"--{what} {text!r}: expected numbers >= 0")
+    return vals
+
+
+def _limit(text: str) -> Any:
+    if text == "1f1b":
+        return "1f1b"
+    try:
+        v = int(text)
+    except ValueError:
+        raise UsageError(f"--limit {text!r}: expected an integer >= 1 or 1f1b") from None
+    if v < 1:
+        raise UsageError(f"--limit {text!r}: expected an integer >= 1 or 1f1b")
+    return v
+
+
+def _hints(args: argparse.Namespace) -> list[str]:
+    hints = list(args.hint)
+    if args.hints:
+        hints += [h.strip() for h in args.hints.split(",") if h.strip()]
+    return list(dict.fromkeys(hints)) or ["bf", "bfw"]
+
+
+def _stragglers(items: list[str]) -> dict[int, float]:
+    out = {}
+    for it in items:
+        m = re.fullmatch(r"\s*(\d+)\s*:\s*([0-9.eE+-]+)\s*", it)
+        if not m:
+            raise UsageError(f"--straggler {it!r}: expected RANK:FACTOR, e.g. 3:1.5")
+        out[int(m.group(1))] = float(m.group(2))
+    return out
+
+
+def _cost_list(text: str | None, flag: str, kind: type = float) -> list | None:
+    if text is None:
+        return None
+    try:
+        vals = [kind(float(x)) if kind is int else kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected a number, or one per stage separated by commas") from None
+    if not vals:
+        raise UsageError(f"{flag} {text!r}: expected a number, or one per stage separated by commas")
+    return vals
+
+
+def _costs(args: argparse.Namespace) -> CostModel | None:
+    flags = {"F": ("--cost-f", args.cost_f, float), "B": ("--cost-b", args.cost_b, float),
+             "I": ("--cost-i", args.cost_i, float), "W": ("--cost-w", args.cost_w, float),
+             "act_bytes": ("--act-bytes", args.act_bytes, int), "msg_bytes": ("--msg-bytes", args.msg_bytes, int)}
+    given = {k: _cost_list(v, flag, kind) for k, (flag, v, kind) in flags.items() if v is not None}
+    if args.costs:
+        if given:
+            raise UsageError("--costs and --cost-*/--act-bytes/--msg-bytes: give costs one way")
+        try:
+            return load_costs(args.costs)
+        except OSError as e:
+            raise UsageError(f"--costs {args.costs}: {e.strerror or e}") from None
+    if not given:
+        return None
+    if "F" not in given:
+        given["F"] = [0.010]
+    if "B" not in given and not ("I" in given and "W" in given):
+        given["B"] = [0.020]
+    n = max(len(v) for v in given.values())
+    bad = [k for k, v in given.items() if len(v) not in (1, n)]
+    if bad:
+        raise UsageError(f"cost flags: {flags[bad[0]][0]} has {len(given[bad[0]])} values, others {n}: "
+                         "give one value, or one per stage")
+    stages = [StageCost.from_mapping({k: v[i] if len(v) > 1 else v[0] for k, v in given.items()}, f"stage {i}")
+              for i in range(n)]
+    return CostModel(tuple(stages))
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """The :class:`SimConfig` the flags describe.
+
+    Raises:
+        UsageError: one line for any bad value.
+    """
+    try:
+        if args.ranks < 1 or args.virtual < 1:
+            raise ValueError(f"--ranks {args.ranks}, --virtual {args.virtual}: expected >= 1")
+        if args.steps < 1:
+            raise ValueError(f"--steps {args.steps}: expected >= 1")
+        m = args.microbatches if args.microbatches is not None else 4 * args.ranks
+        if m < 1:
+            raise ValueError(f"--microbatches {m}: expected >= 1")
+        straggle = _stragglers(args.straggler)
+        bad = [r for r in straggle if r >= args.ranks]
+        if bad:
+            raise ValueError(f"--straggler rank {bad[0]}: the pipeline has ranks 0..{args.ranks - 1}")
+        cfg = SimConfig(
+            n_ranks=args.ranks, n_microbatches=m, n_virtual=args.virtual, placement=args.placement,
+            steps=args.steps, step_overhead=args.step_overhead, limit=_limit(args.limit),
+            costs=_costs(args), seed=args.seed, jitter=parse_jitter(args.jitter), noise=args.noise,
+            seqlen=Dist.parse(args.seqlen) if args.seqlen else None,
+            images=Dist.parse(args.images) if args.images else None,
+            samples_per_microbatch=args.samples_per_mb, encoder_stages=args.encoder_stages,
+            encoder_scale=args.encoder_scale, stragglers=straggle, latency=args.latency,
+            bandwidth=args.bandwidth, comm_noise=args.comm_noise, comm_jitter=parse_jitter(args.comm_jitter),
+        )
+        if not args.sweep:
+            # Build everything once so that a bad value fails here, in one line (a sweep
+            # builds per point: its stage count changes).
+            cfg.make_placement()
+            cfg.limits()
+            cfg.duration_model()
+            cfg.comm_model()
+        return cfg
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _baseline(args: argparse.Namespace) -> str | None:
+    if args.baseline == "none":
+        return None
+    if args.baseline == "auto":
+        return default_baseline(args.virtual, args.placement)
+    return args.baseline
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        d = os.path.dirname(path)
+        if d:
+            os.makedirs(d, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _describe(cfg: SimConfig) -> dict[str, Any]:
+    d = asdict(cfg)
+    d["costs"] = [asdict(c) for c in cfg.cost_model().stages] if cfg.costs is not None else "default"
+    for k in ("seqlen", "images"):
+        d[k] = str(getattr(cfg, k)) if getattr(cfg, k) else None
+    d["jitter"] = cfg.jitter.name if cfg.jitter else None
+    d["comm_jitter"] = cfg.comm_jitter.name if cfg.comm_jitter else None
+    return d
+
+
+# ---------------------------------------------------------------------- commands
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``rrfp simulate``; returns the exit code.
+
+    Raises:
+        UsageError: bad flags, an unknown hint, a hint that does not fit, a schedule that
+            cannot finish, or an output that cannot be written.
+    """
+    cfg = config_from_args(args)
+    if args.sweep:
+        return _run_sweep(args, cfg)
+    hints = _hints(args)
+    baseline = _baseline(args)
+
+    def on_result(name: str, summary: Any, res: Any) -> None:
+        if not args.trace:
+            return
+        from ..obs.trace import write_chrome_trace, write_gantt_png
+
+        os.makedirs(args.trace, exist_ok=True)
+        stem = os.path.join(args.trace, re.sub(r"[^A-Za-z0-9_.-]+", "_", name))
+        write_chrome_trace(res.records, stem + ".json", metadata={"hint": name, "makespan_s": res.makespan})
+        mode = "strict order" if summary.extra.get("strict") else f"in-flight limit {cfg.limit}"
+        write_gantt_png(res.records, stem + ".png", title=f"{name} ({mode})", n_ranks=cfg.n_ranks)
+
+    try:
+        rows = compare(cfg, hints, baseline, on_result=on_result)
+    except (ValueError, DeadlockError) as e:
+        raise UsageError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"cannot write the trace: {e}") from None
+    header, cells = table_rows(rows)
+    jit = cfg.jitter.name if cfg.jitter else "J0"
+    print(f"# {cfg.n_ranks} ranks x {cfg.n_virtual} virtual stages ({cfg.placement}), "
+          f"{cfg.n_microbatches} microbatches, {cfg.steps} step(s), limit {cfg.limit}, jitter {jit}, seed {cfg.seed}")
+    print(format_text(header, cells))
+    if baseline:
+        print(f"# speedup = makespan of {baseline} / makespan; bound = lower bound of that run (docs/simulator.md)")
+    if args.csv:
+        _write(args.csv, format_csv(header, cells))
+    if args.markdown:
+        _write(args.markdown, format_markdown(header, cells) + "\n")
+    if args.json:
+        _write(args.json, to_json(rows, _describe(cfg)) + "\n")
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace, cfg: SimConfig) -> int:
+    depths = _ints(args.depths, "depths")
+    mps = _ints(args.mb_per_stage, "mb-per-stage")
+    try:
+        jitters = [parse_jitter(j) for j in args.jitter_levels.split(",") if j.strip()]
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    imbalances = _floats(args.imbalance, "imbalance")
+    hints = _hints(args)
+    baseline = _baseline(args)
+    try:
+        points = sweep(cfg, depths=depths, mb_per_stage=mps, jitters=jitters, imbalances=imbalances,
+                       hints=hints, baseline=baseline, seeds=args.seeds,
+                       progress=lambda s: print(s, file=sys.stderr))
+    except (ValueError, DeadlockError) as e:
+        raise UsageError(str(e)) from None
+    header, cells = sweep_table(points, hints, baseline)
+    print(format_text(header, cells))
+    for pt in points:
+        for name, err in pt.errors.items():
+            print(f"# n/a: {name} at ranks={pt.n_ranks}, M={pt.n_microbatches}: {err}", file=sys.stderr)
+    _write(args.out + ".csv", format_csv(header, cells))
+    _write(args.out + ".md", format_markdown(header, cells) + "\n")
+    if args.json:
+        detail = [{**{k: v for k, v in vars(pt).items() if k != "runs"},
+                   "runs": {h: r.to_dict() for h, r in pt.runs.items()}} for pt in points]
+        _write(args.json, json.dumps({"config": _describe(cfg), "points": detail}, indent=1, default=str) + "\n")
+    print(f"# wrote {args.out}.csv and {args.out}.md", file=sys.stderr)
+    return 0
