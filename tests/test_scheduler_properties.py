@@ -80,6 +80,7 @@ def scenarios(draw):
         delays=draw(st.sampled_from(["zero", "constant", "lognormal", "pareto"])),
         steps=draw(st.integers(1, 2)),
         seed=draw(st.integers(0, 2**32 - 1)),
+        backpressure=draw(st.sampled_from(["admission", "completion-order"])),
     )
 
 
@@ -122,11 +123,45 @@ def check_run(spec: PipelineSpec, hint, strict: bool, limits: list[int], res, st
                 assert ran == hint.order[r], f"rank {r} step {k} left the strict order"
         assert res.peak_inflight == order_peak_inflight(spec, hint.order)
     else:
+        acts, mbs = peaks_from_records(spec, res.records)
+        assert acts == res.peak_inflight
         for r in range(place.n_ranks):
-            bound = limits[r] + (place.n_virtual if place.n_virtual > 1 else 0)
-            assert res.peak_inflight[r] <= bound, (
-                f"rank {r}: {res.peak_inflight[r]} in flight, bound {bound} (limit {limits[r]})"
-            )
+            assert_within_bound(place, hint.backpressure, limits[r], acts[r], mbs[r], f"rank {r}")
+
+
+def peaks_from_records(spec: PipelineSpec, records) -> tuple[list[int], list[int]]:
+    """Per rank, the most activations held (F done, its backward not) and the most
+    microbatches in flight (F done on the rank's first virtual stage, its backward not) at
+    any moment of a step, recomputed from the executed tasks alone."""
+    place = spec.placement
+    acts, mbs = [0] * place.n_ranks, [0] * place.n_ranks
+    first = {r: place.stages_of(r)[0] for r in range(place.n_ranks)}
+    by_rank_step = defaultdict(list)
+    for rec in records:
+        by_rank_step[(rec.rank, rec.step)].append(rec)
+    for (r, _), recs in by_rank_step.items():
+        a = b = 0
+        for rec in sorted(recs, key=lambda x: x.end):
+            d = 1 if rec.task.kind == "F" else -1 if rec.task.kind in ("B", "I") else 0
+            a += d
+            if rec.task.stage == first[r]:
+                b += d
+            acts[r], mbs[r] = max(acts[r], a), max(mbs[r], b)
+    return acts, mbs
+
+
+def assert_within_bound(place: Placement, backpressure: str, limit: int, acts: int, mbs: int, where: str) -> None:
+    """The proven bounds: one stage per rank, ``limit`` activations; with V virtual stages,
+    admission holds at most ``limit`` microbatches (so ``limit * V`` activations), the
+    completion order (RRFP App. C.2) at most ``limit + V`` activations."""
+    v = place.n_virtual
+    if v == 1:
+        assert acts <= limit, f"{where}: {acts} activations held, limit {limit}"
+    elif backpressure == "admission":
+        assert mbs <= limit, f"{where}: {mbs} microbatches in flight, limit {limit}"
+        assert acts <= limit * v, f"{where}: {acts} activations held, bound {limit * v}"
+    else:
+        assert acts <= limit + v, f"{where}: {acts} activations held, bound {limit + v} (limit {limit})"
 
 
 @SETTINGS
@@ -138,7 +173,7 @@ def test_any_hint_any_mode_completes_correctly(sc):
     rng = random.Random(sc["seed"])
     limits = [rng.randint(1, sc["limit"]) for _ in range(p)] if sc["per_rank_limits"] else [sc["limit"]] * p
     spec, hint, strict = resolve_hint(
-        text, sc["placement"], sc["n_microbatches"], split, inflight_limit=limits
+        text, sc["placement"], sc["n_microbatches"], split, inflight_limit=limits, backpressure=sc["backpressure"]
     )
     assert strict == sc["strict"]
     if split is None:
@@ -176,8 +211,10 @@ def test_compiled_policy_respects_the_bound_and_matches_the_simulator(p, v, kind
     res = simulate(spec, policy, lambda s, r, t: NOMINAL[t.kind], inflight_limit=limit)
     ran = [[rec.task for rec in sorted(res.records, key=lambda x: x.start) if rec.rank == r] for r in range(p)]
     assert ran == strict_hint.order
-    bound = limit + (v if v > 1 else 0)
-    assert max(order_peak_inflight(spec, strict_hint.order)) <= bound
+    acts, mbs = peaks_from_records(spec, res.records)
+    assert acts == order_peak_inflight(spec, strict_hint.order)
+    for r in range(p):
+        assert_within_bound(place, policy.backpressure, limit, acts[r], mbs[r], f"rank {r}")
 
 
 def _largest(name: str) -> tuple[Placement, int]:
@@ -190,15 +227,18 @@ def _largest(name: str) -> tuple[Placement, int]:
     return Placement(8, 4, "v"), 32
 
 
+@pytest.mark.parametrize("backpressure", ["admission", "completion-order"])
 @pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("name", HINT_NAMES)
-def test_largest_shapes_with_heavy_tails_and_tight_limits(name, strict):
+def test_largest_shapes_with_heavy_tails_and_tight_limits(name, strict, backpressure):
     """The corner hypothesis reaches least often: 8 ranks, up to 4 virtual stages (the v
     placement, any V, is valid for the arbiter), 32 microbatches, limit 1 on some ranks,
     Pareto durations and delays."""
     place, m = _largest(name)
     limits = [1, 2, 3, 1, 32, 1, 5, 2]
-    spec, hint, s = resolve_hint(("strict-" if strict else "") + name, place, m, inflight_limit=limits)
+    spec, hint, s = resolve_hint(
+        ("strict-" if strict else "") + name, place, m, inflight_limit=limits, backpressure=backpressure
+    )
     rng = random.Random(zlib.crc32(f"{name}-{strict}".encode()))
     res = simulate(
         spec, hint,
@@ -227,7 +267,8 @@ def one_rank_cases(draw):
     else:
         m = draw(st.integers(1, 8))
     return (name, Placement(p, v, kind), m, draw(st.integers(0, p - 1)), draw(st.integers(1, 8)),
-            draw(st.sampled_from([None, True, False])), draw(st.integers(0, 2**32 - 1)))
+            draw(st.sampled_from([None, True, False])), draw(st.integers(0, 2**32 - 1)),
+            draw(st.sampled_from(["admission", "completion-order"])))
 
 
 @settings(max_examples=max(30, EXAMPLES // 2), deadline=None, derandomize=True, database=None)
@@ -239,8 +280,8 @@ def test_one_arbiter_against_adversarial_arrivals(case):
     rank must finish, never dispatch a task twice or early, and respect the in-flight bound."""
     from rrfp.scheduler import Arbiter, Task
 
-    name, place, m, rank, limit, split, seed = case
-    spec, hint, _ = resolve_hint(name, place, m, split)
+    name, place, m, rank, limit, split, seed, backpressure = case
+    spec, hint, _ = resolve_hint(name, place, m, split, backpressure=backpressure)
     rng = random.Random(seed)
     a = Arbiter(spec, rank, hint, inflight_limit=limit)
     mine = a.stages
@@ -296,5 +337,4 @@ def test_one_arbiter_against_adversarial_arrivals(case):
                 assert d in done, f"{t} dispatched before its dependency {d}"
     assert a.finished, f"rank {rank} did not finish: waits for {a.waiting_for()}"
     assert done == set(spec.tasks_of(rank))
-    bound = limit + (place.n_virtual if place.n_virtual > 1 else 0)
-    assert a.peak_inflight <= bound
+    assert_within_bound(place, hint.backpressure, limit, a.peak_inflight, a.peak_mb_inflight, f"rank {rank}")

@@ -91,6 +91,8 @@ class Pipeline:
         task_delay: ``fn(step, rank, task) -> seconds`` of injected delay (experiments).
         deterministic: accumulate weight gradients in microbatch order, so that runs are
             bitwise reproducible whatever order tasks ran in.
+        backpressure: with virtual stages, ``admission`` (default: the limit counts
+            microbatches in flight per rank) or ``completion-order`` (RRFP App. C.2).
 
     Raises:
         ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...).
@@ -114,6 +116,7 @@ class Pipeline:
         record: bool = False,
         task_delay: DelayFn | None = None,
         deterministic: bool = False,
+        backpressure: str = "admission",
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -133,7 +136,9 @@ class Pipeline:
                 f"{n_stages} stages do not fit {n_ranks} ranks x {len(stages)} virtual stages per rank"
             )
         place = Placement(n_ranks, len(stages), placement)
-        self.spec, self.hint, self.strict = resolve_hint(hint, place, n_microbatches, inflight_limit=inflight_limit)
+        self.spec, self.hint, self.strict = resolve_hint(
+            hint, place, n_microbatches, inflight_limit=inflight_limit, backpressure=backpressure
+        )
         limit = inflight_limit if isinstance(inflight_limit, int) else list(inflight_limit)[rank]
         self.rank = rank
         self.stages = stages
@@ -256,6 +261,7 @@ class LocalPipeline:
         watchdog: float = 60.0,
         job: str = "rrfp-local",
         deterministic: bool = False,
+        backpressure: str = "admission",
     ) -> None:
         from ..transport.fake import FakeNetwork
 
@@ -264,7 +270,9 @@ class LocalPipeline:
             raise ValueError(f"{n_stages} stage modules do not split into ranks of {n_virtual} virtual stages")
         n_ranks = n_stages // n_virtual
         place = Placement(n_ranks, n_virtual, placement)
-        self.spec, self.hint, self.strict = resolve_hint(hint, place, n_microbatches, inflight_limit=inflight_limit)
+        self.spec, self.hint, self.strict = resolve_hint(
+            hint, place, n_microbatches, inflight_limit=inflight_limit, backpressure=backpressure
+        )
         limits = [inflight_limit] * n_ranks if isinstance(inflight_limit, int) else list(inflight_limit)
         self.n_microbatches = n_microbatches
         self.n_ranks = n_ranks

@@ -9,9 +9,20 @@ Backpressure: ``D`` is the number of forwards minus input backwards finished so 
 on the rank (activations held). In readiness mode, once ``D`` reaches the in-flight limit:
 
 - one stage per rank: forwards are disabled; ready backwards (and ``W`` fillers) still run;
-- ``V > 1`` virtual stages: the rank follows the deterministic microbatch-by-microbatch
-  completion order (``m = 0..M-1``, each ``F_0..F_{V-1}, B_{V-1}..B_0``), waiting for its next
-  task instead of skipping it, until ``D`` drops below the limit (RRFP App. C.2).
+- ``V > 1`` virtual stages, ``admission`` backpressure (the default): the limit counts the
+  microbatches in flight on the rank (its first virtual stage's F done, that stage's backward
+  not). At the limit the rank admits no new microbatch, so no F runs on its first virtual stage,
+  but every other ready task runs as the hint ranks it. The rank holds at most ``limit``
+  microbatches, that is at most ``limit * V`` activations. It cannot deadlock: only
+  first-stage forwards ever wait, and a microbatch already admitted needs no first-stage
+  forward of this rank to finish.
+- ``V > 1``, ``completion-order`` backpressure (RRFP App. C.2, selectable through
+  ``Hint.backpressure``): while ``D`` is at the limit, the rank follows the deterministic
+  microbatch-by-microbatch completion order (``m = 0..M-1``, each ``F_0..F_{V-1},
+  B_{V-1}..B_0``). It waits for its next task there instead of skipping it, until ``D`` drops
+  below the limit. The bound is ``limit + V``. It serialises deep interleaved pipelines once
+  the limit binds: simulated, 16 ranks x 2 virtual stages, 128 microbatches, limit 32 took 10x
+  strict interleaved 1F1B.
 
 Strict mode runs exactly the hint's order (the fixed-order baseline) and ignores the limit.
 
@@ -100,6 +111,11 @@ class Arbiter:
         self.n_done = 0
         self.inflight = 0
         self.peak_inflight = 0
+        # Microbatches in flight on this rank (first virtual stage's F done, its backward not):
+        # what the admission backpressure counts. Equal to ``inflight`` with one stage per rank.
+        self.mb_inflight = 0
+        self.peak_mb_inflight = 0
+        self._admission = self._interleaved_flag(spec, rank) and hint.backpressure == "admission"
         self.running: Task | None = None
         # Per-(stage, microbatch) state as flags indexed by virtual index * M + microbatch:
         # bytearrays keep a 128-rank, 1024-microbatch simulation in cache, where sets of
@@ -194,6 +210,10 @@ class Arbiter:
             self.inflight += 1
             if self.inflight > self.peak_inflight:
                 self.peak_inflight = self.inflight
+            if v == 0:
+                self.mb_inflight += 1
+                if self.mb_inflight > self.peak_mb_inflight:
+                    self.peak_mb_inflight = self.mb_inflight
             if s == self._last_stage or self._grad[i]:
                 self._rdy[1][i] = 1
                 if self._policy:
@@ -203,6 +223,8 @@ class Arbiter:
         else:
             self._done[1][i] = 1
             self.inflight -= 1
+            if v == 0:
+                self.mb_inflight -= 1
             if k == I:
                 self._rdy[2][i] = 1
                 if self._policy:
@@ -226,6 +248,10 @@ class Arbiter:
                     self._pos += 1
                     return self._dispatch(t)
             return None
+        if self._admission:
+            if self.mb_inflight < self.limit:
+                return self._next_policy(True) if self._policy else self._next_in_order(True)
+            return self._next_policy_admission() if self._policy else self._next_in_order(True, admit=False)
         if self._interleaved and self.inflight >= self.limit:
             return self._next_completion_order()
         if self._policy:
@@ -260,16 +286,48 @@ class Arbiter:
         self.running = t
         return t
 
-    def _next_in_order(self, f_allowed: bool) -> Task | None:
+    def _next_in_order(self, f_allowed: bool, admit: bool = True) -> Task | None:
         order, keys, rdy, done = self._order, self._keys, self._rdy, self._done
-        n = len(order)
+        n, M = len(order), self._n_mb
         while self._pos < n and done[keys[self._pos][0]][keys[self._pos][1]]:
             self._pos += 1
         for j in range(self._pos, n):
             c, i = keys[j]
-            if rdy[c][i] and (f_allowed or c != 0):
+            # Flag index i < M is the first virtual stage: F there admits a new microbatch.
+            if rdy[c][i] and (c != 0 or (f_allowed and (admit or i >= M))):
                 return self._dispatch(order[j])
         return None
+
+    def _next_policy_admission(self) -> Task | None:
+        # At the limit with virtual stages: no forward on the first virtual stage, every other
+        # ready task as the policy ranks it. The best admissible F is the smallest heap entry
+        # with virtual index >= 1; the scan runs only while the limit binds.
+        stale = self._stale[id(self._rf)]
+        best = min((e for e in self._rf if e[0] >= 1 and e not in stale), default=None)
+        rb = self._rb
+        if best is not None:
+            kind = self._phase if rb else F
+        elif rb:
+            kind = "B"
+        elif self._rw:
+            return self._dispatch(self._pop(self._rw, W))
+        else:
+            return None
+        if self._alternate:
+            self._phase = F if kind == "B" else "B"
+        if kind == F:
+            v, m, s = best
+            self._remove_from_heap(self._rf, best)
+            self._rdy[0][v * self._n_mb + m] = 0
+            t = _new(Task, (s, F, m))
+        else:
+            v, m, s = heapq.heappop(rb)
+            if self._n_stale:
+                self._drop_stale(rb)
+            self._rdy[1][-v * self._n_mb + m] = 0
+            t = _new(Task, (s, self._bk, m))
+        self.running = t
+        return t
 
     def _next_completion_order(self) -> Task | None:
         # Position pos of the completion order is microbatch pos // 2V; within it, F on
@@ -313,6 +371,10 @@ class Arbiter:
         return None
 
     # ------------------------------------------------------------- internals
+    @staticmethod
+    def _interleaved_flag(spec: PipelineSpec, rank: int) -> bool:
+        return len(spec.placement.stages_of(rank)) > 1
+
     def _key(self, t: Task) -> tuple[int, int]:
         """(kind code, flag index) of one of this rank's tasks."""
         s, k, m = t

@@ -23,6 +23,8 @@ Pure module: no torch, no asyncio; only the CSV form reads a file.
 
 from __future__ import annotations
 
+import dataclasses
+
 import heapq
 from dataclasses import dataclass, field
 from typing import Sequence, Union
@@ -45,6 +47,14 @@ NOMINAL_DURATIONS = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
 """Task durations (arbitrary units) used to compile a policy into a strict order."""
 
 
+BACKPRESSURE = ("admission", "completion-order")
+"""``admission`` (default): at the limit a rank admits no new microbatch (no forward on its
+first virtual stage) but keeps running every other ready task; the limit counts microbatches
+in flight on the rank. ``completion-order``: RRFP App. C.2, the deterministic
+microbatch-by-microbatch completion order while the count of activations held is at the
+limit (bound ``limit + V``); it serializes deep interleaved pipelines (docs/scheduling.md)."""
+
+
 @dataclass(frozen=True)
 class Hint:
     """A resolved hint.
@@ -54,12 +64,15 @@ class Hint:
         first: for a policy, the kind preferred when both ``F`` and ``B`` are ready first.
         alternate: for a policy, whether it alternates (BF/FB rounds) or is a fixed priority.
         order: for a total-order hint, the per-rank order; None for a policy.
+        backpressure: what readiness mode does at the in-flight limit with virtual stages
+            (:data:`BACKPRESSURE`); one stage per rank always disables forwards.
     """
 
     name: str
     first: str = "B"
     alternate: bool = True
     order: Order | None = field(default=None, compare=False)
+    backpressure: str = "admission"
 
     @property
     def is_policy(self) -> bool:
@@ -153,6 +166,7 @@ def resolve_hint(
     split_backward: bool | None = None,
     *,
     inflight_limit: Union[int, Sequence[int]] = 32,
+    backpressure: str = "admission",
 ) -> tuple[PipelineSpec, Hint, bool]:
     """Turn hint text (``"bf"``, ``"strict-1f1b"``, ``"order:..."``, ``"sched.csv"``; grammar in
     the module docstring) into ``(spec, hint, strict)``.
@@ -171,6 +185,7 @@ def resolve_hint(
         split_backward: force the split (``I`` + ``W``) or full (``B``) backward.
         inflight_limit: the in-flight limit a strict policy is compiled under (one, or one
             per rank); readiness mode takes its limit from the arbiter instead.
+        backpressure: one of :data:`BACKPRESSURE`.
 
     Raises:
         ValueError: one line naming an unknown hint and listing the known forms, or a named
@@ -179,12 +194,19 @@ def resolve_hint(
             its first offending action.
         OSError: a CSV file that cannot be read.
     """
+    if backpressure not in BACKPRESSURE:
+        raise ValueError(f"backpressure {backpressure!r}: expected one of {', '.join(BACKPRESSURE)}")
+    spec, hint, strict = _resolve(text, placement, n_microbatches, split_backward, inflight_limit, backpressure)
+    return spec, dataclasses.replace(hint, backpressure=backpressure), strict
+
+
+def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, backpressure):
     strict = text.startswith("strict-")
     name = text[len("strict-"):] if strict else text
     if name in POLICIES:
         first, alternate, split = POLICIES[name]
         spec = PipelineSpec(placement, n_microbatches, split if split_backward is None else split_backward)
-        hint = Hint(name, first, alternate)
+        hint = Hint(name, first, alternate, backpressure=backpressure)
         if strict:
             hint = Hint(name, first, alternate, order=compile_policy(spec, hint, inflight_limit))
         return spec, hint, strict

@@ -50,6 +50,9 @@ def register(subparsers: Any) -> None:
     g = p.add_argument_group("scheduling")
     g.add_argument("--hint", action="append", default=[], help="a hint (repeatable): bf, bfw, strict-1f1b, ...")
     g.add_argument("--hints", default=None, help="comma-separated hints, side by side (default bf,bfw + baseline)")
+    g.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
+                   help="with virtual stages: admission (the limit counts microbatches in flight) or "
+                   "completion-order (RRFP App. C.2)")
     g.add_argument("--limit", default="32", help="in-flight limit: an integer, or 1f1b (1F1B's p - r per rank)")
     g.add_argument("--baseline", default="auto",
                    help="hint the speedups are over: auto (strict-1f1b; strict-interleaved-1f1b with virtual stages) or none")
@@ -209,7 +212,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             raise ValueError(f"--straggler rank {bad[0]}: the pipeline has ranks 0..{args.ranks - 1}")
         cfg = SimConfig(
             n_ranks=args.ranks, n_microbatches=m, n_virtual=args.virtual, placement=args.placement,
-            steps=args.steps, step_overhead=args.step_overhead, limit=_limit(args.limit),
+            steps=args.steps, step_overhead=args.step_overhead, limit=_limit(args.limit), backpressure=args.backpressure,
             costs=_costs(args), seed=args.seed, jitter=parse_jitter(args.jitter), noise=args.noise,
             seqlen=Dist.parse(args.seqlen) if args.seqlen else None,
             images=Dist.parse(args.images) if args.images else None,

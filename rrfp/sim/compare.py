@@ -36,6 +36,8 @@ class SimConfig:
         n_ranks, n_virtual, placement: the placement (:class:`~rrfp.scheduler.tasks.Placement`).
         n_microbatches: microbatches per step.
         steps: steps run back to back; step_overhead: seconds between a rank's steps.
+        backpressure: with virtual stages, ``admission`` or ``completion-order``
+            (:data:`rrfp.scheduler.hints.BACKPRESSURE`).
         limit: the in-flight limit: an int, a per-rank list, or ``"1f1b"`` (1F1B's own
             per-rank limits ``p - r``, which match its activation memory).
         costs: per-stage costs (None: every stage ``F = 10 ms``, ``B = 20 ms``).
@@ -52,6 +54,7 @@ class SimConfig:
     steps: int = 1
     step_overhead: float = 0.0
     limit: Any = 32
+    backpressure: str = "admission"
     costs: CostModel | None = None
     seed: int = 0
     jitter: JitterLevel | None = None
@@ -128,7 +131,9 @@ def run_one(cfg: SimConfig, hint: str, *, record: bool = True) -> tuple[RunSumma
     placement = cfg.make_placement()
     limits = cfg.limits()
     # The limit also shapes a strict policy (strict-bf), which resolve_hint compiles under it.
-    spec, h, strict = resolve_hint(hint, placement, cfg.n_microbatches, inflight_limit=limits)
+    spec, h, strict = resolve_hint(
+        hint, placement, cfg.n_microbatches, inflight_limit=limits, backpressure=cfg.backpressure
+    )
     comm = cfg.comm_model()
     delay = None if comm.is_zero else comm
     kw: dict[str, Any] = {} if delay is None else {"delay": delay}

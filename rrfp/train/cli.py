@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
     p.add_argument("--hint", default=DEFAULTS["hint"], help="bf, bfw, fb, b-priority, f-priority, 1f1b, gpipe, strict-1f1b, strict-gpipe")
     p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], help="in-flight limit (an integer, or '1f1b' for p - rank)")
+    p.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
+                   help="with virtual stages: what a rank does at the in-flight limit (see README)")
     p.add_argument("--model", default=DEFAULTS["model"], help="model preset: tiny, small, medium")
     p.add_argument("--max-len", type=int, default=DEFAULTS["max_len"], help="longest sample, in tokens (bytes)")
     p.add_argument("--data", nargs="+", metavar="PATH", default=None, help="text files or folders (default: the Python standard library's sources)")
@@ -88,7 +90,8 @@ def validate(args: argparse.Namespace) -> None:
             "each microbatch needs at least one sample"
         )
     try:
-        resolve_hint(args.hint, Placement(args.stages, args.virtual_stages, args.placement), args.microbatches)
+        resolve_hint(args.hint, Placement(args.stages, args.virtual_stages, args.placement), args.microbatches,
+                     backpressure=args.backpressure)
     except (ValueError, OSError) as e:
         raise UsageError(f"--hint={args.hint!r}: {e}") from None
     if args.inflight_limit != "1f1b":

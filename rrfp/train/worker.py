@@ -35,7 +35,7 @@ def sample_limit(args: argparse.Namespace) -> int:
 
 def _limit_for(args: argparse.Namespace, rank: int, n_ranks: int) -> int:
     if args.inflight_limit == "1f1b":
-        return one_f_one_b_limits(n_ranks)[rank] * args.virtual_stages
+        return one_f_one_b_limits(n_ranks)[rank]
     return int(args.inflight_limit)
 
 
@@ -124,7 +124,7 @@ def _main(args: argparse.Namespace) -> int:
         stages, args.microbatches, lm_loss, hint=args.hint, inflight_limit=_limit_for(args, rank, n_ranks),
         placement=args.placement, loss_weight_fn=count_tokens, rank=rank, n_ranks=n_ranks,
         job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
-        record=args.trace is not None, deterministic=args.deterministic,
+        record=args.trace is not None, deterministic=args.deterministic, backpressure=args.backpressure,
     )
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
