@@ -1,3 +1,27 @@
-"""rrfp: a readiness-driven runtime for pipeline-parallel training (RRFP, arXiv 2605.18750)."""
+"""rrfp: a readiness-driven runtime for pipeline-parallel training (RRFP, arXiv 2605.18750).
+
+Public API (imported lazily, so ``rrfp simulate`` never loads torch):
+
+- :class:`Pipeline`: this rank's part of a multi-process pipeline (``torch.distributed.pipelining``
+  shape: ``Pipeline(stage, n_microbatches, loss_fn, hint="bf").step(x, target=y)``).
+- :class:`PipelineStage`: wraps one stage's ``nn.Module``.
+- :class:`LocalPipeline`: every rank of a pipeline in one process over the fake transport.
+"""
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Pipeline": "rrfp.runtime.pipeline",
+    "LocalPipeline": "rrfp.runtime.pipeline",
+    "PipelineStage": "rrfp.runtime.stage",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rrfp' has no attribute {name!r}")
