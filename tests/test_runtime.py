@@ -119,3 +119,41 @@ def test_too_many_microbatches_is_a_clear_error():
 def test_unknown_hint_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown hint 'nope'"):
         LocalPipeline(split_gpt(GPT(CFG), 2), 2, lm_loss, hint="nope")
+
+
+def test_forged_messages_are_rejected_and_the_step_still_matches():
+    from rrfp.transport.base import Message
+    from rrfp.transport.keys import Direction, MsgKey
+
+    model = GPT(CFG, seed=6)
+    samples = _samples(4, 3)
+    ref_loss, ref_grads = _reference(model, samples)
+    stages = split_gpt(model, 2)
+    mbs = make_microbatches(samples, 2)
+    with LocalPipeline(stages, 2, lm_loss, loss_weight_fn=count_tokens, delay=(0.0, 0.002)) as pipe:
+        rt1, job = pipe.runtimes[1], pipe.runtimes[1].job
+        junk = [torch.zeros(1, 3, CFG.d_model)]
+        forged = [
+            MsgKey("other-job", 0, 0, 1, Direction.ACT),  # wrong job
+            MsgKey(job, 5, 0, 1, Direction.ACT),  # a step no peer can be in yet
+        ]
+        for key in forged:
+            rt1._on_message(Message(0, key, junk, {}))
+        assert rt1.rejected == 2
+        loss = pipe.step(microbatches=[(m.tokens,) for m in mbs], targets=[m.targets for m in mbs])
+        rt1._step = 1  # as during step 1: routing errors are refused, not fatal
+        rt1._arb = __import__("rrfp.scheduler.arbiter", fromlist=["Arbiter"]).Arbiter(
+            pipe.spec, 1, pipe.hint, inflight_limit=32)
+        for key in [
+            MsgKey(job, 1, 7, 1, Direction.ACT),  # microbatch out of range
+            MsgKey(job, 1, 0, 0, Direction.ACT),  # a stage rank 1 does not hold
+            MsgKey(job, 1, 0, 1, Direction.GRAD),  # a gradient for the last stage
+            MsgKey(job, 0, 0, 1, Direction.ACT),  # a stale step
+        ]:
+            rt1._on_message(Message(0, key, junk, {}))
+        rt1._on_message(Message(0, MsgKey(job, 1, 0, 1, Direction.ACT), junk, {}))
+        rt1._on_message(Message(0, MsgKey(job, 1, 0, 1, Direction.ACT), junk, {}))  # duplicate
+        assert rt1.rejected == 2 + 5
+        rt1._step = None
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    _assert_grads_match(stages, ref_grads)

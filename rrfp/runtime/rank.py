@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..scheduler.arbiter import Arbiter
+from ..scheduler.arbiter import Arbiter, SchedulingError
 from ..scheduler.hints import Hint
 from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task
 from ..transport.base import Message, Transport
@@ -150,6 +150,8 @@ class RankRuntime:
         self._error: BaseException | None = None
         self._receiver: asyncio.Task | None = None
         self._step: int | None = None
+        self._last_step = -1
+        self.rejected = 0  # messages refused for their routing (wrong job, step, stage...)
         self._arb: Arbiter | None = None
         self._act: dict[tuple[int, int], tuple] = {}
         self._grad: dict[tuple[int, int], list] = {}
@@ -183,32 +185,39 @@ class RankRuntime:
     def _on_message(self, msg: Message) -> None:
         key = msg.key
         if key.job != self.job:
-            self._fail(PipelineError(f"rank {self.rank}: message for job {key.job!r} from rank {msg.src}, expected {self.job!r}"))
-            return
+            return self._reject(msg, f"job {key.job!r}, expected {self.job!r}")
         if key.direction == Direction.CTL:
             self._control.put_nowait(msg)
             return
-        if self._step is None or key.step > self._step:
+        # A peer can be at most one step ahead: it needs this rank's step-k outputs to finish
+        # step k. Anything else is a stale, forged or corrupt message.
+        current = self._step if self._step is not None else self._last_step + 1
+        if key.step == current + 1 or (self._step is None and key.step == current):
             self._pending.setdefault(key.step, []).append(msg)
             return
-        if key.step < self._step:
-            self._fail(PipelineError(f"rank {self.rank}: stale message for step {key.step} in step {self._step}: {key}"))
-            return
+        if key.step != current:
+            return self._reject(msg, f"step {key.step} while in step {current}")
         self._accept(msg)
+
+    def _reject(self, msg: Message, why: str) -> None:
+        self.rejected += 1
+        log.warning("rank %d: rejected message from rank %d (%s): %s", self.rank, msg.src, msg.key, why)
 
     def _accept(self, msg: Message) -> None:
         key = msg.key
         stage = self.stages.get(key.stage)
-        if stage is None:
-            self._fail(PipelineError(f"rank {self.rank}: message for stage {key.stage}, which it does not hold"))
-            return
-        tensors = stage.to_device(msg.tensors)
         grad = key.direction == Direction.GRAD
+        if stage is None or not 0 <= key.microbatch < self.spec.n_microbatches:
+            return self._reject(msg, f"no task here for stage {key.stage} microbatch {key.microbatch}")
+        try:
+            self._arb.mark_input(key.stage, key.microbatch, grad)
+        except SchedulingError as e:  # a duplicate: the first copy stands
+            return self._reject(msg, str(e))
+        tensors = stage.to_device(msg.tensors)
         if grad:
             self._grad[(key.stage, key.microbatch)] = list(tensors)
         else:
             self._act[(key.stage, key.microbatch)] = tensors
-        self._arb.mark_input(key.stage, key.microbatch, grad)
         self._wake.set()
 
     async def control(self, timeout: float | None = None) -> Message:
@@ -327,7 +336,7 @@ class RankRuntime:
                 losses.extend(mb_losses)
             stats.loss = float(sum(w * l for w, l in zip(weights, mb_losses)))
         await self.transport.flush()
-        self._step = None
+        self._step, self._last_step = None, step
         return stats
 
     async def _wait_for_event(self, arb: Arbiter) -> None:
