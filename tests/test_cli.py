@@ -39,3 +39,15 @@ def test_console_entry_point_exit_code():
     p = subprocess.run([sys.executable, "-m", "rrfp", "train", "--hint", "nope"], capture_output=True, text=True, timeout=50)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "unknown hint 'nope'" in p.stderr
+
+
+def test_launcher_summary_names_the_rank_that_died_first():
+    from types import SimpleNamespace as NS
+
+    from rrfp.train.cli import describe_failures
+
+    killed = {0: NS(exitcode=1, timestamp=10.0), 1: NS(exitcode=1, timestamp=10.5),
+              2: NS(exitcode=-9, timestamp=11.0), 3: NS(exitcode=-15, timestamp=9.0)}
+    assert describe_failures(killed) == "rank 2 died (SIGKILL); ranks 0, 1, 3 stopped too"
+    errored = {0: NS(exitcode=1, timestamp=12.0), 3: NS(exitcode=1, timestamp=11.0)}
+    assert describe_failures(errored) == "rank 3 failed (exit code 1); rank 0 stopped too"

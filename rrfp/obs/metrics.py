@@ -25,7 +25,10 @@ class RankMetrics:
         self.peak = Gauge("rrfp_peak_inflight", "peak in-flight count of the last step", ["rank"], registry=r)
         self.loss = Gauge("rrfp_loss", "loss of the last step", ["rank"], registry=r)
         if port is not None:
-            start_http_server(port, registry=self.registry)
+            try:
+                start_http_server(port, registry=self.registry)
+            except OSError as e:
+                raise OSError(f"rank {rank}: cannot serve metrics on port {port}: {e.strerror or e}") from None
 
     def observe(self, stats, loss: float | None) -> None:
         """Record one step's :class:`~rrfp.runtime.rank.StepStats`."""

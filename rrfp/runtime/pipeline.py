@@ -186,9 +186,15 @@ class Pipeline:
     async def astep(self, *args, target=None, losses=None, microbatches=None, targets=None) -> torch.Tensor | None:
         """Coroutine form of :meth:`step`, for callers that run their own event loop."""
         M = self.n_microbatches
-        if microbatches is None and args:
+        # Like PyTorch's schedules, every rank may pass inputs and target: each rank uses only
+        # what its stages need.
+        if 0 not in self.runtime.stages:
+            microbatches = None
+        elif microbatches is None and args:
             microbatches = split_microbatches(args, M)
-        if targets is None and target is not None:
+        if self.spec.n_stages - 1 not in self.runtime.stages:
+            targets = None
+        elif targets is None and target is not None:
             targets = [t[0] for t in split_microbatches([target], M, "target")]
         stats = await self.runtime.run_step(self._step, microbatches, targets, losses)
         self._step += 1

@@ -61,7 +61,10 @@ class StepStats:
         step: the step index.
         wall: seconds from the step's start to this rank's last task's end.
         busy: seconds spent computing tasks (injected delays included).
-        peak_inflight: the largest in-flight count ``D`` seen.
+        peak_inflight: the most activations held at once (forwards done, their backward not).
+        peak_mb_inflight: the most microbatches in flight at once on this rank (its first
+            virtual stage's forward done, that stage's backward not); equal to
+            ``peak_inflight`` with one stage per rank.
         loss: weighted step loss (only on the rank holding the last stage, else None).
         n_tasks: tasks run.
     """
@@ -72,6 +75,7 @@ class StepStats:
     peak_inflight: int
     loss: float | None = None
     n_tasks: int = 0
+    peak_mb_inflight: int = 0
     records: list[TaskRecord] = field(default_factory=list)
 
     @property
@@ -331,6 +335,7 @@ class RankRuntime:
                 acc.finish(M)
         stats.wall = time.perf_counter() - t_start
         stats.peak_inflight = arb.peak_inflight
+        stats.peak_mb_inflight = arb.peak_mb_inflight
         if weights is not None:
             if losses is not None:
                 losses.extend(mb_losses)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from ..cli import UsageError
+from ..scheduler.hints import HINT_NAMES
 
 DEFAULTS = dict(
     stages=4,
@@ -43,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
-    p.add_argument("--hint", default=DEFAULTS["hint"], help="bf, bfw, fb, b-priority, f-priority, 1f1b, gpipe, strict-1f1b, strict-gpipe")
+    p.add_argument("--hint", default=DEFAULTS["hint"], help=f"{', '.join(HINT_NAMES)}; strict-<name> for the fixed order; order:<per-rank actions> or a .csv file")
     p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], help="in-flight limit (an integer, or '1f1b' for p - rank)")
     p.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
                    help="with virtual stages: what a rank does at the in-flight limit (see README)")
@@ -103,9 +104,30 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--inflight-limit={args.inflight_limit!r}: expected a positive integer or '1f1b'")
     if args.lr <= 0:
         raise UsageError(f"--lr={args.lr}: expected a positive learning rate")
+    if args.watchdog <= 0:
+        raise UsageError(f"--watchdog={args.watchdog}: expected a positive number of seconds")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535 - (args.stages - 1):
+        raise UsageError(
+            f"--metrics-port={args.metrics_port}: expected a port in 1..{65535 - (args.stages - 1)} "
+            f"(ranks serve on port + rank, for {args.stages} ranks)"
+        )
     for path in args.data or []:
         if not Path(path).exists():
             raise UsageError(f"--data: data path {path!r} does not exist")
+    if args.data:
+        # The ranks would load the same samples; finding too few here saves starting them.
+        from ..data.text import load_samples
+        from .worker import SAMPLE_POOL
+
+        try:
+            n = len(load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL))
+        except (ValueError, OSError) as e:
+            raise UsageError(f"--data: {e}") from None
+        if n < args.batch_size:
+            raise UsageError(
+                f"--batch-size={args.batch_size} exceeds the {n} samples in --data "
+                f"{' '.join(args.data)}: use a smaller batch or more text"
+            )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,12 +156,7 @@ def launch(args: argparse.Namespace) -> int:
     try:
         torchrun.run(run_args)
     except ChildFailedError as e:
-        first = e.get_first_failure()[1]
-        print(
-            f"rrfp train: error: rank {first.local_rank} failed (exit code {first.exitcode}); "
-            f"{len(e.failures)} rank(s) failed in all",
-            file=sys.stderr,
-        )
+        print(f"rrfp train: error: {describe_failures(e.failures)}", file=sys.stderr)
         return 1
     return 0
 
@@ -150,3 +167,24 @@ def _quiet_launcher_logs() -> None:
     # torchrun's agent logs every rendezvous detail at INFO; users want the job's own lines.
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def describe_failures(failures: dict) -> str:
+    """One line naming the rank that went first: one killed by a signal other than the
+    launcher's own SIGTERM (a lost rank) before one that exited with an error, then the
+    earliest."""
+    import signal as _signal
+
+    def cause(f) -> tuple[int, float]:
+        killed = f.exitcode < 0 and -f.exitcode not in (_signal.SIGTERM, _signal.SIGINT)
+        return (0 if killed else 1, f.timestamp)
+
+    rank, first = min(failures.items(), key=lambda kv: cause(kv[1]))
+    if first.exitcode < 0:
+        what = f"rank {rank} died ({_signal.Signals(-first.exitcode).name})"
+    else:
+        what = f"rank {rank} failed (exit code {first.exitcode})"
+    others = sorted(r for r in failures if r != rank)
+    plural = "s" if len(others) > 1 else ""
+    tail = f"; rank{plural} {', '.join(map(str, others))} stopped too" if others else ""
+    return what + tail

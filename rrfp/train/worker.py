@@ -27,10 +27,9 @@ from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
 
 
-def sample_limit(args: argparse.Namespace) -> int:
-    """How many samples to load: enough for every step without reuse, capped to keep start-up
-    fast (the sampler reshuffles per epoch)."""
-    return max(4 * args.batch_size, min(args.steps * args.batch_size, 20_000))
+SAMPLE_POOL = 8192
+"""Samples loaded for training: a fixed pool (not tied to --steps, so the first batches of a
+run do not depend on how long it runs); the sampler reshuffles it every epoch."""
 
 
 def _limit_for(args: argparse.Namespace, rank: int, n_ranks: int) -> int:
@@ -80,10 +79,11 @@ class Reporter:
             return
         first, last = rows[0]["loss"], rows[-1]["loss"]
         steady = rows[1:] or rows
+        which = "after the first step" if len(rows) > 1 else "(one step, warm-up included)"
         tok_s = sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady)
         mean_bubble = [sum(r["bubble"][i] for r in steady) / len(steady) for i in range(self.n_ranks)]
         print(
-            f"done: {len(rows)} steps in {total:.1f} s, {tok_s:.0f} tok/s after the first step; "
+            f"done: {len(rows)} steps in {total:.1f} s, {tok_s:.0f} tok/s {which}; "
             f"loss {first:.4f} -> {last:.4f} ({(last - first) / first * 100:+.1f}%); "
             f"mean bubble/rank [{' '.join(f'{b:.2f}' for b in mean_bubble)}]; hint {self.args.hint}",
             flush=True,
@@ -113,7 +113,7 @@ def _main(args: argparse.Namespace) -> int:
     stages = [PipelineStage(build_stage(cfg, n_stages, s, args.seed), s, n_stages) for s in stage_ids]
     sampler = None
     if 0 in stage_ids or n_stages - 1 in stage_ids:
-        samples = load_samples(args.data, args.max_len, args.seed, limit=sample_limit(args))
+        samples = load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL)
         sampler = BatchSampler(samples, args.batch_size, args.seed)
     metrics = None
     if args.metrics_port is not None:
@@ -142,7 +142,7 @@ def _main(args: argparse.Namespace) -> int:
             opt.step()
             st = pipe.last_stats
             records += st.records
-            meta = {"kind": "stats", "step": k, "busy": st.busy, "wall": st.wall, "peak": st.peak_inflight,
+            meta = {"kind": "stats", "step": k, "busy": st.busy, "wall": st.wall, "peak": st.peak_mb_inflight,
                     "loss": None if loss is None else float(loss)}
             if metrics is not None:
                 metrics.observe(st, meta["loss"])

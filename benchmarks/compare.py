@@ -1,0 +1,515 @@
+"""rrfp against PyTorch's own pipeline schedules, in the same rank processes, alternating.
+
+One set of rank processes (gloo default group; rrfp's pipelines use ZeroMQ through the same
+store) builds every system side by side, each with its own copy of the same initial weights:
+
+- rrfp ``bf``, ``bfw``, ``strict-1f1b`` (the fixed-order baseline), and ``bf`` with the in-flight
+  limit set to what 1F1B holds (``one_f_one_b_limits``: the memory-matched row);
+- ``torch.distributed.pipelining``'s ``ScheduleGPipe``, ``Schedule1F1B``,
+  ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` (the last two with two
+  virtual stages per rank, loop placement).
+
+A *phase* is one condition (a jitter level, fixed or variable-length microbatches). Each round
+of a phase gives every system the same batch, step id and injected delays; the order of the
+systems rotates from round to round so that drift of the machine cancels out of the paired
+ratios. Round 0 warms up (PyTorch infers shapes, nothing injected), round 1 measures activation
+memory (meter on, delays on), later rounds are timed. The optimizer never steps: weights stay
+at their initial values, so every system computes on identical weights in every round.
+
+After every step, every system's gradients are gathered into one full-model vector and compared
+with the first system of the round (and, in round 0, with a single-process reference model):
+fp32 ``rtol=1e-5, atol=1e-6``, or the benchmark fails naming the system and parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as Fn
+
+from rrfp.data.batches import BatchSampler, make_microbatches, microbatch_sizes, pad_batch
+from rrfp.data.text import PAD_ID, load_samples
+from rrfp.model.gpt import GPT, IGNORE_INDEX, GPTConfig, build_stage, count_tokens, lm_loss
+from rrfp.sim.jitter import LEVELS
+
+from .harness import ActivationMeter, BenchError, ComputeTimer, Injector, JitterStage, calibrate
+
+RTOL, ATOL = 1e-5, 1e-6
+
+RRFP_SYSTEMS: dict[str, dict[str, Any]] = {
+    "rrfp bf": {"hint": "bf", "limit": 32},
+    "rrfp bfw": {"hint": "bfw", "limit": 32},
+    "rrfp strict-1f1b": {"hint": "strict-1f1b", "limit": 32},
+    "rrfp bf, 1F1B limits": {"hint": "bf", "limit": "1f1b"},
+}
+TORCH_SYSTEMS: dict[str, dict[str, Any]] = {
+    "torch GPipe": {"cls": "ScheduleGPipe", "virtual": 1},
+    "torch 1F1B": {"cls": "Schedule1F1B", "virtual": 1},
+    "torch Interleaved1F1B": {"cls": "ScheduleInterleaved1F1B", "virtual": 2},
+    "torch InterleavedZB": {"cls": "ScheduleInterleavedZeroBubble", "virtual": 2},
+}
+ALL_SYSTEMS = list(RRFP_SYSTEMS) + list(TORCH_SYSTEMS)
+
+
+# --------------------------------------------------------------------------- batches
+
+
+@dataclass
+class Batch:
+    """One step's data in the forms each system takes.
+
+    ``tokens``/``targets``/``mbid`` are the whole batch padded to the fixed length (what PyTorch's
+    pipelining needs: its receive buffers have static shapes). ``rrfp_mbs``/``rrfp_targets`` are
+    rrfp's per-microbatch inputs: slices of the fixed batch, or, with variable-length
+    microbatches, each microbatch padded only to its own longest sample.
+    """
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    mbid: torch.Tensor
+    rrfp_mbs: list[tuple]
+    rrfp_targets: list[torch.Tensor]
+    n_tokens: int
+    lengths: list[int]
+
+
+def _pad_to(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    return Fn.pad(t, (0, length - t.shape[1]), value=value)
+
+
+def make_batch(samples: Sequence[bytes], n_microbatches: int, seq_len: int, varlen: bool) -> Batch:
+    tokens, targets = pad_batch(samples)
+    tokens, targets = _pad_to(tokens, seq_len, PAD_ID), _pad_to(targets, seq_len, IGNORE_INDEX)
+    sizes = microbatch_sizes(len(samples), n_microbatches)
+    mbid = torch.repeat_interleave(torch.arange(n_microbatches), torch.tensor(sizes))
+    ids = torch.tensor_split(mbid, n_microbatches)
+    if varlen:
+        mbs = make_microbatches(samples, n_microbatches)
+        rrfp_mbs = [(mb.tokens, i) for mb, i in zip(mbs, ids)]
+        rrfp_targets = [mb.targets for mb in mbs]
+    else:
+        rrfp_mbs = list(zip(torch.tensor_split(tokens, n_microbatches), ids))
+        rrfp_targets = list(torch.tensor_split(targets, n_microbatches))
+    return Batch(tokens, targets, mbid, rrfp_mbs, rrfp_targets, count_tokens(targets), [t.shape[1] for t, _ in rrfp_mbs])
+
+
+class TokenMeanLoss:
+    """PyTorch-side loss: each microbatch's summed cross entropy over the batch's token count,
+    so that the microbatch losses add up to the global per-token mean (``scale_grads=False``).
+    rrfp computes the same with ``lm_loss`` weighted by ``count_tokens``."""
+
+    def __init__(self) -> None:
+        self.total = 1
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        ce = Fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+        return ce / self.total
+
+
+# --------------------------------------------------------------------------- systems
+
+
+class System:
+    name: str
+    inner: list[torch.nn.Module]  # the GPT stage modules (parameters)
+
+    def step(self, batch: Batch) -> None:
+        raise NotImplementedError
+
+    def busy(self) -> float:
+        raise NotImplementedError
+
+    def peak_inflight(self) -> int:
+        return -1
+
+    def zero_grad(self) -> None:
+        for m in self.inner:
+            m.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        pass
+
+
+class RrfpSystem(System):
+    def __init__(self, name: str, spec: dict, wrappers, inner, stage_ids, n_stages, rank, n_ranks, n_mb, job) -> None:
+        from rrfp.runtime.pipeline import Pipeline
+        from rrfp.runtime.stage import PipelineStage
+        from rrfp.scheduler.schedules import one_f_one_b_limits
+
+        self.name, self.inner = name, inner
+        limit = one_f_one_b_limits(n_ranks)[rank] if spec["limit"] == "1f1b" else int(spec["limit"])
+        self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
+        stages = [PipelineStage(w, s, n_stages) for w, s in zip(wrappers, stage_ids)]
+        self.pipe = Pipeline(
+            stages, n_mb, lm_loss, hint=spec["hint"], inflight_limit=limit, loss_weight_fn=count_tokens,
+            rank=rank, n_ranks=n_ranks, job=job, watchdog=120.0,
+        )
+
+    def step(self, batch: Batch) -> None:
+        self.pipe.step(
+            microbatches=batch.rrfp_mbs if self.first else None,
+            targets=batch.rrfp_targets if self.last else None,
+        )
+
+    def busy(self) -> float:
+        return self.pipe.last_stats.busy
+
+    def peak_inflight(self) -> int:
+        return self.pipe.last_stats.peak_inflight
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+class TorchSystem(System):
+    def __init__(self, name: str, spec: dict, wrappers, inner, stage_ids, n_stages, n_mb, loss: TokenMeanLoss) -> None:
+        import torch.distributed.pipelining as pp
+
+        self.name, self.inner = name, inner
+        self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
+        self.timer = ComputeTimer()
+        stages = [pp.PipelineStage(w, s, n_stages, torch.device("cpu")) for w, s in zip(wrappers, stage_ids)]
+        for st in stages:
+            for meth in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                self.timer.wrap(st, meth)
+        cls = getattr(pp, spec["cls"])
+        self.sched = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=n_mb, loss_fn=loss, scale_grads=False)
+        self.timer.wrap(self.sched, "_compute_loss")
+
+    def step(self, batch: Batch) -> None:
+        self.timer.busy = 0.0
+        args = (batch.tokens, batch.mbid) if self.first else ()
+        kwargs = {"target": batch.targets} if self.last else {}
+        self.sched.step(*args, return_outputs=False, **kwargs)
+
+    def busy(self) -> float:
+        return self.timer.busy
+
+
+# --------------------------------------------------------------------------- gradients
+
+
+class GradIndex:
+    """Offsets of every full-model parameter in one flat vector (``GPT.named_parameters`` order)."""
+
+    def __init__(self, model: GPT) -> None:
+        self.offsets: dict[str, tuple[int, int]] = {}
+        self.names: list[tuple[int, str]] = []
+        off = 0
+        for n, p in model.named_parameters():
+            self.offsets[n] = (off, p.numel())
+            self.names.append((off, n))
+            off += p.numel()
+        self.total = off
+
+    def name_at(self, i: int) -> str:
+        best = self.names[0][1]
+        for off, n in self.names:
+            if off > i:
+                break
+            best = n
+        return best
+
+    def vector(self, modules: Sequence[torch.nn.Module], what: str, use_grad: bool = True) -> torch.Tensor:
+        v = torch.zeros(self.total)
+        for mod in modules:
+            for n, p in mod.named_parameters():
+                full = mod.stage_param_names[n] if hasattr(mod, "stage_param_names") else n
+                off, numel = self.offsets[full]
+                if use_grad:
+                    if p.grad is None:
+                        raise BenchError(f"{what}: parameter {full} got no gradient")
+                    v[off:off + numel] = p.grad.reshape(-1)
+                else:
+                    v[off:off + numel] = 1.0
+        return v
+
+
+def check_close(got: torch.Tensor, ref: torch.Tensor, what: str, index: GradIndex) -> float:
+    """Largest ``|got - ref| / (atol + rtol |ref|)`` (<= 1 passes); raises :class:`BenchError`
+    naming the worst parameter otherwise."""
+    if not torch.isfinite(got).all():
+        i = int((~torch.isfinite(got)).nonzero()[0])
+        raise BenchError(f"{what}: non-finite gradient in {index.name_at(i)}")
+    ratio = (got - ref).abs() / (ATOL + RTOL * ref.abs())
+    worst = float(ratio.max())
+    if worst > 1.0:
+        i = int(ratio.argmax())
+        n_bad = int((ratio > 1.0).sum())
+        raise BenchError(
+            f"{what}: gradients differ (rtol={RTOL}, atol={ATOL}): {n_bad} of {got.numel()} values, worst in "
+            f"{index.name_at(i)}: {float(got[i]):.8g} vs {float(ref[i]):.8g}"
+        )
+    return worst
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def rank_main(cfg: dict) -> dict | None:
+    """One rank of a comparison setting: build every system, run the phases, return (on rank 0)
+    every round's per-rank measurements."""
+    rank, P = dist.get_rank(), dist.get_world_size()
+    gcfg = GPTConfig(**cfg["model"], max_len=cfg["seq_len"])
+    M, B, T, seed = cfg["n_microbatches"], cfg["batch_size"], cfg["seq_len"], cfg["seed"]
+    names = [s for s in cfg["systems"] if s in ALL_SYSTEMS]
+    if len(names) != len(cfg["systems"]):
+        raise BenchError(f"unknown systems {sorted(set(cfg['systems']) - set(ALL_SYSTEMS))}")
+    any_virtual = any(TORCH_SYSTEMS.get(n, {}).get("virtual", 1) > 1 for n in names)
+
+    # Base weights: this rank's stage of the one-stage-per-rank split, and its two virtual stages
+    # of the interleaved split. Every system deep-copies them: identical initial weights.
+    base = build_stage(gcfg, P, rank, seed)
+    base_v = [build_stage(gcfg, 2 * P, s, seed) for s in (rank, rank + P)] if any_virtual else []
+    ref_model = GPT(gcfg, seed)
+    index = GradIndex(ref_model)
+
+    samples = load_samples(cfg.get("data"), T, seed, limit=max(4 * B, cfg.get("sample_limit", 4000)))
+    sampler = BatchSampler(samples, B, seed)
+    b = B // M
+    example = torch.randint(0, 256, (b, T)) if rank == 0 else torch.randn(b, T, gcfg.d_model)
+    e: dict[str, float] = {}
+    for r in range(P):  # one rank at a time: ranks share the machine's cores
+        dist.barrier()
+        if r == rank:
+            e = calibrate(copy.deepcopy(base), example)
+    injector = Injector(LEVELS["J0"], seed, rank, e)
+    meter = ActivationMeter()
+    loss = TokenMeanLoss()
+
+    systems: list[System] = []
+    for name in names:
+        if name in RRFP_SYSTEMS:
+            inner = [copy.deepcopy(base)]
+            wrappers = [JitterStage(inner[0], injector, 1.0, meter, last=rank == P - 1)]
+            sysobj: System = RrfpSystem(name, RRFP_SYSTEMS[name], wrappers, inner, [rank], P, rank, P, M,
+                                        job=f"{cfg['run_id']}-{names.index(name)}")
+        else:
+            spec = TORCH_SYSTEMS[name]
+            if spec["virtual"] == 1:
+                inner, stage_ids, n_stages = [copy.deepcopy(base)], [rank], P
+            else:
+                inner, stage_ids, n_stages = [copy.deepcopy(m) for m in base_v], [rank, rank + P], 2 * P
+            share = 1.0 / len(inner)
+            wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1) for m, s in zip(inner, stage_ids)]
+            sysobj = TorchSystem(name, spec, wrappers, inner, stage_ids, n_stages, M, loss)
+        meter.exclude([p for m in sysobj.inner for p in m.parameters()])
+        # Every full-model parameter must be held by exactly one rank.
+        cover = index.vector(sysobj.inner, name, use_grad=False)
+        dist.all_reduce(cover)
+        if not torch.equal(cover, torch.ones_like(cover)):
+            raise BenchError(f"{name}: the ranks' stages do not cover the model exactly once")
+        systems.append(sysobj)
+
+    phases = []
+    for pi, ph in enumerate(cfg["phases"]):
+        phases.append(_run_phase(pi, ph, cfg, systems, sampler, injector, meter, loss, index, ref_model))
+    for s in systems:
+        s.close()
+    calibration = _gather_obj(e)
+    dist.barrier()
+    if rank != 0:
+        return None
+    return {"config": cfg, "calibration": calibration, "phases": phases}
+
+
+def _gather_obj(obj: Any) -> list:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], sampler: BatchSampler, injector: Injector,
+               meter: ActivationMeter, loss: TokenMeanLoss, index: GradIndex, ref_model: GPT) -> dict:
+    rank, P = dist.get_rank(), dist.get_world_size()
+    M, T = cfg["n_microbatches"], cfg["seq_len"]
+    injector.level = LEVELS[ph["level"]]
+    rounds = []
+    n_rounds = 2 + ph["rounds"]
+    worst = 0.0
+    inj_totals: dict[str, list] = {s.name: [] for s in systems}
+    for k in range(n_rounds):
+        step_id = 1000 * pi + k
+        batch = make_batch(sampler.batch(step_id), M, T, ph["varlen"])
+        loss.total = batch.n_tokens
+        order = systems[k % len(systems):] + systems[:k % len(systems)]
+        ref_vec, ref_name = None, None
+        per_sys: dict[str, list[float]] = {}
+        for s in order:
+            injector.enabled = k >= 1
+            injector.step = step_id
+            injector.reset()
+            meter.active = k == 1
+            meter.reset_peak()
+            held_before = meter.current  # anything a previous system left is not this one's
+            s.zero_grad()
+            dist.barrier()
+            t0 = time.perf_counter()
+            s.step(batch)
+            elapsed = time.perf_counter() - t0
+            meter.active = False
+            vec = index.vector(s.inner, s.name)
+            dist.all_reduce(vec)
+            if ref_vec is None:
+                ref_vec, ref_name = vec, s.name
+                if k == 0:
+                    ref_model.zero_grad(set_to_none=True)
+                    lm_loss(ref_model(batch.tokens), batch.targets).backward()
+                    want = index.vector([ref_model], "single-process reference")
+                    worst = max(worst, check_close(vec, want, f"phase {ph['name']} round {k}: {s.name} vs a single-process reference", index))
+            else:
+                worst = max(worst, check_close(vec, ref_vec, f"phase {ph['name']} round {k}: {s.name} vs {ref_name}", index))
+            per_sys[s.name] = [elapsed, s.busy(), float(meter.peak - held_before if k == 1 else -1), float(s.peak_inflight()),
+                               injector.total, float(injector.count)]
+            if k >= 1:
+                inj_totals[s.name].append(injector.total)
+        # One all_gather per round: [system][field] of every rank.
+        names = [s.name for s in systems]
+        mine = torch.tensor([per_sys[n] for n in names], dtype=torch.float64)
+        got = [torch.zeros_like(mine) for _ in range(P)]
+        dist.all_gather(got, mine)
+        if rank == 0:
+            stacked = torch.stack(got)  # [rank, system, field]
+            rec = {"round": k, "kind": "warmup" if k == 0 else "memory" if k == 1 else "timed",
+                   "order": [s.name for s in order], "lengths": batch.lengths, "systems": {}}
+            for j, n in enumerate(names):
+                f = stacked[:, j, :]
+                rec["systems"][n] = {
+                    "step": float(f[:, 0].max()), "elapsed": f[:, 0].tolist(), "busy": f[:, 1].tolist(),
+                    "peak_bytes": f[:, 2].tolist(), "peak_inflight": f[:, 3].tolist(),
+                    "injected": f[:, 4].tolist(), "n_injected": f[:, 5].tolist(),
+                }
+            rounds.append(rec)
+    # The same injected delays for everyone: per rank and round, equal totals.
+    first = systems[0].name
+    for s in systems[1:]:
+        for k, (a, b) in enumerate(zip(inj_totals[s.name], inj_totals[first])):
+            if abs(a - b) > 1e-9:
+                raise BenchError(f"phase {ph['name']}: rank {rank} injected {a:.6f} s into {s.name} but {b:.6f} s into {first} (round {k + 1})")
+    return {"name": ph["name"], "level": ph["level"], "varlen": ph["varlen"], "rounds": rounds, "worst_grad_ratio": worst}
+
+
+# --------------------------------------------------------------------------- driver
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "jitter4": {
+        "title": "4 ranks, injected jitter dominates compute",
+        "n_ranks": 4,
+        "model": {"n_layer": 8, "n_head": 2, "d_model": 32},
+        "seq_len": 32,
+        "batch_size": 32,
+        "n_microbatches": 16,
+        "threads": 1,
+        "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": 12} for lv in ("J0", "J1", "J2", "J3")],
+    },
+    "compute2": {
+        "title": "2 ranks, real CPU compute only",
+        "n_ranks": 2,
+        "model": {"n_layer": 8, "n_head": 4, "d_model": 128},
+        "seq_len": 128,
+        "batch_size": 16,
+        "n_microbatches": 8,
+        "threads": 1,
+        "phases": [
+            {"name": "fixed length", "level": "J0", "varlen": False, "rounds": 8},
+            {"name": "variable length", "level": "J0", "varlen": True, "rounds": 8},
+        ],
+    },
+}
+QUICK: dict[str, dict[str, Any]] = {
+    "jitter4": {"model": {"n_layer": 8, "n_head": 2, "d_model": 16}, "seq_len": 16, "batch_size": 8,
+                "n_microbatches": 8, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 2}]},
+    "compute2": {"model": {"n_layer": 4, "n_head": 2, "d_model": 32}, "seq_len": 32, "batch_size": 8, "n_microbatches": 4,
+                 "phases": [{"name": "variable length", "level": "J0", "varlen": True, "rounds": 2}]},
+}
+
+
+def setting_config(name: str, quick: bool = False, systems: Sequence[str] | None = None, seed: int = 0,
+                   rounds: int | None = None) -> dict:
+    """The configuration of one setting (``jitter4`` or ``compute2``), optionally shrunk for CI."""
+    cfg = copy.deepcopy(SETTINGS[name])
+    if quick:
+        cfg.update(copy.deepcopy(QUICK[name]))
+    if rounds is not None:
+        for ph in cfg["phases"]:
+            ph["rounds"] = rounds
+    cfg["systems"] = list(systems or ALL_SYSTEMS)
+    cfg["seed"] = seed
+    cfg["setting"] = name
+    cfg["run_id"] = f"bench-{name}-{time.time_ns()}"
+    return cfg
+
+
+def run_setting(cfg: dict, timeout: float = 600.0) -> dict:
+    """Launch the rank processes of one setting and return rank 0's result (plus wall time)."""
+    from .harness import launch
+
+    res = launch("benchmarks.compare:rank_main", cfg["n_ranks"], cfg, timeout=timeout, threads=cfg["threads"])
+    out = res.result
+    out["wall_seconds"] = res.seconds
+    return out
+
+
+# --------------------------------------------------------------------------- static shapes probe
+
+
+def probe_rank_main(cfg: dict) -> dict | None:
+    """Does PyTorch's pipelining accept a step whose sequence length differs from the first
+    step's? Step 0 pads to ``T``, step 1 to ``T + 8``; reports what happens on each rank."""
+    import torch.distributed.pipelining as pp
+
+    from datetime import timedelta
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    # A group of its own with a short timeout: a mismatch shows up as a wait that never ends.
+    group = dist.new_group(timeout=timedelta(seconds=cfg.get("op_timeout", 5)))
+    gcfg = GPTConfig(n_layer=P, n_head=2, d_model=16, max_len=64)
+    stage = pp.PipelineStage(build_stage(gcfg, P, rank, 0), rank, P, torch.device("cpu"), group=group)
+    sched = pp.Schedule1F1B(stage, 2, loss_fn=lm_loss)
+    outcome = []
+    for k, T in enumerate(cfg.get("lengths", (16, 24))):
+        tokens = torch.randint(0, 256, (4, T))
+        try:
+            sched.step(*((tokens,) if rank == 0 else ()), **({"target": tokens} if rank == P - 1 else {}),
+                       return_outputs=False)
+            outcome.append(f"step {k} (T={T}): ok")
+        except Exception as e:  # noqa: BLE001 - this is what the probe reports
+            text = str(e).strip().splitlines()[-1].split(" This is typically")[0]
+            outcome.append(f"step {k} (T={T}): {type(e).__name__}: {text[:300]}")
+            break
+    print(f"rank {rank}: {outcome}", flush=True)
+    got = _gather_obj(outcome)
+    return {"ranks": got} if rank == 0 else None
+
+
+def probe_static_shapes(timeout: float = 60.0) -> dict[str, list[str]]:
+    """What happens to PyTorch's pipelining when the sequence length changes after the first
+    step (longer, then shorter): each rank's outcome, in words."""
+    from .harness import BenchError as _BE, launch
+
+    out = {}
+    for label, lengths in (("longer", [16, 24]), ("shorter", [16, 8])):
+        cfg = {"op_timeout": 5, "pg_timeout": 10, "lengths": lengths}
+        try:
+            res = launch("benchmarks.compare:probe_rank_main", 2, cfg, timeout=timeout, kill_on_failure=False)
+            logs = res.logs
+        except _BE as e:
+            logs = e.logs
+        lines = []
+        for r in sorted(logs):
+            text = logs[r]
+            said = [l for l in text.splitlines() if l.startswith(f"rank {r}: ")]
+            abort = [l.strip() for l in text.splitlines() if "what():" in l or "EnforceNotMet" in l]
+            if said:
+                lines.append(said[0])
+            elif abort:
+                lines.append(f"rank {r}: process aborted: {abort[-1][:300]}")
+            else:
+                lines.append(f"rank {r}: no outcome (killed after a peer failed)")
+        out[label] = lines
+    return out

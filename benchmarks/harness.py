@@ -1,0 +1,423 @@
+"""What every benchmarked system shares: injected jitter, meters, statistics, the launcher.
+
+Injected jitter (RRFP §7, the J0-J3 model of :mod:`rrfp.sim.jitter`): :class:`JitterStage`
+wraps a stage's ``nn.Module``. Its forward sleeps for the forward's injected delay before
+computing; its output passes through :class:`SleepInBackward`, a custom autograd Function whose
+backward sleeps for the backward's delay, so the delay lands in whichever task computes that
+stage's input gradient (``B``, or ``I`` with a split backward; PyTorch's zero-bubble schedule
+runs stage 0's whole backward in ``W``). Draws are keyed by (seed, step, stage, microbatch,
+kind), and the wrapper learns the microbatch from an int64 microbatch-id tensor that travels
+through the stages as an extra stage input and output, so every system sees identical delays
+whatever order it runs its tasks in. The paper's ``e`` (a running average of compute) would
+differ between systems, so it is fixed per (stage, kind) from a calibration of the base compute.
+
+Everything here runs inside one rank process; :func:`launch` starts those processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from rrfp.sim.jitter import JitterLevel, injected_delay
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not produce a valid result (a rank failed, timed out, or a system's
+    gradients differ from the others'). ``logs`` holds every rank's output when known."""
+
+    def __init__(self, message: str, logs: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.logs = logs or {}
+
+
+# --------------------------------------------------------------------------- injected jitter
+
+
+class Injector:
+    """One rank's injected delays.
+
+    Args:
+        level: the jitter level (``LEVELS["J2"]``...).
+        seed: the run's seed (part of every draw's key).
+        stage: the pipeline stage the draws are keyed by: this rank's stage in the
+            one-stage-per-rank split (with two virtual stages per rank, both share it).
+        e: ``{"F": seconds, "B": seconds}``, the fixed stand-in for the paper's running
+            average of this stage's compute.
+
+    Attributes:
+        step: the step id in the draws' key; the harness sets it before each step.
+        enabled: when False no delay is injected (warm-up, PyTorch's shape inference).
+        total, count: injected seconds and delays so far (reset per step), so the harness can
+            check that every system got the same.
+    """
+
+    def __init__(self, level: JitterLevel, seed: int, stage: int, e: dict[str, float]) -> None:
+        self.level = level
+        self.seed = seed
+        self.stage = stage
+        self.e = dict(e)
+        self.step = 0
+        self.enabled = False
+        self.total = 0.0
+        self.count = 0
+
+    def reset(self) -> None:
+        self.total, self.count = 0.0, 0
+
+    def delay(self, mb: int, kind: str, share: float = 1.0) -> float:
+        """Seconds to inject into ``kind`` (``F`` or ``B``) of microbatch ``mb``, times ``share``."""
+        if not self.enabled or self.level.p <= 0.0:
+            return 0.0
+        d = injected_delay(self.level, self.seed, self.step, self.stage, mb, kind, self.e[kind]) * share
+        if d > 0:
+            self.total += d
+            self.count += 1
+        return d
+
+
+class SleepInBackward(torch.autograd.Function):
+    """Identity in forward (a copy, so the output is not a view); sleeps in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class _Held:
+    """A tensor saved for backward, counted by :class:`ActivationMeter` while autograd holds it."""
+
+    __slots__ = ("t", "meter", "ptr")
+
+    def __init__(self, t: torch.Tensor, meter: "ActivationMeter", ptr: int) -> None:
+        self.t, self.meter, self.ptr = t, meter, ptr
+
+    def __del__(self) -> None:
+        self.meter._release(self.ptr)
+
+
+class ActivationMeter:
+    """Peak bytes of tensors autograd saves for backward on this rank.
+
+    Counted through ``torch.autograd.graph.saved_tensors_hooks`` while :attr:`active`:
+    storages are counted once however many saved tensors view them, parameters are excluded,
+    and a storage stops counting when autograd drops its last saved reference (the backward
+    that used it ran, or the graph was freed). Tensors the runtimes buffer outside autograd
+    (received inputs not yet consumed, outputs waiting to be sent) are not counted.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self._skip: set[int] = set()
+        self._live: dict[int, list[int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def exclude(self, params: Sequence[torch.Tensor]) -> None:
+        self._skip.update(p.untyped_storage().data_ptr() for p in params)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr in self._skip or st.nbytes() == 0:
+            return t
+        ent = self._live.get(ptr)
+        if ent is None:
+            n = st.nbytes()
+            self._live[ptr] = [n, 1]
+            self.current += n
+            if self.current > self.peak:
+                self.peak = self.current
+        else:
+            ent[1] += 1
+        return _Held(t, self, ptr)
+
+    @staticmethod
+    def _unpack(h: Any) -> torch.Tensor:
+        return h.t if isinstance(h, _Held) else h
+
+    def _release(self, ptr: int) -> None:
+        ent = self._live.get(ptr)
+        if ent is None:
+            return
+        ent[1] -= 1
+        if ent[1] == 0:
+            self.current -= ent[0]
+            del self._live[ptr]
+
+
+class JitterStage(nn.Module):
+    """A stage module with injected delays and a microbatch id carried alongside.
+
+    ``forward(x, mb)`` returns ``(inner(x), mb)``, or ``inner(x)`` alone on the last stage (the
+    loss function's input). ``mb`` is an int64 tensor holding the microbatch index in every
+    element (shape ``[samples]`` so that splitting a batch along dim 0 splits it too).
+
+    Args:
+        inner: the stage's module.
+        injector: this rank's :class:`Injector`.
+        share: the fraction of the stage's delay this module injects (1, or 1/2 for each of a
+            rank's two virtual stages, so the rank's total is the same in every system).
+        meter: counts saved activations while active.
+        last: this is the pipeline's last stage.
+    """
+
+    def __init__(self, inner: nn.Module, injector: Injector, share: float, meter: ActivationMeter, last: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.injector = injector
+        self.share = share
+        self.meter = meter
+        self.last = last
+
+    def forward(self, x: torch.Tensor, mb: torch.Tensor):
+        inj = self.injector
+        m = int(mb.reshape(-1)[0]) if inj.enabled else 0
+        d = inj.delay(m, "F", self.share)
+        if d > 0:
+            time.sleep(d)
+        if self.meter.active:
+            with self.meter.hooks():
+                y = self.inner(x)
+        else:
+            y = self.inner(x)
+        d = inj.delay(m, "B", self.share)
+        if d > 0:
+            y = SleepInBackward.apply(y, d)
+        return y if self.last else (y, mb)
+
+
+class ComputeTimer:
+    """Sums the time spent inside wrapped methods (a PyTorch stage's compute calls)."""
+
+    def __init__(self) -> None:
+        self.busy = 0.0
+
+    def wrap(self, obj: Any, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+
+def calibrate(module: nn.Module, example: torch.Tensor, repeats: int = 15, q: float = 20.0) -> dict[str, float]:
+    """Forward and backward seconds of ``module`` on ``example``: the ``q``-th percentile over
+    ``repeats`` runs (the base compute that stands in for the jitter model's running average
+    ``e``; a low percentile, because other work on the machine only ever adds time)."""
+    tf, tb = [], []
+    for i in range(repeats + 2):
+        x = example.detach().requires_grad_(example.is_floating_point())
+        t0 = time.perf_counter()
+        y = module(x)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        t2 = time.perf_counter()
+        if i >= 2:
+            tf.append(t1 - t0)
+            tb.append(t2 - t1)
+    module.zero_grad(set_to_none=True)
+    return {"F": float(np.percentile(tf, q)), "B": float(np.percentile(tb, q))}
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def summarize(xs: Sequence[float]) -> dict[str, float]:
+    """Median, quartiles, min and max."""
+    a = np.asarray(xs, dtype=float)
+    if a.size == 0:
+        return {k: float("nan") for k in ("median", "p25", "p75", "min", "max", "n")}
+    p25, med, p75 = np.percentile(a, [25, 50, 75])
+    return {"median": float(med), "p25": float(p25), "p75": float(p75), "min": float(a.min()), "max": float(a.max()), "n": int(a.size)}
+
+
+def paired_speedup(a: Sequence[float], b: Sequence[float]) -> float:
+    """Speedup of system A over system B from paired runs: the median over rounds of
+    ``t_B / t_A`` (> 1: A is faster)."""
+    ra = np.asarray(a, dtype=float)
+    rb = np.asarray(b, dtype=float)
+    return float(np.median(rb / ra)) if ra.size else float("nan")
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@dataclass
+class LaunchResult:
+    result: Any
+    seconds: float
+    logs: dict[int, str]
+
+
+def _tail(text: str, n: int = 40) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def launch(target: str, world: int, config: dict, timeout: float, threads: int = 1,
+           kill_on_failure: bool = True) -> LaunchResult:
+    """Run ``target`` (``"module:function"``, called with ``config``) in ``world`` rank processes.
+
+    With ``RRFP_BENCH_PYSPY=DIR`` in the environment every rank runs under ``py-spy record``
+    (collapsed stacks in ``DIR``), for finding where a benchmark's time goes.
+
+    The launcher hosts the rendezvous store on a port the OS picks; every rank joins it as a
+    client (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun) and initialises the default
+    gloo process group from ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``. Rank 0's
+    return value comes back as JSON.
+
+    Raises:
+        BenchError: a rank exited non-zero (its log's tail is in the message; the others are
+            killed at once, or with ``kill_on_failure=False`` left to finish until the timeout)
+            or the run exceeded ``timeout`` seconds (all are killed).
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
+    tmp = Path(tempfile.mkdtemp(prefix="rrfp-bench-"))
+    result_path = tmp / "result.json"
+    cfg_path = tmp / "config.json"
+    cfg_path.write_text(json.dumps({**config, "result_path": str(result_path), "threads": threads}))
+    pythonpath = os.pathsep.join([str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    t0 = time.monotonic()
+    failed: str | None = None
+    try:
+        for r in range(world):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.port),
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "OMP_NUM_THREADS": str(threads),
+                "PYTHONPATH": pythonpath,
+            }
+            log = tmp / f"rank{r}.log"
+            logs.append(log)
+            cmd = [sys.executable, "-m", "benchmarks.harness", target, str(cfg_path)]
+            prof = os.environ.get("RRFP_BENCH_PYSPY")
+            if prof:  # sample every rank with py-spy: collapsed stacks in $RRFP_BENCH_PYSPY/<target>.rank<r>.txt
+                Path(prof).mkdir(parents=True, exist_ok=True)
+                out = Path(prof) / f"{target.replace(':', '.')}.rank{r}.txt"
+                cmd = ["py-spy", "record", "--nonblocking", "--rate", "500", "--format", "raw", "--output", str(out), "--", *cmd]
+            with open(log, "w") as fh:
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT), start_new_session=True,
+                    )
+                )
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad and (kill_on_failure or all(c is not None for c in codes)):
+                r = bad[0]
+                failed = f"{target}: rank {r} exited with code {codes[r]}:\n{_tail(logs[r].read_text())}"
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() - t0 > timeout:
+                failed = f"{target}: timed out after {timeout:.0f} s; rank 0's log:\n{_tail(logs[0].read_text())}"
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # the session this launcher started for the rank
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        del store
+    texts = {r: log.read_text() if log.exists() else "" for r, log in enumerate(logs)}
+    if failed:
+        raise BenchError(failed, texts)
+    if not result_path.exists():
+        raise BenchError(f"{target}: rank 0 wrote no result; its log:\n{_tail(texts.get(0, ''))}")
+    return LaunchResult(json.loads(result_path.read_text()), time.monotonic() - t0, texts)
+
+
+def _worker_main(argv: list[str]) -> None:
+    """Entry point of one rank process: ``python -m benchmarks.harness module:function config.json``."""
+    import importlib
+
+    import torch.distributed as dist
+
+    target, cfg_path = argv
+    cfg = json.loads(Path(cfg_path).read_text())
+    torch.set_num_threads(int(cfg.get("threads", 1)))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=float(cfg.get("pg_timeout", 180))))
+    mod_name, fn_name = target.split(":")
+    try:
+        fn: Callable[[dict], Any] = getattr(importlib.import_module(mod_name), fn_name)
+        result = fn(cfg)
+        if dist.get_rank() == 0 and result is not None:
+            path = Path(cfg["result_path"])
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(result))
+            tmp.replace(path)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: gloo and ZeroMQ threads are done, and exiting at once means a
+    # finished rank never waits on a peer's socket.
+    os._exit(0)
+
+
+def idle(cfg: dict) -> None:
+    """A rank target that waits ``cfg["seconds"]``, or fails at once on rank ``cfg["fail_rank"]``
+    (for testing the launcher's timeout and failure handling)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == cfg.get("fail_rank", -1):
+        raise RuntimeError("failing on purpose")
+    time.sleep(float(cfg.get("seconds", 3600)))
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])

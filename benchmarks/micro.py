@@ -1,0 +1,399 @@
+"""Micro-benchmarks of the runtime itself.
+
+- :func:`arbiter_decisions`: the arbiter's cost per decision (``next()`` + ``complete()``, plus
+  the ``mark_input`` that refills the ready set) against the ready set's size, for the policy
+  hints and a total-order hint, in-process.
+- Runtime overhead per task: a pipeline whose stage modules do nothing (``x * w`` on a
+  one-element tensor, ``w`` a one-element parameter so there is a backward), wall time per task:
+  :func:`local_overhead` in one process (``LocalPipeline``, every rank on one event loop), and
+  across 2 processes (``rank_main``, rrfp over ZeroMQ and PyTorch's schedules over gloo).
+- Transports: one-way latency (half a ping-pong round trip) and streaming throughput from
+  1 KiB to 16 MiB: rrfp's ZeroMQ (tcp) and fake in-process transports, and gloo
+  ``isend``/``irecv`` for reference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rrfp.scheduler.arbiter import Arbiter
+from rrfp.scheduler.hints import resolve_hint
+from rrfp.scheduler.tasks import F, I, Placement
+
+READY_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ARBITER_HINTS = ("bf", "bfw", "fb", "b-priority", "f-priority", "1f1b")
+SIZES = tuple(1024 * 4**i for i in range(8))  # 1 KiB .. 16 MiB
+
+
+# --------------------------------------------------------------------------- arbiter
+
+
+def arbiter_cycle_us(hint_name: str, n_ready: int, cycles: int = 3000, repeats: int = 5) -> dict[str, float]:
+    """CPU microseconds per decision with a ready set of ``n_ready`` tasks (thread CPU time, so
+    that other work on the machine does not count).
+
+    The arbiter is rank 1 of a 2-rank pipeline (the last stage): activations are marked to
+    arrive until ``n_ready`` tasks are ready; then each cycle dispatches the best-ranked ready
+    task (``next()``), completes it (``complete()``) and marks new activations until the ready
+    set holds ``n_ready`` tasks again (one ``mark_input`` per dispatched forward, in steady
+    state). The in-flight limit is set out of reach so it never gates.
+    """
+    M = n_ready + cycles + 8
+    spec, hint, _ = resolve_hint(hint_name, Placement(2), M)
+    samples = []
+    for _ in range(repeats):
+        arb = Arbiter(spec, 1, hint, inflight_limit=1 << 30)
+        nxt = 0
+        ready = 0
+        while ready < n_ready:
+            arb.mark_input(1, nxt, False)
+            nxt += 1
+            ready += 1
+        t0 = time.thread_time_ns()
+        for _ in range(cycles):
+            t = arb.next()
+            arb.complete(t)
+            k = t.kind
+            if k == F:
+                pass  # its backward became ready: the ready set keeps its size
+            elif k == I:
+                pass  # its W became ready
+            else:
+                ready -= 1  # a B or W finished: nothing new became ready
+                while ready < n_ready and nxt < M:
+                    arb.mark_input(1, nxt, False)
+                    nxt += 1
+                    ready += 1
+        samples.append((time.thread_time_ns() - t0) / cycles / 1000)
+    return {"median": statistics.median(samples), "min": min(samples)}
+
+
+def arbiter_decisions(sizes: Sequence[int] = READY_SIZES, hints: Sequence[str] = ARBITER_HINTS,
+                      cycles: int = 3000, repeats: int = 5) -> dict[str, dict[int, dict[str, float]]]:
+    return {h: {n: arbiter_cycle_us(h, n, cycles, repeats) for n in sizes} for h in hints}
+
+
+# --------------------------------------------------------------------------- runtime overhead
+
+
+class Scale(nn.Module):
+    """A stage that does (almost) nothing: ``x * w`` with a one-element parameter ``w``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+def scalar_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out * target).sum()
+
+
+def bare_task_us(repeats: int = 1000, rounds: int = 5) -> dict[str, float]:
+    """Microseconds of one task's own work (half a forward + backward of :class:`Scale`), the
+    part of a task that is not runtime overhead: wall and CPU time, fastest of ``rounds``."""
+    m = Scale()
+    x = torch.ones(1, 1, requires_grad=True)
+    for _ in range(100):
+        m(x).backward(torch.ones(1, 1))
+    wall, cpu = [], []
+    for _ in range(rounds):
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        for _ in range(repeats):
+            m(x).backward(torch.ones(1, 1))
+        wall.append((time.perf_counter_ns() - t0) / repeats / 2 / 1000)
+        cpu.append((time.thread_time_ns() - c0) / repeats / 2 / 1000)
+    return {"wall": min(wall), "cpu": min(cpu)}
+
+
+def local_overhead(n_ranks: int = 4, n_microbatches: int = 64, hints: Sequence[str] = ("bf", "strict-1f1b"),
+                   steps: int = 7) -> dict[str, dict[str, float]]:
+    """Microseconds per task of an in-process ``LocalPipeline`` (every rank on one event loop,
+    one thread) on do-nothing stages, with messages through the codec (as between processes)
+    and without (the runtime alone): wall time (median and fastest step) and the thread's CPU
+    time (fastest step; the run never waits, so on an idle machine the two agree)."""
+    from rrfp.runtime.pipeline import LocalPipeline
+
+    out = {}
+    x = torch.ones(n_microbatches, 1)
+    y = torch.ones(n_microbatches, 1)
+    n_tasks = 2 * n_ranks * n_microbatches
+    quiet = logging.getLogger("rrfp")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # closing a LocalPipeline logs each rank's peers as lost
+    try:
+        for h in hints:
+            for encode in (True, False):
+                with LocalPipeline([Scale() for _ in range(n_ranks)], n_microbatches, scalar_loss, hint=h,
+                                   encode=encode, watchdog=60) as pipe:
+                    walls, cpus = [], []
+                    for k in range(steps + 1):
+                        t0, c0 = time.perf_counter(), time.thread_time()
+                        pipe.step(x, target=y)
+                        if k:
+                            walls.append(time.perf_counter() - t0)
+                            cpus.append(time.thread_time() - c0)
+                name = f"{h}, {'codec' if encode else 'no codec'}"
+                out[name] = {"per_task_us": statistics.median(walls) / n_tasks * 1e6,
+                             "min_per_task_us": min(walls) / n_tasks * 1e6,
+                             "cpu_per_task_us": min(cpus) / n_tasks * 1e6, "tasks": n_tasks}
+    finally:
+        quiet.setLevel(level)
+    return out
+
+
+def _overhead_2proc(cfg: dict) -> dict[str, Any]:
+    """rrfp and PyTorch's schedules on do-nothing stages across the rank processes."""
+    import torch.distributed.pipelining as pp
+
+    from rrfp.runtime.pipeline import Pipeline
+    from rrfp.runtime.stage import PipelineStage
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    M, steps = cfg["overhead_microbatches"], cfg["overhead_steps"]
+    x = torch.ones(M, 1)
+    y = torch.ones(M, 1)
+    tasks_per_rank = 2 * M
+    results: dict[str, Any] = {}
+    systems: list[tuple[str, Any]] = []
+    for h in ("bf", "strict-1f1b"):
+        pipe = Pipeline(PipelineStage(Scale(), rank, P), M, scalar_loss, hint=h, rank=rank, n_ranks=P,
+                        job=f"{cfg['run_id']}-ovh-{h}", watchdog=60)
+        systems.append((f"rrfp {h} (ZeroMQ)", pipe))
+    for cls in ("ScheduleGPipe", "Schedule1F1B"):
+        st = pp.PipelineStage(Scale(), rank, P, torch.device("cpu"))
+        systems.append((f"torch {cls[8:]} (gloo)", getattr(pp, cls)(st, M, loss_fn=scalar_loss)))
+    for name, s in systems:
+        walls, busy = [], []
+        for k in range(steps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if isinstance(s, Pipeline):
+                s.step(*((x,) if rank == 0 else ()), target=y if rank == P - 1 else None)
+            else:
+                kw = {"target": y} if rank == P - 1 else {}
+                s.step(*((x,) if rank == 0 else ()), return_outputs=False, **kw)
+            wall = time.perf_counter() - t0
+            if k:
+                walls.append(wall)
+                if isinstance(s, Pipeline):
+                    busy.append(s.last_stats.busy)
+        t = torch.tensor([statistics.median(walls), statistics.median(busy) if busy else -1.0, min(walls)],
+                         dtype=torch.float64)
+        got = [torch.zeros_like(t) for _ in range(P)]
+        dist.all_gather(got, t)
+        wall = max(float(g[0]) for g in got)
+        results[name] = {
+            "per_task_us": wall / tasks_per_rank * 1e6,
+            "min_per_task_us": max(float(g[2]) for g in got) / tasks_per_rank * 1e6,
+            "busy_per_task_us": [float(g[1]) / tasks_per_rank * 1e6 for g in got] if busy else None,
+            "tasks_per_rank": tasks_per_rank,
+        }
+    for name, s in systems:
+        if isinstance(s, Pipeline):
+            s.close()
+    return results
+
+
+# --------------------------------------------------------------------------- transports
+
+
+def _iters(size: int, budget_bytes: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, budget_bytes // size))
+
+
+async def _zmq_bench(tr, rank: int, job: str, sizes: Sequence[int], budget: int) -> dict[int, dict[str, float]]:
+    from rrfp.transport.keys import Direction, MsgKey
+
+    out = {}
+    peer = 1 - rank
+    for size in sizes:
+        payload = torch.ones(size // 4, dtype=torch.float32)
+        n_pp = _iters(size, budget // 4, 5, 200)
+        n_st = _iters(size, budget, 10, 2000)
+        ack = torch.zeros(1)
+        # ping-pong
+        rtts = []
+        for i in range(n_pp + 3):
+            t0 = time.perf_counter()
+            key = MsgKey(job, i, 0, peer, Direction.ACT)
+            if rank == 0:
+                tr.send(peer, key, [payload])
+                await tr.recv()
+            else:
+                msg = await tr.recv()
+                tr.send(peer, MsgKey(job, i, 0, peer, Direction.ACT), [msg.tensors[0]])
+            if i >= 3:
+                rtts.append(time.perf_counter() - t0)
+        rtt = statistics.median(rtts)
+        # stream, then a one-element ack
+        await _zmq_sync(tr, rank, job)
+        t0 = time.perf_counter()
+        if rank == 0:
+            for i in range(n_st):
+                tr.send(peer, MsgKey(job, i, 1, peer, Direction.ACT), [payload])
+            await tr.recv()
+        else:
+            for _ in range(n_st):
+                await tr.recv()
+            tr.send(peer, MsgKey(job, 0, 2, peer, Direction.ACT), [ack])
+            await tr.flush()
+        dt = time.perf_counter() - t0
+        out[size] = {"latency_us": rtt / 2 * 1e6, "throughput_MBps": n_st * size / dt / 1e6}
+    return out
+
+
+async def _zmq_sync(tr, rank: int, job: str) -> None:
+    from rrfp.transport.keys import Direction, MsgKey
+
+    peer = 1 - rank
+    tr.send(peer, MsgKey(job, 0, 9, peer, Direction.CTL), [], {"sync": 1})
+    await tr.recv()
+
+
+def _gloo_bench(rank: int, sizes: Sequence[int], budget: int) -> dict[int, dict[str, float]]:
+    out = {}
+    peer = 1 - rank
+    for size in sizes:
+        buf = torch.ones(size // 4, dtype=torch.float32)
+        n_pp = _iters(size, budget // 4, 5, 200)
+        n_st = _iters(size, budget, 10, 2000)
+        rtts = []
+        for i in range(n_pp + 3):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.isend(buf, peer).wait()
+                dist.irecv(buf, peer).wait()
+            else:
+                dist.irecv(buf, peer).wait()
+                dist.isend(buf, peer).wait()
+            if i >= 3:
+                rtts.append(time.perf_counter() - t0)
+        rtt = statistics.median(rtts)
+        dist.barrier()
+        ack = torch.zeros(1)
+        t0 = time.perf_counter()
+        if rank == 0:
+            works = [dist.isend(buf, peer) for _ in range(n_st)]
+            for w in works:
+                w.wait()
+            dist.irecv(ack, peer).wait()
+        else:
+            bufs = [torch.empty_like(buf) for _ in range(min(n_st, 8))]
+            works = [dist.irecv(bufs[i % len(bufs)], peer) for i in range(n_st)]
+            for w in works:
+                w.wait()
+            dist.isend(ack, peer).wait()
+        dt = time.perf_counter() - t0
+        out[size] = {"latency_us": rtt / 2 * 1e6, "throughput_MBps": n_st * size / dt / 1e6}
+    return out
+
+
+def fake_transport_bench(sizes: Sequence[int] = SIZES, budget: int = 64 << 20) -> dict[int, dict[str, float]]:
+    """The in-process fake transport (through the codec, as ``LocalPipeline`` uses it): both
+    ends on one event loop."""
+    from rrfp.runtime.pipeline import new_event_loop
+    from rrfp.transport.fake import FakeNetwork
+    from rrfp.transport.keys import Direction, MsgKey
+
+    async def main() -> dict:
+        net = FakeNetwork(2, encode=True)
+        a, b = net.transport(0), net.transport(1)
+        await a.start()
+        await b.start()
+        out = {}
+        for size in sizes:
+            payload = torch.ones(size // 4, dtype=torch.float32)
+            n_pp = _iters(size, budget // 4, 5, 200)
+            n_st = _iters(size, budget, 10, 2000)
+
+            async def echo(n: int) -> None:
+                for i in range(n):
+                    msg = await b.recv()
+                    b.send(0, MsgKey("f", i, 0, 0, Direction.ACT), [msg.tensors[0]])
+
+            task = asyncio.ensure_future(echo(n_pp))
+            rtts = []
+            for i in range(n_pp):
+                t0 = time.perf_counter()
+                a.send(1, MsgKey("f", i, 0, 1, Direction.ACT), [payload])
+                await a.recv()
+                rtts.append(time.perf_counter() - t0)
+            rtt = statistics.median(rtts)
+            await task
+            t0 = time.perf_counter()
+            for i in range(n_st):
+                a.send(1, MsgKey("f", i, 1, 1, Direction.ACT), [payload])
+            for _ in range(n_st):
+                await b.recv()
+            dt = time.perf_counter() - t0
+            out[size] = {"latency_us": rtt / 2 * 1e6, "throughput_MBps": n_st * size / dt / 1e6}
+        a.abort()
+        b.abort()
+        return out
+
+    loop = new_event_loop()
+    quiet = logging.getLogger("rrfp")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # aborting one end logs the other's peer as lost
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        quiet.setLevel(level)
+        loop.close()
+
+
+def rank_main(cfg: dict) -> dict | None:
+    """Two rank processes: transports (ZeroMQ, gloo), then the runtime's overhead per task."""
+    from rrfp.runtime.dist import default_transport
+    from rrfp.runtime.pipeline import new_event_loop
+
+    rank = dist.get_rank()
+    sizes = cfg["sizes"]
+    budget = cfg["budget_bytes"]
+    loop = new_event_loop()
+    tr = default_transport(rank, dist.get_world_size(), f"{cfg['run_id']}-zmq")
+    loop.run_until_complete(tr.start())
+    zmq_res = loop.run_until_complete(_zmq_bench(tr, rank, f"{cfg['run_id']}-zmq", sizes, budget))
+    loop.run_until_complete(tr.close())
+    loop.close()
+    dist.barrier()
+    gloo_res = _gloo_bench(rank, sizes, budget)
+    dist.barrier()
+    overhead = _overhead_2proc(cfg)
+    dist.barrier()
+    if rank != 0:
+        return None
+    return {"zmq": zmq_res, "gloo": gloo_res, "overhead_2proc": overhead}
+
+
+def run_micro(quick: bool = False, timeout: float = 300.0) -> dict[str, Any]:
+    """Every micro-benchmark; the 2-process ones in freshly launched ranks."""
+    from .harness import launch
+
+    sizes = list(SIZES[::2]) if quick else list(SIZES)
+    budget = (4 << 20) if quick else (64 << 20)
+    cfg = {"sizes": sizes, "budget_bytes": budget, "run_id": f"micro-{time.time_ns()}",
+           "overhead_microbatches": 16 if quick else 64, "overhead_steps": 2 if quick else 7}
+    res = launch("benchmarks.micro:rank_main", 2, cfg, timeout=timeout).result
+    out: dict[str, Any] = {
+        "arbiter": arbiter_decisions(sizes=(1, 32, 256) if quick else READY_SIZES,
+                                     hints=("bf", "1f1b") if quick else ARBITER_HINTS,
+                                     cycles=500 if quick else 3000, repeats=2 if quick else 5),
+        "bare_task_us": bare_task_us(),
+        "overhead_local": local_overhead(n_microbatches=16 if quick else 64, steps=2 if quick else 7),
+        "overhead_2proc": res["overhead_2proc"],
+        "transport": {"zmq (tcp)": res["zmq"], "fake (in-process)": fake_transport_bench(sizes, budget), "gloo": res["gloo"]},
+        "sizes": sizes,
+    }
+    return out

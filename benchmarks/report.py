@@ -1,0 +1,279 @@
+"""The machine, the Markdown tables and the targets of ``BENCHMARKS.md``."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from .harness import paired_speedup, summarize
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+    import zmq
+
+    model = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        affinity = os.cpu_count()
+    return {
+        "nproc": affinity,
+        "cpu": model,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "pyzmq": zmq.__version__,
+        "platform": platform.platform(),
+        "loadavg": list(os.getloadavg()),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def phase_summary(phase: dict) -> dict[str, Any]:
+    """Per system: step-time statistics, paired speedups, bubble and memory per rank."""
+    timed = [r for r in phase["rounds"] if r["kind"] == "timed"]
+    mem = next((r for r in phase["rounds"] if r["kind"] == "memory"), None)
+    names = list(timed[0]["systems"]) if timed else []
+    steps = {n: [r["systems"][n]["step"] for r in timed] for n in names}
+    out: dict[str, Any] = {"names": names, "steps": steps, "systems": {}}
+    for n in names:
+        bub = np.mean([[1.0 - b / e if e > 0 else 0.0 for b, e in zip(r["systems"][n]["busy"], r["systems"][n]["elapsed"])]
+                       for r in timed], axis=0)
+        infl = [max(r["systems"][n]["peak_inflight"][i] for r in timed) for i in range(len(bub))]
+        out["systems"][n] = {
+            "stats": summarize(steps[n]),
+            "bubble": bub.tolist(),
+            "peak_bytes": mem["systems"][n]["peak_bytes"] if mem else None,
+            "peak_inflight": infl,
+            "injected": float(np.mean([sum(r["systems"][n]["injected"]) for r in timed])) if timed else 0.0,
+        }
+    out["speedup"] = {a: {b: paired_speedup(steps[a], steps[b]) for b in names} for a in names}
+    torch_names = [n for n in names if n.startswith("torch")]
+    if torch_names:
+        out["fastest_torch"] = min(torch_names, key=lambda n: out["systems"][n]["stats"]["median"])
+    return out
+
+
+_SHORT = {
+    "rrfp bf": "bf", "rrfp bfw": "bfw", "rrfp strict-1f1b": "strict-1f1b", "rrfp bf, 1F1B limits": "bf@1F1B-lim",
+    "torch GPipe": "GPipe", "torch 1F1B": "1F1B", "torch Interleaved1F1B": "Int1F1B", "torch InterleavedZB": "IntZB",
+}
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.2f}" if b >= 0 else "-"
+
+
+def render_setting(res: dict) -> tuple[str, dict[str, dict]]:
+    cfg = res["config"]
+    m = cfg["model"]
+    lines = [
+        f"### {cfg['title']}",
+        "",
+        f"{cfg['n_ranks']} rank processes, {cfg['threads']} torch thread each; GPT {m['n_layer']} layers, "
+        f"d_model {m['d_model']}, {m['n_head']} heads; batch {cfg['batch_size']} samples in "
+        f"{cfg['n_microbatches']} microbatches of {cfg['batch_size'] // cfg['n_microbatches']}, fixed length "
+        f"{cfg['seq_len']} tokens; interleaved schedules use 2 virtual stages per rank "
+        f"({2 * cfg['n_ranks']} stages of {m['n_layer'] // (2 * cfg['n_ranks'])} layer(s)). "
+        f"Run time {res.get('wall_seconds', 0):.0f} s.",
+        "",
+        "Calibrated base compute per rank (the jitter model's `e`): "
+        + ", ".join(f"rank {r}: F {c['F'] * 1e3:.2f} ms, B {c['B'] * 1e3:.2f} ms" for r, c in enumerate(res["calibration"]))
+        + ".",
+        "",
+    ]
+    summaries = {}
+    for ph in res["phases"]:
+        s = phase_summary(ph)
+        s["level"] = ph["level"]
+        s["varlen"] = ph["varlen"]
+        summaries[ph["name"]] = s
+        n_timed = len(s["steps"][s["names"][0]]) if s["names"] else 0
+        what = "variable-length microbatches" if ph["varlen"] else "fixed-length microbatches"
+        lines += [f"#### {ph['name']} (jitter {ph['level']}, {what}, {n_timed} timed rounds)", ""]
+        if ph["varlen"]:
+            lengths = [r["lengths"] for r in ph["rounds"] if r["kind"] == "timed"]
+            flat = [x for l in lengths for x in l]
+            if flat:
+                lines += [f"rrfp pads each microbatch to its own longest sample: lengths {min(flat)}..{max(flat)} "
+                          f"(mean {np.mean(flat):.0f}) tokens; PyTorch's schedules get every microbatch padded to "
+                          f"{cfg['seq_len']} (its receive buffers have the first step's static shapes).", ""]
+        ft = s.get("fastest_torch")
+        ref_cols = [n for n in ("torch 1F1B", ft, "rrfp strict-1f1b") if n and n in s["names"]]
+        ref_cols = list(dict.fromkeys(ref_cols))
+        header = ["system", "median ms", "IQR ms", "min-max ms"] + [
+            f"speedup vs {_SHORT.get(c, c)}" + (" (fastest torch)" if c == ft else "") for c in ref_cols
+        ] + ["bubble per rank", "peak saved activations MiB per rank", "peak in-flight"]
+        rows = []
+        for n in s["names"]:
+            st = s["systems"][n]["stats"]
+            rows.append([
+                n, _ms(st["median"]), f"{_ms(st['p25'])}-{_ms(st['p75'])}", f"{_ms(st['min'])}-{_ms(st['max'])}",
+                *[f"{s['speedup'][n][c]:.2f}x" for c in ref_cols],
+                " ".join(f"{b:.2f}" for b in s["systems"][n]["bubble"]),
+                " ".join(_mib(b) for b in (s["systems"][n]["peak_bytes"] or [])),
+                " ".join(str(int(v)) if v >= 0 else "-" for v in s["systems"][n]["peak_inflight"]),
+            ])
+        lines += [_table(header, rows), ""]
+        lines += ["Speedup of the row's system over the column's (median over rounds of the paired ratio "
+                  "t_column / t_row):", ""]
+        cols = s["names"]
+        lines += [_table(["", *[_SHORT.get(c, c) for c in cols]],
+                         [[_SHORT.get(a, a), *[f"{s['speedup'][a][b]:.2f}" for b in cols]] for a in cols]), ""]
+        lines += [f"Gradients: every system in every round matched (worst |diff| / (atol + rtol |ref|) = "
+                  f"{ph['worst_grad_ratio']:.3f}, must be <= 1).", ""]
+    return "\n".join(lines), summaries
+
+
+# --------------------------------------------------------------------------- micro
+
+
+def _size(n: int) -> str:
+    return f"{n // 2**20} MiB" if n >= 2**20 else f"{n // 1024} KiB"
+
+
+def render_micro(res: dict) -> str:
+    arb = res["arbiter"]
+    hints = list(arb)
+    sizes = sorted({int(k) for h in hints for k in arb[h]})
+    lines = ["### Arbiter decision time", "",
+             "CPU microseconds per decision (`next()` + `complete()`, plus the `mark_input()` that refills the "
+             "ready set; thread CPU time, so other work on the machine does not count), median of 5 runs of "
+             "several thousand cycles, against the ready set's size. `1f1b` is a total-order hint (PyTorch's "
+             "1F1B order) in readiness mode.", ""]
+    lines += [_table(["hint", *[str(n) for n in sizes]],
+                     [[h, *[f"{arb[h][str(n)]['median']:.2f}" for n in sizes]] for h in hints]), ""]
+    bare = res["bare_task_us"]
+    lines += ["### Runtime overhead per task", "",
+              f"Stages that do nothing (`x * w` on a one-element tensor). A task's own work (half of one "
+              f"forward + backward of that module, measured alone) is {bare['wall']:.1f} us wall, "
+              f"{bare['cpu']:.1f} us CPU; overhead = time per task - that. In one process (`LocalPipeline`, "
+              "every rank on one event loop, one thread, never waiting) the thread's CPU time per task is the "
+              "cost of a task, immune to other work on the machine; wall times are the median and the fastest "
+              "timed step. Across 2 processes only wall time means anything: a rank's step time over its own "
+              "tasks (the ranks run concurrently on 2 cores, so it includes waiting for messages).", ""]
+    rows = []
+    for h, r in res["overhead_local"].items():
+        rows.append([f"rrfp {h}: LocalPipeline, 4 ranks in 1 process", r["tasks"], f"{r['per_task_us']:.1f}",
+                     f"{r['min_per_task_us']:.1f}", f"{r['cpu_per_task_us']:.1f}",
+                     f"{r['cpu_per_task_us'] - bare['cpu']:.1f} (CPU)"])
+    for name, r in res["overhead_2proc"].items():
+        rows.append([f"{name}, 2 processes", r["tasks_per_rank"], f"{r['per_task_us']:.1f}",
+                     f"{r['min_per_task_us']:.1f}", "-", f"{r['min_per_task_us'] - bare['wall']:.1f} (wall)"])
+    lines += [_table(["pipeline", "tasks per step (per rank)", "wall us/task (median step)",
+                      "wall us/task (fastest step)", "CPU us/task", "overhead us/task"], rows), ""]
+    lines += ["### Transports", "",
+              "One-way latency (half the median ping-pong round trip, the payload echoed back) and streaming "
+              "throughput (back-to-back messages, then a one-element acknowledgement). ZeroMQ and gloo "
+              "between 2 processes; the fake transport in one process through the codec.", ""]
+    tr = res["transport"]
+    names = list(tr)
+    header = ["size", *[f"{n} latency us" for n in names], *[f"{n} MB/s" for n in names]]
+    rows = []
+    for size in res["sizes"]:
+        k = str(size)
+        rows.append([_size(size), *[f"{tr[n][k]['latency_us']:.0f}" for n in names],
+                     *[f"{tr[n][k]['throughput_MBps']:.0f}" for n in names]])
+    lines += [_table(header, rows), ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def _ratio(s: dict, a: str, b: str) -> str:
+    """Paired speedup of ``a`` over ``b`` with the quartiles of the per-round ratios."""
+    r = np.asarray(s["steps"][b]) / np.asarray(s["steps"][a])
+    q1, q3 = np.percentile(r, [25, 75])
+    return f"{s['speedup'][a][b]:.2f}x (per-round ratios: quartiles {q1:.2f}-{q3:.2f}, n={r.size})"
+
+
+def targets(compare: dict[str, dict], micro: dict | None) -> list[list[str]]:
+    """[target, measured, met?] rows."""
+    rows: list[list[str]] = []
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**missed**"
+
+    j = compare.get("jitter4", {})
+    if "J2" in j and "rrfp bf" in j["J2"]["names"]:
+        s = j["J2"]
+        if "torch 1F1B" in s["names"]:
+            v = s["speedup"]["rrfp bf"]["torch 1F1B"]
+            rows.append(["4 ranks, J2: rrfp bf >= 1.5x Schedule1F1B", _ratio(s, "rrfp bf", "torch 1F1B"), verdict(v >= 1.5)])
+        ft = s.get("fastest_torch")
+        if ft:
+            v = s["speedup"]["rrfp bf"][ft]
+            rows.append([f"4 ranks, J2: rrfp bf >= 1.3x the fastest PyTorch schedule ({ft[6:]})", _ratio(s, "rrfp bf", ft),
+                         verdict(v >= 1.3)])
+    if "J0" in j and "rrfp bf" in j["J0"]["names"] and j["J0"].get("fastest_torch"):
+        s = j["J0"]
+        ft = s["fastest_torch"]
+        v = s["speedup"]["rrfp bf"][ft]
+        rows.append([f"4 ranks, J0: rrfp bf >= 0.98x the fastest PyTorch schedule ({ft[6:]})", _ratio(s, "rrfp bf", ft),
+                     verdict(v >= 0.98)])
+    if micro:
+        bare = micro["bare_task_us"]
+        for h, r in micro["overhead_local"].items():
+            v = r["cpu_per_task_us"] - bare["cpu"]
+            rows.append([f"runtime overhead <= 50 us per task (rrfp {h}, in-process, CPU time)", f"{v:.1f} us", verdict(v <= 50)])
+        for name, r in micro["overhead_2proc"].items():
+            if name.startswith("rrfp"):
+                v = r["min_per_task_us"] - bare["wall"]
+                rows.append([f"runtime overhead <= 50 us per task ({name}, 2 processes, fastest step's wall time)",
+                             f"{v:.1f} us", verdict(v <= 50)])
+        for h, by_n in micro["arbiter"].items():
+            r = by_n.get("32", by_n.get(32))
+            if r:
+                rows.append([f"arbiter decision <= 5 us with 32 ready tasks ({h}, CPU time)", f"{r['median']:.2f} us",
+                             verdict(r["median"] <= 5)])
+    return rows
+
+
+def interpret(summaries: dict[str, dict], sim: dict | None) -> list[str]:
+    """Bullet lines that read the comparison tables: readiness gain (same runtime, readiness
+    against fixed order), runtime parity (same schedule, rrfp against PyTorch), memory-matched
+    readiness, and the simulator's ideal where known."""
+    out = []
+    for setting, phases in summaries.items():
+        for name, s in phases.items():
+            sp = s["speedup"]
+            if not {"rrfp bf", "rrfp strict-1f1b"} <= set(s["names"]):
+                continue
+            bits = [f"readiness (rrfp bf over rrfp strict-1f1b, same runtime) {sp['rrfp bf']['rrfp strict-1f1b']:.2f}x"]
+            if sim and setting == "jitter4" and sim.get(s.get("level", name)) and "bf" in sim[s.get("level", name)]:
+                bits[-1] += f" (simulated ideal {sim[s.get('level', name)]['bf']:.2f}x)"
+            if "rrfp bf, 1F1B limits" in s["names"]:
+                bits.append(f"at 1F1B's memory {sp['rrfp bf, 1F1B limits']['rrfp strict-1f1b']:.2f}x")
+            if "torch 1F1B" in s["names"]:
+                what = "same order, rrfp padding each microbatch to its own length" if s.get("varlen") else "same order"
+                bits.append(f"runtime (rrfp strict-1f1b over torch 1F1B, {what}) {sp['rrfp strict-1f1b']['torch 1F1B']:.2f}x")
+            out.append(f"- {setting}, {name}: " + "; ".join(bits) + ".")
+    return out

@@ -1,0 +1,70 @@
+"""``rrfp bench``: rrfp against PyTorch's pipeline schedules, and micro-benchmarks of the runtime.
+
+The benchmarks live in the source tree (``benchmarks/``, next to the ``rrfp`` package); this
+subcommand runs ``benchmarks/run_all.py`` with the same options::
+
+    rrfp bench --all --out BENCHMARKS.md     # regenerate BENCHMARKS.md (~10 minutes on 2 cores)
+    rrfp bench --quick                       # CI smoke run, printed
+    rrfp bench --micro                       # only the micro-benchmarks
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from .cli import UsageError
+
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def _run_all():
+    if not (_REPO / "benchmarks" / "run_all.py").is_file():
+        raise UsageError(f"the benchmarks live in the source tree: no benchmarks/run_all.py under {_REPO}")
+    if str(_REPO) not in sys.path:
+        sys.path.insert(0, str(_REPO))
+    from benchmarks import run_all
+
+    return run_all
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``rrfp bench`` and ``benchmarks/run_all.py`` (one definition for both;
+    no torch import, so ``rrfp --help`` stays fast)."""
+    p.add_argument("--all", action="store_true", help="run every part (the default when no part is named)")
+    p.add_argument("--compare", action="store_true", help="rrfp against PyTorch's pipeline schedules")
+    p.add_argument("--micro", action="store_true", help="arbiter, runtime overhead and transport micro-benchmarks")
+    p.add_argument("--quick", action="store_true", help="small sizes and few rounds (CI smoke test)")
+    p.add_argument("--settings", default="jitter4,compute2", help="comparison settings, comma-separated (jitter4, compute2)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per phase (default: per setting)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, data and injected delays")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one multi-process run may take")
+    p.add_argument("--out", default=None, help="write the Markdown report here (default: print it)")
+    p.add_argument("--json", default=None, help="also write the raw results as JSON")
+    p.add_argument("--no-sim", action="store_true", help="skip the simulator's ideal speedups")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``bench`` subcommand to ``rrfp``'s argparse subparsers."""
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark rrfp against PyTorch's pipeline schedules; runtime micro-benchmarks",
+        description="Run rrfp and torch.distributed.pipelining's schedules side by side in the same rank "
+        "processes (alternating, same weights, batches and injected jitter, gradients checked equal), and "
+        "micro-benchmarks of the arbiter, the runtime's per-task overhead and the transports.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    run_all = _run_all()
+    err = run_all.options_error(args)
+    if err:
+        raise UsageError(err)
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise UsageError(f"--out {args.out}: its folder does not exist")
+    return run_all.run(args)

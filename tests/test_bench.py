@@ -1,0 +1,147 @@
+"""Smoke tests of the benchmarks (benchmarks/): the jitter wrapper, the meters, the launcher,
+a tiny comparison in real processes, and the ``rrfp bench`` command line. Fast: the real
+benchmark runs with ``rrfp bench --all``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import compare, harness, micro  # noqa: E402
+from benchmarks.harness import ActivationMeter, BenchError, Injector, JitterStage  # noqa: E402
+from rrfp.sim.jitter import LEVELS  # noqa: E402
+
+
+def test_injected_delays_depend_on_the_microbatch_not_the_order(monkeypatch):
+    sleeps: list[float] = []
+    monkeypatch.setattr(harness.time, "sleep", sleeps.append)
+    inj = Injector(LEVELS["J3"], seed=1, stage=2, e={"F": 0.001, "B": 0.002})
+    inj.enabled, inj.step = True, 5
+
+    def delays(stage: JitterStage, order) -> dict[int, list[float]]:
+        got = {}
+        for m in order:
+            sleeps.clear()
+            y, mb = stage(torch.randn(2, 3, requires_grad=True), torch.full((2,), m))
+            assert int(mb[0]) == m
+            y.sum().backward()
+            got[m] = list(sleeps)
+        return got
+
+    stage = JitterStage(nn.Linear(3, 3), inj, 1.0, ActivationMeter(), last=False)
+    forward_order = delays(stage, range(8))
+    assert forward_order == delays(stage, reversed(range(8)))
+    assert any(forward_order.values()), "J3 over 16 draws should inject something"
+    # Two virtual stages with half shares inject the rank's whole delay between them.
+    inj.reset()
+    half = JitterStage(nn.Linear(3, 3), inj, 0.5, ActivationMeter(), last=False)
+    for m in range(8):
+        for _ in range(2):
+            y, _mb = half(torch.randn(2, 3, requires_grad=True), torch.full((2,), m))
+            y.sum().backward()
+    assert abs(inj.total - sum(map(sum, forward_order.values()))) < 1e-12
+
+
+def test_backward_delay_sleeps_in_backward(monkeypatch):
+    events: list = []
+    monkeypatch.setattr(harness.time, "sleep", lambda s: events.append(("sleep", s)))
+    inj = Injector(LEVELS["J0"], 0, 0, {"F": 0.0, "B": 0.0})
+    x = torch.randn(4, requires_grad=True)
+    y = harness.SleepInBackward.apply(x * 2, 0.25)
+    assert not y._is_view()
+    events.append("forward done")
+    y.sum().backward()
+    assert events == ["forward done", ("sleep", 0.25)]
+    torch.testing.assert_close(x.grad, torch.full((4,), 2.0))
+    assert inj.delay(0, "F") == 0.0
+
+
+def test_activation_meter_counts_saved_tensors_until_backward():
+    meter = ActivationMeter()
+    mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    meter.exclude(list(mlp.parameters()))
+    x = torch.randn(32, 64, requires_grad=True)
+    with meter.hooks():
+        y = mlp(x)
+    held = meter.current
+    # The input (32x64), the first linear's output and the GELU's output (32x256 each), fp32.
+    assert held >= 4 * (32 * 64 + 2 * 32 * 256)
+    y.sum().backward()
+    del y
+    assert meter.current == 0
+    assert meter.peak == held
+
+
+def test_statistics_and_gradient_check():
+    s = harness.summarize([3.0, 1.0, 2.0, 4.0])
+    assert s["median"] == 2.5 and s["min"] == 1.0 and s["max"] == 4.0
+    assert harness.paired_speedup([1.0, 2.0, 1.0], [2.0, 2.0, 3.0]) == 2.0
+    model = compare.GPT(compare.GPTConfig(n_layer=2, n_head=2, d_model=8, max_len=8))
+    index = compare.GradIndex(model)
+    ref = torch.randn(index.total)
+    assert compare.check_close(ref.clone(), ref, "same", index) == 0.0
+    bad = ref.clone()
+    i = index.offsets["blocks.1.mlp.fc.weight"][0] + 3
+    bad[i] += 1e-3 + 1e-4 * abs(float(ref[i]))
+    with pytest.raises(BenchError, match=r"blocks\.1\.mlp\.fc\.weight"):
+        compare.check_close(bad, ref, "perturbed", index)
+
+
+def test_arbiter_micro_benchmark_runs():
+    r = micro.arbiter_cycle_us("bf", 32, cycles=200, repeats=1)
+    assert 0 < r["median"] < 1000
+    r = micro.arbiter_cycle_us("1f1b", 8, cycles=200, repeats=1)
+    assert 0 < r["median"] < 1000
+
+
+@pytest.mark.timeout(60)
+def test_launcher_kills_ranks_on_timeout_and_reports_failures():
+    t0 = time.monotonic()
+    with pytest.raises(BenchError, match="timed out"):
+        harness.launch("benchmarks.harness:idle", 2, {"seconds": 600}, timeout=6)
+    # A failing rank is reported at once and the idle one is killed, long before the timeout.
+    with pytest.raises(BenchError, match="rank 1 exited with code 1") as err:
+        harness.launch("benchmarks.harness:idle", 2, {"seconds": 600, "fail_rank": 1}, timeout=50)
+    assert "failing on purpose" in str(err.value)
+    assert time.monotonic() - t0 < 45
+
+
+@pytest.mark.timeout(120)
+def test_tiny_comparison_runs_every_system_with_equal_gradients():
+    cfg = compare.setting_config("compute2", quick=True)
+    cfg.update(model={"n_layer": 4, "n_head": 2, "d_model": 16}, seq_len=16, batch_size=8, n_microbatches=4,
+               phases=[{"name": "J2", "level": "J2", "varlen": False, "rounds": 1},
+                       {"name": "variable length", "level": "J0", "varlen": True, "rounds": 1}])
+    res = compare.run_setting(cfg, timeout=100)
+    assert [ph["name"] for ph in res["phases"]] == ["J2", "variable length"]
+    for ph in res["phases"]:
+        assert ph["worst_grad_ratio"] <= 1.0
+        assert [r["kind"] for r in ph["rounds"]] == ["warmup", "memory", "timed"]
+        timed = ph["rounds"][-1]["systems"]
+        assert set(timed) == set(compare.ALL_SYSTEMS)
+        for name, rec in timed.items():
+            assert rec["step"] > 0, name
+            assert all(b > 0 for b in ph["rounds"][1]["systems"][name]["peak_bytes"]), name
+        injected = {n: sum(rec["injected"]) for n, rec in timed.items()}
+        assert max(injected.values()) - min(injected.values()) < 1e-9
+    from benchmarks.report import render_setting
+
+    text, summaries = render_setting(res)
+    assert "rrfp bf" in text and "torch InterleavedZB" in text
+    assert summaries["J2"]["fastest_torch"].startswith("torch")
+
+
+def test_rrfp_bench_bad_input_is_a_usage_error(capsys):
+    from rrfp.cli import main
+
+    assert main(["bench", "--settings", "nope"]) == 2
+    assert "--settings 'nope'" in capsys.readouterr().err
+    assert main(["bench", "--rounds", "0"]) == 2
+    assert main(["bench", "--out", "/no/such/dir/x.md"]) == 2
