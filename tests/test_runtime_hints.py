@@ -155,3 +155,23 @@ def test_split_backward_defers_linear_weight_gradients_to_w():
     store.flush()  # W
     for (n, p), q in zip(split.named_parameters(), full.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("hint", ["strict-f-priority", "strict-bf"])
+def test_strict_policy_with_per_rank_limits_compiles_one_schedule_for_all_ranks(hint):
+    # Every rank must compile the same orders from the whole list of limits, or they deadlock.
+    model = GPT(CFG, seed=9)
+    samples, mbs = _batch(6, 2)
+    stages = split_gpt(model, 4)
+    with LocalPipeline(stages, 6, lm_loss, hint=hint, inflight_limit=[4, 3, 2, 1], loss_weight_fn=count_tokens,
+                       delay=(0.0, 0.002), watchdog=20) as pipe:
+        loss = pipe.step(microbatches=[(mb.tokens,) for mb in mbs], targets=[mb.targets for mb in mbs])
+    _check(model, samples, stages, loss)
+
+
+def test_bad_inflight_limits_are_one_line_errors():
+    stages = split_gpt(GPT(CFG), 2)
+    with pytest.raises(ValueError, match="in-flight limit '1f1b'"):
+        LocalPipeline(stages, 2, lm_loss, inflight_limit="1f1b")
+    with pytest.raises(ValueError, match="expected 2 integers >= 1, one per rank"):
+        LocalPipeline(stages, 2, lm_loss, inflight_limit=[1, 2, 3])

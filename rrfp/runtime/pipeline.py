@@ -59,6 +59,23 @@ def split_microbatches(args: Sequence[Any], n_microbatches: int, what: str = "in
     return [tuple(p[m] for p in parts) for m in range(n_microbatches)]
 
 
+def _limits(inflight_limit: int | Sequence[int], n_ranks: int) -> list[int]:
+    """One in-flight limit per rank.
+
+    Raises:
+        ValueError: for a limit that is not an integer >= 1, or a list of the wrong length.
+    """
+    if isinstance(inflight_limit, int) and not isinstance(inflight_limit, bool):
+        limits = [inflight_limit] * n_ranks
+    elif isinstance(inflight_limit, (list, tuple)):
+        limits = list(inflight_limit)
+    else:
+        raise ValueError(f"in-flight limit {inflight_limit!r}: expected an integer >= 1 or one per rank")
+    if len(limits) != n_ranks or not all(isinstance(x, int) and x >= 1 for x in limits):
+        raise ValueError(f"in-flight limits {inflight_limit!r}: expected {n_ranks} integers >= 1, one per rank")
+    return limits
+
+
 def _check_stages(stages: Sequence[PipelineStage], n_stages: int) -> None:
     for s in stages:
         if s.num_stages != n_stages:
@@ -136,10 +153,11 @@ class Pipeline:
                 f"{n_stages} stages do not fit {n_ranks} ranks x {len(stages)} virtual stages per rank"
             )
         place = Placement(n_ranks, len(stages), placement)
+        limits = _limits(inflight_limit, n_ranks)
         self.spec, self.hint, self.strict = resolve_hint(
-            hint, place, n_microbatches, inflight_limit=inflight_limit, backpressure=backpressure
+            hint, place, n_microbatches, inflight_limit=limits, backpressure=backpressure
         )
-        limit = inflight_limit if isinstance(inflight_limit, int) else list(inflight_limit)[rank]
+        limit = limits[rank]
         self.rank = rank
         self.stages = stages
         self.n_microbatches = n_microbatches
@@ -179,6 +197,8 @@ class Pipeline:
             on the rank holding the last stage, the step loss (weighted sum of microbatch
             losses, a detached scalar); elsewhere None.
         """
+        if self._loop.is_closed():
+            raise RuntimeError("this pipeline is closed: build a new one to run more steps")
         return self._loop.run_until_complete(
             self.astep(*args, target=target, losses=losses, microbatches=microbatches, targets=targets)
         )
@@ -276,10 +296,10 @@ class LocalPipeline:
             raise ValueError(f"{n_stages} stage modules do not split into ranks of {n_virtual} virtual stages")
         n_ranks = n_stages // n_virtual
         place = Placement(n_ranks, n_virtual, placement)
+        limits = _limits(inflight_limit, n_ranks)
         self.spec, self.hint, self.strict = resolve_hint(
-            hint, place, n_microbatches, inflight_limit=inflight_limit, backpressure=backpressure
+            hint, place, n_microbatches, inflight_limit=limits, backpressure=backpressure
         )
-        limits = [inflight_limit] * n_ranks if isinstance(inflight_limit, int) else list(inflight_limit)
         self.n_microbatches = n_microbatches
         self.n_ranks = n_ranks
         self._loop = new_event_loop()
@@ -313,6 +333,8 @@ class LocalPipeline:
         targets: Sequence[Any] | None = None,
     ) -> torch.Tensor:
         """Run one step of every rank; returns the step loss (detached scalar)."""
+        if self._loop.is_closed():
+            raise RuntimeError("this pipeline is closed: build a new one to run more steps")
         M = self.n_microbatches
         if microbatches is None:
             microbatches = split_microbatches(args, M)

@@ -33,6 +33,10 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 DelayFn = Callable[[int, int, Task], float]  # (step, rank, task) -> extra seconds
 
 
+MAX_CONTROL_BACKLOG = 4096
+"""Control messages a rank keeps unread before refusing more."""
+
+
 class WatchdogTimeout(RuntimeError):
     """A rank made no progress for the watchdog's period; the message says what it waits for."""
 
@@ -191,6 +195,10 @@ class RankRuntime:
         if key.job != self.job:
             return self._reject(msg, f"job {key.job!r}, expected {self.job!r}")
         if key.direction == Direction.CTL:
+            # Control messages are small statistics: no tensors, and a bounded backlog, so a
+            # forged flood cannot grow a rank's memory.
+            if msg.tensors or self._control.qsize() >= MAX_CONTROL_BACKLOG:
+                return self._reject(msg, "control message with tensors, or control backlog full")
             self._control.put_nowait(msg)
             return
         # A peer can be at most one step ahead: it needs this rank's step-k outputs to finish
@@ -205,7 +213,9 @@ class RankRuntime:
 
     def _reject(self, msg: Message, why: str) -> None:
         self.rejected += 1
-        log.warning("rank %d: rejected message from rank %d (%s): %s", self.rank, msg.src, msg.key, why)
+        if self.rejected <= 10 or self.rejected % 1000 == 0:  # bounded: a hostile peer must not flood the log
+            log.warning("rank %d: rejected message #%d from rank %d (%s): %s",
+                        self.rank, self.rejected, msg.src, msg.key, why)
 
     def _accept(self, msg: Message) -> None:
         key = msg.key

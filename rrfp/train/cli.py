@@ -8,6 +8,8 @@ runs each rank directly, and plain ``rrfp train`` calls torchrun's launcher on i
 from __future__ import annotations
 
 import argparse
+import math
+import signal
 import os
 import sys
 from pathlib import Path
@@ -90,11 +92,6 @@ def validate(args: argparse.Namespace) -> None:
             f"--microbatches={args.microbatches} exceeds --batch-size={args.batch_size}: "
             "each microbatch needs at least one sample"
         )
-    try:
-        resolve_hint(args.hint, Placement(args.stages, args.virtual_stages, args.placement), args.microbatches,
-                     backpressure=args.backpressure)
-    except (ValueError, OSError) as e:
-        raise UsageError(f"--hint={args.hint!r}: {e}") from None
     if args.inflight_limit != "1f1b":
         try:
             limit = int(args.inflight_limit)
@@ -102,18 +99,37 @@ def validate(args: argparse.Namespace) -> None:
             limit = 0
         if limit < 1:
             raise UsageError(f"--inflight-limit={args.inflight_limit!r}: expected a positive integer or '1f1b'")
-    if args.lr <= 0:
-        raise UsageError(f"--lr={args.lr}: expected a positive learning rate")
-    if args.watchdog <= 0:
+    from .worker import inflight_limits
+
+    try:
+        # With the limits the ranks will use: a strict policy is compiled under them.
+        resolve_hint(args.hint, Placement(args.stages, args.virtual_stages, args.placement), args.microbatches,
+                     inflight_limit=inflight_limits(args, args.stages), backpressure=args.backpressure)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--hint={args.hint!r}: {e}") from None
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise UsageError(f"--lr={args.lr}: expected a finite, positive learning rate")
+    if not (math.isfinite(args.watchdog) and args.watchdog > 0):
         raise UsageError(f"--watchdog={args.watchdog}: expected a positive number of seconds")
+    if args.threads > 4 * (os.cpu_count() or 1):
+        raise UsageError(f"--threads={args.threads}: expected at most {4 * (os.cpu_count() or 1)} on this machine")
+    if args.max_len > 65536:
+        raise UsageError(f"--max-len={args.max_len}: expected at most 65536 tokens")
+    if args.trace is not None:
+        try:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--trace={args.trace!r}: cannot create the folder: {e.strerror or e}") from None
     if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535 - (args.stages - 1):
         raise UsageError(
             f"--metrics-port={args.metrics_port}: expected a port in 1..{65535 - (args.stages - 1)} "
             f"(ranks serve on port + rank, for {args.stages} ranks)"
         )
     for path in args.data or []:
-        if not Path(path).exists():
+        if not path or not Path(path).exists():
             raise UsageError(f"--data: data path {path!r} does not exist")
+        if not (Path(path).is_file() or Path(path).is_dir()):
+            raise UsageError(f"--data: data path {path!r} is not a regular file or folder")
     if args.data:
         # The ranks would load the same samples; finding too few here saves starting them.
         from ..data.text import load_samples
@@ -153,11 +169,17 @@ def launch(args: argparse.Namespace) -> int:
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     _quiet_launcher_logs()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         torchrun.run(run_args)
     except ChildFailedError as e:
         print(f"rrfp train: error: {describe_failures(e.failures)}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, SignalException) as e:
+        sig = getattr(e, "sigval", signal.SIGINT)
+        print(f"rrfp train: stopped by {signal.Signals(sig).name}; the ranks were stopped too", file=sys.stderr)
+        return 128 + int(sig)
     return 0
 
 

@@ -32,10 +32,12 @@ SAMPLE_POOL = 8192
 run do not depend on how long it runs); the sampler reshuffles it every epoch."""
 
 
-def _limit_for(args: argparse.Namespace, rank: int, n_ranks: int) -> int:
+def inflight_limits(args: argparse.Namespace, n_ranks: int) -> list[int]:
+    """Every rank's in-flight limit. All ranks get the whole list: a strict policy
+    (``strict-bf``...) is compiled from it, and every rank must compile the same orders."""
     if args.inflight_limit == "1f1b":
-        return one_f_one_b_limits(n_ranks)[rank]
-    return int(args.inflight_limit)
+        return one_f_one_b_limits(n_ranks)
+    return [int(args.inflight_limit)] * n_ranks
 
 
 class Reporter:
@@ -52,7 +54,20 @@ class Reporter:
         self.next_step = 0
 
     def add(self, meta: dict, src: int) -> None:
-        self.pending.setdefault(int(meta["step"]), {})[src] = meta
+        """Take one rank's statistics; a malformed message is logged and dropped."""
+        try:
+            step = meta["step"]
+            ok = (
+                meta.get("kind") == "stats" and isinstance(step, int) and self.next_step <= step < self.args.steps
+                and 0 <= src < self.n_ranks and all(isinstance(meta[k], (int, float)) for k in ("busy", "wall", "peak"))
+                and (meta["loss"] is None or isinstance(meta["loss"], (int, float)))
+            )
+        except (KeyError, TypeError):
+            ok = False
+        if not ok:
+            print(f"rrfp train: rank 0: ignored a malformed statistics message from rank {src}", file=sys.stderr)
+            return
+        self.pending.setdefault(step, {})[src] = meta
 
     def flush(self) -> None:
         while self.next_step in self.pending and len(self.pending[self.next_step]) == self.n_ranks:
@@ -90,9 +105,27 @@ class Reporter:
         )
 
 
+def _die_with_parent() -> None:
+    # If the launcher is killed outright (SIGKILL, OOM), torchrun cannot stop its ranks: ask
+    # the kernel to send them SIGTERM instead of leaving orphans that keep training.
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:
+            pass
+
+
 def main(args: argparse.Namespace) -> int:
+    _die_with_parent()
     try:
         return _main(args)
+    except KeyboardInterrupt:
+        print(f"rrfp train: rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
     except Exception as e:  # one line per rank, then a non-zero exit the launcher reports
         rank = os.environ.get("RANK", "?")
         print(f"rrfp train: rank {rank}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -121,7 +154,7 @@ def _main(args: argparse.Namespace) -> int:
 
         metrics = RankMetrics(rank, port=args.metrics_port + rank)
     pipe = Pipeline(
-        stages, args.microbatches, lm_loss, hint=args.hint, inflight_limit=_limit_for(args, rank, n_ranks),
+        stages, args.microbatches, lm_loss, hint=args.hint, inflight_limit=inflight_limits(args, n_ranks),
         placement=args.placement, loss_weight_fn=count_tokens, rank=rank, n_ranks=n_ranks,
         job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
         record=args.trace is not None, deterministic=args.deterministic, backpressure=args.backpressure,

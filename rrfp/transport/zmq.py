@@ -490,4 +490,5 @@ def _parse_rank(ident: bytes, world_size: int) -> int | None:
     if not 0 < len(ident) <= 10 or not ident.isdigit():
         return None
     r = int(ident)
-    return r if r < world_size else None
+    # Only the canonical spelling: b"01" must not pass for rank 1 (a second identity).
+    return r if r < world_size and ident == str(r).encode() else None
