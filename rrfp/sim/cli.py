@@ -118,9 +118,23 @@ def _floats(text: str, what: str) -> list[float]:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--{what} {text!r}: expected comma-separated numbers") from None
-    if not vals or any(not v >= 0 for v in vals):
-        raise UsageError(f"--{what} {text!r}: expected numbers >= 0")
+    if not vals or any(not (v >= 0 and math.isfinite(v)) for v in vals):
+        raise UsageError(f"--{what} {text!r}: expected finite numbers >= 0")
     return vals
+
+
+_FINITE_FLAGS = ("step_overhead", "noise", "encoder_scale", "latency", "comm_noise")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """NaN or infinite costs would make the simulation loop forever or print nonsense."""
+    for name in _FINITE_FLAGS:
+        v = getattr(args, name, None)
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise UsageError(f"--{name.replace('_', '-')}={v}: expected a finite number >= 0")
+    bw = getattr(args, "bandwidth", None)
+    if bw is not None and not bw > 0:
+        raise UsageError(f"--bandwidth={bw}: expected a positive number of bytes per second (inf: free)")
 
 
 def _limit(text: str) -> Any:
@@ -269,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
         UsageError: bad flags, an unknown hint, a hint that does not fit, a schedule that
             cannot finish, or an output that cannot be written.
     """
+    _check_numbers(args)
     cfg = config_from_args(args)
     if args.sweep:
         return _run_sweep(args, cfg)

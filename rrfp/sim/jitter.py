@@ -152,9 +152,12 @@ def parse_jitter(text: str) -> JitterLevel:
         if len(parts) != 3:
             raise ValueError
         p, b, a = (float(x) for x in parts)
+        if not all(math.isfinite(x) and x >= 0 for x in (p, b, a)) or p > 1:
+            raise ValueError
     except ValueError:
         raise ValueError(
-            f"jitter {text!r}: expected J0, J1, J2, J3 or 'p,b,a' (b in seconds, e.g. 0.2,0.01,1.0)"
+            f"jitter {text!r}: expected J0, J1, J2, J3 or 'p,b,a' with 0 <= p <= 1 and finite b, a >= 0 "
+            "(b in seconds, e.g. 0.2,0.01,1.0)"
         ) from None
     return JitterLevel("custom", p, b, a)
 
