@@ -21,7 +21,7 @@ import torch
 
 from ..scheduler.arbiter import Arbiter, SchedulingError
 from ..scheduler.hints import Hint
-from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task
+from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task, TaskRecord
 from ..transport.base import Message, Transport
 from ..transport.keys import Direction, MsgKey
 from .split import WeightGradStore, deferring, enable_split_backward
@@ -43,18 +43,6 @@ class WatchdogTimeout(RuntimeError):
 
 class PipelineError(RuntimeError):
     """A message or input that a correct pipeline cannot produce (wrong job, stale step...)."""
-
-
-@dataclass
-class TaskRecord:
-    """One executed task (same fields as :class:`rrfp.sim.engine.TaskRecord`); times are
-    ``time.perf_counter()`` seconds, comparable across processes on one Linux host."""
-
-    rank: int
-    step: int
-    task: Task
-    start: float
-    end: float
 
 
 @dataclass

@@ -21,7 +21,7 @@ from .schedules import (
     zb_h1,
     zb_v,
 )
-from .tasks import B, F, I, W, PipelineSpec, Placement, Task, format_order, parse_action, parse_order
+from .tasks import B, F, I, W, PipelineSpec, Placement, Task, TaskRecord, format_order, parse_action, parse_order
 from .validate import ScheduleError, order_peak_inflight, validate_schedule
 
 __all__ = [
@@ -30,7 +30,7 @@ __all__ = [
     "SCHEDULES", "SPLIT_BACKWARD_DEFAULT", "Order", "dump_order_csv", "format_orders", "gpipe",
     "interleaved_1f1b", "load_order_csv", "looped_bfs", "microbatches_per_round", "one_f_one_b",
     "one_f_one_b_limits", "parse_orders", "zb_h1", "zb_v",
-    "B", "F", "I", "W", "PipelineSpec", "Placement", "Task", "format_order", "parse_action",
+    "B", "F", "I", "W", "PipelineSpec", "Placement", "Task", "TaskRecord", "format_order", "parse_action",
     "parse_order",
     "ScheduleError", "order_peak_inflight", "validate_schedule",
 ]

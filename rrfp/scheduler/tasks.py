@@ -38,6 +38,19 @@ class Task(NamedTuple):
         return f"{self.stage}{self.kind}{self.mb}"
 
 
+@dataclass(slots=True)
+class TaskRecord:
+    """One executed task: where (``rank``), in which ``step``, which ``task``, and when
+    (``start``/``end`` in seconds). The simulator and the runtime both write it, so
+    :mod:`rrfp.obs.trace` draws simulated and real runs alike."""
+
+    rank: int
+    step: int
+    task: Task
+    start: float
+    end: float
+
+
 def parse_action(text: str) -> Task:
     """Parse one action in PyTorch's grammar (``"2F0"``) into a :class:`Task`.
 

@@ -16,23 +16,10 @@ from typing import Callable, Sequence
 
 from ..scheduler.arbiter import Arbiter
 from ..scheduler.hints import Hint
-from ..scheduler.tasks import F, W, PipelineSpec, Task
+from ..scheduler.tasks import F, W, PipelineSpec, Task, TaskRecord
 
 DurationFn = Callable[[int, int, Task], float]  # (step, rank, task) -> seconds
 DelayFn = Callable[[int, int, int, Task], float]  # (step, src rank, dst rank, producing task) -> seconds
-
-
-@dataclass(slots=True)
-class TaskRecord:
-    """One executed task: where (``rank``), in which ``step``, which ``task``, and when
-    (``start``/``end``, seconds from the start of the run). The runtime writes the same record
-    type, so :mod:`rrfp.obs.trace` draws simulated and real runs alike."""
-
-    rank: int
-    step: int
-    task: Task
-    start: float
-    end: float
 
 
 @dataclass
