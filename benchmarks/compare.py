@@ -23,6 +23,8 @@ fp32 ``rtol=1e-5, atol=1e-6``, or the benchmark fails naming the system and para
 
 from __future__ import annotations
 
+import abc
+
 import copy
 import time
 from dataclasses import dataclass
@@ -114,15 +116,17 @@ class TokenMeanLoss:
 # --------------------------------------------------------------------------- systems
 
 
-class System:
+class System(abc.ABC):
     name: str
     inner: list[torch.nn.Module]  # the GPT stage modules (parameters)
 
+    @abc.abstractmethod
     def step(self, batch: Batch) -> None:
-        raise NotImplementedError
+        """Run one step (forwards and backwards) of ``batch``."""
 
+    @abc.abstractmethod
     def busy(self) -> float:
-        raise NotImplementedError
+        """Seconds this rank computed in the last step."""
 
     def peak_inflight(self) -> int:
         return -1

@@ -258,10 +258,11 @@ class Arbiter:
             return self._next_policy(self.inflight < self.limit)
         return self._next_in_order(self.inflight < self.limit)
 
-    def _next_policy(self, f_allowed: bool) -> Task | None:
-        # The simulator calls this once per task: pops and dispatch are inlined.
+    def _next_policy(self, f_allowed: bool, f_entry: tuple[int, int, int] | None = None) -> Task | None:
+        # The simulator calls this once per task: pops and dispatch are inlined. ``f_entry``:
+        # the one F heap entry admission backpressure allows (any, when None and f_allowed).
         rf, rb = self._rf, self._rb
-        if f_allowed and rf:
+        if f_entry is not None or (f_allowed and rf):
             kind = self._phase if rb else F
         elif rb:
             kind = "B"
@@ -272,9 +273,13 @@ class Arbiter:
         if self._alternate:
             self._phase = F if kind == "B" else "B"
         if kind == F:
-            v, m, s = heapq.heappop(rf)
-            if self._n_stale:
-                self._drop_stale(rf)
+            if f_entry is None:
+                v, m, s = heapq.heappop(rf)
+                if self._n_stale:
+                    self._drop_stale(rf)
+            else:
+                v, m, s = f_entry
+                self._remove_from_heap(rf, f_entry)
             self._rdy[0][v * self._n_mb + m] = 0
             t = _new(Task, (s, F, m))
         else:
@@ -304,30 +309,7 @@ class Arbiter:
         # with virtual index >= 1; the scan runs only while the limit binds.
         stale = self._stale[id(self._rf)]
         best = min((e for e in self._rf if e[0] >= 1 and e not in stale), default=None)
-        rb = self._rb
-        if best is not None:
-            kind = self._phase if rb else F
-        elif rb:
-            kind = "B"
-        elif self._rw:
-            return self._dispatch(self._pop(self._rw, W))
-        else:
-            return None
-        if self._alternate:
-            self._phase = F if kind == "B" else "B"
-        if kind == F:
-            v, m, s = best
-            self._remove_from_heap(self._rf, best)
-            self._rdy[0][v * self._n_mb + m] = 0
-            t = _new(Task, (s, F, m))
-        else:
-            v, m, s = heapq.heappop(rb)
-            if self._n_stale:
-                self._drop_stale(rb)
-            self._rdy[1][-v * self._n_mb + m] = 0
-            t = _new(Task, (s, self._bk, m))
-        self.running = t
-        return t
+        return self._next_policy(False, best)
 
     def _next_completion_order(self) -> Task | None:
         # Position pos of the completion order is microbatch pos // 2V; within it, F on
