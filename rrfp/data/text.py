@@ -78,6 +78,8 @@ def _walk_text_files(folder: Path) -> list[Path]:
             Path(dirpath, f)
             for f in sorted(filenames)
             if not f.startswith(".") and Path(f).suffix.lower() in TEXT_SUFFIXES
+            # Only regular files: reading a FIFO or device named *.txt would block forever.
+            and Path(dirpath, f).is_file()
         )
     return found
 

@@ -352,9 +352,13 @@ def parse_orders(text: Union[str, Sequence[str]]) -> Order:
     if labelled and plain:
         raise ValueError("mix of labelled (rank<r>:) and unlabelled rank orders")
     if labelled:
-        missing = [r for r in range(max(labelled) + 1) if r not in labelled]
-        if missing:
-            raise ValueError(f"no order given for rank {missing[0]} (labels name ranks {sorted(labelled)})")
+        # The first gap, found without listing every rank up to a huge label.
+        first_missing = next((r for r in range(len(labelled) + 1) if r not in labelled), None)
+        if first_missing is not None and first_missing < max(labelled):
+            raise ValueError(
+                f"no order given for rank {first_missing} (labels name ranks {sorted(labelled)[:8]}"
+                f"{'...' if len(labelled) > 8 else ''})"
+            )
         return [labelled[r] for r in range(len(labelled))]
     return plain
 
