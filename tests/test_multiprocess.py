@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import multiprocessing as mp
 import os
 import signal
@@ -10,7 +9,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch

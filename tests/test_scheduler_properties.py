@@ -51,10 +51,11 @@ def _interleaved_ok(p: int, m: int) -> bool:
     return True
 
 
-@st.composite
-def scenarios(draw):
+def _draw_shape(draw, max_ranks: int, max_microbatches: int) -> tuple[str, int, int, str, int]:
+    """A hint and a pipeline shape it accepts: ``(name, ranks, virtual stages, placement,
+    microbatches)``."""
     name = draw(st.sampled_from(HINT_NAMES))
-    p = draw(st.integers(1, 8))
+    p = draw(st.integers(1, max_ranks))
     kind = "loop"
     if name in ("1f1b", "zb-h1"):
         v = 1
@@ -65,9 +66,15 @@ def scenarios(draw):
         if name != "interleaved-1f1b" and v > 1:
             kind = draw(st.sampled_from(["loop", "v"]))
     if name == "interleaved-1f1b" and v > 1:
-        m = draw(st.sampled_from([m for m in range(1, 33) if _interleaved_ok(p, m)]))
+        m = draw(st.sampled_from([m for m in range(1, max_microbatches + 1) if _interleaved_ok(p, m)]))
     else:
-        m = draw(st.integers(1, 32))
+        m = draw(st.integers(1, max_microbatches))
+    return name, p, v, kind, m
+
+
+@st.composite
+def scenarios(draw):
+    name, p, v, kind, m = _draw_shape(draw, 8, 32)
     return dict(
         name=name,
         placement=Placement(p, v, kind),
@@ -251,21 +258,7 @@ def test_largest_shapes_with_heavy_tails_and_tight_limits(name, strict, backpres
 
 @st.composite
 def one_rank_cases(draw):
-    name = draw(st.sampled_from(HINT_NAMES))
-    p = draw(st.integers(1, 4))
-    kind = "loop"
-    if name in ("1f1b", "zb-h1"):
-        v = 1
-    elif name == "zb-v":
-        v, kind = 2, "v"
-    else:
-        v = draw(st.integers(1, 4))
-        if name != "interleaved-1f1b" and v > 1:
-            kind = draw(st.sampled_from(["loop", "v"]))
-    if name == "interleaved-1f1b" and v > 1:
-        m = draw(st.sampled_from([m for m in range(1, 9) if _interleaved_ok(p, m)]))
-    else:
-        m = draw(st.integers(1, 8))
+    name, p, v, kind, m = _draw_shape(draw, 4, 8)
     return (name, Placement(p, v, kind), m, draw(st.integers(0, p - 1)), draw(st.integers(1, 8)),
             draw(st.sampled_from([None, True, False])), draw(st.integers(0, 2**32 - 1)),
             draw(st.sampled_from(["admission", "completion-order"])))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..scheduler.hints import resolve_hint
-from ..scheduler.tasks import Placement, PipelineSpec
+from ..scheduler.tasks import Placement
 from ..transport.base import Transport
 from .rank import DelayFn, LossFn, RankRuntime, StepStats
 from .stage import PipelineStage, as_tuple

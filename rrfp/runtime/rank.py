@@ -21,7 +21,7 @@ import torch
 
 from ..scheduler.arbiter import Arbiter, SchedulingError
 from ..scheduler.hints import Hint
-from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task, TaskRecord
+from ..scheduler.tasks import B, F, I, PipelineSpec, Task, TaskRecord
 from ..transport.base import Message, Transport
 from ..transport.keys import Direction, MsgKey
 from .split import WeightGradStore, deferring, enable_split_backward
@@ -406,7 +406,6 @@ class RankRuntime:
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     def _backward(self, s: int, m: int, split: bool) -> None:
-        stage = self.stages[s]
         inputs = self._act.pop((s, m))
         outs, grads = self._grad_pairs(s, m)
         need = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
