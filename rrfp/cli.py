@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 SUBCOMMANDS = {
     "train": "rrfp.train.cli",
@@ -22,22 +23,47 @@ class UsageError(Exception):
     """Bad input found before any process starts: printed as one line, exit code 2."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, with errors in the project's form: one line, exit code 2.
+
+    A malformed flag (``--steps abc``, a bad choice, a missing value, an unknown flag)
+    prints ``<prog>: error: <argparse's message>`` to stderr, without the usage block
+    (``--help`` still prints it). :func:`main` passes it to ``add_subparsers`` as
+    ``parser_class``, so every subcommand's parser is one too.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        """Print one line naming the problem and exit.
+
+        Raises:
+            SystemExit: always, with code 2.
+        """
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="rrfp", description="Readiness-driven runtime for pipeline-parallel training."
     )
-    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}", parser_class=ArgumentParser
+    )
     name = next((a for a in argv if not a.startswith("-")), None)
     for cmd, module in SUBCOMMANDS.items():
-        if name is None or cmd == name:
+        # An unknown subcommand registers them all, so that the error lists the choices.
+        if name not in SUBCOMMANDS or cmd == name:
             try:
                 importlib.import_module(module).register(sub)
             except ModuleNotFoundError as e:
                 if e.name is None or not e.name.startswith("rrfp"):
                     raise
                 sub.add_parser(cmd, help="(not available in this build)")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # Reported by the subcommand's parser, so the line names the subcommand (rrfp train: ...).
+        owner = sub.choices.get(getattr(args, "command", None) or "", parser)
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = list(argv)  # lets a launcher re-run the same command in each rank
     if not getattr(args, "func", None):
         parser.print_help()

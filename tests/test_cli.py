@@ -36,7 +36,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys, monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_console_entry_point_exit_code():
-    p = subprocess.run([sys.executable, "-m", "rrfp", "train", "--hint", "nope"], capture_output=True, text=True, timeout=50)
+    p = subprocess.run([sys.executable, "-m", "rrfp", "train", "--hint", "nope"], check=False, capture_output=True, text=True, timeout=50)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "unknown hint 'nope'" in p.stderr
 
@@ -51,3 +51,44 @@ def test_launcher_summary_names_the_rank_that_died_first():
     assert describe_failures(killed) == "rank 2 died (SIGKILL); ranks 0, 1, 3 stopped too"
     errored = {0: NS(exitcode=1, timestamp=12.0), 3: NS(exitcode=1, timestamp=11.0)}
     assert describe_failures(errored) == "rank 3 failed (exit code 1); rank 0 stopped too"
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["train", "--steps", "abc"], "rrfp train: error: argument --steps: invalid int value: 'abc'"),
+        (["train", "--hint"], "rrfp train: error: argument --hint: expected one argument"),
+        (["train", "--placement", "zigzag"], "rrfp train: error: argument --placement: invalid choice: 'zigzag'"),
+        (["train", "--lr", "fast"], "rrfp train: error: argument --lr: invalid float value: 'fast'"),
+        (["train", "--no-such-flag", "3"], "rrfp train: error: unrecognized arguments: --no-such-flag 3"),
+        (["simulate", "-p", "x"], "rrfp simulate: error: argument -p/--ranks: invalid int value: 'x'"),
+        (["simulate", "--latency", "soon"], "rrfp simulate: error: argument --latency: invalid float value: 'soon'"),
+        (["bench", "--rounds", "q"], "rrfp bench: error: argument --rounds: invalid int value: 'q'"),
+        (["nosuch"], "rrfp: error: argument {train,simulate,bench}: invalid choice: 'nosuch'"),
+    ],
+)
+def test_argparse_errors_are_one_line_and_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(needle), err
+    assert "usage:" not in cap.err and cap.out == ""
+
+
+@pytest.mark.timeout(60)
+def test_argparse_error_from_the_console_entry_point():
+    p = subprocess.run([sys.executable, "-m", "rrfp", "train", "--steps", "abc"],
+                       check=False, capture_output=True, text=True, timeout=50)
+    assert p.returncode == 2
+    assert p.stderr == "rrfp train: error: argument --steps: invalid int value: 'abc'\n", p.stderr
+
+
+@pytest.mark.parametrize("cmd", ["train", "simulate", "bench"])
+def test_help_still_prints_the_full_usage(cmd, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([cmd, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: rrfp {cmd} ") and "--seed" in out
