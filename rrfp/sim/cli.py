@@ -23,7 +23,7 @@ from typing import Any
 
 from ..cli import UsageError
 from .compare import SimConfig, compare, default_baseline, sweep, sweep_table
-from .costs import CostModel, StageCost, load_costs
+from .costs import MAX_BYTES, MAX_SECONDS, CostModel, StageCost, load_costs, short
 from .duration import Dist
 from .engine import DeadlockError
 from .jitter import parse_jitter
@@ -103,6 +103,18 @@ def register(subparsers: Any) -> None:
 
 
 # ---------------------------------------------------------------- argument parsing
+# Upper bounds that keep every simulated time finite: a task's duration is a cost (at most
+# MAX_SECONDS) times a few factors, each bounded here, so no product or sum reaches inf.
+MAX_FACTOR = 1e6
+"""Largest dimensionless multiplier (--encoder-scale, --imbalance, straggler factors, a
+jitter level's ``a``, a --seqlen ratio)."""
+
+MAX_SIGMA = 10.0
+"""Largest lognormal sigma (--noise, --comm-noise, --seqlen lognormal:SIGMA). The factor
+``exp(sigma Z - sigma^2/2)`` then stays within floats; far above it every draw underflows to
+0 or overflows to inf."""
+
+
 def _ints(text: str, what: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
@@ -113,28 +125,73 @@ def _ints(text: str, what: str) -> list[int]:
     return vals
 
 
-def _floats(text: str, what: str) -> list[float]:
+def _floats(text: str, what: str, limit: float = MAX_FACTOR) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--{what} {text!r}: expected comma-separated numbers") from None
     if not vals or any(not (v >= 0 and math.isfinite(v)) for v in vals):
         raise UsageError(f"--{what} {text!r}: expected finite numbers >= 0")
+    if any(v > limit for v in vals):
+        raise UsageError(f"--{what} {text!r}: expected numbers <= {short(limit)}")
     return vals
 
 
-_FINITE_FLAGS = ("step_overhead", "noise", "encoder_scale", "latency", "comm_noise")
+# Flag -> (largest value, its unit in the message).
+_BOUNDED_FLAGS = {
+    "step_overhead": (MAX_SECONDS, "seconds"),
+    "latency": (MAX_SECONDS, "seconds"),
+    "noise": (MAX_SIGMA, "a sigma"),
+    "comm_noise": (MAX_SIGMA, "a sigma"),
+    "encoder_scale": (MAX_FACTOR, "a factor"),
+}
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
-    """NaN or infinite costs would make the simulation loop forever or print nonsense."""
-    for name in _FINITE_FLAGS:
+    """NaN or infinite values would make the simulation loop forever or print nonsense, and
+    huge finite ones would overflow the makespan to inf.
+
+    Raises:
+        UsageError: one line naming the flag, its value and the accepted range.
+    """
+    for name, (limit, unit) in _BOUNDED_FLAGS.items():
         v = getattr(args, name, None)
+        flag = f"--{name.replace('_', '-')}"
         if v is not None and not (math.isfinite(v) and v >= 0):
-            raise UsageError(f"--{name.replace('_', '-')}={v}: expected a finite number >= 0")
+            raise UsageError(f"{flag} {short(v)}: expected a finite number >= 0")
+        if v is not None and v > limit:
+            raise UsageError(f"{flag} {short(v)}: expected {unit} <= {short(limit)}")
     bw = getattr(args, "bandwidth", None)
     if bw is not None and not bw > 0:
         raise UsageError(f"--bandwidth={bw}: expected a positive number of bytes per second (inf: free)")
+
+
+def _jitter(text: str, flag: str) -> Any:
+    """A jitter level whose injected delays stay finite (``b`` in seconds, ``a`` a factor).
+
+    Raises:
+        ValueError: a bad level, or ``b`` / ``a`` above their bounds.
+    """
+    level = parse_jitter(text)
+    if level.b > MAX_SECONDS:
+        raise ValueError(f"{flag} {text}: b={short(level.b)}: expected seconds <= {short(MAX_SECONDS)}")
+    if level.a > MAX_FACTOR:
+        raise ValueError(f"{flag} {text}: a={short(level.a)}: expected a factor <= {short(MAX_FACTOR)}")
+    return level
+
+
+def _seqlen(text: str) -> Dist:
+    """The --seqlen ratio distribution, with bounded ratios.
+
+    Raises:
+        ValueError: a bad distribution, a lognormal sigma above :data:`MAX_SIGMA` or another
+            parameter above :data:`MAX_FACTOR`.
+    """
+    d = Dist.parse(text)
+    limit, unit = (MAX_SIGMA, "a sigma") if d.kind == "lognormal" else (MAX_FACTOR, "ratios")
+    if d.kind != "poisson" and max(d.params) > limit:  # poisson has its own bound
+        raise ValueError(f"--seqlen {text}: expected {unit} <= {short(limit)}")
+    return d
 
 
 def _limit(text: str) -> Any:
@@ -160,22 +217,38 @@ def _stragglers(items: list[str]) -> dict[int, float]:
     out = {}
     for it in items:
         m = re.fullmatch(r"\s*(\d+)\s*:\s*([0-9.eE+-]+)\s*", it)
-        if not m:
-            raise UsageError(f"--straggler {it!r}: expected RANK:FACTOR, e.g. 3:1.5")
-        out[int(m.group(1))] = float(m.group(2))
+        try:
+            factor = float(m.group(2)) if m else math.nan
+        except ValueError:
+            factor = math.nan
+        if not m or not 0 <= factor <= MAX_FACTOR:
+            raise UsageError(f"--straggler {it!r}: expected RANK:FACTOR with 0 <= FACTOR <= {short(MAX_FACTOR)}, e.g. 3:1.5")
+        out[int(m.group(1))] = factor
     return out
 
 
 def _cost_list(text: str | None, flag: str, kind: type = float) -> list | None:
+    """One cost flag's values: seconds (``kind`` float) or bytes (``kind`` int).
+
+    Raises:
+        UsageError: not numbers, negative or non-finite values, or values above
+            :data:`MAX_SECONDS` / :data:`MAX_BYTES`.
+    """
     if text is None:
         return None
     try:
-        vals = [kind(float(x)) if kind is int else kind(x) for x in text.split(",") if x.strip()]
+        vals = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"{flag} {text!r}: expected a number, or one per stage separated by commas") from None
     if not vals:
         raise UsageError(f"{flag} {text!r}: expected a number, or one per stage separated by commas")
-    return vals
+    unit, limit, shown = ("bytes", MAX_BYTES, "2**53") if kind is int else ("seconds", MAX_SECONDS, short(MAX_SECONDS))
+    for v in vals:
+        if not (math.isfinite(v) and v >= 0):
+            raise UsageError(f"{flag} {text}: expected finite {unit} >= 0")
+        if v > limit:
+            raise UsageError(f"{flag} {text}: expected {unit} <= {shown}")
+    return [kind(v) for v in vals]
 
 
 def _costs(args: argparse.Namespace) -> CostModel | None:
@@ -187,7 +260,7 @@ def _costs(args: argparse.Namespace) -> CostModel | None:
         if given:
             raise UsageError("--costs and --cost-*/--act-bytes/--msg-bytes: give costs one way")
         try:
-            return load_costs(args.costs)
+            return _check_messages(load_costs(args.costs), args)
         except OSError as e:
             raise UsageError(f"--costs {args.costs}: {e.strerror or e}") from None
     if not given:
@@ -203,7 +276,21 @@ def _costs(args: argparse.Namespace) -> CostModel | None:
                          "give one value, or one per stage")
     stages = [StageCost.from_mapping({k: v[i] if len(v) > 1 else v[0] for k, v in given.items()}, f"stage {i}")
               for i in range(n)]
-    return CostModel(tuple(stages))
+    return _check_messages(CostModel(tuple(stages)), args)
+
+
+def _check_messages(costs: CostModel, args: argparse.Namespace) -> CostModel:
+    """``costs``, once its largest message is known to take at most :data:`MAX_SECONDS` at
+    ``--bandwidth`` (bounds on sizes and bandwidth alone would not bound their quotient).
+
+    Raises:
+        UsageError: naming the message size, the bandwidth and the time it would take.
+    """
+    biggest = max(c.msg_bytes for c in costs.stages)
+    if args.bandwidth > 0 and biggest / args.bandwidth > MAX_SECONDS:
+        raise UsageError(f"--bandwidth {short(args.bandwidth)}: a message of {biggest} bytes would take "
+                         f"{short(biggest / args.bandwidth)} s: expected seconds <= {short(MAX_SECONDS)}")
+    return costs
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -227,12 +314,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         cfg = SimConfig(
             n_ranks=args.ranks, n_microbatches=m, n_virtual=args.virtual, placement=args.placement,
             steps=args.steps, step_overhead=args.step_overhead, limit=_limit(args.limit), backpressure=args.backpressure,
-            costs=_costs(args), seed=args.seed, jitter=parse_jitter(args.jitter), noise=args.noise,
-            seqlen=Dist.parse(args.seqlen) if args.seqlen else None,
+            costs=_costs(args), seed=args.seed, jitter=_jitter(args.jitter, "--jitter"), noise=args.noise,
+            seqlen=_seqlen(args.seqlen) if args.seqlen else None,
             images=Dist.parse(args.images) if args.images else None,
             samples_per_microbatch=args.samples_per_mb, encoder_stages=args.encoder_stages,
             encoder_scale=args.encoder_scale, stragglers=straggle, latency=args.latency,
-            bandwidth=args.bandwidth, comm_noise=args.comm_noise, comm_jitter=parse_jitter(args.comm_jitter),
+            bandwidth=args.bandwidth, comm_noise=args.comm_noise, comm_jitter=_jitter(args.comm_jitter, "--comm-jitter"),
         )
         if not args.sweep:
             # Build everything once so that a bad value fails here, in one line (a sweep
@@ -327,7 +414,7 @@ def _run_sweep(args: argparse.Namespace, cfg: SimConfig) -> int:
     depths = _ints(args.depths, "depths")
     mps = _ints(args.mb_per_stage, "mb-per-stage")
     try:
-        jitters = [parse_jitter(j) for j in args.jitter_levels.split(",") if j.strip()]
+        jitters = [_jitter(j, "--jitter-levels") for j in args.jitter_levels.split(",") if j.strip()]
     except ValueError as e:
         raise UsageError(str(e)) from None
     imbalances = _floats(args.imbalance, "imbalance")

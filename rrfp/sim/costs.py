@@ -30,6 +30,9 @@ Missing fields are derived: ``B = I + W`` when only the split is given; ``I = W 
 only ``B`` is (the issue's rule; zero-bubble papers measure W close to I); one of ``I``/``W``
 given: the other is ``B`` minus it. A file with one stage applies to every stage.
 
+Every given time is at most :data:`MAX_SECONDS` and every size at most :data:`MAX_BYTES`, so
+that no product of a cost with the simulator's bounded factors overflows to ``inf``.
+
 Pure module: no torch (``tomllib`` and ``json`` from the standard library).
 """
 
@@ -38,11 +41,26 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tomllib
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping
 
 _FIELDS = ("F", "B", "I", "W", "act_bytes", "msg_bytes")
+_SECONDS = ("F", "B", "I", "W")
+
+MAX_SECONDS = 1e9
+"""Largest accepted time of one task or message, in seconds (about 31 years). Real costs are
+far below it; the cap keeps a simulated makespan (a finite sum of bounded products) finite."""
+
+MAX_BYTES = 2**53
+"""Largest accepted size in bytes (8 PiB): every such integer is exact as a float."""
+
+
+def short(x: float) -> str:
+    """``x`` as a short number for messages: ``1e9``, not ``1e+09`` (``%g`` without the
+    exponent's sign and padding)."""
+    return re.sub(r"e\+?(-?)0*(\d)", r"e\1\2", f"{x:g}")
 
 
 @dataclass(frozen=True)
@@ -50,8 +68,9 @@ class StageCost:
     """Costs of one stage for one microbatch (seconds; bytes).
 
     Raises:
-        ValueError: for a negative or non-finite value, or ``I + W`` inconsistent with ``B``
-            when one of them has to be derived.
+        ValueError: for a negative or non-finite value, a time above :data:`MAX_SECONDS`, a
+            size above :data:`MAX_BYTES`, or ``I + W`` inconsistent with ``B`` when one of
+            them has to be derived.
     """
 
     F: float
@@ -77,8 +96,14 @@ class StageCost:
         for k in _FIELDS:
             v = d.get(k)
             if v is not None:
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                # Not math.isfinite on an int: a JSON or TOML integer may be too big for a float.
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or v == math.inf:
                     raise ValueError(f"{where}: {k}={v!r}: expected a non-negative number")
+                shown = repr(v) if len(repr(v)) <= 24 else f"{repr(v)[:12]}... ({len(repr(v))} digits)"
+                if k in _SECONDS and v > MAX_SECONDS:
+                    raise ValueError(f"{where}: {k}={shown}: expected seconds <= {short(MAX_SECONDS)}")
+                if k not in _SECONDS and v > MAX_BYTES:
+                    raise ValueError(f"{where}: {k}={shown}: expected bytes <= {MAX_BYTES} (2**53)")
             vals[k] = v
         if vals["F"] is None:
             raise ValueError(f"{where}: missing F (forward seconds per microbatch)")
