@@ -14,8 +14,10 @@ Three sources, one type (:class:`CostModel`):
       B = 0.060
       [[stages]]         # stage 1 takes the defaults
 
-- a profile JSON (:func:`load_profile`), the format ``rrfp train`` writes from measured runs
-  (:func:`save_profile`)::
+- a profile JSON (:func:`load_profile`), the format ``rrfp train --trace DIR`` writes from
+  measured runs (:func:`save_profile`; its ``act_bytes`` is the median size of the stage's
+  forward outputs, i.e. of the activation message it sends, a lower bound on what it holds;
+  see ``rrfp.train.worker.profile_from_records``)::
 
       {"stages": [{"F": 0.010, "B": 0.021, "I": 0.011, "W": 0.010, "act_bytes": 8388608}, ...],
        "meta": {...}}

@@ -159,6 +159,8 @@ def _main(args: argparse.Namespace) -> int:
         job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
         record=args.trace is not None, deterministic=args.deterministic, backpressure=args.backpressure,
     )
+    # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
+    out_bytes = record_output_bytes(stages) if args.trace else None
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     reporter = Reporter(args, n_ranks, place) if rank == 0 else None
@@ -200,19 +202,46 @@ def _main(args: argparse.Namespace) -> int:
         pipe.abort()
         raise
     if args.trace:
-        _write_trace(args, rank, n_ranks, records)
+        _write_trace(args, rank, n_ranks, records, out_bytes or {})
     dist.destroy_process_group()
     return 0
 
 
-def _write_trace(args: argparse.Namespace, rank: int, n_ranks: int, records: list) -> None:
-    """Every rank writes its task records; rank 0 merges them into a Chrome trace, a PNG
-    timeline and a per-stage cost profile that ``rrfp simulate --costs`` reads."""
+def record_output_bytes(stages: list[PipelineStage]) -> dict[int, list[int]]:
+    """Record, for every forward of each stage, the bytes of its module's outputs.
+
+    A forward hook on each stage's module (no change to the runtime, no extra forward) adds
+    one integer per forward to the returned lists, keyed by global stage index. For a stage
+    other than the last, the outputs are exactly the activation message its forward sends
+    to the next stage (without the message header); the last stage's are its logits, which
+    stay on the rank.
+    """
+    sizes: dict[int, list[int]] = {}
+    for st in stages:
+        seen = sizes.setdefault(st.stage_index, [])
+
+        def hook(_module, _inputs, output, seen=seen) -> None:
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            seen.append(sum(t.nbytes for t in outs if isinstance(t, torch.Tensor)))
+
+        st.submod.register_forward_hook(hook)
+    return sizes
+
+
+def _write_trace(
+    args: argparse.Namespace, rank: int, n_ranks: int, records: list, out_bytes: dict[int, list[int]]
+) -> None:
+    """Every rank writes its task records and output sizes (:func:`record_output_bytes`);
+    rank 0 merges them into a Chrome trace, a PNG timeline and a per-stage cost profile
+    (``profile.json``, :func:`profile_from_records`) that ``rrfp simulate --costs`` reads."""
     out = Path(args.trace)
     out.mkdir(parents=True, exist_ok=True)
     part = out / f"records.rank{rank}.json"
     tmp = part.with_suffix(".tmp")
-    tmp.write_text(json.dumps([[r.rank, r.step, str(r.task), r.start, r.end] for r in records]))
+    tmp.write_text(json.dumps({
+        "records": [[r.rank, r.step, str(r.task), r.start, r.end] for r in records],
+        "out_bytes": {str(s): v for s, v in out_bytes.items()},
+    }))
     tmp.replace(part)
     dist.barrier()
     if rank != 0:
@@ -222,24 +251,39 @@ def _write_trace(args: argparse.Namespace, rank: int, n_ranks: int, records: lis
     from ..scheduler.tasks import parse_action
     from ..sim.costs import save_profile
 
-    merged = []
+    merged, sizes = [], {}
     for r in range(n_ranks):
-        for rk, step, task, start, end in json.loads((out / f"records.rank{r}.json").read_text()):
+        part = json.loads((out / f"records.rank{r}.json").read_text())
+        for rk, step, task, start, end in part["records"]:
             merged.append(TaskRecord(rk, step, parse_action(task), start, end))
+        sizes.update({int(s): v for s, v in part["out_bytes"].items()})
     t0 = min(r.start for r in merged)
     merged = [dataclasses.replace(r, start=r.start - t0, end=r.end - t0) for r in merged]
     write_chrome_trace(merged, out / "trace.json")
     write_gantt_png(merged, out / "timeline.png", title=f"rrfp train, hint {args.hint}", n_ranks=n_ranks)
-    save_profile(profile_from_records(merged, n_ranks * args.virtual_stages), out / "profile.json",
+    save_profile(profile_from_records(merged, n_ranks * args.virtual_stages, sizes), out / "profile.json",
                  meta={"source": "rrfp train", "model": args.model, "microbatches": args.microbatches,
                        "batch_size": args.batch_size, "max_len": args.max_len, "hint": args.hint})
     print(f"trace: {out / 'trace.json'} (open in Perfetto), timeline {out / 'timeline.png'}, "
           f"costs {out / 'profile.json'}", flush=True)
 
 
-def profile_from_records(records: list, n_stages: int):
-    """Median seconds of each task kind per stage (steps after the first, which warms up) as a
-    :class:`~rrfp.sim.costs.CostModel`."""
+def profile_from_records(records: list, n_stages: int, out_bytes: dict[int, list[int]] | None = None):
+    """The measured per-stage costs as a :class:`~rrfp.sim.costs.CostModel` (``profile.json``).
+
+    ``F``, ``B``, ``I``, ``W``: median seconds of each task kind per stage, over the steps
+    after the first (which warms up). ``act_bytes`` (and ``msg_bytes``, which defaults to
+    it): the median (low median: an observed size) over every traced forward of the bytes of
+    the stage module's outputs, from ``out_bytes`` (:func:`record_output_bytes`; stage ->
+    one size per forward). For a stage other than the last that is the activation message
+    its forward sends; the gradient coming back has the same size. It is a lower bound on
+    the memory one in-flight microbatch holds on the stage (autograd also keeps the stage's
+    inner activations). The last stage's outputs are its logits. A stage without sizes
+    gets 0.
+
+    Raises:
+        ValueError: a stage with no forward or no backward record.
+    """
     import statistics
 
     from ..sim.costs import CostModel, StageCost
@@ -253,5 +297,7 @@ def profile_from_records(records: list, n_stages: int):
             if r.task.stage == s:
                 by_kind.setdefault(r.task.kind, []).append(r.end - r.start)
         med = {k: statistics.median(v) for k, v in by_kind.items()}
-        stages.append(StageCost.from_mapping({k: med.get(k) for k in ("F", "B", "I", "W")}, f"stage {s}"))
+        sizes = (out_bytes or {}).get(s)
+        med["act_bytes"] = statistics.median_low(sizes) if sizes else 0
+        stages.append(StageCost.from_mapping({k: med.get(k) for k in ("F", "B", "I", "W", "act_bytes")}, f"stage {s}"))
     return CostModel(tuple(stages))
