@@ -29,6 +29,52 @@ from .stage import PipelineStage, as_tuple, detach_for_next
 
 log = logging.getLogger("rrfp.runtime")
 
+try:  # the C++ engine call that torch.autograd.backward ends in (torch >= 2.4)
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - older or newer torch without it: the public path
+    _engine_run_backward = None
+
+
+def run_backward(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
+                 where: tuple[int, int, int] | None = None) -> None:
+    """``torch.autograd.backward(outs, grads)`` without its Python argument handling.
+
+    ``torch.autograd.backward`` spends about 45 us per call in Python (``_make_grads``
+    re-checks every gradient's shape through symbolic-shape helpers) before the engine runs;
+    on small stages that is as much as the backward itself (``benchmarks/micro.py``). Here the
+    one check that matters for a pipeline, shapes, is a tuple comparison, and the engine is
+    called directly. Tensor subclasses (``__torch_function__``, e.g. DTensor) take the public
+    path so that their overrides still apply.
+
+    Args:
+        outs: a stage's outputs that require grad (or its scalar loss).
+        grads: one gradient per output, the same shape; ``None`` for a scalar loss (ones).
+        where: ``(rank, stage, microbatch)``, to name the task in errors.
+
+    Raises:
+        PipelineError: a gradient whose shape differs from its output's.
+    """
+    outs = tuple(outs)
+    plain = _engine_run_backward is not None
+    if grads is None:
+        grads = tuple(torch.ones_like(o) for o in outs)
+    else:
+        grads = tuple(grads)
+        for o, g in zip(outs, grads):
+            if o.shape != g.shape:
+                r, st, mb = where or ("?", "?", "?")
+                raise PipelineError(f"rank {r} stage {st} microbatch {mb}: gradient of shape "
+                                    f"{tuple(g.shape)} for an output of shape {tuple(o.shape)}")
+            if type(g) is not torch.Tensor:
+                plain = False
+    for o in outs:
+        if type(o) is not torch.Tensor:
+            plain = False
+    if not plain:
+        torch.autograd.backward(outs, grads)
+        return
+    _engine_run_backward(outs, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
+
 LossFn = Callable[[Any, Any], torch.Tensor]
 DelayFn = Callable[[int, int, Task], float]  # (step, rank, task) -> extra seconds
 
@@ -145,6 +191,8 @@ class RankRuntime:
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
         self._receiver: asyncio.Task | None = None
+        self._receiving = False
+        self._closed = False
         self._step: int | None = None
         self._last_step = -1
         self.rejected = 0  # messages refused for their routing (wrong job, step, stage...)
@@ -153,15 +201,39 @@ class RankRuntime:
         self._grad: dict[tuple[int, int], list] = {}
         self._out: dict[tuple[int, int], tuple] = {}
         self._wstate: dict[tuple[int, int], Any] = {}
+        self._seed: dict[int, float] = {}  # last stage: microbatch -> loss weight
         self._held: list | None = None  # outputs of a task whose injected delay is running
+        self._rank_of = [spec.placement.rank_of(st) for st in range(spec.n_stages)]
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
-        self._progress = time.monotonic()
+        self._progress = time.perf_counter()  # the watchdog's clock: last task's end
 
     # ------------------------------------------------------------ receiving
     def start(self) -> None:
-        """Start the receiver coroutine on the running loop (idempotent)."""
-        if self._receiver is None:
+        """Start receiving on the running loop (idempotent).
+
+        Arrivals are handled inside the transport's delivery callback (``set_handler``):
+        a receiver coroutine awaiting ``recv()`` costs a future and a task switch per
+        message, a third of a small task's runtime overhead (``benchmarks/micro.py``)."""
+        if self._receiving:
+            return
+        self._receiving = True
+        set_handler = getattr(self.transport, "set_handler", None)
+        if set_handler is not None:
+            set_handler(self._handle, self._transport_failed)
+        elif self._receiver is None:
             self._receiver = asyncio.get_running_loop().create_task(self._receive_loop(), name=f"rrfp-recv-{self.rank}")
+
+    def _handle(self, msg: Message) -> None:
+        if self._closed:
+            return
+        try:
+            self._on_message(msg)
+        except Exception as e:  # noqa: BLE001 - handed to the scheduler coroutine
+            self._fail(e)
+
+    def _transport_failed(self, e: BaseException) -> None:
+        if not self._closed:
+            self._fail(e)
 
     async def _receive_loop(self) -> None:
         try:
@@ -284,7 +356,7 @@ class RankRuntime:
             raise self._error
         arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit)
         self._arb, self._step = arb, step
-        self._act.clear(), self._grad.clear(), self._out.clear(), self._wstate.clear()
+        self._act.clear(), self._grad.clear(), self._out.clear(), self._wstate.clear(), self._seed.clear()
         if 0 in self.stages:
             first = self.stages[0]
             for m, x in enumerate(inputs):
@@ -295,7 +367,7 @@ class RankRuntime:
             self._accept(msg)
         stats = StepStats(step, 0.0, 0.0, 0)
         t_start = time.perf_counter()
-        self._progress = time.monotonic()
+        self._progress = time.perf_counter()
         while not arb.finished:
             if self._error is not None:
                 raise self._error
@@ -325,7 +397,7 @@ class RankRuntime:
             stats.n_tasks += 1
             if self.record:
                 stats.records.append(TaskRecord(self.rank, step, task, t0, t1))
-            self._progress = time.monotonic()
+            self._progress = t1
             # Let the receiver drain arrivals so the next decision sees them.
             await asyncio.sleep(0)
         if self._ordered is not None:
@@ -337,7 +409,9 @@ class RankRuntime:
         if weights is not None:
             if losses is not None:
                 losses.extend(mb_losses)
-            stats.loss = float(sum(w * l for w, l in zip(weights, mb_losses)))
+            # One reduction in float64 instead of M scalar tensor ops (and M device syncs).
+            flat = torch.stack([l.reshape(()) for l in mb_losses]).to("cpu", torch.float64)
+            stats.loss = float(flat.dot(torch.tensor(weights, dtype=torch.float64)))
         await self.transport.flush()
         self._step, self._last_step = None, step
         return stats
@@ -346,7 +420,7 @@ class RankRuntime:
         if self.watchdog <= 0:
             await self._wake.wait()
             return
-        left = self.watchdog - (time.monotonic() - self._progress)
+        left = self.watchdog - (time.perf_counter() - self._progress)
         try:
             await asyncio.wait_for(self._wake.wait(), timeout=max(left, 0.0))
         except asyncio.TimeoutError:
@@ -380,23 +454,35 @@ class RankRuntime:
     def _forward(self, s: int, m: int, targets, weights, mb_losses) -> None:
         stage = self.stages[s]
         inputs = self._act[(s, m)]
-        with torch.enable_grad():
-            out = stage.submod(*inputs)
-            if s == self.last_stage:
-                loss = self.loss_fn(out, targets[m])
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise PipelineError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-                mb_losses[m] = loss.detach()
-                self._out[(s, m)] = (loss * weights[m],)
-                return
-        outs = as_tuple(out)
+        if torch.is_grad_enabled():  # entering enable_grad() costs more than the check
+            out = self._forward_graph(stage, s, m, inputs, targets, weights, mb_losses)
+        else:
+            with torch.enable_grad():
+                out = self._forward_graph(stage, s, m, inputs, targets, weights, mb_losses)
+        if out is None:
+            return
+        outs = out if type(out) is tuple else as_tuple(out)
         self._out[(s, m)] = outs
         self._emit(s + 1, m, Direction.ACT, [detach_for_next(o) for o in outs])
+
+    def _forward_graph(self, stage, s: int, m: int, inputs, targets, weights, mb_losses):
+        out = stage.submod(*inputs)
+        if s != self.last_stage:
+            return out
+        loss = self.loss_fn(out, targets[m])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise PipelineError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        mb_losses[m] = loss.detach()
+        # The microbatch's weight enters as the backward's seed gradient, d(w L) = w dL: the
+        # same values as backpropagating through ``loss * w``, without that extra node.
+        self._out[(s, m)] = (loss,)
+        self._seed[m] = weights[m]
+        return None
 
     def _grad_pairs(self, s: int, m: int) -> tuple[list, list | None]:
         outs = self._out.pop((s, m))
         if s == self.last_stage:
-            return list(outs), None
+            return list(outs), [torch.full_like(outs[0], self._seed.pop(m))]
         grads = self._grad.pop((s, m))
         if len(grads) != len(outs):
             raise PipelineError(
@@ -408,25 +494,26 @@ class RankRuntime:
     def _backward(self, s: int, m: int, split: bool) -> None:
         inputs = self._act.pop((s, m))
         outs, grads = self._grad_pairs(s, m)
-        need = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        if split and need:
+        if split and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
             # I: input gradients now; the linear layers' weight gradients wait in a store for W.
             store = WeightGradStore()
             with deferring(store), self._capture(s, m, final=False):
                 if outs:
-                    torch.autograd.backward(outs, grads)
+                    run_backward(outs, grads, (self.rank, s, m))
             self._wstate[(s, m)] = ("store", store)
         elif split:
             # No input needs a gradient (stage 0): nothing is on the critical path, so the
             # whole backward moves to W, as PyTorch's zero-bubble schedules do.
             self._wstate[(s, m)] = ("full", outs, grads)
+        elif self._ordered is None:
+            if outs:
+                run_backward(outs, grads, (self.rank, s, m))
         else:
             with self._capture(s, m):
                 if outs:
-                    torch.autograd.backward(outs, grads)
-        grad_of = {id(x): x.grad for x in need}
+                    run_backward(outs, grads, (self.rank, s, m))
         if s > 0:
-            in_grads = [grad_of.get(id(x)) if isinstance(x, torch.Tensor) else None for x in inputs]
+            in_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
             self._emit(s - 1, m, Direction.GRAD, in_grads)
 
     def _weight(self, s: int, m: int) -> None:
@@ -435,7 +522,7 @@ class RankRuntime:
             if state[0] == "store":
                 state[1].flush()
             elif state[1]:
-                torch.autograd.backward(state[1], state[2])
+                run_backward(state[1], state[2], (self.rank, s, m))
 
     def _capture(self, s: int, m: int, final: bool = True):
         if self._ordered is None:
@@ -446,7 +533,7 @@ class RankRuntime:
         if self._held is not None:
             self._held.append((dst_stage, m, direction, tensors))
             return
-        dst_rank = self.spec.placement.rank_of(dst_stage)
+        dst_rank = self._rank_of[dst_stage]
         if dst_rank == self.rank:
             # Same rank (virtual stages): hand over directly, no serialization.
             if direction == Direction.ACT:
@@ -459,7 +546,8 @@ class RankRuntime:
         self.transport.send(dst_rank, MsgKey(self.job, self._step, m, dst_stage, direction), payload)
 
     async def close(self) -> None:
-        """Stop the receiver coroutine (the caller closes the transport)."""
+        """Stop receiving (the caller closes the transport)."""
+        self._closed = True
         if self._receiver is not None:
             self._receiver.cancel()
             try:

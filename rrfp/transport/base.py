@@ -14,7 +14,7 @@ import abc
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,12 +83,24 @@ class _Mailbox:
         self._items: deque[Message] = deque()
         self._waiters: deque[asyncio.Future[Message]] = deque()
         self.error: BaseException | None = None
+        self._handler: Callable[[Message], None] | None = None
+        self._on_error: Callable[[BaseException], None] | None = None
 
     def __len__(self) -> int:
         return len(self._items)
 
+    def set_handler(self, handler: Callable[[Message], None], on_error: Callable[[BaseException], None]) -> None:
+        self._handler, self._on_error = handler, on_error
+        while self._items and self._handler is handler:
+            handler(self._items.popleft())
+        if self.error is not None:
+            on_error(self.error)
+
     def put(self, msg: Message, front: bool = False) -> None:
         if self.error is not None:
+            return
+        if self._handler is not None:
+            self._handler(msg)
             return
         while self._waiters:
             w = self._waiters.popleft()
@@ -107,6 +119,8 @@ class _Mailbox:
             return
         self.error = exc
         self._items.clear()
+        if self._on_error is not None:
+            self._on_error(exc)
         while self._waiters:
             w = self._waiters.popleft()
             if not w.done():
@@ -204,6 +218,19 @@ class Transport(abc.ABC):
             TransportClosed: after :meth:`close` or :meth:`abort`.
         """
         return await self._mailbox.get()
+
+    def set_handler(self, handler: Callable[[Message], None], on_error: Callable[[BaseException], None]) -> None:
+        """Hand every arrival to ``handler(msg)`` as it is delivered, instead of queueing it
+        for :meth:`recv` (which must then not be used).
+
+        The handler runs on the event loop thread, inside the transport's own delivery
+        callback, in arrival order; messages already queued are handed over at once. This
+        saves the future, the wake-up and the coroutine switch that an awaiting ``recv()``
+        costs per message. ``on_error(exc)`` is called once with the terminal error
+        (:class:`PeerLost` or :class:`TransportClosed`); it is called at once if the
+        transport has already failed. Neither callback may block or raise.
+        """
+        self._mailbox.set_handler(handler, on_error)
 
     @abc.abstractmethod
     async def flush(self) -> None:

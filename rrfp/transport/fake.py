@@ -12,6 +12,7 @@ deliver in send order.
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import random
@@ -70,6 +71,16 @@ class FakeNetwork:
         self._seq = itertools.count()
         self._last_when: dict[tuple[int, int], float] = {}
         self._base: float | None = None
+        self._const_delay = None if callable(delay) or delay[1] > delay[0] else float(delay[0])
+        # One armed timer for the heap's head, not one per message: a timer costs more than
+        # the rest of a small message's trip (benchmarks/micro.py).
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_when = 0.0
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
+        # With no delay at all, arrival order is send order: a FIFO drained once per loop
+        # iteration replaces the heap and the timer.
+        self._fifo: collections.deque = collections.deque()
+        self._fifo_armed = False
         self.dead: set[int] = set()
 
     def transport(self, rank: int) -> FakeTransport:
@@ -104,6 +115,8 @@ class FakeNetwork:
                 t._on_peer_lost(rank, reason)
 
     def _draw(self, src: int, dst: int, key: MsgKey | None) -> float:
+        if self._const_delay is not None:
+            return self._const_delay
         rng = self._rngs.get((src, dst))
         if rng is None:
             # str seeds hash with sha512: stable across runs and PYTHONHASHSEED.
@@ -130,34 +143,60 @@ class FakeNetwork:
 
     def _post(self, src: int, dst: int, key: MsgKey | None, item: Any) -> None:
         loop = asyncio.get_running_loop()
+        if self._const_delay == 0.0:
+            self._fifo.append((src, dst, item))
+            if not self._fifo_armed:
+                self._fifo_armed = True
+                loop.call_soon(self._drain_fifo)
+            return
         when = self._now(loop) + self._draw(src, dst, key)
+        pair = (src, dst)
+        last = self._last_when.get(pair)
         if item is _BYE:
             # BYE must not overtake the sender's data, as on a real FIFO link.
-            when = max(when, self._last_when.get((src, dst), when))
-        else:
-            self._last_when[(src, dst)] = max(when, self._last_when.get((src, dst), when))
+            if last is not None and last > when:
+                when = last
+        elif last is None or when > last:
+            self._last_when[pair] = when
         heapq.heappush(self._heap, (when, next(self._seq), src, dst, item))
-        loop.call_at(when, self._pump)
+        if self._timer is None or when < self._timer_when or self._timer_loop is not loop:
+            self._arm(loop, when)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(when, self._pump)
+        self._timer_when, self._timer_loop = when, loop
+
+    def _drain_fifo(self) -> None:
+        self._fifo_armed = False
+        fifo = self._fifo
+        while fifo:
+            self._deliver(*fifo.popleft())
+
+    def _deliver(self, src: int, dst: int, item: Any) -> None:
+        t = self._transports.get(dst)
+        if t is None or dst in self.dead:
+            return
+        if item is _BYE:
+            t._on_bye(src)
+        elif self.encode:
+            t._deliver_frames(src, item)
+        else:
+            msg, nbytes = item
+            t._deliver_message(msg, nbytes)
 
     def _pump(self) -> None:
+        self._timer = None
         loop = asyncio.get_running_loop()
         # uvloop's timers and clock have millisecond resolution and may fire a
         # little early: accept that slack, and re-arm if the head is still not due.
         now = loop.time() + _CLOCK_SLACK
         while self._heap and self._heap[0][0] <= now:
             _, _, src, dst, item = heapq.heappop(self._heap)
-            t = self._transports.get(dst)
-            if t is None or dst in self.dead:
-                continue
-            if item is _BYE:
-                t._on_bye(src)
-            elif self.encode:
-                t._deliver_frames(src, item)
-            else:
-                msg, nbytes = item
-                t._deliver_message(msg, nbytes)
-        if self._heap:
-            loop.call_at(self._heap[0][0], self._pump)
+            self._deliver(src, dst, item)
+        if self._heap and (self._timer is None or self._heap[0][0] < self._timer_when):
+            self._arm(loop, self._heap[0][0])
 
 
 class FakeTransport(Transport):
@@ -185,10 +224,13 @@ class FakeTransport(Transport):
             nbytes = frames_nbytes(frames)
             item: Any = frames
         else:
-            meta = {} if meta is None else meta
-            _check_meta(meta, "meta")
+            if meta is None:
+                meta = {}
+            else:
+                _check_meta(meta, "meta")
+                meta = dict(meta)
             nbytes = sum(t.nbytes for t in tensors if t is not None)
-            item = (Message(self.rank, key, list(tensors), dict(meta)), nbytes)
+            item = (Message(self.rank, key, list(tensors), meta), nbytes)
         self.stats["messages_sent"] += 1
         self.stats["bytes_sent"] += nbytes
         self._net._post(self.rank, dst, key, item)
