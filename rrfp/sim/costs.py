@@ -99,7 +99,8 @@ class StageCost:
             v = d.get(k)
             if v is not None:
                 # Not math.isfinite on an int: a JSON or TOML integer may be too big for a float.
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v < 0 or v == math.inf:
+                if (isinstance(v, bool) or not isinstance(v, (int, float))
+                        or (isinstance(v, float) and not math.isfinite(v)) or v < 0):
                     raise ValueError(f"{where}: {k}={v!r}: expected a non-negative number")
                 shown = repr(v) if len(repr(v)) <= 24 else f"{repr(v)[:12]}... ({len(repr(v))} digits)"
                 if k in _SECONDS and v > MAX_SECONDS:
