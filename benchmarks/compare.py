@@ -411,6 +411,18 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "threads": 1,
         "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": 12} for lv in ("J0", "J1", "J2", "J3")],
     },
+    # The same model and microbatch size with 4x the microbatches, J2 only: the simulator's ideal
+    # speedup of readiness grows with the number of microbatches (docs in BENCHMARKS.md).
+    "jitter4-m64": {
+        "title": "4 ranks, injected jitter dominates compute, 64 microbatches",
+        "n_ranks": 4,
+        "model": {"n_layer": 8, "n_head": 2, "d_model": 32},
+        "seq_len": 32,
+        "batch_size": 128,
+        "n_microbatches": 64,
+        "threads": 1,
+        "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 8}],
+    },
     "compute2": {
         "title": "2 ranks, real CPU compute only",
         "n_ranks": 2,
@@ -428,6 +440,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 QUICK: dict[str, dict[str, Any]] = {
     "jitter4": {"model": {"n_layer": 8, "n_head": 2, "d_model": 16}, "seq_len": 16, "batch_size": 8,
                 "n_microbatches": 8, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 2}]},
+    "jitter4-m64": {"model": {"n_layer": 8, "n_head": 2, "d_model": 16}, "seq_len": 16, "batch_size": 32,
+                    "n_microbatches": 32, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 2}]},
     "compute2": {"model": {"n_layer": 4, "n_head": 2, "d_model": 32}, "seq_len": 32, "batch_size": 8, "n_microbatches": 4,
                  "phases": [{"name": "variable length", "level": "J0", "varlen": True, "rounds": 2}]},
 }
@@ -435,7 +449,7 @@ QUICK: dict[str, dict[str, Any]] = {
 
 def setting_config(name: str, quick: bool = False, systems: Sequence[str] | None = None, seed: int = 0,
                    rounds: int | None = None) -> dict:
-    """The configuration of one setting (``jitter4`` or ``compute2``), optionally shrunk for CI."""
+    """The configuration of one setting (a key of :data:`SETTINGS`), optionally shrunk for CI."""
     cfg = copy.deepcopy(SETTINGS[name])
     if quick:
         cfg.update(copy.deepcopy(QUICK[name]))

@@ -18,7 +18,8 @@ import asyncio
 import logging
 import statistics
 import time
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,20 +100,56 @@ def scalar_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out * target).sum()
 
 
-def bare_task_us(repeats: int = 1000, rounds: int = 5) -> dict[str, float]:
-    """Microseconds of one task's own work (half a forward + backward of :class:`Scale`), the
-    part of a task that is not runtime overhead: wall and CPU time, fastest of ``rounds``."""
-    m = Scale()
-    x = torch.ones(1, 1, requires_grad=True)
-    for _ in range(100):
-        m(x).backward(torch.ones(1, 1))
+def sequential_runner(n_stages: int, n_microbatches: int) -> tuple[Callable[[], None], int, list[nn.Module]]:
+    """The tasks of a ``n_stages``-stage pipeline of :class:`Scale` stages with no runtime: a
+    function that runs them by hand, one microbatch after another, each stage's forward on a
+    detached copy of the previous stage's output and each stage's backward its own engine call
+    (as in every pipeline runtime, rrfp's and PyTorch's), the loss weighted by ``1/M``; the
+    number of tasks it runs (``2 * n_stages * n_microbatches``); and the stage modules (their
+    ``.grad`` accumulates over calls).
+
+    This is the reference that runtime overhead is measured against: what a pipeline's tasks
+    cost when nothing arbitrates, buffers or moves messages."""
+    from rrfp.runtime.rank import run_backward
+    from rrfp.runtime.stage import detach_for_next
+
+    stages = [Scale() for _ in range(n_stages)]
+    x = torch.ones(n_microbatches, 1)
+    y = torch.ones(n_microbatches, 1)
+    w = 1.0 / n_microbatches
+
+    def once() -> None:
+        for m in range(n_microbatches):
+            ins, outs = [], []
+            h = x[m:m + 1]
+            for st in stages:
+                ins.append(h)
+                out = st(h)
+                outs.append(out)
+                h = detach_for_next(out)
+            loss = scalar_loss(outs[-1], y[m:m + 1])
+            g = None
+            for k in range(n_stages - 1, -1, -1):
+                if k == n_stages - 1:
+                    run_backward([loss], [torch.full_like(loss, w)])
+                else:
+                    run_backward([outs[k]], [g])
+                g = ins[k].grad
+
+    once()  # warm up
+    return once, 2 * n_stages * n_microbatches, stages
+
+
+def sequential_task_us(n_stages: int = 4, n_microbatches: int = 64, repeats: int = 7) -> dict[str, float]:
+    """Wall and thread CPU microseconds per task of :func:`sequential_runner`'s tasks, fastest
+    of ``repeats``."""
+    once, n_tasks, _ = sequential_runner(n_stages, n_microbatches)
     wall, cpu = [], []
-    for _ in range(rounds):
+    for _ in range(repeats):
         t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        for _ in range(repeats):
-            m(x).backward(torch.ones(1, 1))
-        wall.append((time.perf_counter_ns() - t0) / repeats / 2 / 1000)
-        cpu.append((time.thread_time_ns() - c0) / repeats / 2 / 1000)
+        once()
+        wall.append((time.perf_counter_ns() - t0) / n_tasks / 1000)
+        cpu.append((time.thread_time_ns() - c0) / n_tasks / 1000)
     return {"wall": min(wall), "cpu": min(cpu)}
 
 
@@ -121,13 +158,18 @@ def local_overhead(n_ranks: int = 4, n_microbatches: int = 64, hints: Sequence[s
     """Microseconds per task of an in-process ``LocalPipeline`` (every rank on one event loop,
     one thread) on do-nothing stages, with messages through the codec (as between processes)
     and without (the runtime alone): wall time (median and fastest step) and the thread's CPU
-    time (fastest step; the run never waits, so on an idle machine the two agree)."""
+    time (fastest step; the run never waits, so on an idle machine the two agree).
+
+    After every pipeline step the same tasks run by hand (:func:`sequential_runner`), so the
+    reference sees the same machine state; ``overhead_cpu_us`` is the fastest step's CPU time
+    per task minus the reference's fastest."""
     from rrfp.runtime.pipeline import LocalPipeline
 
     out = {}
     x = torch.ones(n_microbatches, 1)
     y = torch.ones(n_microbatches, 1)
     n_tasks = 2 * n_ranks * n_microbatches
+    ref, ref_tasks, _ = sequential_runner(n_ranks, n_microbatches)
     quiet = logging.getLogger("rrfp")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # closing a LocalPipeline logs each rank's peers as lost
@@ -136,17 +178,22 @@ def local_overhead(n_ranks: int = 4, n_microbatches: int = 64, hints: Sequence[s
             for encode in (True, False):
                 with LocalPipeline([Scale() for _ in range(n_ranks)], n_microbatches, scalar_loss, hint=h,
                                    encode=encode, watchdog=60) as pipe:
-                    walls, cpus = [], []
+                    walls, cpus, ref_cpus = [], [], []
                     for k in range(steps + 1):
                         t0, c0 = time.perf_counter(), time.thread_time()
                         pipe.step(x, target=y)
                         if k:
                             walls.append(time.perf_counter() - t0)
                             cpus.append(time.thread_time() - c0)
+                        c0 = time.thread_time()
+                        ref()
+                        ref_cpus.append(time.thread_time() - c0)
                 name = f"{h}, {'codec' if encode else 'no codec'}"
+                cpu, ref_cpu = min(cpus) / n_tasks * 1e6, min(ref_cpus) / ref_tasks * 1e6
                 out[name] = {"per_task_us": statistics.median(walls) / n_tasks * 1e6,
                              "min_per_task_us": min(walls) / n_tasks * 1e6,
-                             "cpu_per_task_us": min(cpus) / n_tasks * 1e6, "tasks": n_tasks}
+                             "cpu_per_task_us": cpu, "ref_cpu_per_task_us": ref_cpu,
+                             "overhead_cpu_us": cpu - ref_cpu, "tasks": n_tasks}
     finally:
         quiet.setLevel(level)
     return out
@@ -164,6 +211,19 @@ def _overhead_2proc(cfg: dict) -> dict[str, Any]:
     x = torch.ones(M, 1)
     y = torch.ones(M, 1)
     tasks_per_rank = 2 * M
+    # The reference: this rank's share of the same tasks run by hand, measured on each rank
+    # while the other waits at the barrier (2 ranks on 2 cores: no contention between them).
+    ref, ref_tasks, _ = sequential_runner(P, M)
+    ref_walls = []
+    for r in range(P):
+        dist.barrier()
+        if r == rank:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                ref()
+                ref_walls.append(time.perf_counter() - t0)
+    ref_us = torch.tensor([min(ref_walls) / ref_tasks * 1e6], dtype=torch.float64)
+    dist.all_reduce(ref_us, op=dist.ReduceOp.MAX)
     results: dict[str, Any] = {}
     systems: list[tuple[str, Any]] = []
     for h in ("bf", "strict-1f1b"):
@@ -198,6 +258,8 @@ def _overhead_2proc(cfg: dict) -> dict[str, Any]:
             "min_per_task_us": max(float(g[2]) for g in got) / tasks_per_rank * 1e6,
             "busy_per_task_us": [float(g[1]) / tasks_per_rank * 1e6 for g in got] if busy else None,
             "tasks_per_rank": tasks_per_rank,
+            "ref_wall_per_task_us": float(ref_us),
+            "overhead_wall_us": max(float(g[2]) for g in got) / tasks_per_rank * 1e6 - float(ref_us),
         }
     for name, s in systems:
         if isinstance(s, Pipeline):
@@ -390,7 +452,6 @@ def run_micro(quick: bool = False, timeout: float = 300.0) -> dict[str, Any]:
         "arbiter": arbiter_decisions(sizes=(1, 32, 256) if quick else READY_SIZES,
                                      hints=("bf", "1f1b") if quick else ARBITER_HINTS,
                                      cycles=500 if quick else 3000, repeats=2 if quick else 5),
-        "bare_task_us": bare_task_us(),
         "overhead_local": local_overhead(n_microbatches=16 if quick else 64, steps=2 if quick else 7),
         "overhead_2proc": res["overhead_2proc"],
         "transport": {"zmq (tcp)": res["zmq"], "fake (in-process)": fake_transport_bench(sizes, budget), "gloo": res["gloo"]},
