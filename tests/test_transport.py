@@ -199,6 +199,67 @@ def test_codec_encode_rejects_unencodable() -> None:
         encode(KEY, [torch.zeros([1] * 17)])
 
 
+@pytest.mark.parametrize(
+    "key, tensors, meta",
+    [
+        (KEY, [torch.zeros(2, 32, 32)], None),
+        (MsgKey("j" * 40, 2**40, -(2**63), 2**31, Direction.GRAD), [None, torch.ones(())], None),
+        (MsgKey("é" * 256, -33, 256, 65536, Direction.CTL), [], {"k": [1, "x", None]}),
+        (KEY, [torch.ones(1, dtype=torch.bool)] * 20, {}),  # array16 of descriptors
+        (KEY, [torch.zeros(3, 0, 2, dtype=torch.bfloat16, requires_grad=True)], None),
+    ],
+    ids=["small", "big-ints", "long-job-meta", "20-tensors", "zero-size"],
+)
+def test_codec_header_is_plain_msgpack(key: MsgKey, tensors: list, meta: dict | None) -> None:
+    """The pre-packed header fragments add up to exactly what msgpack would pack."""
+    want = {
+        "job": key.job, "step": key.step, "microbatch": key.microbatch, "stage": key.stage,
+        "direction": int(key.direction),
+        "tensors": [None if t is None else [str(t.dtype).removeprefix("torch."),
+                                            list(t.shape), t.requires_grad] for t in tensors],
+        "meta": meta or {},
+    }
+    for _ in range(2):  # cold, then from the fragment caches
+        assert encode(key, tensors, meta)[0] == msgpack.packb(want)
+
+
+def test_codec_encode_rejects_bad_keys_and_meta() -> None:
+    with pytest.raises(CodecError, match="direction"):
+        encode(MsgKey("job", 0, 0, 0, [1]), [])  # unhashable
+    with pytest.raises(CodecError, match="direction"):
+        encode(MsgKey("job", 0, 0, 0, 7), [])
+    with pytest.raises(CodecError, match="key.step"):
+        encode(MsgKey("job", True, 0, 0, Direction.ACT), [])
+    with pytest.raises(CodecError, match="key.stage"):
+        encode(MsgKey("job", 0, 0, 2**63, Direction.ACT), [])
+    with pytest.raises(CodecError, match="key.job"):
+        encode(MsgKey("x" * 257, 0, 0, 0, Direction.ACT), [])
+    with pytest.raises(CodecError, match="expected MsgKey"):
+        encode(("job", 0, 0, 0, 0), [])
+    with pytest.raises(CodecError, match="expected a dict"):
+        encode(KEY, [], [1, 2])  # the decoder would reject a non-map meta
+
+
+def test_codec_decodes_zmq_frames_into_fresh_tensors() -> None:
+    x = torch.arange(12, dtype=torch.float32).view(3, 4)
+    big = torch.arange(20_000, dtype=torch.int64)  # above the allocator-copy threshold
+    frames = [zmq.Frame(bytes(f)) for f in encode(KEY, [x, None, big])]
+    _, out, _ = decode(frames)
+    assert_same(out[0], x)
+    assert_same(out[2], big)
+    out[0].add_(1)  # writable, and not the frame's memory
+    assert decode(frames)[1][0].equal(x)
+
+
+@pytest.mark.parametrize("n", [7, 5000], ids=["scan", "numpy"])
+def test_codec_rejects_bool_bytes_other_than_0_1(n: int) -> None:
+    frames = encode(KEY, [torch.zeros(n, dtype=torch.bool)])
+    payload = bytearray(frames[1])
+    payload[n // 2] = 2
+    with pytest.raises(CodecError, match="bool frame"):
+        decode([frames[0], payload])
+
+
 # ---------------------------------------------------------------------------
 # codec: malformed input
 

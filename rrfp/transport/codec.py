@@ -8,9 +8,11 @@ Frame 0 is a msgpack map::
 Frames 1.. hold the C-contiguous bytes of every non-None tensor, in order, in the
 sender's native byte order (all supported platforms are little-endian).
 
-Decoding treats its input as untrusted: every size is checked against the header
-and against fixed limits before anything is allocated, and nothing is ever
-unpickled. Every problem raises :class:`CodecError` with a one-line message.
+Decoding treats its input as untrusted: the declared payload is checked against
+fixed limits before any tensor is allocated, and each frame's length against the
+header before its tensor is, so no allocation exceeds the bytes actually received;
+nothing is ever unpickled. Every problem raises :class:`CodecError` with a
+one-line message.
 """
 
 from __future__ import annotations
@@ -22,17 +24,18 @@ from typing import Any
 import msgpack
 import numpy as np
 import torch
+import zmq
 from torch import Tensor
 
 from .keys import Direction, MsgKey
 
 __all__ = [
-    "CodecError",
     "DEFAULT_MAX_BYTES",
     "DTYPES",
     "MAX_HEADER_BYTES",
     "MAX_NDIM",
     "MAX_TENSORS",
+    "CodecError",
     "Frame",
     "decode",
     "encode",
@@ -91,6 +94,53 @@ class CodecError(ValueError):
 
 # ---------------------------------------------------------------------------
 # encode
+#
+# The header is assembled from pre-packed byte fragments instead of packing a dict
+# per message: the bytes are exactly what ``msgpack.packb(header)`` would produce
+# (the tests check this), at a fraction of the cost for small messages.
+
+
+def _fixstr(s: str) -> bytes:
+    b = s.encode()
+    return bytes([0xA0 | len(b)]) + b
+
+
+_H_MAP = bytes([0x80 | len(_HEADER_KEYS)])
+_H_STEP = _fixstr("step")
+_H_MICROBATCH = _fixstr("microbatch")
+_H_STAGE = _fixstr("stage")
+_H_DIRECTION = _fixstr("direction")
+_H_TENSORS = _fixstr("tensors")
+_H_META = _fixstr("meta")
+_H_EMPTY_META = _H_META + b"\x80"
+_NIL = b"\xc0"
+_EMPTY = memoryview(b"")
+# Packed int64s from -32 to 255: every stage, direction and most microbatch indices.
+_SMALL_INTS = {v: msgpack.packb(v) for v in range(-32, 256)}
+_DIRECTIONS = {int(d): msgpack.packb(int(d)) for d in Direction}
+_CACHE_MAX = 4096
+# job -> map marker + packed job + "step" key; (dtype, shape, requires_grad) -> packed
+# tensor descriptor. Both are cleared when full rather than managed as LRUs: the
+# working set of a training job is small and a miss only costs one packb.
+_job_prefix: dict[str, bytes] = {}
+_desc_cache: dict[tuple[torch.dtype, torch.Size, bool], bytes] = {}
+
+
+def _pack_int(v: Any, what: str) -> bytes:
+    b = _SMALL_INTS.get(v) if type(v) is int else None
+    if b is not None:
+        return b
+    if not _is_int64(v):
+        raise CodecError(f"key.{what} must be an int64, got {v!r}")
+    return msgpack.packb(int(v))
+
+
+_FIXARRAYS = tuple(bytes([0x90 | n]) for n in range(16))
+
+
+def _array_header(n: int) -> bytes:
+    # n <= MAX_TENSORS < 2**16: array16.
+    return b"\xdc" + n.to_bytes(2, "big")
 
 
 def encode(
@@ -113,47 +163,98 @@ def encode(
         use (the same contract as ``torch.distributed.isend``).
 
     Raises:
-        CodecError: unsupported dtype, too many tensors or dims, meta not
-            serializable, or header over 64 KiB (the decoder would reject them).
+        CodecError: unsupported dtype, too many tensors or dims, meta not a dict
+            or not serializable, or header over 64 KiB (the decoder would reject
+            them).
     """
-    if len(tensors) > MAX_TENSORS:
-        raise CodecError(f"too many tensors: {len(tensors)} > {MAX_TENSORS}")
-    descs: list[list[Any] | None] = []
-    frames: list[Frame] = []
+    n = len(tensors)
+    if n > MAX_TENSORS:
+        raise CodecError(f"too many tensors: {n} > {MAX_TENSORS}")
+    if type(key) is not MsgKey:
+        _check_key(key)
+    job = key.job
+    prefix = _job_prefix.get(job) if type(job) is str else None
+    if prefix is None:
+        _check_key(key)
+        prefix = _H_MAP + msgpack.packb({"job": job})[1:] + _H_STEP
+        if len(_job_prefix) >= _CACHE_MAX:
+            _job_prefix.clear()
+        _job_prefix[job] = prefix
+    try:
+        direction = _DIRECTIONS.get(key.direction)
+    except TypeError:  # unhashable
+        direction = None
+    if direction is None:
+        raise CodecError(f"key.direction: unknown direction {key.direction!r}")
+    parts = [
+        prefix,
+        _pack_int(key.step, "step"),
+        _H_MICROBATCH,
+        _pack_int(key.microbatch, "microbatch"),
+        _H_STAGE,
+        _pack_int(key.stage, "stage"),
+        _H_DIRECTION,
+        direction,
+        _H_TENSORS,
+        _FIXARRAYS[n] if n < 16 else _array_header(n),
+    ]
+    frames: list[Frame] = [b""]
     for i, t in enumerate(tensors):
         if t is None:
-            descs.append(None)
+            parts.append(_NIL)
             continue
         if not isinstance(t, Tensor):
             raise CodecError(f"tensor {i}: expected a Tensor or None, got {type(t).__name__}")
-        name = _DTYPE_NAMES.get(t.dtype)
-        if name is None:
-            raise CodecError(f"tensor {i}: unsupported dtype {t.dtype}")
-        if t.dim() > MAX_NDIM:
-            raise CodecError(f"tensor {i}: ndim {t.dim()} > {MAX_NDIM}")
         if t.layout != torch.strided:
             raise CodecError(f"tensor {i}: unsupported layout {t.layout}")
-        descs.append([name, list(t.shape), bool(t.requires_grad)])
-        frames.append(_tensor_bytes(t))
-    meta = {} if meta is None else meta
-    _check_meta(meta, where="meta")
-    _check_key(key)
-    header = {
-        "job": key.job,
-        "step": int(key.step),
-        "microbatch": int(key.microbatch),
-        "stage": int(key.stage),
-        "direction": int(key.direction),
-        "tensors": descs,
-        "meta": meta,
-    }
-    try:
-        packed = msgpack.packb(header, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as e:
-        raise CodecError(f"header not serializable: {e}") from e
+        rg = t.requires_grad
+        ck = (t.dtype, t.shape, rg)
+        desc = _desc_cache.get(ck)
+        if desc is None:
+            desc = _pack_desc(i, t, rg)
+            if len(_desc_cache) >= _CACHE_MAX:
+                _desc_cache.clear()
+            _desc_cache[ck] = desc
+        parts.append(desc)
+        frames.append(_tensor_frame(t, rg))
+    if meta is None or (type(meta) is dict and not meta):
+        parts.append(_H_EMPTY_META)
+    else:
+        if not isinstance(meta, dict):
+            raise CodecError(f"meta: expected a dict, got {_tname(meta)}")
+        _check_meta(meta, where="meta")
+        try:
+            parts += (_H_META, msgpack.packb(meta, use_bin_type=True))
+        except (TypeError, ValueError, OverflowError) as e:
+            raise CodecError(f"header not serializable: {e}") from e
+    packed = b"".join(parts)
     if len(packed) > MAX_HEADER_BYTES:
         raise CodecError(f"header too big: {len(packed)} bytes > {MAX_HEADER_BYTES}")
-    return [packed, *frames]
+    frames[0] = packed
+    return frames
+
+
+def _pack_desc(i: int, t: Tensor, rg: bool) -> bytes:
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise CodecError(f"tensor {i}: unsupported dtype {t.dtype}")
+    if t.dim() > MAX_NDIM:
+        raise CodecError(f"tensor {i}: ndim {t.dim()} > {MAX_NDIM}")
+    return msgpack.packb([name, list(t.shape), bool(rg)])
+
+
+def _tensor_frame(t: Tensor, rg: bool) -> memoryview:
+    if t.is_cpu and t.is_contiguous():
+        try:
+            # numpy() refuses exactly what needs the slow path: bfloat16 (no numpy
+            # dtype) and lazy conjugate/negative views (unresolved storage).
+            a = (t.detach() if rg else t).numpy()
+        except (TypeError, RuntimeError):
+            return _tensor_bytes(t)
+        # The ndarray keeps the tensor, and so its storage, alive as long as the
+        # memoryview lives. cast() refuses views with a zero in the shape.
+        return memoryview(a).cast("B") if a.size else _EMPTY
+    return _tensor_bytes(t)
 
 
 def _tensor_bytes(t: Tensor) -> memoryview:
@@ -190,6 +291,39 @@ def _check_key(key: MsgKey) -> None:
 # decode
 
 
+class _DType:
+    """What decoding needs to know about one wire dtype name."""
+
+    __slots__ = ("grad", "itemsize", "name", "numpy", "torch", "view")
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name = name
+        self.torch = dtype
+        self.itemsize = dtype.itemsize
+        self.grad = dtype.is_floating_point or dtype.is_complex
+        # numpy lacks bfloat16: build an int16 array, then reinterpret in torch.
+        self.view = dtype if dtype == torch.bfloat16 else None
+        self.numpy = np.dtype(np.int16) if self.view is not None else torch.empty(
+            0, dtype=dtype
+        ).numpy().dtype
+
+
+_DTYPE_INFO: dict[str, _DType] = {k: _DType(k, v) for k, v in DTYPES.items()}
+_BOOL_BYTES = b"\x00\x01"
+_BOOL_SCAN_MAX = 1024
+_UNPACK_LIMITS = {
+    "raw": False,
+    "strict_map_key": True,
+    "use_list": True,
+    "max_str_len": MAX_HEADER_BYTES,
+    "max_bin_len": MAX_HEADER_BYTES,
+    "max_array_len": MAX_HEADER_BYTES,
+    "max_map_len": MAX_HEADER_BYTES // 2,
+    "max_ext_len": MAX_HEADER_BYTES,
+}
+_Desc = tuple[_DType, list[int], bool, int]
+
+
 def decode(
     frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_BYTES
 ) -> tuple[MsgKey, list[Tensor | None], dict[str, Any]]:
@@ -210,76 +344,75 @@ def decode(
             negative dims, more than 4096 tensors, payload over ``max_bytes``,
             frame count or frame length not matching the header).
     """
-    if len(frames) == 0:
+    n = len(frames)
+    if n == 0:
         raise CodecError("empty message: no header frame")
-    head = _byte_view(frames[0], "header")
-    if head.nbytes > MAX_HEADER_BYTES:
-        raise CodecError(f"header too big: {head.nbytes} bytes > {MAX_HEADER_BYTES}")
-    obj = _unpack(head)
-    key, descs, meta = _parse_header(obj)
-
-    total = 0
-    for i, d in enumerate(descs):
-        if d is not None:
-            total += _nbytes(d)
-            if total > max_bytes:
-                raise CodecError(
-                    f"declared payload exceeds limit: > {max_bytes} bytes at tensor {i}"
-                )
-    n_frames = sum(d is not None for d in descs)
-    if len(frames) - 1 != n_frames:
+    head = frames[0]
+    if type(head) is not bytes:
+        head = _byte_view(head, "header")
+    if len(head) > MAX_HEADER_BYTES:
+        raise CodecError(f"header too big: {len(head)} bytes > {MAX_HEADER_BYTES}")
+    key, descs, n_frames, meta = _parse_header(_unpack(head), max_bytes)
+    if n - 1 != n_frames:
         raise CodecError(
-            f"frame count mismatch: header declares {n_frames} tensor frames, "
-            f"got {len(frames) - 1}"
+            f"frame count mismatch: header declares {n_frames} tensor frames, got {n - 1}"
         )
 
-    bufs: list[memoryview] = []
+    out: list[Tensor | None] = []
     fi = 1
     for i, d in enumerate(descs):
         if d is None:
-            continue
-        buf = _byte_view(frames[fi], f"tensor {i}")
-        want = _nbytes(d)
-        if buf.nbytes != want:
-            raise CodecError(
-                f"tensor {i}: frame has {buf.nbytes} bytes, expected {want} "
-                f"for {d[0]}{list(d[1])}"
-            )
-        if d[0] == "bool" and want and int(np.frombuffer(buf, np.uint8).max()) > 1:
-            # torch assumes bool bytes are 0 or 1; anything else is not a bool.
-            raise CodecError(f"tensor {i}: bool frame holds bytes other than 0 and 1")
-        bufs.append(buf)
-        fi += 1
-
-    out: list[Tensor | None] = []
-    bi = 0
-    for d in descs:
-        if d is None:
             out.append(None)
             continue
-        name, shape, rg = d
-        buf = bufs[bi]
+        info, shape, rg, nbytes = d
+        buf = frames[fi]
+        fi += 1
+        if type(buf) is not bytes:
+            buf = _byte_view(buf, f"tensor {i}")
+        if len(buf) != nbytes:
+            raise CodecError(
+                f"tensor {i}: frame has {len(buf)} bytes, expected {nbytes} "
+                f"for {info.name}{shape}"
+            )
+        if info.torch is torch.bool and nbytes and not _bool_bytes_ok(buf):
+            # torch assumes bool bytes are 0 or 1; anything else is not a bool.
+            raise CodecError(f"tensor {i}: bool frame holds bytes other than 0 and 1")
         # Exactly one copy into fresh storage: the receive buffer may be reused or
         # read-only, and tensors must not alias it.
-        if buf.nbytes >= _ALLOC_COPY_MIN or buf.nbytes == 0:
+        if nbytes >= _ALLOC_COPY_MIN or nbytes == 0:
             # Allocator memory: 64-byte aligned and resizable, like any tensor.
-            t = torch.empty(shape, dtype=DTYPES[name])
-            if buf.nbytes:
+            t = torch.empty(shape, dtype=info.torch)
+            if nbytes:
                 np.copyto(t.view(-1).view(torch.uint8).numpy(), np.frombuffer(buf, np.uint8))
         else:
-            # Small tensors: a bytearray copy is ~5x cheaper per tensor than the
-            # numpy route (the storage is then not resizable).
-            t = torch.frombuffer(bytearray(buf), dtype=DTYPES[name]).view(shape)
+            # Small tensors: numpy wrapping a bytearray copy costs a fraction of an
+            # allocator tensor plus a copy (the storage is then not resizable).
+            t = torch.from_numpy(np.ndarray(shape, info.numpy, bytearray(buf)))
+            if info.view is not None:
+                t = t.view(info.view)
         if rg:
             t.requires_grad_(True)
         out.append(t)
-        bi += 1
     return key, out, meta
+
+
+def _bool_bytes_ok(buf: Any) -> bool:
+    if len(buf) <= _BOOL_SCAN_MAX:
+        # Small frames: deleting the valid bytes beats a numpy reduction's overhead.
+        return not bytes(buf).translate(None, _BOOL_BYTES)
+    return int(np.frombuffer(buf, np.uint8).max()) <= 1
 
 
 def frames_nbytes(frames: Sequence[Any]) -> int:
     """Total size of ``frames`` in bytes (for statistics)."""
-    return sum(memoryview(f).nbytes for f in frames)
+    n = 0
+    for f in frames:
+        n += len(f) if type(f) in _LEN_IS_NBYTES else memoryview(f).nbytes
+    return n
+
+
+# Types whose len() is their size in bytes, so no memoryview is needed to find it.
+_LEN_IS_NBYTES = {bytes, bytearray, zmq.Frame}
 
 
 def _byte_view(f: Any, what: str) -> memoryview:
@@ -295,91 +428,89 @@ def _byte_view(f: Any, what: str) -> memoryview:
     return mv
 
 
-def _unpack(head: memoryview) -> Any:
+def _unpack(head: Any) -> Any:
     try:
         # No ext_hook: ext payloads stay inert ExtType/Timestamp values that
         # _check_meta rejects; nothing is ever turned into an arbitrary object.
-        return msgpack.unpackb(
-            head,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_str_len=MAX_HEADER_BYTES,
-            max_bin_len=MAX_HEADER_BYTES,
-            max_array_len=MAX_HEADER_BYTES,
-            max_map_len=MAX_HEADER_BYTES // 2,
-            max_ext_len=MAX_HEADER_BYTES,
-        )
+        return msgpack.unpackb(head, **_UNPACK_LIMITS)
     except msgpack.StackError as e:
         raise CodecError("bad msgpack header: nesting too deep") from e
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise CodecError(f"bad msgpack header: {e}") from e
 
 
-def _parse_header(obj: Any) -> tuple[MsgKey, list[tuple[str, list[int], bool] | None], dict]:
-    if not isinstance(obj, dict):
+_DIRECTION_OF = {int(d): d for d in Direction}
+
+
+def _parse_header(obj: Any, max_bytes: int) -> tuple[MsgKey, list[_Desc | None], int, dict]:
+    """Validate a header; return its key, tensor descriptors, tensor frame count and
+    meta. Raises CodecError, also when the declared payload exceeds ``max_bytes``."""
+    if type(obj) is not dict:
         raise CodecError(f"header: expected a map, got {_tname(obj)}")
-    keys = set(obj)
-    if keys != _HEADER_KEYS:
+    if obj.keys() != _HEADER_KEYS:
+        keys = set(obj)
         missing = sorted(_HEADER_KEYS - keys)
         if missing:
             raise CodecError(f"header: missing field {missing[0]!r}")
-        raise CodecError(f"header: unexpected field {sorted(map(str, keys - _HEADER_KEYS))[0]!r}")
+        raise CodecError(f"header: unexpected field {min(map(str, keys - _HEADER_KEYS))!r}")
     job = obj["job"]
-    if not isinstance(job, str) or len(job) > MAX_JOB_LEN:
+    if type(job) is not str or len(job) > MAX_JOB_LEN:
         raise CodecError(f"header.job: expected a str of at most {MAX_JOB_LEN} chars")
-    ints = {}
-    for field in ("step", "microbatch", "stage", "direction"):
-        v = obj[field]
-        if not _is_int64(v):
+    step, microbatch, stage, d = obj["step"], obj["microbatch"], obj["stage"], obj["direction"]
+    for field, v in (("step", step), ("microbatch", microbatch), ("stage", stage), ("direction", d)):
+        # msgpack yields exact ints, and bools as bool: ``type is int`` excludes them.
+        if type(v) is not int or not _INT64_MIN <= v <= _INT64_MAX:
             raise CodecError(f"header.{field}: expected an int64, got {_tname(v)}")
-        ints[field] = v
-    try:
-        direction = Direction(ints["direction"])
-    except ValueError as e:
-        raise CodecError(f"header.direction: unknown direction {ints['direction']}") from e
-    key = MsgKey(job, ints["step"], ints["microbatch"], ints["stage"], direction)
+    direction = _DIRECTION_OF.get(d)
+    if direction is None:
+        raise CodecError(f"header.direction: unknown direction {d}")
+    key = MsgKey(job, step, microbatch, stage, direction)
 
     tl = obj["tensors"]
-    if not isinstance(tl, list):
+    if type(tl) is not list:
         raise CodecError(f"header.tensors: expected a list, got {_tname(tl)}")
     if len(tl) > MAX_TENSORS:
         raise CodecError(f"too many tensors: {len(tl)} > {MAX_TENSORS}")
-    descs: list[tuple[str, list[int], bool] | None] = []
+    descs: list[_Desc | None] = []
+    total = 0
+    n_frames = 0
     for i, d in enumerate(tl):
         if d is None:
             descs.append(None)
             continue
-        if not isinstance(d, list) or len(d) != 3:
+        if type(d) is not list or len(d) != 3:
             raise CodecError(f"tensor {i}: expected [dtype, shape, requires_grad]")
         name, shape, rg = d
-        if not isinstance(name, str) or name not in DTYPES:
+        info = _DTYPE_INFO.get(name) if type(name) is str else None
+        if info is None:
             raise CodecError(f"tensor {i}: unknown dtype {str(name)[:40]!r}")
-        if not isinstance(shape, list):
+        if type(shape) is not list:
             raise CodecError(f"tensor {i}: shape must be a list, got {_tname(shape)}")
         if len(shape) > MAX_NDIM:
             raise CodecError(f"tensor {i}: ndim {len(shape)} > {MAX_NDIM}")
         for s in shape:
-            if not _is_int64(s):
-                raise CodecError(f"tensor {i}: dim must be an int, got {_tname(s)}")
-            if s < 0:
+            if type(s) is not int or not 0 <= s <= _INT64_MAX:
+                if not _is_int64(s):
+                    raise CodecError(f"tensor {i}: dim must be an int, got {_tname(s)}")
                 raise CodecError(f"tensor {i}: negative dim {s}")
-        if not isinstance(rg, bool):
+        if type(rg) is not bool:
             raise CodecError(f"tensor {i}: requires_grad must be a bool")
-        if rg and name not in _GRAD_DTYPES:
+        if rg and not info.grad:
             raise CodecError(f"tensor {i}: requires_grad on non-floating dtype {name}")
-        descs.append((name, shape, rg))
+        # Python ints: a giant declared shape cannot overflow, it just exceeds the limit.
+        nbytes = math.prod(shape) * info.itemsize
+        total += nbytes
+        if total > max_bytes:
+            raise CodecError(f"declared payload exceeds limit: > {max_bytes} bytes at tensor {i}")
+        descs.append((info, shape, rg, nbytes))
+        n_frames += 1
 
     meta = obj["meta"]
-    if not isinstance(meta, dict):
+    if type(meta) is not dict:
         raise CodecError(f"header.meta: expected a map, got {_tname(meta)}")
-    _check_meta(meta, where="meta")
-    return key, descs, meta
-
-
-def _nbytes(d: tuple[str, list[int], bool]) -> int:
-    # Python ints: a giant declared shape cannot overflow, it just exceeds the limit.
-    return math.prod(d[1]) * _ITEMSIZE[d[0]]
+    if meta:
+        _check_meta(meta, where="meta")
+    return key, descs, n_frames, meta
 
 
 def _check_meta(v: Any, where: str, depth: int = 0) -> None:
