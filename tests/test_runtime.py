@@ -157,3 +157,46 @@ def test_forged_messages_are_rejected_and_the_step_still_matches():
         rt1._step = None
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
     _assert_grads_match(stages, ref_grads)
+
+
+def _toy_pipe(delay, watchdog: float, n_microbatches: int = 4,
+              inflight_limit: int = 32) -> tuple[LocalPipeline, list, tuple, torch.Tensor]:
+    torch.manual_seed(0)
+    cfg = ToyConfig()
+    mods = split_toy(ToyModel(cfg), 2)
+    x, y = toy_batch(cfg, 8, seed=1)
+    pipe = LocalPipeline(mods, n_microbatches, toy_loss, delay=delay, watchdog=watchdog, inflight_limit=inflight_limit)
+    return pipe, mods, x, y
+
+
+def test_watchdog_names_the_missing_message():
+    """A message that does not come within the watchdog period fails the step with a
+    WatchdogTimeout that names what the waiting rank waits for, instead of hanging."""
+    from rrfp.runtime.rank import WatchdogTimeout
+    from rrfp.transport.keys import Direction
+
+    def delay(src, dst, key, rng):  # the activation of microbatch 0 for stage 1 is held 3 s
+        held = key is not None and key.stage == 1 and key.microbatch == 0 and key.direction == Direction.ACT
+        return 3.0 if held else 0.0
+
+    pipe, _, x, y = _toy_pipe(delay, watchdog=0.5)
+    with pipe:
+        with pytest.raises(WatchdogTimeout, match=r"rank 1 .*no progress for 0.5 s.*activation for .*stage 0"):
+            pipe.step(*x, target=y)
+
+
+def test_watchdog_counts_from_the_last_progress_not_the_step_start():
+    """A step longer than the watchdog period, whose every wait is shorter, completes: the
+    watchdog re-arms on progress. The gradients still match a run without delays."""
+    # In-flight limit 1: eight round trips of two ~0.1 s messages one after the other.
+    pipe, mods, x, y = _toy_pipe((0.08, 0.12), watchdog=0.5, n_microbatches=8, inflight_limit=1)
+    with pipe:
+        pipe.step(*x, target=y)
+        walls = [s.wall for s in pipe.last_stats]
+    assert max(walls) > 0.5, "the step must outlast the watchdog period for this test to mean anything"
+    ref, ref_mods, x2, y2 = _toy_pipe((0.0, 0.0), watchdog=0.5, n_microbatches=8)
+    with ref:
+        ref.step(*x2, target=y2)
+    for a, b in zip(mods, ref_mods):
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)

@@ -202,7 +202,10 @@ class RankRuntime:
         self._out: dict[tuple[int, int], tuple] = {}
         self._wstate: dict[tuple[int, int], Any] = {}
         self._seed: dict[int, float] = {}  # last stage: microbatch -> loss weight
-        self._held: list | None = None  # outputs of a task whose injected delay is running
+        self._held: list | None = None
+        self._watch: asyncio.TimerHandle | None = None  # the watchdog's timer, armed while waiting
+        self._waiting: Arbiter | None = None  # set while the scheduler waits for an event
+        self._timed_out: WatchdogTimeout | None = None  # outputs of a task whose injected delay is running
         self._rank_of = [spec.placement.rank_of(st) for st in range(spec.n_stages)]
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self._progress = time.perf_counter()  # the watchdog's clock: last task's end
@@ -368,6 +371,29 @@ class RankRuntime:
         stats = StepStats(step, 0.0, 0.0, 0)
         t_start = time.perf_counter()
         self._progress = time.perf_counter()
+        self._timed_out = None
+        try:
+            await self._run_tasks(arb, step, stats, targets, weights, mb_losses)
+        finally:
+            self._disarm_watchdog()
+        if self._ordered is not None:
+            for acc in self._ordered.values():
+                acc.finish(M)
+        stats.wall = time.perf_counter() - t_start
+        stats.peak_inflight = arb.peak_inflight
+        stats.peak_mb_inflight = arb.peak_mb_inflight
+        if weights is not None:
+            if losses is not None:
+                losses.extend(mb_losses)
+            # One reduction in float64 instead of M scalar tensor ops (and M device syncs).
+            flat = torch.stack([l.reshape(()) for l in mb_losses]).to("cpu", torch.float64)
+            stats.loss = float(flat.dot(torch.tensor(weights, dtype=torch.float64)))
+        await self.transport.flush()
+        self._step, self._last_step = None, step
+        return stats
+
+    async def _run_tasks(self, arb: Arbiter, step: int, stats: StepStats, targets, weights, mb_losses) -> None:
+        """The scheduler coroutine's loop: ask the arbiter, run the task inline, repeat."""
         while not arb.finished:
             if self._error is not None:
                 raise self._error
@@ -400,34 +426,44 @@ class RankRuntime:
             self._progress = t1
             # Let the receiver drain arrivals so the next decision sees them.
             await asyncio.sleep(0)
-        if self._ordered is not None:
-            for acc in self._ordered.values():
-                acc.finish(M)
-        stats.wall = time.perf_counter() - t_start
-        stats.peak_inflight = arb.peak_inflight
-        stats.peak_mb_inflight = arb.peak_mb_inflight
-        if weights is not None:
-            if losses is not None:
-                losses.extend(mb_losses)
-            # One reduction in float64 instead of M scalar tensor ops (and M device syncs).
-            flat = torch.stack([l.reshape(()) for l in mb_losses]).to("cpu", torch.float64)
-            stats.loss = float(flat.dot(torch.tensor(weights, dtype=torch.float64)))
-        await self.transport.flush()
-        self._step, self._last_step = None, step
-        return stats
 
     async def _wait_for_event(self, arb: Arbiter) -> None:
         if self.watchdog <= 0:
             await self._wake.wait()
             return
-        left = self.watchdog - (time.perf_counter() - self._progress)
+        # One timer per watchdog period, not asyncio.wait_for per wait: wait_for wraps each
+        # wait in a task and a timeout handle, most of what a short wait costs.
+        if self._watch is None:
+            self._arm_watchdog(self._progress + self.watchdog - time.perf_counter())
+        self._waiting = arb
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout=max(left, 0.0))
-        except asyncio.TimeoutError:
-            raise WatchdogTimeout(
-                f"rank {self.rank} (stages {list(self.stages)}) made no progress for {self.watchdog:g} s "
-                f"in step {self._step}: waiting for {arb.waiting_for()}"
-            ) from None
+            await self._wake.wait()
+        finally:
+            self._waiting = None
+        if self._timed_out is not None:
+            exc, self._timed_out = self._timed_out, None
+            raise exc
+
+    def _arm_watchdog(self, delay: float) -> None:
+        self._watch = asyncio.get_running_loop().call_later(max(delay, 0.0), self._watchdog_fired)
+
+    def _disarm_watchdog(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def _watchdog_fired(self) -> None:
+        self._watch = None
+        left = self._progress + self.watchdog - time.perf_counter()
+        if self._waiting is None or left > 0:
+            # Busy (a task's injected delay) or progress since arming: look again later.
+            self._arm_watchdog(left if left > 0 else self.watchdog)
+            return
+        self._timed_out = WatchdogTimeout(
+            f"rank {self.rank} (stages {list(self.stages)}) made no progress for {self.watchdog:g} s "
+            f"in step {self._step}: waiting for {self._waiting.waiting_for()}"
+        )
+        self._wake.set()
 
     def _loss_weights(self, targets: Sequence[Any]) -> list[float]:
         M = len(targets)
