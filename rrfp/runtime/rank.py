@@ -202,10 +202,10 @@ class RankRuntime:
         self._out: dict[tuple[int, int], tuple] = {}
         self._wstate: dict[tuple[int, int], Any] = {}
         self._seed: dict[int, float] = {}  # last stage: microbatch -> loss weight
-        self._held: list | None = None
+        self._held: list | None = None  # outputs of a task whose injected delay is running
         self._watch: asyncio.TimerHandle | None = None  # the watchdog's timer, armed while waiting
         self._waiting: Arbiter | None = None  # set while the scheduler waits for an event
-        self._timed_out: WatchdogTimeout | None = None  # outputs of a task whose injected delay is running
+        self._timed_out: WatchdogTimeout | None = None
         self._rank_of = [spec.placement.rank_of(st) for st in range(spec.n_stages)]
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self._progress = time.perf_counter()  # the watchdog's clock: last task's end
