@@ -676,6 +676,91 @@ async def test_zmq_rejects_malformed_from_impostor_and_keeps_receiving() -> None
 
 
 @pytest.mark.timeout(30)
+async def test_zmq_rejects_unknown_routing_ids(caplog) -> None:
+    """Only a rank's canonical spelling passes as its routing id."""
+    async with zmq_group(2) as ts:
+        t = ts[0]
+        rejected = asyncio.Event()
+        reject = t._reject
+
+        def counting(src: Any, why: str) -> None:
+            reject(src, why)
+            if t.stats["rejected"] == 3:
+                rejected.set()
+
+        t._reject = counting
+        ctx = zmq.Context()
+        dealers = []
+        try:
+            for ident in (b"01", b"2", b"1x"):
+                d = ctx.socket(zmq.DEALER)
+                d.setsockopt(zmq.LINGER, 0)
+                d.setsockopt(zmq.ROUTING_ID, ident)
+                d.connect(t.endpoint)
+                d.send_multipart(encode(MsgKey(t.job, 0, 0, 0, Direction.ACT), [torch.ones(1)]))
+                dealers.append(d)
+            await asyncio.wait_for(rejected.wait(), 10)
+        finally:
+            for d in dealers:
+                d.close(0)
+            ctx.term()
+        assert caplog.text.count("unknown routing id") == 3
+        assert t.stats["messages_received"] == 0
+
+
+@pytest.mark.timeout(30)
+async def test_zmq_abort_inside_delivery_stops_receiving_quietly(caplog) -> None:
+    async with zmq_group(2) as ts:
+        job = ts[0].job
+        got: list[int] = []
+        failed = asyncio.Event()
+
+        def handler(m: Message) -> None:
+            got.append(m.key.microbatch)
+            ts[1].abort()  # from inside the transport's own receive callback
+
+        ts[1].set_handler(handler, lambda _e: failed.set())
+        for i in range(50):
+            ts[0].send(1, MsgKey(job, 0, i, 1, Direction.ACT), [torch.ones(1)])
+        await asyncio.wait_for(failed.wait(), 10)
+        assert got == [0]
+        assert ts[1].closed and "receiver failed" not in caplog.text
+        with pytest.raises(TransportClosed):
+            await ts[1].recv()
+
+
+@pytest.mark.timeout(30)
+async def test_zmq_receiver_failure_is_reported_not_swallowed() -> None:
+    async with zmq_group(2) as ts:
+        def broken(src: int, frames: Any) -> None:
+            raise RuntimeError("boom")
+
+        ts[1]._deliver_frames = broken
+        ts[0].send(1, MsgKey(ts[0].job, 0, 0, 1, Direction.ACT), [torch.ones(1)])
+        with pytest.raises(TransportClosed, match="receiver failed.*boom"):
+            await asyncio.wait_for(ts[1].recv(), 10)
+
+
+@pytest.mark.timeout(30)
+def test_zmq_close_and_abort_stop_watching_the_router() -> None:
+    """On asyncio's own loop, whose remove_reader says whether a reader was left
+    (uvloop's returns None either way)."""
+
+    async def main() -> list[bool]:
+        loop = asyncio.get_running_loop()
+        async with zmq_group(3) as ts:
+            fds = [t._router_fd for t in ts]
+            assert all(fd is not None for fd in fds)
+            ts[2].abort()
+            await asyncio.wait_for(
+                asyncio.gather(*(t.close() for t in ts[:2]), return_exceptions=True), 20
+            )
+        return [loop.remove_reader(fd) for fd in fds]
+
+    assert asyncio.run(main()) == [False, False, False]
+
+
+@pytest.mark.timeout(30)
 async def test_zmq_send_rejects_foreign_job_and_bad_dst() -> None:
     async with zmq_group(2) as ts:
         with pytest.raises(ValueError, match="job"):

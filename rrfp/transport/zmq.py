@@ -45,6 +45,16 @@ log = logging.getLogger("rrfp.transport.zmq")
 _BYE = b"\x00rrfp-bye"
 ZERO_COPY_MIN = 64 * 1024
 """Frames at least this big are sent without copying (smaller ones copy faster)."""
+# The hot paths call the Cython socket methods with plain int flags: pyzmq's Python
+# layer (send_multipart, recv_multipart) adds argument checks, a RCVMORE getsockopt
+# per frame and enum flag arithmetic, which together cost more than ZeroMQ itself
+# for a small message.
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_DRAIN_BUDGET = 256
+"""Most arrivals handled per event-loop callback before other callbacks get a turn."""
 _MONITOR_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
@@ -129,7 +139,11 @@ class ZmqTransport(Transport):
         self.endpoint: str | None = None
         self.peer_endpoints: dict[int, str] = {}
         self._ctx: zmq.asyncio.Context | None = None
-        self._router: zmq.asyncio.Socket | None = None
+        self._router: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._router_fd: int | None = None
+        # Routing id -> rank, canonical spellings only: b"01" must not pass for rank 1.
+        self._rank_of = {str(r).encode(): r for r in range(world_size)}
         self._dealers: dict[int, zmq.asyncio.Socket] = {}
         self._direct: dict[int, zmq.Socket] = {}
         self._monitors: dict[int, zmq.asyncio.Socket] = {}
@@ -170,7 +184,9 @@ class ZmqTransport(Transport):
         deadline = loop.time() + self._connect_timeout
         host = self._host or default_host()
         self._ctx = zmq.asyncio.Context()
-        router = self._router = self._ctx.socket(zmq.ROUTER)
+        # A plain socket: arrivals are read from an event-loop reader on its FD, not
+        # through zmq.asyncio's future per receive.
+        router = self._router = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         self._sockopts(router)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self.max_bytes < 2**63:
@@ -179,7 +195,7 @@ class ZmqTransport(Transport):
             router.setsockopt(zmq.IPV6, 1)
         router.bind(_tcp_endpoint(host))
         self.endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._tasks.append(asyncio.create_task(self._receiver(router)))
+        self._start_receiving(loop)
 
         self.peer_endpoints = await asyncio.to_thread(self._rendezvous, self.endpoint)
         self._check_alive()
@@ -266,30 +282,55 @@ class ZmqTransport(Transport):
 
     # -- coroutines ------------------------------------------------------------
 
-    async def _receiver(self, router: zmq.asyncio.Socket) -> None:
-        direct = zmq.Socket.shadow(router.underlying)
+    def _start_receiving(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self._router is not None
+        self._loop = loop
+        self._router_fd = self._router.getsockopt(zmq.FD)
+        loop.add_reader(self._router_fd, self._drain_router)
+        # ZMQ_FD signals edges: anything that arrived before the reader was added
+        # raises none, so look once now.
+        loop.call_soon(self._drain_router)
+
+    def _stop_receiving(self) -> None:
+        # Before the socket closes: the loop must not watch a descriptor ZeroMQ frees.
+        fd, self._router_fd = self._router_fd, None
+        if fd is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(fd)
+
+    def _drain_router(self) -> None:
+        """Reader callback: hand every complete message on the ROUTER to the mailbox.
+
+        Receives until EAGAIN, because ZMQ_FD only signals again once the socket's
+        state changes after that; after _DRAIN_BUDGET messages it reschedules itself
+        instead, so that a flood cannot starve other callbacks."""
+        if self._router_fd is None:
+            return
+        sock = self._router
         try:
-            while True:
-                parts = await router.recv_multipart(copy=False)
+            for _ in range(_DRAIN_BUDGET):
+                try:
+                    f = _recv(sock, _NOBLOCK, False)
+                except zmq.Again:
+                    return
+                parts = [f]
+                while f.more:  # the rest of a message is there once its first frame is
+                    f = _recv(sock, _NOBLOCK, False)
+                    parts.append(f)
                 self._on_router_message(parts)
-                # Drain what else has arrived without a future per message.
-                while True:
-                    try:
-                        parts = direct.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_router_message(parts)
-        except asyncio.CancelledError:
-            raise
+                if self._router_fd is None:  # closed by a callback of the delivery
+                    return
+            asyncio.get_running_loop().call_soon(self._drain_router)
         except Exception as e:  # never die silently: the runtime would hang
             if not self._closed:
                 log.exception("rank %d: receiver failed", self.rank)
+                self._stop_receiving()
                 self._mailbox.fail(TransportClosed(f"rank {self.rank}: receiver failed: {e!r}"))
 
     def _on_router_message(self, parts: list) -> None:
-        src = _parse_rank(parts[0].bytes, self.world_size)
+        ident = parts[0].bytes
+        src = self._rank_of.get(ident)
         if src is None:
-            self._reject(repr(parts[0].bytes[:16]), "unknown routing id")
+            self._reject(repr(ident[:16]), "unknown routing id")
             return
         payload = parts[1:]
         if len(payload) == 1 and len(payload[0]) == len(_BYE) and payload[0].bytes == _BYE:
@@ -386,16 +427,16 @@ class ZmqTransport(Transport):
         direct = self._direct.get(dst)
         if direct is not None and not self._outq[dst] and dst not in self._lost:
             # The sender coroutine is idle exactly when the queue is empty, so this keeps
-            # per-peer order. copy=False + copy_threshold: only frames >= 64 KiB go zero-copy.
+            # per-peer order. Nothing waits on a direct send (flush and close wait for
+            # the queues), so no progress event is set.
             try:
-                direct.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                _send_now(direct, frames)
             except zmq.Again:
                 pass  # peer's pipe full (or not connected yet): queue behind it
             else:
                 if frames[0] is not _BYE:
                     self.stats["messages_sent"] += 1
                     self.stats["bytes_sent"] += frames_nbytes(frames)
-                self._progress.set()
                 return
         self._outq[dst].append(frames)
         self._out_ready[dst].set()
@@ -450,6 +491,7 @@ class ZmqTransport(Transport):
         self._stop_rendezvous.set()
         for t in self._tasks:
             t.cancel()
+        self._stop_receiving()
         self._close_sockets(linger_ms=0)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
@@ -463,6 +505,7 @@ class ZmqTransport(Transport):
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._stop_receiving()
         self._close_sockets(linger_ms=self._close_linger_ms if graceful else 0)
         if self._ctx is not None:
             # term() blocks until lingering frames are out: keep the loop free.
@@ -486,9 +529,14 @@ class ZmqTransport(Transport):
             self._router.close(linger=0)
 
 
-def _parse_rank(ident: bytes, world_size: int) -> int | None:
-    if not 0 < len(ident) <= 10 or not ident.isdigit():
-        return None
-    r = int(ident)
-    # Only the canonical spelling: b"01" must not pass for rank 1 (a second identity).
-    return r if r < world_size and ident == str(r).encode() else None
+def _send_now(sock: zmq.Socket, frames: list[Frame]) -> None:
+    """Hand one message to ZeroMQ without blocking; raises zmq.Again if it cannot take
+    it now, in which case nothing was sent.
+
+    Only the first frame can meet a full pipe: ZeroMQ counts the high-water mark in
+    whole messages, so the later frames of an accepted first one go through. Frames
+    under ZERO_COPY_MIN are copied, which for them is cheaper than pinning the buffer.
+    """
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        _send(sock, f, _NOBLOCK if i == last else _MORE_NOBLOCK, len(f) < ZERO_COPY_MIN)
