@@ -348,7 +348,7 @@ def decode(
     if n == 0:
         raise CodecError("empty message: no header frame")
     head = frames[0]
-    if type(head) is not bytes:
+    if type(head) not in _LEN_IS_NBYTES:
         head = _byte_view(head, "header")
     if len(head) > MAX_HEADER_BYTES:
         raise CodecError(f"header too big: {len(head)} bytes > {MAX_HEADER_BYTES}")
@@ -367,7 +367,7 @@ def decode(
         info, shape, rg, nbytes = d
         buf = frames[fi]
         fi += 1
-        if type(buf) is not bytes:
+        if type(buf) not in _LEN_IS_NBYTES:
             buf = _byte_view(buf, f"tensor {i}")
         if len(buf) != nbytes:
             raise CodecError(
@@ -411,7 +411,8 @@ def frames_nbytes(frames: Sequence[Any]) -> int:
     return n
 
 
-# Types whose len() is their size in bytes, so no memoryview is needed to find it.
+# Flat byte buffers whose len() is their size in bytes: no memoryview is needed to
+# size or read them.
 _LEN_IS_NBYTES = {bytes, bytearray, zmq.Frame}
 
 
