@@ -446,13 +446,13 @@ def run_micro(quick: bool = False, timeout: float = 300.0) -> dict[str, Any]:
     sizes = list(SIZES[::2]) if quick else list(SIZES)
     budget = (4 << 20) if quick else (64 << 20)
     cfg = {"sizes": sizes, "budget_bytes": budget, "run_id": f"micro-{time.time_ns()}",
-           "overhead_microbatches": 16 if quick else 64, "overhead_steps": 2 if quick else 7}
+           "overhead_microbatches": 16 if quick else 64, "overhead_steps": 2 if quick else 15}
     res = launch("benchmarks.micro:rank_main", 2, cfg, timeout=timeout).result
     out: dict[str, Any] = {
         "arbiter": arbiter_decisions(sizes=(1, 32, 256) if quick else READY_SIZES,
                                      hints=("bf", "1f1b") if quick else ARBITER_HINTS,
                                      cycles=500 if quick else 3000, repeats=2 if quick else 5),
-        "overhead_local": local_overhead(n_microbatches=16 if quick else 64, steps=2 if quick else 7),
+        "overhead_local": local_overhead(n_microbatches=16 if quick else 64, steps=2 if quick else 20),
         "overhead_2proc": res["overhead_2proc"],
         "transport": {"zmq (tcp)": res["zmq"], "fake (in-process)": fake_transport_bench(sizes, budget), "gloo": res["gloo"]},
         "sizes": sizes,
