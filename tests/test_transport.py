@@ -322,6 +322,45 @@ def test_codec_rejects_malformed(frames: list[bytes], match: str) -> None:
     assert "\n" not in str(ei.value)
 
 
+@pytest.mark.parametrize(
+    "shape", [[2, 2**62, 2**62, 0], [0, 2**62, 2], [0, 2**63 - 1, 2**63 - 1]], ids=str
+)
+def test_codec_rejects_zero_size_shapes_torch_cannot_allocate(shape: list[int]) -> None:
+    # Zero bytes pass the payload limit, but torch refuses sizes whose strides overflow.
+    with pytest.raises(CodecError, match="shape"):
+        decode([_pack(_header(tensors=[["float32", shape, False]])), b""])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_codec_zero_size_and_one_element_strided_views_roundtrip(dtype: torch.dtype) -> None:
+    # Views that count as contiguous yet keep a last stride other than 1: a slice of an
+    # empty tensor, or one element of a column (x[0:1, 0]). bfloat16 and lazy conj/neg
+    # views cannot go through numpy and take the byte-view path.
+    views = [make(dtype, (0,))[::2], make(dtype, (0, 3))[:, ::2], make(dtype, (3, 0)).t(),
+             make(dtype, (3, 4))[0:1, 0], make(dtype, (3, 4))[0:1, 1:2].reshape(1, 1)]
+    if dtype.is_complex:
+        views += [make(dtype, (3, 4))[0:1, 0].conj(), torch._neg_view(make(dtype, (3, 4))[0:1, 0])]
+    for x in views:
+        assert x.is_contiguous()
+        _, out, _ = roundtrip([x])
+        assert_same(out[0], x.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format))
+
+
+@pytest.mark.parametrize("n", [8, 2000, 100_000], ids=["small", "bool-scan", "alloc-copy"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool], ids=str)
+def test_codec_strided_frame_buffer_is_a_codec_error(n: int, dtype: torch.dtype) -> None:
+    # A 1-d uint8 memoryview with a step is not a contiguous buffer.
+    frames = encode(KEY, [torch.ones(n, dtype=dtype)])
+    wide = bytearray(2 * n)
+    wide[::2] = bytes(frames[1])
+    with pytest.raises(CodecError, match="not contiguous"):
+        decode([frames[0], memoryview(wide)[::2]])
+    head = bytearray(2 * len(frames[0]))
+    head[::2] = frames[0]
+    with pytest.raises(CodecError, match="not contiguous"):
+        decode([memoryview(head)[::2], frames[1]])
+
+
 def test_codec_max_bytes_is_configurable() -> None:
     frames = encode(KEY, [torch.zeros(100), torch.zeros(100)])
     decode(frames, max_bytes=800)

@@ -258,6 +258,10 @@ def _tensor_frame(t: Tensor, rg: bool) -> memoryview:
 
 
 def _tensor_bytes(t: Tensor) -> memoryview:
+    if t.numel() == 0:
+        # A zero-size view may keep any strides (an empty slice's is 2), which the uint8
+        # view below refuses for 2-byte dtypes; there are no bytes to ship anyway.
+        return _EMPTY
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -266,10 +270,14 @@ def _tensor_bytes(t: Tensor) -> memoryview:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    t = t.contiguous()
+    t = t.contiguous().reshape(-1)
+    if t.stride(0) != 1:
+        # One element whose view kept another stride (x[0:1, 0]): contiguous() leaves it
+        # as is, and the uint8 view below refuses a last stride other than 1.
+        t = t.as_strided((1,), (1,))
     # Viewing as uint8 sidesteps dtypes numpy lacks (bfloat16); the ndarray keeps
     # the tensor, and so its storage, alive as long as the memoryview lives.
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.view(torch.uint8).numpy())
 
 
 def _check_key(key: MsgKey) -> None:
@@ -371,7 +379,12 @@ def decode(
         # read-only, and tensors must not alias it.
         if nbytes >= _ALLOC_COPY_MIN or nbytes == 0:
             # Allocator memory: 64-byte aligned and resizable, like any tensor.
-            t = torch.empty(shape, dtype=info.torch)
+            try:
+                t = torch.empty(shape, dtype=info.torch)
+            except RuntimeError as e:
+                # Zero bytes pass the payload limit, but a zero-size shape whose other dims
+                # overflow torch's stride or storage arithmetic cannot be allocated.
+                raise CodecError(f"tensor {i}: shape {shape} not allocatable: {e}") from e
             if nbytes:
                 np.copyto(t.view(-1).view(torch.uint8).numpy(), np.frombuffer(buf, np.uint8))
         else:
@@ -416,6 +429,8 @@ def _byte_view(f: Any, what: str) -> memoryview:
             mv = mv.cast("B")
         except TypeError as e:
             raise CodecError(f"{what}: frame buffer is not contiguous") from e
+    elif not mv.c_contiguous:  # a stepped slice: numpy and msgpack would refuse it later
+        raise CodecError(f"{what}: frame buffer is not contiguous")
     return mv
 
 
