@@ -200,3 +200,67 @@ def test_watchdog_counts_from_the_last_progress_not_the_step_start():
     for a, b in zip(mods, ref_mods):
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def _forge_sends(pipe: LocalPipeline, rank: int, direction, change) -> None:
+    """Rewrite the payload of every ``direction`` message that ``rank`` sends."""
+    t = pipe.transports[rank]
+    send = t.send
+
+    def forged(dst, key, tensors, meta=None):
+        if key.direction == direction:
+            tensors = [None if x is None else change(x) for x in tensors]
+        return send(dst, key, tensors, meta)
+
+    t.send = forged
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        (lambda g: torch.zeros(g.shape[0] + 1, *g.shape[1:]), r"shape \(3, 8\) for an output of shape \(2, 8\)"),
+        (lambda g: g.to(torch.complex64), "dtype torch.complex64 for an output of dtype torch.float32"),
+        (lambda g: g.to(torch.int64), "dtype torch.int64 for an output of dtype torch.float32"),
+        (lambda g: g.double(), "dtype torch.float64 for an output of dtype torch.float32"),
+    ],
+    ids=["shape", "complex", "int64", "float64"],
+)
+def test_a_forged_gradient_fails_the_step_naming_rank_stage_and_microbatch(change, what):
+    """A correct pipeline sends each output's gradient in that output's shape and dtype:
+    anything else is a clear PipelineError, not a torch error from inside the engine nor a
+    silent cast."""
+    from rrfp.runtime.rank import PipelineError
+    from rrfp.transport.keys import Direction
+
+    pipe, _, x, y = _toy_pipe((0.0, 0.0), watchdog=10)
+    _forge_sends(pipe, 1, Direction.GRAD, change)
+    with pipe:
+        with pytest.raises(PipelineError, match=r"rank 0 stage 0 microbatch \d+: gradient of " + what):
+            pipe.step(*x, target=y)
+
+
+def test_closing_a_rank_during_its_step_fails_that_step_at_once():
+    """close() while run_step waits: the step raises instead of waiting for the watchdog
+    (nothing is received after close), and so does any later step."""
+    import asyncio
+
+    from rrfp.runtime.pipeline import split_microbatches
+    from rrfp.runtime.rank import PipelineError
+
+    pipe, _, x, y = _toy_pipe((0.0, 0.0), watchdog=60)
+    mbs = split_microbatches(x, 4)
+    tgs = [t[0] for t in split_microbatches([y], 4, "target")]
+    rt0, rt1 = pipe.runtimes
+
+    async def main():
+        # Rank 1 alone: it waits for activations that never come.
+        step = asyncio.ensure_future(rt1.run_step(0, None, tgs))
+        await asyncio.sleep(0)
+        await rt1.close()
+        with pytest.raises(PipelineError, match="rank 1: closed"):
+            await asyncio.wait_for(step, 5)
+        with pytest.raises(PipelineError, match="rank 1: closed"):
+            await asyncio.wait_for(rt1.run_step(1, None, tgs), 5)
+
+    with pipe:
+        pipe._loop.run_until_complete(main())

@@ -52,7 +52,7 @@ def run_backward(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | N
         where: ``(rank, stage, microbatch)``, to name the task in errors.
 
     Raises:
-        PipelineError: a gradient whose shape differs from its output's.
+        PipelineError: a gradient whose shape or dtype differs from its output's.
     """
     outs = tuple(outs)
     plain = _engine_run_backward is not None
@@ -61,10 +61,13 @@ def run_backward(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | N
     else:
         grads = tuple(grads)
         for o, g in zip(outs, grads):
-            if o.shape != g.shape:
+            if o.shape != g.shape or o.dtype != g.dtype:
+                # A correct pipeline sends an output's gradient in that output's shape and
+                # dtype; the engine would cast another dtype silently, or fail deep inside.
                 r, st, mb = where or ("?", "?", "?")
-                raise PipelineError(f"rank {r} stage {st} microbatch {mb}: gradient of shape "
-                                    f"{tuple(g.shape)} for an output of shape {tuple(o.shape)}")
+                what = (f"shape {tuple(g.shape)} for an output of shape {tuple(o.shape)}" if o.shape != g.shape
+                        else f"dtype {g.dtype} for an output of dtype {o.dtype}")
+                raise PipelineError(f"rank {r} stage {st} microbatch {mb}: gradient of {what}")
             if type(g) is not torch.Tensor:
                 plain = False
     for o in outs:
@@ -582,8 +585,12 @@ class RankRuntime:
         self.transport.send(dst_rank, MsgKey(self.job, self._step, m, dst_stage, direction), payload)
 
     async def close(self) -> None:
-        """Stop receiving (the caller closes the transport)."""
+        """Stop receiving (the caller closes the transport).
+
+        Nothing is received afterwards, so a step still running, and any later one, fails at
+        once with a PipelineError instead of waiting for the watchdog."""
         self._closed = True
+        self._fail(PipelineError(f"rank {self.rank}: closed"))
         if self._receiver is not None:
             self._receiver.cancel()
             try:
