@@ -264,3 +264,58 @@ def test_closing_a_rank_during_its_step_fails_that_step_at_once():
 
     with pipe:
         pipe._loop.run_until_complete(main())
+
+
+def test_an_error_in_the_delivery_callback_fails_the_step_with_that_error():
+    """Arrivals are handled inside the transport's delivery callback: an exception there
+    (here the stage's to_device) must reach the step, not vanish in the callback."""
+    pipe, _, x, y = _toy_pipe((0.0, 0.0), watchdog=60)
+    stage = pipe.runtimes[1].stages[1]
+    calls = []
+
+    def to_device(tensors):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("device copy failed")
+        return tuple(tensors)
+
+    stage.to_device = to_device
+    with pipe:
+        with pytest.raises(RuntimeError, match="device copy failed"):
+            pipe.step(*x, target=y)
+
+
+@pytest.mark.parametrize("delay", [(0.0, 0.0), (0.0, 0.002)], ids=["fifo", "delayed"])
+def test_a_rank_killed_mid_step_fails_the_others_naming_it(delay):
+    """Every surviving rank raises PeerLost naming the killed rank, without waiting for
+    the watchdog (the loss reaches the runtime through the transport's on_error callback)."""
+    import asyncio
+
+    from rrfp.runtime.pipeline import split_microbatches
+    from rrfp.transport.base import PeerLost
+
+    torch.manual_seed(0)
+    cfg = ToyConfig()
+    x, y = toy_batch(cfg, 8, seed=1)
+    pipe = LocalPipeline(split_toy(ToyModel(cfg), 3), 4, toy_loss, delay=delay, watchdog=60)
+
+    def kill_after_rank0_f1(step, rank, task):  # mid-step, at a point fixed by the schedule
+        if rank == 0 and task.stage == 0 and task.mb == 1:
+            pipe.net.kill(1)
+        return 0.0
+
+    for rt in pipe.runtimes:
+        rt.task_delay = kill_after_rank0_f1
+    mbs = split_microbatches(x, 4)
+    tgs = [t[0] for t in split_microbatches([y], 4, "target")]
+
+    async def main():
+        steps = [rt.run_step(0, mbs if r == 0 else None, tgs if r == 2 else None)
+                 for r, rt in enumerate(pipe.runtimes)]
+        return await asyncio.wait_for(asyncio.gather(*steps, return_exceptions=True), 10)
+
+    res = pipe._loop.run_until_complete(main())
+    with pytest.raises(PeerLost):  # closing reports the lost peer too
+        pipe.close()
+    for r in (0, 2):
+        assert isinstance(res[r], PeerLost) and res[r].rank == 1, res
