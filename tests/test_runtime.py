@@ -319,3 +319,27 @@ def test_a_rank_killed_mid_step_fails_the_others_naming_it(delay):
         pipe.close()
     for r in (0, 2):
         assert isinstance(res[r], PeerLost) and res[r].rank == 1, res
+
+
+def test_a_flood_of_next_step_messages_is_bounded_and_the_step_still_matches():
+    """Messages for the next step are kept until it starts, but no more of them than a step
+    has inputs on the rank (one activation and one gradient per stage and microbatch): the rest
+    are refused, so a hostile peer cannot grow a rank's memory. The step still matches."""
+    from rrfp.transport.base import Message
+    from rrfp.transport.keys import Direction, MsgKey
+
+    model = GPT(CFG, seed=6)
+    samples = _samples(4, 3)
+    ref_loss, ref_grads = _reference(model, samples)
+    stages = split_gpt(model, 2)
+    mbs = make_microbatches(samples, 2)
+    with LocalPipeline(stages, 2, lm_loss, loss_weight_fn=count_tokens) as pipe:
+        loss = pipe.step(microbatches=[(m.tokens,) for m in mbs], targets=[m.targets for m in mbs])
+        rt1, job = pipe.runtimes[1], pipe.runtimes[1].job
+        junk = [torch.zeros(1, 3, CFG.d_model)]
+        for k in range(2 * 1 * 2 + 7):  # rank 1 holds 1 stage; 2 microbatches
+            rt1._on_message(Message(0, MsgKey(job, 2, k % 2, 1, Direction.ACT), junk, {}))
+        assert len(rt1._pending[2]) == 4
+        assert rt1.rejected == 7
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    _assert_grads_match(stages, ref_grads)

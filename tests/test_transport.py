@@ -944,3 +944,28 @@ async def test_zmq_child_sigkill_raises_peer_lost() -> None:
         if proc.is_alive():
             os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
+
+
+async def test_set_handler_reports_the_first_terminal_error_once():
+    """With a handler, arrivals go to it in order, and on_error hears the first terminal error
+    once, not again when close() replaces it with TransportClosed."""
+    from rrfp.transport.base import PeerLost
+    from rrfp.transport.fake import FakeNetwork
+    from rrfp.transport.keys import Direction, MsgKey
+
+    net = FakeNetwork(3, encode=True)
+    a, b, c = net.transport(0), net.transport(1), net.transport(2)
+    for t in (a, b, c):
+        await t.start()
+    got, errors = [], []
+    b.set_handler(lambda m: got.append(m.key.microbatch), errors.append)
+    for m in range(3):
+        a.send(1, MsgKey("j", 0, m, 1, Direction.ACT), [torch.full((2,), float(m))])
+    await b.flush()
+    while len(got) < 3:
+        await asyncio.sleep(0)
+    assert got == [0, 1, 2]
+    net.kill(2)
+    assert len(errors) == 1 and isinstance(errors[0], PeerLost) and errors[0].rank == 2
+    b.abort()
+    assert len(errors) == 1

@@ -271,7 +271,12 @@ class RankRuntime:
         # step k. Anything else is a stale, forged or corrupt message.
         current = self._step if self._step is not None else self._last_step + 1
         if key.step == current + 1 or (self._step is None and key.step == current):
-            self._pending.setdefault(key.step, []).append(msg)
+            early = self._pending.setdefault(key.step, [])
+            # A step brings at most one activation and one gradient per stage and microbatch
+            # here; more is a flood, and must not grow memory.
+            if len(early) >= 2 * len(self.stages) * self.spec.n_microbatches:
+                return self._reject(msg, f"more early messages for step {key.step} than a step has inputs")
+            early.append(msg)
             return
         if key.step != current:
             return self._reject(msg, f"step {key.step} while in step {current}")
@@ -458,9 +463,16 @@ class RankRuntime:
     def _watchdog_fired(self) -> None:
         self._watch = None
         left = self._progress + self.watchdog - time.perf_counter()
-        if self._waiting is None or left > 0:
-            # Busy (a task's injected delay) or progress since arming: look again later.
-            self._arm_watchdog(left if left > 0 else self.watchdog)
+        if left > 0:  # progress since arming
+            self._arm_watchdog(left)
+            return
+        if self._waiting is None:  # busy in a task's injected delay: not stalled
+            self._arm_watchdog(self.watchdog)
+            return
+        if self._wake.is_set():
+            # An input came in the same loop turn as the deadline: let the scheduler look at
+            # it first, and judge again right after.
+            self._arm_watchdog(0.0)
             return
         self._timed_out = WatchdogTimeout(
             f"rank {self.rank} (stages {list(self.stages)}) made no progress for {self.watchdog:g} s "

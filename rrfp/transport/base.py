@@ -117,9 +117,10 @@ class _Mailbox:
         # that recv after close() says "closed".
         if self.error is not None and not isinstance(exc, TransportClosed):
             return
+        first = self.error is None
         self.error = exc
         self._items.clear()
-        if self._on_error is not None:
+        if first and self._on_error is not None:  # once: the first error is the one to report
             self._on_error(exc)
         while self._waiters:
             w = self._waiters.popleft()
