@@ -969,3 +969,11 @@ async def test_set_handler_reports_the_first_terminal_error_once():
     assert len(errors) == 1 and isinstance(errors[0], PeerLost) and errors[0].rank == 2
     b.abort()
     assert len(errors) == 1
+
+
+def test_encode_refuses_a_meta_tensor_with_a_codec_error():
+    from rrfp.transport.codec import CodecError, encode
+    from rrfp.transport.keys import Direction, MsgKey
+
+    with pytest.raises(CodecError, match=r"meta device .*shape \(2, 3\)"):
+        encode(MsgKey("j", 0, 0, 1, Direction.ACT), [torch.empty(2, 3, device="meta")])

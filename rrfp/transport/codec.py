@@ -264,6 +264,8 @@ def _tensor_bytes(t: Tensor) -> memoryview:
         return _EMPTY
     t = t.detach()
     if t.device.type != "cpu":
+        if t.device.type == "meta":  # shapes without data: nothing to send
+            raise CodecError(f"a tensor on the meta device has no data to send (shape {tuple(t.shape)})")
         t = t.cpu()
     # Lazy conjugate/negative views would otherwise ship their unresolved storage.
     if t.is_conj():
