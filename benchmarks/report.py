@@ -195,7 +195,9 @@ def render_micro(res: dict) -> str:
     lines += ["### Transports", "",
               "One-way latency (half the median ping-pong round trip, the payload echoed back) and streaming "
               "throughput (back-to-back messages, then a one-element acknowledgement). ZeroMQ and gloo "
-              "between 2 processes; the fake transport in one process through the codec.", ""]
+              "between 2 processes; the fake transport in one process through the codec. Each size is one "
+              "short run: from 1 MiB up, allocation and page faults make single rows noisy (not monotonic "
+              "in size).", ""]
     tr = res["transport"]
     names = list(tr)
     header = ["size", *[f"{n} latency us" for n in names], *[f"{n} MB/s" for n in names]]

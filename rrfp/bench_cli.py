@@ -45,6 +45,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the Markdown report here (default: print it)")
     p.add_argument("--json", default=None, help="also write the raw results as JSON")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator's ideal speedups")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="run nothing: render the report from the raw results of an earlier run (--json)")
 
 
 def register(subparsers: Any) -> None:
@@ -68,4 +70,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(err)
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise UsageError(f"--out {args.out}: its folder does not exist")
+    if args.from_json and not Path(args.from_json).is_file():
+        raise UsageError(f"--from-json {args.from_json}: no such file")
     return run_all.run(args)
