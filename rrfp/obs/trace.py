@@ -174,6 +174,6 @@ def write_gantt_png(
     else:
         bub = f"mean {sum(bubbles) / P:.1%}, max {max(bubbles):.1%}"
     head = f"{title}\n" if title else ""
-    ax.set_title(f"{head}makespan {span * scale:.4g} {time_unit}; bubble per rank: {bub}", fontsize=9)
+    ax.set_title(f"{head}makespan {span * scale:.4g} {time_unit}; idle per rank over the span shown: {bub}", fontsize=9)
     fig.tight_layout()
     fig.savefig(os.fspath(path), dpi=dpi)

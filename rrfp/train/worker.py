@@ -100,7 +100,7 @@ class Reporter:
         print(
             f"done: {len(rows)} steps in {total:.1f} s, {tok_s:.0f} tok/s {which}; "
             f"loss {first:.4f} -> {last:.4f} ({(last - first) / first * 100:+.1f}%); "
-            f"mean bubble/rank [{' '.join(f'{b:.2f}' for b in mean_bubble)}]; hint {self.args.hint}",
+            f"per-step mean bubble/rank [{' '.join(f'{b:.2f}' for b in mean_bubble)}]; hint {self.args.hint}",
             flush=True,
         )
 
