@@ -17,6 +17,7 @@ from rrfp.cli import main
         (["--stages", "8"], "8 stages exceeds the 4 layers of model 'tiny'"),
         (["--stages", "2", "--virtual-stages", "4"], "8 stages exceeds the 4 layers"),
         (["--hint", "nope"], "unknown hint 'nope'"),
+        (["--hint", "zb-v"], "--hint='zb-v' needs --virtual-stages 2 --placement v (got 1 virtual stage, loop placement)"),
         (["--hint", "strict-missing.csv"], "missing.csv"),
         (["--data", "/no/such/path"], "data path '/no/such/path' does not exist"),
         (["--inflight-limit", "0"], "--inflight-limit='0'"),

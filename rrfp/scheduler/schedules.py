@@ -257,8 +257,8 @@ def zb_v(spec: PipelineSpec) -> Order:
     pl = spec.placement
     if pl.n_virtual != 2 or (pl.kind != "v" and pl.n_ranks > 1):
         raise ValueError(
-            f"schedule zb-v needs Placement(n_ranks, 2, kind='v'), got {pl.n_virtual} virtual "
-            f"stages with the {pl.kind} placement"
+            f"zb-v needs 2 virtual stages per rank in the v placement (got {pl.n_virtual} virtual "
+            f"stage{'s' if pl.n_virtual != 1 else ''}, {pl.kind} placement)"
         )
     p, M = pl.n_ranks, spec.n_microbatches
     n = max(2 * p - 1, M)

@@ -101,6 +101,15 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--inflight-limit={args.inflight_limit!r}: expected a positive integer or '1f1b'")
     from .worker import inflight_limits
 
+    # The scheduler's own message names no flags; say which ones this command takes.
+    if args.hint.removeprefix("strict-") == "zb-v" and (
+        args.virtual_stages != 2 or (args.placement != "v" and args.stages > 1)
+    ):
+        v = args.virtual_stages
+        raise UsageError(
+            f"--hint={args.hint!r} needs --virtual-stages 2 --placement v "
+            f"(got {v} virtual stage{'s' if v != 1 else ''}, {args.placement} placement)"
+        )
     try:
         # With the limits the ranks will use: a strict policy is compiled under them.
         resolve_hint(args.hint, Placement(args.stages, args.virtual_stages, args.placement), args.microbatches,
