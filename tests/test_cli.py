@@ -93,3 +93,13 @@ def test_help_still_prints_the_full_usage(cmd, capsys):
     assert exc.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(f"usage: rrfp {cmd} ") and "--seed" in out
+
+
+@pytest.mark.parametrize("cmd", ["train", "simulate"])
+def test_help_states_each_default_once(cmd, capsys, monkeypatch):
+    # ArgumentDefaultsHelpFormatter appends "(default: ...)"; a hand-written one would be a second.
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit):
+        main([cmd, "--help"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "(default: " in line]
+    assert lines and not [line for line in lines if line.lower().count("default") > 1], lines

@@ -3,7 +3,7 @@
 Examples::
 
     rrfp simulate --ranks 8 --microbatches 32 --hints bf,bfw,strict-1f1b --jitter J2
-    rrfp simulate --ranks 16 --costs profile.json --limit 1f1b --trace out/
+    rrfp simulate --ranks 4 --costs profile.json --limit 1f1b --trace out/
     rrfp simulate --sweep --depths 4,8,16 --mb-per-stage 1,2,4 --jitter-levels J0,J2 \\
         --imbalance 1,2 --out sweep
 
@@ -43,28 +43,30 @@ def register(subparsers: Any) -> None:
     g.add_argument("-p", "--ranks", type=int, default=4, help="pipeline ranks (PP degree)")
     g.add_argument("-v", "--virtual", type=int, default=1, help="virtual stages per rank")
     g.add_argument("--placement", choices=("loop", "v"), default="loop", help="stage placement")
-    g.add_argument("-m", "--microbatches", type=int, default=None, help="microbatches per step (default 4 x ranks)")
+    g.add_argument("-m", "--microbatches", type=int, default=None, help="microbatches per step; without -m, 4 x --ranks")
     g.add_argument("--steps", type=int, default=1, help="training steps back to back")
     g.add_argument("--step-overhead", type=float, default=0.0, help="seconds between a rank's steps (optimizer)")
 
     g = p.add_argument_group("scheduling")
     g.add_argument("--hint", action="append", default=[], help="a hint (repeatable): bf, bfw, strict-1f1b, ...")
-    g.add_argument("--hints", default=None, help="comma-separated hints, side by side (default bf,bfw + baseline)")
+    g.add_argument("--hints", default=None, help="comma-separated hints, side by side; without --hint/--hints, bf,bfw (and the baseline)")
     g.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
                    help="with virtual stages: admission (the limit counts microbatches in flight) or "
                    "completion-order (RRFP App. C.2)")
     g.add_argument("--limit", default="32", help="in-flight limit: an integer, or 1f1b (1F1B's p - r per rank)")
     g.add_argument("--baseline", default="auto",
-                   help="hint the speedups are over: auto (strict-1f1b; strict-interleaved-1f1b with virtual stages) or none")
+                   help="hint the speedups are over (added to the table when missing): a hint name, none, or auto: "
+                   "strict-1f1b with one stage per rank, strict-interleaved-1f1b with virtual stages in the loop "
+                   "placement, strict-zb-v with 2 virtual stages in the v placement (none with other v placements)")
 
     g = p.add_argument_group("task costs (seconds per microbatch)")
     g.add_argument("--costs", default=None, help="cost file: .json profile (rrfp train) or .toml")
-    g.add_argument("--cost-f", default=None, help="forward (default 0.010); one value, or one per stage (a,b,...)")
-    g.add_argument("--cost-b", default=None, help="full backward (default 0.020); one value, or one per stage (a,b,...)")
-    g.add_argument("--cost-i", default=None, help="split backward, input gradient (default B/2); one value, or one per stage (a,b,...)")
-    g.add_argument("--cost-w", default=None, help="split backward, weight gradient (default B/2); one value, or one per stage (a,b,...)")
+    g.add_argument("--cost-f", default=None, help="forward; one value, or one per stage (a,b,...); without it, 0.010")
+    g.add_argument("--cost-b", default=None, help="full backward; one value, or one per stage (a,b,...); without it, I + W if both are given, else 0.020")
+    g.add_argument("--cost-i", default=None, help="split backward, input gradient; one value, or one per stage (a,b,...); without it, B - W, or B/2")
+    g.add_argument("--cost-w", default=None, help="split backward, weight gradient; one value, or one per stage (a,b,...); without it, B - I, or B/2")
     g.add_argument("--act-bytes", default=None, help="activation bytes one microbatch holds on a stage (or one per stage)")
-    g.add_argument("--msg-bytes", default=None, help="bytes of a stage's output message (default act-bytes; or one per stage)")
+    g.add_argument("--msg-bytes", default=None, help="bytes of a stage's output message (or one per stage); without it, --act-bytes")
 
     g = p.add_argument_group("variability (all seeded)")
     g.add_argument("--seed", type=int, default=0)

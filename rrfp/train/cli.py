@@ -50,14 +50,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], help="in-flight limit (an integer, or '1f1b' for p - rank)")
     p.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
                    help="with virtual stages: what a rank does at the in-flight limit (see README)")
-    p.add_argument("--model", default=DEFAULTS["model"], help="model preset: tiny, small, medium")
+    p.add_argument("--model", default=DEFAULTS["model"], help="model preset: tiny (4 layers), small (8), medium (12); --stages x --virtual-stages must not exceed its layers")
     p.add_argument("--max-len", type=int, default=DEFAULTS["max_len"], help="longest sample, in tokens (bytes)")
-    p.add_argument("--data", nargs="+", metavar="PATH", default=None, help="text files or folders (default: the Python standard library's sources)")
+    p.add_argument("--data", nargs="+", metavar="PATH", default=None, help="text files or folders; without --data, the Python standard library's sources")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed for weights and data order")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="AdamW learning rate")
     p.add_argument("--deterministic", action="store_true", help="accumulate weight gradients in microbatch order: bitwise reproducible runs")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--trace", metavar="DIR", default=None, help="write a Chrome trace and a PNG timeline of the run to DIR")
+    p.add_argument("--trace", metavar="DIR", default=None, help="write to DIR: trace.json (Chrome trace, open in Perfetto), timeline.png, "
+                   "profile.json (per-stage costs for rrfp simulate --costs) and records.rank*.json (each rank's tasks)")
     p.add_argument("--watchdog", type=float, default=60.0, help="seconds without progress before a rank fails with what it waits for")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (+ rank)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
