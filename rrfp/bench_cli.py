@@ -39,10 +39,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes and few rounds (CI smoke test)")
     p.add_argument("--settings", default="jitter4,jitter4-m64,compute2",
                    help="comparison settings, comma-separated (jitter4, jitter4-m64, compute2)")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds per phase (default: per setting)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds per phase; without it, each setting's own")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and injected delays")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one multi-process run may take")
-    p.add_argument("--out", default=None, help="write the Markdown report here (default: print it)")
+    p.add_argument("--out", default=None, help="write the Markdown report here; without it, print it")
     p.add_argument("--json", default=None, help="also write the raw results as JSON")
     p.add_argument("--no-sim", action="store_true", help="skip the simulator's ideal speedups")
     p.add_argument("--from-json", default=None, metavar="FILE",

@@ -103,3 +103,21 @@ def test_help_states_each_default_once(cmd, capsys, monkeypatch):
         main([cmd, "--help"])
     lines = [line for line in capsys.readouterr().out.splitlines() if "(default: " in line]
     assert lines and not [line for line in lines if line.lower().count("default") > 1], lines
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
+    """`rrfp simulate ... | head -1`: once the reader has gone, the command stops with the
+    shell's SIGPIPE status (141) and no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before the first write: every write fails with EPIPE
+    try:
+        proc = subprocess.run([sys.executable, "-m", "rrfp", "simulate", "-p", "4"], stdout=w,
+                              stderr=subprocess.PIPE, cwd=tmp_path, timeout=120, check=False)
+    finally:
+        os.close(w)
+    assert b"Traceback" not in proc.stderr and b"BrokenPipeError" not in proc.stderr, proc.stderr.decode()[-2000:]
+    assert proc.returncode == 141
