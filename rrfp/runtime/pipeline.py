@@ -369,7 +369,7 @@ class LocalPipeline:
         return torch.tensor(self.last_stats[last_rank].loss)
 
     def close(self) -> None:
-        """Stop every rank's receiver and close the loop."""
+        """Stop every rank's receiving, close the transports and the loop."""
         if self._loop.is_closed():
             return
 

@@ -1,7 +1,7 @@
 """One rank's asyncio program: inbox -> ready set -> arbiter -> executor -> outbox.
 
-A receiver coroutine turns transport arrivals into buffered stage inputs and readiness events;
-one scheduler coroutine asks the :class:`~rrfp.scheduler.arbiter.Arbiter` for the next task and
+The transport's delivery callback turns arrivals into buffered stage inputs and readiness
+events; one scheduler coroutine asks the :class:`~rrfp.scheduler.arbiter.Arbiter` for the next task and
 runs it. Tasks run inline on the loop thread: ZeroMQ keeps receiving in its own I/O thread
 while Python computes, and an inline dispatch costs microseconds where a hop to a worker thread
 and back costs about 90 us on a 2-core machine (ARCHITECTURE.md, "One rank, one event loop").
@@ -193,7 +193,6 @@ class RankRuntime:
         self._control: asyncio.Queue[Message] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._error: BaseException | None = None
-        self._receiver: asyncio.Task | None = None
         self._receiving = False
         self._closed = False
         self._step: int | None = None
@@ -207,7 +206,7 @@ class RankRuntime:
         self._seed: dict[int, float] = {}  # last stage: microbatch -> loss weight
         self._held: list | None = None  # outputs of a task whose injected delay is running
         self._watch: asyncio.TimerHandle | None = None  # the watchdog's timer, armed while waiting
-        self._waiting: Arbiter | None = None  # set while the scheduler waits for an event
+        self._waiting = False  # the scheduler waits for an event
         self._timed_out: WatchdogTimeout | None = None
         self._rank_of = [spec.placement.rank_of(st) for st in range(spec.n_stages)]
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
@@ -223,11 +222,7 @@ class RankRuntime:
         if self._receiving:
             return
         self._receiving = True
-        set_handler = getattr(self.transport, "set_handler", None)
-        if set_handler is not None:
-            set_handler(self._handle, self._transport_failed)
-        elif self._receiver is None:
-            self._receiver = asyncio.get_running_loop().create_task(self._receive_loop(), name=f"rrfp-recv-{self.rank}")
+        self.transport.set_handler(self._handle, self._transport_failed)
 
     def _handle(self, msg: Message) -> None:
         if self._closed:
@@ -239,16 +234,6 @@ class RankRuntime:
 
     def _transport_failed(self, e: BaseException) -> None:
         if not self._closed:
-            self._fail(e)
-
-    async def _receive_loop(self) -> None:
-        try:
-            while True:
-                msg = await self.transport.recv()
-                self._on_message(msg)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - handed to the scheduler coroutine
             self._fail(e)
 
     def _fail(self, e: BaseException) -> None:
@@ -408,7 +393,7 @@ class RankRuntime:
             self._wake.clear()
             task = arb.next()
             if task is None:
-                await self._wait_for_event(arb)
+                await self._wait_for_event()
                 continue
             t0 = time.perf_counter()
             if self.task_delay is None:
@@ -432,10 +417,10 @@ class RankRuntime:
             if self.record:
                 stats.records.append(TaskRecord(self.rank, step, task, t0, t1))
             self._progress = t1
-            # Let the receiver drain arrivals so the next decision sees them.
+            # Let the transport deliver arrivals so the next decision sees them.
             await asyncio.sleep(0)
 
-    async def _wait_for_event(self, arb: Arbiter) -> None:
+    async def _wait_for_event(self) -> None:
         if self.watchdog <= 0:
             await self._wake.wait()
             return
@@ -443,11 +428,11 @@ class RankRuntime:
         # wait in a task and a timeout handle, most of what a short wait costs.
         if self._watch is None:
             self._arm_watchdog(self._progress + self.watchdog - time.perf_counter())
-        self._waiting = arb
+        self._waiting = True
         try:
             await self._wake.wait()
         finally:
-            self._waiting = None
+            self._waiting = False
         if self._timed_out is not None:
             exc, self._timed_out = self._timed_out, None
             raise exc
@@ -466,7 +451,7 @@ class RankRuntime:
         if left > 0:  # progress since arming
             self._arm_watchdog(left)
             return
-        if self._waiting is None:  # busy in a task's injected delay: not stalled
+        if not self._waiting:  # busy in a task's injected delay: not stalled
             self._arm_watchdog(self.watchdog)
             return
         if self._wake.is_set():
@@ -476,7 +461,7 @@ class RankRuntime:
             return
         self._timed_out = WatchdogTimeout(
             f"rank {self.rank} (stages {list(self.stages)}) made no progress for {self.watchdog:g} s "
-            f"in step {self._step}: waiting for {self._waiting.waiting_for()}"
+            f"in step {self._step}: waiting for {self._arb.waiting_for()}"
         )
         self._wake.set()
 
@@ -603,13 +588,6 @@ class RankRuntime:
         once with a PipelineError instead of waiting for the watchdog."""
         self._closed = True
         self._fail(PipelineError(f"rank {self.rank}: closed"))
-        if self._receiver is not None:
-            self._receiver.cancel()
-            try:
-                await self._receiver
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._receiver = None
 
 
 
