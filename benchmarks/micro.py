@@ -140,19 +140,6 @@ def sequential_runner(n_stages: int, n_microbatches: int) -> tuple[Callable[[], 
     return once, 2 * n_stages * n_microbatches, stages
 
 
-def sequential_task_us(n_stages: int = 4, n_microbatches: int = 64, repeats: int = 7) -> dict[str, float]:
-    """Wall and thread CPU microseconds per task of :func:`sequential_runner`'s tasks, fastest
-    of ``repeats``."""
-    once, n_tasks, _ = sequential_runner(n_stages, n_microbatches)
-    wall, cpu = [], []
-    for _ in range(repeats):
-        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-        once()
-        wall.append((time.perf_counter_ns() - t0) / n_tasks / 1000)
-        cpu.append((time.thread_time_ns() - c0) / n_tasks / 1000)
-    return {"wall": min(wall), "cpu": min(cpu)}
-
-
 def local_overhead(n_ranks: int = 4, n_microbatches: int = 64, hints: Sequence[str] = ("bf", "strict-1f1b"),
                    steps: int = 7) -> dict[str, dict[str, float]]:
     """Microseconds per task of an in-process ``LocalPipeline`` (every rank on one event loop,
