@@ -85,9 +85,14 @@ def rerender(args: argparse.Namespace) -> int:
         print(f"rrfp bench: error: --from-json {args.from_json}: not the raw results of a benchmark run ({e})",
               file=sys.stderr)
         return 2
+    return _publish(text, results, args, f"from {args.from_json}")
+
+
+def _publish(text: str, results: dict, args: argparse.Namespace, how: str) -> int:
+    """Write the report to ``--out`` (or print it); the exit status says whether a part failed."""
     if args.out:
         Path(args.out).write_text(text)
-        _log(f"wrote {args.out} from {args.from_json}")
+        _log(f"wrote {args.out} ({how})")
     else:
         print(text)
     return 1 if results.get("errors") else 0
@@ -142,12 +147,7 @@ def run(args: argparse.Namespace) -> int:
     text = render(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    if args.out:
-        Path(args.out).write_text(text)
-        _log(f"wrote {args.out} ({results['seconds']:.0f} s in all)")
-    else:
-        print(text)
-    return 1 if results["errors"] else 0
+    return _publish(text, results, args, f"{results['seconds']:.0f} s in all")
 
 
 def _command(args: argparse.Namespace) -> str:
