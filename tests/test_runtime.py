@@ -247,10 +247,9 @@ def test_closing_a_rank_during_its_step_fails_that_step_at_once():
     from rrfp.runtime.pipeline import split_microbatches
     from rrfp.runtime.rank import PipelineError
 
-    pipe, _, x, y = _toy_pipe((0.0, 0.0), watchdog=60)
-    mbs = split_microbatches(x, 4)
+    pipe, _, _, y = _toy_pipe((0.0, 0.0), watchdog=60)
     tgs = [t[0] for t in split_microbatches([y], 4, "target")]
-    rt0, rt1 = pipe.runtimes
+    rt1 = pipe.runtimes[1]
 
     async def main():
         # Rank 1 alone: it waits for activations that never come.
