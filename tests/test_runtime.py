@@ -138,11 +138,11 @@ def test_forged_messages_are_rejected_and_the_step_still_matches():
             MsgKey(job, 5, 0, 1, Direction.ACT),  # a step no peer can be in yet
         ]
         for key in forged:
-            rt1._on_message(Message(0, key, junk, {}))
+            rt1.inbox.on_message(Message(0, key, junk, {}))
         assert rt1.rejected == 2
         loss = pipe.step(microbatches=[(m.tokens,) for m in mbs], targets=[m.targets for m in mbs])
-        rt1._step = 1  # as during step 1: routing errors are refused, not fatal
-        rt1._arb = __import__("rrfp.scheduler.arbiter", fromlist=["Arbiter"]).Arbiter(
+        rt1.inbox.step = 1  # as during step 1: routing errors are refused, not fatal
+        rt1.inbox.arb = __import__("rrfp.scheduler.arbiter", fromlist=["Arbiter"]).Arbiter(
             pipe.spec, 1, pipe.hint, inflight_limit=32)
         for key in [
             MsgKey(job, 1, 7, 1, Direction.ACT),  # microbatch out of range
@@ -150,11 +150,11 @@ def test_forged_messages_are_rejected_and_the_step_still_matches():
             MsgKey(job, 1, 0, 1, Direction.GRAD),  # a gradient for the last stage
             MsgKey(job, 0, 0, 1, Direction.ACT),  # a stale step
         ]:
-            rt1._on_message(Message(0, key, junk, {}))
-        rt1._on_message(Message(0, MsgKey(job, 1, 0, 1, Direction.ACT), junk, {}))
-        rt1._on_message(Message(0, MsgKey(job, 1, 0, 1, Direction.ACT), junk, {}))  # duplicate
+            rt1.inbox.on_message(Message(0, key, junk, {}))
+        rt1.inbox.on_message(Message(0, MsgKey(job, 1, 0, 1, Direction.ACT), junk, {}))
+        rt1.inbox.on_message(Message(0, MsgKey(job, 1, 0, 1, Direction.ACT), junk, {}))  # duplicate
         assert rt1.rejected == 2 + 5
-        rt1._step = None
+        rt1.inbox.step = None
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
     _assert_grads_match(stages, ref_grads)
 
@@ -337,8 +337,8 @@ def test_a_flood_of_next_step_messages_is_bounded_and_the_step_still_matches():
         rt1, job = pipe.runtimes[1], pipe.runtimes[1].job
         junk = [torch.zeros(1, 3, CFG.d_model)]
         for k in range(2 * 1 * 2 + 7):  # rank 1 holds 1 stage; 2 microbatches
-            rt1._on_message(Message(0, MsgKey(job, 2, k % 2, 1, Direction.ACT), junk, {}))
-        assert len(rt1._pending[2]) == 4
+            rt1.inbox.on_message(Message(0, MsgKey(job, 2, k % 2, 1, Direction.ACT), junk, {}))
+        assert len(rt1.inbox.pending[2]) == 4
         assert rt1.rejected == 7
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
     _assert_grads_match(stages, ref_grads)

@@ -1,33 +1,50 @@
 """One rank's asyncio program: inbox -> ready set -> arbiter -> executor -> outbox.
 
-The transport's delivery callback turns arrivals into buffered stage inputs and readiness
-events; one scheduler coroutine asks the :class:`~rrfp.scheduler.arbiter.Arbiter` for the next task and
-runs it. Tasks run inline on the loop thread: ZeroMQ keeps receiving in its own I/O thread
-while Python computes, and an inline dispatch costs microseconds where a hop to a worker thread
-and back costs about 90 us on a 2-core machine (ARCHITECTURE.md, "One rank, one event loop").
-Sends are enqueued to the transport's outbox and never block compute.
+:class:`RankRuntime` wires the parts together and holds what a task computes with:
+
+- :mod:`~rrfp.runtime.inbox`: the transport's delivery callback routes arrivals by key into
+  the step's input buffers and marks readiness (step admission, early-message cap, refusals);
+- :mod:`~rrfp.runtime.loop`: one scheduler coroutine asks the
+  :class:`~rrfp.scheduler.arbiter.Arbiter` for the next task, hands it to the executor, waits for
+  readiness events; the watchdog;
+- :mod:`~rrfp.runtime.executor`: where tasks run (inline on the loop thread by default: ZeroMQ
+  keeps receiving in its own I/O thread while Python computes, and an inline dispatch costs
+  microseconds where a hop to a worker thread and back costs about 90 us on a 2-core machine);
+- :mod:`~rrfp.runtime.outbox`: sends, which never block compute;
+- :mod:`~rrfp.runtime.hooks`: step hooks (a stage's gradients are final; the step ends).
+
+This module keeps the tasks themselves (F, B, I, W on the stage modules), ``run_backward``,
+the errors and :class:`StepStats`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..scheduler.arbiter import Arbiter, SchedulingError
+from ..scheduler.arbiter import Arbiter
 from ..scheduler.hints import Hint
-from ..scheduler.tasks import B, F, I, PipelineSpec, Task, TaskRecord
+from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task, TaskRecord
 from ..transport.base import Message, Transport
-from ..transport.keys import Direction, MsgKey
+from ..transport.keys import Direction
+from .errors import PipelineError, WatchdogTimeout
+from .executor import Executor, InlineExecutor
+from .hooks import HookRunner, StepHooks
+from .inbox import MAX_CONTROL_BACKLOG, Inbox
+from .loop import DelayFn, SchedulerLoop
+from .ordered import _Capture, _OrderedGrads
+from .outbox import Outbox
 from .split import WeightGradStore, deferring, enable_split_backward
 from .stage import PipelineStage, as_tuple, detach_for_next
 
-log = logging.getLogger("rrfp.runtime")
+__all__ = [
+    "RankRuntime", "StepStats", "run_backward", "PipelineError", "WatchdogTimeout", "LossFn", "DelayFn",
+    "MAX_CONTROL_BACKLOG", "TaskRecord", "StepHooks",
+]
 
 try:  # the C++ engine call that torch.autograd.backward ends in (torch >= 2.4)
     from torch.autograd.graph import _engine_run_backward
@@ -79,19 +96,6 @@ def run_backward(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | N
     _engine_run_backward(outs, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-DelayFn = Callable[[int, int, Task], float]  # (step, rank, task) -> extra seconds
-
-
-MAX_CONTROL_BACKLOG = 4096
-"""Control messages a rank keeps unread before refusing more."""
-
-
-class WatchdogTimeout(RuntimeError):
-    """A rank made no progress for the watchdog's period; the message says what it waits for."""
-
-
-class PipelineError(RuntimeError):
-    """A message or input that a correct pipeline cannot produce (wrong job, stale step...)."""
 
 
 @dataclass
@@ -145,6 +149,11 @@ class RankRuntime:
         record: keep a :class:`TaskRecord` per task (for traces).
         deterministic: accumulate weight gradients in microbatch order whatever order the
             backwards ran in, so runs are bitwise reproducible (see :class:`_OrderedGrads`).
+        executor: where tasks run (:mod:`rrfp.runtime.executor`); default
+            :class:`~rrfp.runtime.executor.InlineExecutor`.
+
+    Attributes:
+        inbox, loop, outbox, executor: the parts (see the module docstring).
     """
 
     def __init__(
@@ -164,6 +173,7 @@ class RankRuntime:
         task_delay: DelayFn | None = None,
         record: bool = False,
         deterministic: bool = False,
+        executor: Executor | None = None,
     ) -> None:
         self.rank = rank
         self.deterministic = deterministic
@@ -175,9 +185,6 @@ class RankRuntime:
         self.job = job
         self.loss_fn = loss_fn
         self.loss_weight_fn = loss_weight_fn
-        self.watchdog = watchdog
-        self.task_delay = task_delay
-        self.record = record
         want = spec.placement.stages_of(rank)
         got = [s.stage_index for s in stages]
         if got != want:
@@ -189,28 +196,60 @@ class RankRuntime:
         self.last_stage = spec.n_stages - 1
         if self.last_stage in self.stages and loss_fn is None:
             raise ValueError("the rank holding the last stage needs a loss_fn")
-        self._pending: dict[int, list[Message]] = {}  # early arrivals, by step
-        self._control: asyncio.Queue[Message] = asyncio.Queue()
-        self._wake = asyncio.Event()
-        self._error: BaseException | None = None
+        self.executor = executor if executor is not None else InlineExecutor()
+        self.inbox = Inbox(rank, job, self.stages, spec.n_microbatches)
+        self.outbox = Outbox(transport, job)
+        self.loop = SchedulerLoop(rank, self.inbox, self.executor, watchdog=watchdog, task_delay=task_delay,
+                                  record=record)
+        self.hooks = HookRunner(self.stages, spec.n_microbatches, W if spec.split_backward else B)
         self._receiving = False
-        self._closed = False
-        self._step: int | None = None
-        self._last_step = -1
-        self.rejected = 0  # messages refused for their routing (wrong job, step, stage...)
-        self._arb: Arbiter | None = None
-        self._act: dict[tuple[int, int], tuple] = {}
-        self._grad: dict[tuple[int, int], list] = {}
+        # Step state: the inbox buffers arrivals (inputs); these are what tasks produce.
+        self._act = self.inbox.act
+        self._grad = self.inbox.grad
         self._out: dict[tuple[int, int], tuple] = {}
         self._wstate: dict[tuple[int, int], Any] = {}
         self._seed: dict[int, float] = {}  # last stage: microbatch -> loss weight
-        self._held: list | None = None  # outputs of a task whose injected delay is running
-        self._watch: asyncio.TimerHandle | None = None  # the watchdog's timer, armed while waiting
-        self._waiting = False  # the scheduler waits for an event
-        self._timed_out: WatchdogTimeout | None = None
+        self._targets: Sequence[Any] | None = None
+        self._weights: list[float] | None = None
+        self._mb_losses: list[torch.Tensor | None] = []
         self._rank_of = [spec.placement.rank_of(st) for st in range(spec.n_stages)]
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
-        self._progress = time.perf_counter()  # the watchdog's clock: last task's end
+
+    # The loop owns these; they stay settable here (tests and experiments change them).
+    @property
+    def watchdog(self) -> float:
+        return self.loop.watchdog
+
+    @watchdog.setter
+    def watchdog(self, value: float) -> None:
+        self.loop.watchdog = value
+
+    @property
+    def task_delay(self) -> DelayFn | None:
+        return self.loop.task_delay
+
+    @task_delay.setter
+    def task_delay(self, fn: DelayFn | None) -> None:
+        self.loop.task_delay = fn
+
+    @property
+    def record(self) -> bool:
+        return self.loop.record
+
+    @record.setter
+    def record(self, value: bool) -> None:
+        self.loop.record = value
+
+    @property
+    def rejected(self) -> int:
+        """Messages refused for their routing (wrong job, step, stage, duplicates...)."""
+        return self.inbox.rejected
+
+    def add_step_hooks(self, hooks: StepHooks) -> None:
+        """Register step hooks (:mod:`rrfp.runtime.hooks`): ``on_stage_grads_final(stage)``
+        once a stage's gradients are final in a step, ``on_step_end()`` at its end; awaitables
+        they return are done before the step returns."""
+        self.hooks.add(hooks)
 
     # ------------------------------------------------------------ receiving
     def start(self) -> None:
@@ -222,104 +261,19 @@ class RankRuntime:
         if self._receiving:
             return
         self._receiving = True
-        self.transport.set_handler(self._handle, self._transport_failed)
-
-    def _handle(self, msg: Message) -> None:
-        if self._closed:
-            return
-        try:
-            self._on_message(msg)
-        except Exception as e:  # noqa: BLE001 - handed to the scheduler coroutine
-            self._fail(e)
-
-    def _transport_failed(self, e: BaseException) -> None:
-        if not self._closed:
-            self._fail(e)
-
-    def _fail(self, e: BaseException) -> None:
-        if self._error is None:
-            self._error = e
-        self._wake.set()
-
-    def _on_message(self, msg: Message) -> None:
-        key = msg.key
-        if key.job != self.job:
-            return self._reject(msg, f"job {key.job!r}, expected {self.job!r}")
-        if key.direction == Direction.CTL:
-            # Control messages are small statistics: no tensors, and a bounded backlog, so a
-            # forged flood cannot grow a rank's memory.
-            if msg.tensors or self._control.qsize() >= MAX_CONTROL_BACKLOG:
-                return self._reject(msg, "control message with tensors, or control backlog full")
-            self._control.put_nowait(msg)
-            return
-        # A peer can be at most one step ahead: it needs this rank's step-k outputs to finish
-        # step k. Anything else is a stale, forged or corrupt message.
-        current = self._step if self._step is not None else self._last_step + 1
-        if key.step == current + 1 or (self._step is None and key.step == current):
-            early = self._pending.setdefault(key.step, [])
-            # A step brings at most one activation and one gradient per stage and microbatch
-            # here; more is a flood, and must not grow memory.
-            if len(early) >= 2 * len(self.stages) * self.spec.n_microbatches:
-                return self._reject(msg, f"more early messages for step {key.step} than a step has inputs")
-            early.append(msg)
-            return
-        if key.step != current:
-            return self._reject(msg, f"step {key.step} while in step {current}")
-        self._accept(msg)
-
-    def _reject(self, msg: Message, why: str) -> None:
-        self.rejected += 1
-        if self.rejected <= 10 or self.rejected % 1000 == 0:  # bounded: a hostile peer must not flood the log
-            log.warning("rank %d: rejected message #%d from rank %d (%s): %s",
-                        self.rank, self.rejected, msg.src, msg.key, why)
-
-    def _accept(self, msg: Message) -> None:
-        key = msg.key
-        stage = self.stages.get(key.stage)
-        grad = key.direction == Direction.GRAD
-        if stage is None or not 0 <= key.microbatch < self.spec.n_microbatches:
-            return self._reject(msg, f"no task here for stage {key.stage} microbatch {key.microbatch}")
-        try:
-            self._arb.mark_input(key.stage, key.microbatch, grad)
-        except SchedulingError as e:  # a duplicate: the first copy stands
-            return self._reject(msg, str(e))
-        tensors = stage.to_device(msg.tensors)
-        if grad:
-            self._grad[(key.stage, key.microbatch)] = list(tensors)
-        else:
-            self._act[(key.stage, key.microbatch)] = tensors
-        self._wake.set()
+        self.transport.set_handler(self.inbox.handle, self.inbox.transport_failed)
 
     async def control(self, timeout: float | None = None) -> Message:
         """Next control (``Direction.CTL``) message addressed to this rank."""
-        if self._error is not None:
-            raise self._error
-        get = asyncio.ensure_future(self._control.get())
-        err = asyncio.ensure_future(self._wake_on_error())
-        done, _ = await asyncio.wait({get, err}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        err.cancel()
-        if get in done:
-            return get.result()
-        get.cancel()
-        if self._error is not None:
-            raise self._error
-        raise TimeoutError(f"rank {self.rank}: no control message within {timeout} s")
+        return await self.inbox.control(timeout)
 
     def poll_control(self) -> list[Message]:
         """Control messages received so far, without waiting."""
-        out = []
-        while not self._control.empty():
-            out.append(self._control.get_nowait())
-        return out
-
-    async def _wake_on_error(self) -> None:
-        while self._error is None:
-            self._wake.clear()
-            await self._wake.wait()
+        return self.inbox.poll_control()
 
     def send_control(self, dst: int, step: int, meta: dict) -> None:
         """Send a small control message (statistics, losses) to rank ``dst``."""
-        self.transport.send(dst, MsgKey(self.job, step, 0, 0, Direction.CTL), [], meta)
+        self.outbox.send_control(dst, step, meta)
 
     # ------------------------------------------------------------- one step
     async def run_step(
@@ -340,7 +294,8 @@ class RankRuntime:
             This rank's :class:`StepStats` (with the weighted loss on the last stage's rank).
 
         Raises:
-            WatchdogTimeout, PeerLost, PipelineError, ValueError (inputs of the wrong length).
+            WatchdogTimeout, PeerLost, PipelineError, ValueError (inputs of the wrong length),
+            and whatever a step hook raised.
         """
         M = self.spec.n_microbatches
         if 0 in self.stages and (inputs is None or len(inputs) != M):
@@ -348,30 +303,30 @@ class RankRuntime:
         if self.last_stage in self.stages and (targets is None or len(targets) != M):
             raise ValueError(f"the last stage needs {M} microbatch targets, got {None if targets is None else len(targets)}")
         self.start()
-        if self._error is not None:
-            raise self._error
+        inbox = self.inbox
+        if inbox.error is not None:
+            raise inbox.error
         arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit)
-        self._arb, self._step = arb, step
-        self._act.clear(), self._grad.clear(), self._out.clear(), self._wstate.clear(), self._seed.clear()
+        self._out.clear(), self._wstate.clear(), self._seed.clear()
+        inbox.begin_step(step, arb)  # clears the input buffers, then admits early arrivals
         if 0 in self.stages:
             first = self.stages[0]
             for m, x in enumerate(inputs):
                 self._act[(0, m)] = first.to_device(as_tuple(x))
-        weights = self._loss_weights(targets) if targets is not None else None
-        mb_losses: list[torch.Tensor | None] = [None] * M
-        for msg in self._pending.pop(step, []):
-            self._accept(msg)
+        self._targets = targets
+        self._weights = weights = self._loss_weights(targets) if targets is not None else None
+        self._mb_losses = mb_losses = [None] * M
+        hooks = self.hooks if self.hooks.hooks else None
+        if hooks is not None:
+            hooks.begin_step()
         stats = StepStats(step, 0.0, 0.0, 0)
         t_start = time.perf_counter()
-        self._progress = time.perf_counter()
-        self._timed_out = None
-        try:
-            await self._run_tasks(arb, step, stats, targets, weights, mb_losses)
-        finally:
-            self._disarm_watchdog()
+        await self.loop.run(arb, step, stats, self._run_task, self._emit, hooks)
         if self._ordered is not None:
             for acc in self._ordered.values():
                 acc.finish(M)
+        if hooks is not None:
+            await hooks.end_step(self.rank, step, self.loop.watchdog)
         stats.wall = time.perf_counter() - t_start
         stats.peak_inflight = arb.peak_inflight
         stats.peak_mb_inflight = arb.peak_mb_inflight
@@ -381,89 +336,10 @@ class RankRuntime:
             # One reduction in float64 instead of M scalar tensor ops (and M device syncs).
             flat = torch.stack([l.reshape(()) for l in mb_losses]).to("cpu", torch.float64)
             stats.loss = float(flat.dot(torch.tensor(weights, dtype=torch.float64)))
-        await self.transport.flush()
-        self._step, self._last_step = None, step
+        self._targets = self._weights = None
+        await self.outbox.flush()
+        inbox.end_step(step)
         return stats
-
-    async def _run_tasks(self, arb: Arbiter, step: int, stats: StepStats, targets, weights, mb_losses) -> None:
-        """The scheduler coroutine's loop: ask the arbiter, run the task inline, repeat."""
-        while not arb.finished:
-            if self._error is not None:
-                raise self._error
-            self._wake.clear()
-            task = arb.next()
-            if task is None:
-                await self._wait_for_event()
-                continue
-            t0 = time.perf_counter()
-            if self.task_delay is None:
-                self._run_task(task, targets, weights, mb_losses)
-            else:
-                # Injected delays stand for device time: the rank stays busy but its loop keeps
-                # receiving, as with a GPU kernel awaited through an event, and the task's
-                # outputs leave only when it is done.
-                self._held = []
-                self._run_task(task, targets, weights, mb_losses)
-                held, self._held = self._held, None
-                extra = self.task_delay(step, self.rank, task)
-                if extra > 0:
-                    await asyncio.sleep(extra)
-                for args in held:
-                    self._emit(*args)
-            t1 = time.perf_counter()
-            arb.complete(task)
-            stats.busy += t1 - t0
-            stats.n_tasks += 1
-            if self.record:
-                stats.records.append(TaskRecord(self.rank, step, task, t0, t1))
-            self._progress = t1
-            # Let the transport deliver arrivals so the next decision sees them.
-            await asyncio.sleep(0)
-
-    async def _wait_for_event(self) -> None:
-        if self.watchdog <= 0:
-            await self._wake.wait()
-            return
-        # One timer per watchdog period, not asyncio.wait_for per wait: wait_for wraps each
-        # wait in a task and a timeout handle, most of what a short wait costs.
-        if self._watch is None:
-            self._arm_watchdog(self._progress + self.watchdog - time.perf_counter())
-        self._waiting = True
-        try:
-            await self._wake.wait()
-        finally:
-            self._waiting = False
-        if self._timed_out is not None:
-            exc, self._timed_out = self._timed_out, None
-            raise exc
-
-    def _arm_watchdog(self, delay: float) -> None:
-        self._watch = asyncio.get_running_loop().call_later(max(delay, 0.0), self._watchdog_fired)
-
-    def _disarm_watchdog(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
-
-    def _watchdog_fired(self) -> None:
-        self._watch = None
-        left = self._progress + self.watchdog - time.perf_counter()
-        if left > 0:  # progress since arming
-            self._arm_watchdog(left)
-            return
-        if not self._waiting:  # busy in a task's injected delay: not stalled
-            self._arm_watchdog(self.watchdog)
-            return
-        if self._wake.is_set():
-            # An input came in the same loop turn as the deadline: let the scheduler look at
-            # it first, and judge again right after.
-            self._arm_watchdog(0.0)
-            return
-        self._timed_out = WatchdogTimeout(
-            f"rank {self.rank} (stages {list(self.stages)}) made no progress for {self.watchdog:g} s "
-            f"in step {self._step}: waiting for {self._arb.waiting_for()}"
-        )
-        self._wake.set()
 
     def _loss_weights(self, targets: Sequence[Any]) -> list[float]:
         M = len(targets)
@@ -476,43 +352,44 @@ class RankRuntime:
         return [r / total for r in raw]
 
     # ------------------------------------------------------------ executing
-    def _run_task(self, task: Task, targets, weights, mb_losses) -> None:
+    def _run_task(self, task: Task) -> list:
+        """A task's compute (on the executor's thread); returns its outputs for :meth:`_emit`."""
         s, kind, m = task
         if kind == F:
-            self._forward(s, m, targets, weights, mb_losses)
-        elif kind == B:
-            self._backward(s, m, split=False)
-        elif kind == I:
-            self._backward(s, m, split=True)
-        else:
-            self._weight(s, m)
+            return self._forward(s, m)
+        if kind == B:
+            return self._backward(s, m, split=False)
+        if kind == I:
+            return self._backward(s, m, split=True)
+        self._weight(s, m)
+        return []
 
-    def _forward(self, s: int, m: int, targets, weights, mb_losses) -> None:
+    def _forward(self, s: int, m: int) -> list:
         stage = self.stages[s]
         inputs = self._act[(s, m)]
         if torch.is_grad_enabled():  # entering enable_grad() costs more than the check
-            out = self._forward_graph(stage, s, m, inputs, targets, weights, mb_losses)
+            out = self._forward_graph(stage, s, m, inputs)
         else:
             with torch.enable_grad():
-                out = self._forward_graph(stage, s, m, inputs, targets, weights, mb_losses)
+                out = self._forward_graph(stage, s, m, inputs)
         if out is None:
-            return
+            return []
         outs = out if type(out) is tuple else as_tuple(out)
         self._out[(s, m)] = outs
-        self._emit(s + 1, m, Direction.ACT, [detach_for_next(o) for o in outs])
+        return [(s + 1, m, Direction.ACT, [detach_for_next(o) for o in outs])]
 
-    def _forward_graph(self, stage, s: int, m: int, inputs, targets, weights, mb_losses):
+    def _forward_graph(self, stage, s: int, m: int, inputs):
         out = stage.submod(*inputs)
         if s != self.last_stage:
             return out
-        loss = self.loss_fn(out, targets[m])
+        loss = self.loss_fn(out, self._targets[m])
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise PipelineError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-        mb_losses[m] = loss.detach()
+        self._mb_losses[m] = loss.detach()
         # The microbatch's weight enters as the backward's seed gradient, d(w L) = w dL: the
         # same values as backpropagating through ``loss * w``, without that extra node.
         self._out[(s, m)] = (loss,)
-        self._seed[m] = weights[m]
+        self._seed[m] = self._weights[m]
         return None
 
     def _grad_pairs(self, s: int, m: int) -> tuple[list, list | None]:
@@ -527,7 +404,7 @@ class RankRuntime:
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         return [o for o, _ in pairs], [g for _, g in pairs]
 
-    def _backward(self, s: int, m: int, split: bool) -> None:
+    def _backward(self, s: int, m: int, split: bool) -> list:
         inputs = self._act.pop((s, m))
         outs, grads = self._grad_pairs(s, m)
         if split and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
@@ -548,9 +425,10 @@ class RankRuntime:
             with self._capture(s, m):
                 if outs:
                     run_backward(outs, grads, (self.rank, s, m))
-        if s > 0:
-            in_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-            self._emit(s - 1, m, Direction.GRAD, in_grads)
+        if s == 0:
+            return []
+        in_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
+        return [(s - 1, m, Direction.GRAD, in_grads)]
 
     def _weight(self, s: int, m: int) -> None:
         state = self._wstate.pop((s, m))
@@ -565,108 +443,20 @@ class RankRuntime:
             return contextlib.nullcontext()
         return self._ordered[s].capture(m, final)
 
-    def _emit(self, dst_stage: int, m: int, direction: Direction, tensors: list) -> None:
-        if self._held is not None:
-            self._held.append((dst_stage, m, direction, tensors))
-            return
-        dst_rank = self._rank_of[dst_stage]
-        if dst_rank == self.rank:
-            # Same rank (virtual stages): hand over directly, no serialization.
-            if direction == Direction.ACT:
-                self._act[(dst_stage, m)] = tuple(tensors)
+    def _emit(self, outputs: list) -> None:
+        """Hand a finished task's outputs on (loop thread): to a same-rank virtual stage
+        directly, else through the outbox."""
+        for dst_stage, m, direction, tensors in outputs:
+            dst_rank = self._rank_of[dst_stage]
+            if dst_rank == self.rank:
+                self.inbox.deliver_local(dst_stage, m, direction, tensors)
             else:
-                self._grad[(dst_stage, m)] = [None if t is None else t.detach() for t in tensors]
-            self._arb.mark_input(dst_stage, m, direction == Direction.GRAD)
-            return
-        payload = [None if t is None else (t.detach().cpu() if t.device.type != "cpu" else t) for t in tensors]
-        self.transport.send(dst_rank, MsgKey(self.job, self._step, m, dst_stage, direction), payload)
+                self.outbox.send(dst_rank, self.inbox.step, m, dst_stage, direction, tensors)
 
     async def close(self) -> None:
         """Stop receiving (the caller closes the transport).
 
         Nothing is received afterwards, so a step still running, and any later one, fails at
         once with a PipelineError instead of waiting for the watchdog."""
-        self._closed = True
-        self._fail(PipelineError(f"rank {self.rank}: closed"))
-
-
-
-class _OrderedGrads:
-    """Deterministic weight-gradient accumulation for one stage (``--deterministic``).
-
-    Each microbatch's weight gradients are computed into fresh ``.grad`` tensors and added to
-    the accumulated gradient in microbatch order ``0..M-1``; a contribution that finishes early
-    is held until every lower microbatch has been added. Floating-point addition is not
-    associative, so this fixes the summation order and makes the result independent of
-    execution order. Cost: one extra gradient buffer per microbatch finished ahead of its turn
-    (at most ``M - 1`` per stage, typically the in-flight count), and one extra add per
-    parameter per microbatch.
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.params = [p for p in module.parameters() if p.requires_grad]
-        self.held: dict[int, list] = {}
-        self.partial: dict[int, list] = {}
-        self.next_mb = 0
-        self.held_bytes = 0
-        self.peak_held_bytes = 0  # extra gradient memory this mode has needed at once
-
-    def capture(self, mb: int, final: bool = True):
-        return _Capture(self, mb, final)
-
-    def _add(self, contrib: list) -> None:
-        for p, g in zip(self.params, contrib):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
-
-    def put(self, mb: int, contrib: list, final: bool = True) -> None:
-        first = self.partial.pop(mb, None)
-        if first is not None:  # I's part (norms, embeddings) then W's part, in that order
-            contrib = [b if a is None else (a if b is None else a + b) for a, b in zip(first, contrib)]
-        if not final:
-            self.partial[mb] = contrib
-            self._count(contrib, +1)
-            return
-        if first is not None:
-            self._count(first, -1)
-        self.held[mb] = contrib
-        self._count(contrib, +1)
-        while self.next_mb in self.held:
-            done = self.held.pop(self.next_mb)
-            self._add(done)
-            self._count(done, -1)
-            self.next_mb += 1
-
-    def _count(self, contrib: list, sign: int) -> None:
-        self.held_bytes += sign * sum(g.numel() * g.element_size() for g in contrib if g is not None)
-        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
-
-    def finish(self, n_microbatches: int) -> None:
-        """End of step: every microbatch's contribution must have been added."""
-        if self.next_mb != n_microbatches or self.held or self.partial:
-            raise PipelineError(
-                f"deterministic accumulation saw microbatches 0..{self.next_mb - 1} of {n_microbatches}, "
-                f"holding {sorted(self.held)}"
-            )
-        self.next_mb = 0
-
-
-class _Capture:
-    def __init__(self, acc: _OrderedGrads, mb: int, final: bool) -> None:
-        self.acc, self.mb, self.final = acc, mb, final
-
-    def __enter__(self) -> None:
-        self.saved = [p.grad for p in self.acc.params]
-        for p in self.acc.params:
-            p.grad = None
-
-    def __exit__(self, *exc) -> None:
-        contrib = [p.grad for p in self.acc.params]
-        for p, g in zip(self.acc.params, self.saved):
-            p.grad = g
-        if exc[0] is None:
-            self.acc.put(self.mb, contrib, self.final)
+        self.inbox.close()
+        self.executor.close()

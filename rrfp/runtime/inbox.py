@@ -1,0 +1,202 @@
+"""A rank's inbox: every arrival, routed by its key into the step's input buffers.
+
+The transport hands each message to :meth:`Inbox.on_message` inside its delivery callback, on the
+event loop thread. The inbox decides whether the message may be admitted (right job, this step
+or the next, a stage and microbatch this rank runs, not a duplicate), buffers its tensors per
+(stage, microbatch), tells the arbiter that an input arrived, and wakes the scheduler loop.
+Control messages (``Direction.CTL``) go to a bounded queue. Anything a correct pipeline cannot
+send is refused and counted (:attr:`Inbox.rejected`), never fatal: a forged or replayed message
+must not stop a job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Mapping
+
+from ..scheduler.arbiter import Arbiter, SchedulingError
+from ..transport.base import Message
+from ..transport.keys import Direction
+from .errors import PipelineError
+from .stage import PipelineStage
+
+log = logging.getLogger("rrfp.runtime")
+
+MAX_CONTROL_BACKLOG = 4096
+"""Control messages a rank keeps unread before refusing more."""
+
+
+class Inbox:
+    """Arrivals of one rank: step admission, per-(stage, microbatch) buffers, control queue.
+
+    Args:
+        rank: this rank's pipeline index (for log lines and errors).
+        job: the job id every admitted key must carry.
+        stages: this rank's stages by stage index (their ``to_device`` places arrivals).
+        n_microbatches: microbatches per step (keys outside ``[0, M)`` are refused).
+
+    Attributes:
+        act: ``(stage, microbatch) -> tuple of tensors``, the forward inputs of this step.
+        grad: ``(stage, microbatch) -> list of tensors``, the output gradients of this step.
+        step: the step being run, or None between steps.
+        last_step: the last finished step (-1 before the first).
+        arb: the running step's arbiter (inputs are marked on it).
+        pending: early arrivals (the next step's), by step; bounded per step.
+        rejected: messages refused for their routing (wrong job, step, stage, duplicates...).
+        error: the first error met on arrival (or from the transport); the step raises it.
+        wake: set whenever something the scheduler loop waits for happens.
+    """
+
+    def __init__(self, rank: int, job: str, stages: Mapping[int, PipelineStage], n_microbatches: int) -> None:
+        self.rank = rank
+        self.job = job
+        self.stages = stages
+        self.n_microbatches = n_microbatches
+        # A step brings at most one activation and one gradient per stage and microbatch here.
+        self._early_cap = 2 * len(stages) * n_microbatches
+        self.act: dict[tuple[int, int], tuple] = {}
+        self.grad: dict[tuple[int, int], list] = {}
+        self.step: int | None = None
+        self.last_step = -1
+        self.arb: Arbiter | None = None
+        self.pending: dict[int, list[Message]] = {}
+        self.rejected = 0
+        self.error: BaseException | None = None
+        self.closed = False
+        self.wake = asyncio.Event()
+        self._control: asyncio.Queue[Message] = asyncio.Queue()
+
+    # ------------------------------------------------------------ transport callbacks
+    def handle(self, msg: Message) -> None:
+        """The transport's delivery callback (``Transport.set_handler``); never raises."""
+        if self.closed:
+            return
+        try:
+            self.on_message(msg)
+        except Exception as e:  # noqa: BLE001 - handed to the scheduler loop
+            self.fail(e)
+
+    def transport_failed(self, e: BaseException) -> None:
+        """The transport's terminal-error callback (a lost peer, a closed transport)."""
+        if not self.closed:
+            self.fail(e)
+
+    def fail(self, e: BaseException) -> None:
+        """Record the first error and wake the scheduler loop, which raises it."""
+        if self.error is None:
+            self.error = e
+        self.wake.set()
+
+    def close(self) -> None:
+        """Admit nothing more; the running step (and any later one) fails at once."""
+        self.closed = True
+        self.fail(PipelineError(f"rank {self.rank}: closed"))
+
+    # ------------------------------------------------------------ routing
+    def on_message(self, msg: Message) -> None:
+        """Route one arrival: control queue, early buffer, this step's buffers, or refusal."""
+        key = msg.key
+        if key.job != self.job:
+            return self.reject(msg, f"job {key.job!r}, expected {self.job!r}")
+        if key.direction == Direction.CTL:
+            # Control messages are small statistics: no tensors, and a bounded backlog, so a
+            # forged flood cannot grow a rank's memory.
+            if msg.tensors or self._control.qsize() >= MAX_CONTROL_BACKLOG:
+                return self.reject(msg, "control message with tensors, or control backlog full")
+            self._control.put_nowait(msg)
+            return
+        # A peer can be at most one step ahead: it needs this rank's step-k outputs to finish
+        # step k. Anything else is a stale, forged or corrupt message.
+        current = self.step if self.step is not None else self.last_step + 1
+        if key.step == current + 1 or (self.step is None and key.step == current):
+            early = self.pending.setdefault(key.step, [])
+            # More than a step's inputs is a flood, and must not grow memory.
+            if len(early) >= self._early_cap:
+                return self.reject(msg, f"more early messages for step {key.step} than a step has inputs")
+            early.append(msg)
+            return
+        if key.step != current:
+            return self.reject(msg, f"step {key.step} while in step {current}")
+        self.accept(msg)
+
+    def reject(self, msg: Message, why: str) -> None:
+        """Refuse ``msg`` and count it; the log is bounded (a hostile peer must not flood it)."""
+        self.rejected += 1
+        if self.rejected <= 10 or self.rejected % 1000 == 0:
+            log.warning("rank %d: rejected message #%d from rank %d (%s): %s",
+                        self.rank, self.rejected, msg.src, msg.key, why)
+
+    def accept(self, msg: Message) -> None:
+        """Buffer a message of the running step and mark its input on the arbiter."""
+        key = msg.key
+        stage = self.stages.get(key.stage)
+        grad = key.direction == Direction.GRAD
+        if stage is None or not 0 <= key.microbatch < self.n_microbatches:
+            return self.reject(msg, f"no task here for stage {key.stage} microbatch {key.microbatch}")
+        try:
+            self.arb.mark_input(key.stage, key.microbatch, grad)
+        except SchedulingError as e:  # a duplicate: the first copy stands
+            return self.reject(msg, str(e))
+        tensors = stage.to_device(msg.tensors)
+        if grad:
+            self.grad[(key.stage, key.microbatch)] = list(tensors)
+        else:
+            self.act[(key.stage, key.microbatch)] = tensors
+        self.wake.set()
+
+    def deliver_local(self, dst_stage: int, m: int, direction: Direction, tensors: list) -> None:
+        """A same-rank handover between virtual stages: no serialization, no admission checks
+        (this rank produced it). Called on the loop thread."""
+        if direction == Direction.ACT:
+            self.act[(dst_stage, m)] = tuple(tensors)
+        else:
+            self.grad[(dst_stage, m)] = [None if t is None else t.detach() for t in tensors]
+        self.arb.mark_input(dst_stage, m, direction == Direction.GRAD)
+
+    # ------------------------------------------------------------ steps
+    def begin_step(self, step: int, arb: Arbiter) -> None:
+        """Start admitting ``step``'s inputs (clears the buffers, then admits the early
+        arrivals kept for it)."""
+        self.arb, self.step = arb, step
+        self.act.clear()
+        self.grad.clear()
+        for msg in self.pending.pop(step, []):
+            self.accept(msg)
+
+    def end_step(self, step: int) -> None:
+        """``step`` is over: the next one's arrivals are admitted as early messages."""
+        self.step, self.last_step = None, step
+
+    # ------------------------------------------------------------ control messages
+    async def control(self, timeout: float | None = None) -> Message:
+        """Next control (``Direction.CTL``) message addressed to this rank.
+
+        Raises:
+            TimeoutError: none within ``timeout`` seconds.
+            the inbox's error (a lost peer, a closed rank) as soon as it happens.
+        """
+        if self.error is not None:
+            raise self.error
+        get = asyncio.ensure_future(self._control.get())
+        err = asyncio.ensure_future(self._wake_on_error())
+        done, _ = await asyncio.wait({get, err}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        err.cancel()
+        if get in done:
+            return get.result()
+        get.cancel()
+        if self.error is not None:
+            raise self.error
+        raise TimeoutError(f"rank {self.rank}: no control message within {timeout} s")
+
+    def poll_control(self) -> list[Message]:
+        """Control messages received so far, without waiting."""
+        out = []
+        while not self._control.empty():
+            out.append(self._control.get_nowait())
+        return out
+
+    async def _wake_on_error(self) -> None:
+        while self.error is None:
+            self.wake.clear()
+            await self.wake.wait()

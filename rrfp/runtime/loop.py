@@ -1,0 +1,192 @@
+"""The scheduler loop of one rank: arbiter -> executor -> hand the outputs on, and the watchdog.
+
+One coroutine per step. Each turn it hands on what the executor finished (outputs to the
+outbox or to a same-rank virtual stage, the task to the arbiter as completed), then, while the
+launch-ahead window has room and the arbiter has no task running, asks the arbiter for the
+next task and launches it. With nothing to do it waits for the inbox's ``wake`` event: an
+arrival, an executor's completion, an error, or the watchdog.
+
+The arbiter runs one task at a time (``Arbiter.running``): an executor whose tasks complete on
+the host at launch (CUDA: the kernels are queued on the rank's stream, in order) may run up to
+``executor.window`` tasks ahead of the device; a worker-thread executor is told complete when
+its thread returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Callable
+
+from ..scheduler.arbiter import Arbiter
+from ..scheduler.tasks import Task, TaskRecord
+from .errors import WatchdogTimeout
+from .executor import Executor, Pending, RunFn
+from .hooks import HookRunner
+from .inbox import Inbox
+
+DelayFn = Callable[[int, int, Task], float]  # (step, rank, task) -> extra seconds
+EmitFn = Callable[[list], None]  # hands a finished task's outputs on (loop thread)
+
+
+class SchedulerLoop:
+    """Runs the tasks of one rank's steps.
+
+    Args:
+        rank: the rank (for errors and records).
+        inbox: the rank's inbox (its ``wake`` event and ``error``).
+        executor: where tasks run (see :mod:`rrfp.runtime.executor`).
+        watchdog: seconds without progress before :class:`WatchdogTimeout` (0 disables).
+        task_delay: optional injected extra seconds per task (jitter experiments), awaited after
+            the task's compute while the rank counts as busy; its outputs leave afterwards.
+        record: keep a :class:`TaskRecord` per task in the step's stats.
+    """
+
+    def __init__(self, rank: int, inbox: Inbox, executor: Executor, *, watchdog: float = 300.0,
+                 task_delay: DelayFn | None = None, record: bool = False) -> None:
+        self.rank = rank
+        self.inbox = inbox
+        self.executor = executor
+        self.watchdog = watchdog
+        self.task_delay = task_delay
+        self.record = record
+        self._running: deque[Pending] = deque()  # launched, not yet finished
+        self._arb: Arbiter | None = None
+        self._step: int | None = None
+        self._watch: asyncio.TimerHandle | None = None  # the watchdog's timer, armed while waiting
+        self._waiting = False  # the loop waits for an event
+        self._timed_out: WatchdogTimeout | None = None
+        self._progress = time.perf_counter()  # the watchdog's clock: last task's end
+        self._last_end = 0.0
+        executor.bind(inbox.wake.set)
+
+    async def run(self, arb: Arbiter, step: int, stats, run_fn: RunFn, emit: EmitFn,
+                  hooks: HookRunner | None = None) -> None:
+        """Run every task of ``arb``'s step; fills ``stats`` (busy, n_tasks, records).
+
+        Raises:
+            the inbox's error (lost peer, closed rank, bad arrival), a task's exception,
+            WatchdogTimeout.
+        """
+        self._arb, self._step = arb, step
+        self._progress = time.perf_counter()
+        self._last_end = 0.0
+        self._timed_out = None
+        running = self._running
+        running.clear()
+        inbox, ex = self.inbox, self.executor
+        wake = inbox.wake
+        try:
+            while True:
+                if inbox.error is not None:
+                    raise inbox.error
+                wake.clear()
+                while running:  # hand on what finished, in launch order
+                    p = running[0]
+                    if not p.launched:
+                        break
+                    if p.error is not None:
+                        raise p.error
+                    if not p.completed:
+                        if self.task_delay is not None:
+                            await self._delay(step, p.task)
+                        self._hand_on(p, arb, emit)
+                    if not p.done:
+                        break
+                    running.popleft()
+                    self._finish(p, step, stats, hooks)
+                if arb.finished:
+                    if not running:
+                        return
+                elif arb.running is None and len(running) < ex.window:
+                    task = arb.next()
+                    if task is not None:
+                        p = ex.launch(task, run_fn)
+                        if p.done and p.error is None:  # inline: finished inside launch
+                            if self.task_delay is not None:
+                                await self._delay(step, task)
+                            self._hand_on(p, arb, emit)
+                            self._finish(p, step, stats, hooks)
+                        else:
+                            running.append(p)
+                        # Let the transport deliver arrivals so the next decision sees them.
+                        await asyncio.sleep(0)
+                        continue
+                await self._wait_for_event()
+        finally:
+            self._disarm_watchdog()
+
+    async def _delay(self, step: int, task: Task) -> None:
+        # Injected delays stand for device time: the rank stays busy but its loop keeps
+        # receiving, as with a GPU kernel awaited through an event, and the task's outputs
+        # leave only when it is done.
+        extra = self.task_delay(step, self.rank, task)
+        if extra > 0:
+            await asyncio.sleep(extra)
+
+    @staticmethod
+    def _hand_on(p: Pending, arb: Arbiter, emit: EmitFn) -> None:
+        if p.outputs:
+            emit(p.outputs)
+        arb.complete(p.task)
+        p.completed = True
+
+    def _finish(self, p: Pending, step: int, stats, hooks: HookRunner | None) -> None:
+        t1 = time.perf_counter()
+        # Tasks launched ahead overlap on the device: count each instant once.
+        stats.busy += t1 - (p.t0 if p.t0 > self._last_end else self._last_end)
+        stats.n_tasks += 1
+        if self.record:
+            stats.records.append(TaskRecord(self.rank, step, p.task, p.t0, t1))
+        self._progress = self._last_end = t1
+        self.executor.release(p)
+        if hooks is not None:
+            hooks.task_done(p.task)
+
+    # ------------------------------------------------------------ watchdog
+    async def _wait_for_event(self) -> None:
+        wake = self.inbox.wake
+        if self.watchdog <= 0:
+            await wake.wait()
+            return
+        # One timer per watchdog period, not asyncio.wait_for per wait: wait_for wraps each
+        # wait in a task and a timeout handle, most of what a short wait costs.
+        if self._watch is None:
+            self._arm_watchdog(self._progress + self.watchdog - time.perf_counter())
+        self._waiting = True
+        try:
+            await wake.wait()
+        finally:
+            self._waiting = False
+        if self._timed_out is not None:
+            exc, self._timed_out = self._timed_out, None
+            raise exc
+
+    def _arm_watchdog(self, delay: float) -> None:
+        self._watch = asyncio.get_running_loop().call_later(max(delay, 0.0), self._watchdog_fired)
+
+    def _disarm_watchdog(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+    def _watchdog_fired(self) -> None:
+        self._watch = None
+        left = self._progress + self.watchdog - time.perf_counter()
+        if left > 0:  # progress since arming
+            self._arm_watchdog(left)
+            return
+        if not self._waiting or self._running:  # busy in a task or its injected delay: not stalled
+            self._arm_watchdog(self.watchdog)
+            return
+        if self.inbox.wake.is_set():
+            # An input came in the same loop turn as the deadline: let the loop look at it
+            # first, and judge again right after.
+            self._arm_watchdog(0.0)
+            return
+        self._timed_out = WatchdogTimeout(
+            f"rank {self.rank} (stages {list(self.inbox.stages)}) made no progress for {self.watchdog:g} s "
+            f"in step {self._step}: waiting for {self._arb.waiting_for()}"
+        )
+        self.inbox.wake.set()
