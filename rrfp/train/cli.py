@@ -60,7 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="DIR", default=None, help="write to DIR: trace.json (Chrome trace, open in Perfetto), timeline.png, "
                    "profile.json (per-stage costs for rrfp simulate --costs) and records.rank*.json (each rank's tasks)")
     p.add_argument("--watchdog", type=float, default=60.0, help="seconds without progress before a rank fails with what it waits for")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (+ rank)")
+    from ..obs.server import add_flags as add_metrics_flags
+
+    add_metrics_flags(p, "serve Prometheus metrics on this port + rank (each rank its own endpoint, /metrics)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     p.set_defaults(func=run)
 
@@ -130,11 +132,11 @@ def validate(args: argparse.Namespace) -> None:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UsageError(f"--trace={args.trace!r}: cannot create the folder: {e.strerror or e}") from None
-    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535 - (args.stages - 1):
-        raise UsageError(
-            f"--metrics-port={args.metrics_port}: expected a port in 1..{65535 - (args.stages - 1)} "
-            f"(ranks serve on port + rank, for {args.stages} ranks)"
-        )
+    from ..obs.server import check_flags as check_metrics_flags
+
+    problem = check_metrics_flags(args, n_ports=args.stages)
+    if problem:
+        raise UsageError(problem)
     for path in args.data or []:
         if not path or not Path(path).exists():
             raise UsageError(f"--data: data path {path!r} does not exist")

@@ -148,26 +148,25 @@ def _main(args: argparse.Namespace) -> int:
     if 0 in stage_ids or n_stages - 1 in stage_ids:
         samples = load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL)
         sampler = BatchSampler(samples, args.batch_size, args.seed)
-    metrics = None
-    if args.metrics_port is not None:
-        from ..obs.metrics import RankMetrics
-
-        metrics = RankMetrics(rank, port=args.metrics_port + rank)
+    metrics, metrics_server = start_metrics(args, rank, stage_ids)
     pipe = Pipeline(
         stages, args.microbatches, lm_loss, hint=args.hint, inflight_limit=inflight_limits(args, n_ranks),
         placement=args.placement, loss_weight_fn=count_tokens, rank=rank, n_ranks=n_ranks,
         job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
-        record=args.trace is not None, deterministic=args.deterministic, backpressure=args.backpressure,
+        record=args.trace is not None or metrics is not None, deterministic=args.deterministic, backpressure=args.backpressure,
     )
     # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
     out_bytes = record_output_bytes(stages) if args.trace else None
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     reporter = Reporter(args, n_ranks, place) if rank == 0 else None
-    records = []
+    records, step_log = [], []
+    if metrics is not None:
+        pipe.run(metrics.start_heartbeat())
     t_begin = last = time.perf_counter()
     try:
         for k in range(args.steps):
+            t_step = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             mbs = make_microbatches(sampler.batch(k), args.microbatches) if sampler else None
             loss = pipe.step(
@@ -176,11 +175,15 @@ def _main(args: argparse.Namespace) -> int:
             )
             opt.step()
             st = pipe.last_stats
-            records += st.records
+            if args.trace:
+                records += st.records
+                step_log.append([k, st.wall, st.busy])
             meta = {"kind": "stats", "step": k, "busy": st.busy, "wall": st.wall, "peak": st.peak_mb_inflight,
                     "loss": None if loss is None else float(loss)}
             if metrics is not None:
-                metrics.observe(st, meta["loss"])
+                metrics.observe(st, loss=meta["loss"], tokens=sum(mb.n_tokens for mb in mbs) if 0 in stage_ids else 0,
+                                seconds=time.perf_counter() - t_step, transport=pipe.transport.stats,
+                                runtime_rejected=pipe.runtime.rejected)
             if reporter is None:
                 pipe.runtime.send_control(0, k, meta)
             else:
@@ -197,14 +200,45 @@ def _main(args: argparse.Namespace) -> int:
                 reporter.add(msg.meta, msg.src)
                 reporter.flush()
             reporter.summary(time.perf_counter() - t_begin)
+        if metrics is not None:
+            metrics.stop_heartbeat()
         pipe.close()
     except BaseException:
+        if metrics is not None:
+            metrics.stop_heartbeat()
         pipe.abort()
         raise
     if args.trace:
-        _write_trace(args, rank, n_ranks, records, out_bytes or {})
+        _write_trace(args, rank, n_ranks, records, out_bytes or {}, step_log)
     dist.destroy_process_group()
+    if metrics_server is not None:
+        from ..obs.server import linger
+
+        linger(args.metrics_linger)
+        metrics_server.close()
     return 0
+
+
+def start_metrics(args: argparse.Namespace, rank: int, stage_ids: list[int]):
+    """This rank's :class:`~rrfp.obs.metrics.RankMetrics` and, in standalone mode
+    (``--metrics-port``), its server on port + rank; in multiprocess mode (the daemon set
+    ``PROMETHEUS_MULTIPROC_DIR``) the daemon serves, so no server. ``(None, None)`` when
+    neither asks for metrics."""
+    from ..obs.metrics import multiprocess_dir
+
+    if args.metrics_port is None and multiprocess_dir() is None:
+        return None, None
+    from ..obs.metrics import RankMetrics
+    from ..obs.server import MetricsServer
+
+    metrics = RankMetrics(rank, stage_ids)
+    if metrics.registry is None or args.metrics_port is None:
+        return metrics, None
+    try:
+        server = MetricsServer(metrics.registry, args.metrics_addr, args.metrics_port + rank, lock=metrics.lock)
+    except OSError as e:
+        raise OSError(f"rank {rank}: {e}") from None
+    return metrics, server
 
 
 def record_output_bytes(stages: list[PipelineStage]) -> dict[int, list[int]]:
@@ -229,9 +263,11 @@ def record_output_bytes(stages: list[PipelineStage]) -> dict[int, list[int]]:
 
 
 def _write_trace(
-    args: argparse.Namespace, rank: int, n_ranks: int, records: list, out_bytes: dict[int, list[int]]
+    args: argparse.Namespace, rank: int, n_ranks: int, records: list, out_bytes: dict[int, list[int]],
+    step_log: list | None = None,
 ) -> None:
-    """Every rank writes its task records and output sizes (:func:`record_output_bytes`);
+    """Every rank writes its task records, output sizes (:func:`record_output_bytes`) and
+    per-step ``[step, wall, busy]`` seconds (the runtime's bubble accounting, ``steps``);
     rank 0 merges them into a Chrome trace, a PNG timeline and a per-stage cost profile
     (``profile.json``, :func:`profile_from_records`) that ``rrfp simulate --costs`` reads."""
     out = Path(args.trace)
@@ -241,6 +277,7 @@ def _write_trace(
     tmp.write_text(json.dumps({
         "records": [[r.rank, r.step, str(r.task), r.start, r.end] for r in records],
         "out_bytes": {str(s): v for s, v in out_bytes.items()},
+        "steps": step_log or [],
     }))
     tmp.replace(part)
     dist.barrier()
