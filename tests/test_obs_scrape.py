@@ -1,0 +1,195 @@
+"""A real ``rrfp train`` scraped over HTTP: the bubble Prometheus would compute from the busy
+and idle counters equals the runtime's own accounting (per-step busy and wall seconds, which
+``--trace`` writes to ``records.rank*.json``); with a ``prometheus`` binary on PATH, a real
+Prometheus server scrapes the run and answers the same question over its HTTP API."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+RANKS, STEPS = 2, 5
+DEADLINE = 200.0  # seconds for the whole run on a loaded 2-core machine
+
+
+def free_port_block(n: int) -> int:
+    """A port p with p..p+n-1 free now (the OS's choice for p; checked for the rest)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + n > 65535:
+            continue
+        try:
+            socks = []
+            for q in range(p, p + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")
+
+
+def scrape(port: int) -> dict | None:
+    """``{(name, frozenset(labels)): value}`` of one rank's endpoint, or None while it is down."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def total(snap: dict, name: str) -> float:
+    return sum(v for (n, _), v in snap.items() if n == name)
+
+
+def wait_for(cond, proc: subprocess.Popen, what: str, deadline: float):
+    """Poll ``cond()`` until it returns a value (the run still alive), with a deadline."""
+    while time.monotonic() < deadline:
+        got = cond()
+        if got is not None:
+            return got
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            pytest.fail(f"run ended (exit {proc.returncode}) before {what}:\n{out[-3000:]}")
+        time.sleep(0.02)  # a polling interval, not a synchronisation: the condition decides
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def start_run(tmp_path: Path, port: int) -> subprocess.Popen:
+    data = tmp_path / "text.txt"
+    data.write_text("\n\n".join(f"paragraph {i} " + "lorem ipsum dolor sit amet " * 3 for i in range(60)))
+    return subprocess.Popen(
+        [sys.executable, "-m", "rrfp", "train", "--stages", str(RANKS), "--steps", str(STEPS), "--batch-size", "4",
+         "--microbatches", "4", "--max-len", "16", "--data", str(data), "--quiet", "--trace", str(tmp_path / "tr"),
+         "--metrics-port", str(port), "--metrics-linger", "300"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+
+
+def stop_run(proc: subprocess.Popen) -> None:
+    """SIGTERM ends the linger; the launcher passes it to the ranks."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def runtime_bubble(tmp_path: Path, rank: int, from_step: int) -> tuple[float, float]:
+    """The runtime's bubble over steps ``from_step..`` (from its per-step busy and wall) and
+    the busy seconds of its task records over the same steps."""
+    part = json.loads((tmp_path / "tr" / f"records.rank{rank}.json").read_text())
+    steps = [s for s in part["steps"] if s[0] >= from_step]
+    assert [s[0] for s in steps] == list(range(from_step, STEPS))
+    busy, wall = sum(s[2] for s in steps), sum(s[1] for s in steps)
+    rec_busy = sum(end - start for _, step, _, start, end in part["records"] if step >= from_step)
+    return 1.0 - busy / wall, rec_busy
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_scraped_counters_give_the_runtimes_bubble(tmp_path) -> None:
+    port = free_port_block(RANKS)
+    proc = start_run(tmp_path, port)
+    deadline = time.monotonic() + DEADLINE
+    try:
+        # First scrape: as soon as each endpoint answers, before the first step if the run
+        # gives the chance; a later first scrape only narrows the window below (a scrape
+        # never sees half a step, so the window is whole steps either way).
+        first = [wait_for(lambda r=r: scrape(port + r), proc, f"rank {r}'s endpoint", deadline) for r in range(RANKS)]
+        last = [wait_for(lambda r=r: (s := scrape(port + r)) and total(s, "rrfp_steps_total") == STEPS and s or None,
+                         proc, f"rank {r}'s last step", deadline) for r in range(RANKS)]
+        wait_for(lambda: (tmp_path / "tr" / "profile.json").exists() or None, proc, "the trace", deadline)
+        for r in range(RANKS):
+            k0 = int(total(first[r], "rrfp_steps_total"))
+            assert k0 < STEPS, f"rank {r}: the first scrape came after the last step"
+            d_busy = total(last[r], "rrfp_busy_seconds_total") - total(first[r], "rrfp_busy_seconds_total")
+            d_idle = total(last[r], "rrfp_idle_seconds_total") - total(first[r], "rrfp_idle_seconds_total")
+            # rate(busy) / (rate(busy) + rate(idle)) over the window: the scrape interval cancels.
+            scraped = d_idle / (d_busy + d_idle)
+            ref, rec_busy = runtime_bubble(tmp_path, r, k0)
+            assert scraped == pytest.approx(ref, rel=0.02), f"rank {r}"
+            assert d_busy == pytest.approx(rec_busy, rel=0.02), f"rank {r}: busy vs the task records"
+            assert 0.0 < ref < 1.0
+            tasks = total(last[r], "rrfp_tasks_total")
+            assert tasks == 2 * 4 * STEPS  # one F and one B per microbatch per step on each rank
+            assert total(last[r], "rrfp_messages_total") > 0 and total(last[r], "rrfp_message_bytes_total") > 0
+        assert total(last[0], "rrfp_tokens_total") > 0 and total(last[1], "rrfp_tokens_total") == 0
+        assert ("rrfp_loss", frozenset({("rank", str(RANKS - 1))})) in last[RANKS - 1]
+    finally:
+        stop_run(proc)
+    assert proc.returncode is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary on PATH")
+def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_path) -> None:
+    port = free_port_block(RANKS)
+    prom_port = free_port_block(1)
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(
+        "global: {scrape_interval: 1s}\n"
+        "scrape_configs:\n"
+        "  - job_name: rrfp\n"
+        f"    static_configs: [{{targets: [{', '.join(f'127.0.0.1:{port + r}' for r in range(RANKS))}]}}]\n"
+    )
+    prom = subprocess.Popen(
+        ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    proc = start_run(tmp_path, port)
+    deadline = time.monotonic() + DEADLINE
+
+    def query(q: str) -> dict[str, float] | None:
+        url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": q})
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                res = json.load(r)["data"]["result"]
+        except OSError:
+            return None
+        return {x["metric"].get("rank", ""): float(x["value"][1]) for x in res}
+
+    try:
+        # Prometheus has the final values once it reports the last step for every rank.
+        wait_for(lambda: (q := query("rrfp_steps_total")) and len(q) == RANKS
+                 and all(v == STEPS for v in q.values()) or None, proc, "Prometheus to see the last step", deadline)
+        wait_for(lambda: (tmp_path / "tr" / "profile.json").exists() or None, proc, "the trace", deadline)
+        # Counters start at 0 with the process, so their final values span the whole run.
+        whole = query("sum by (rank) (rrfp_idle_seconds_total) / (sum by (rank) (rrfp_busy_seconds_total)"
+                      " + sum by (rank) (rrfp_idle_seconds_total))")
+        for r in range(RANKS):
+            assert whole[str(r)] == pytest.approx(runtime_bubble(tmp_path, r, 0)[0], rel=0.02)
+        # The dashboard's own bubble query (a rate over a window covering the run) answers too.
+        from test_deploy import dashboard_exprs
+
+        bubble = next(e for title, e in dashboard_exprs() if title.startswith("Bubble"))
+        got = query(bubble.replace("$__rate_interval", "1h"))
+        assert set(got) == {str(r) for r in range(RANKS)} and all(0 <= v <= 100 for v in got.values())
+    finally:
+        stop_run(proc)
+        prom.terminate()
+        prom.wait(30)
