@@ -193,3 +193,37 @@ def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_pat
         stop_run(proc)
         prom.terminate()
         prom.wait(30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_multiprocess_ranks_are_served_by_one_endpoint(tmp_path) -> None:
+    """As under ``rrfp node``: the ranks write to PROMETHEUS_MULTIPROC_DIR, serve nothing
+    themselves, and one server over :func:`node_registry` serves them all, also after the
+    job ended (the daemon's linger), with the runtime's bubble for the whole run."""
+    from rrfp.obs.metrics import last_heartbeats, node_registry
+    from rrfp.obs.server import MetricsServer
+
+    prom_dir = tmp_path / "prom"
+    prom_dir.mkdir()
+    data = tmp_path / "text.txt"
+    data.write_text("\n\n".join(f"paragraph {i} " + "lorem ipsum dolor sit amet " * 3 for i in range(60)))
+    p = subprocess.run(
+        [sys.executable, "-m", "rrfp", "train", "--stages", str(RANKS), "--steps", str(STEPS), "--batch-size", "4",
+         "--microbatches", "4", "--max-len", "16", "--data", str(data), "--quiet", "--trace", str(tmp_path / "tr")],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(prom_dir)},
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    srv = MetricsServer(node_registry(prom_dir), port=0)
+    try:
+        snap = scrape(srv.port)
+    finally:
+        srv.close()
+    for r in range(RANKS):
+        mine = {k: v for k, v in snap.items() if ("rank", str(r)) in k[1]}
+        busy, idle = total(mine, "rrfp_busy_seconds_total"), total(mine, "rrfp_idle_seconds_total")
+        assert idle / (busy + idle) == pytest.approx(runtime_bubble(tmp_path, r, 0)[0], rel=0.02), f"rank {r}"
+        assert total(mine, "rrfp_steps_total") == STEPS
+        assert total(mine, "rrfp_step_duration_seconds_count") == STEPS
+    assert not any(k for k in snap if "pid" in dict(k[1]))
+    assert sorted(last_heartbeats(prom_dir)) == list(range(RANKS))
