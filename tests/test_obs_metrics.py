@@ -17,8 +17,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rrfp.obs.metrics import GAUGE_MODES, METRIC_NAMES, RankMetrics, last_heartbeats, node_registry
-from rrfp.obs.server import MetricsServer, add_flags, check_flags
+from rrfp.obs.metrics import GAUGE_MODES, METRIC_NAMES, NodeMetrics, RankMetrics, last_heartbeats, node_registry
+from rrfp.obs.server import MetricsServer, add_flags, check_flags, serve_node
 from rrfp.scheduler.tasks import parse_action
 
 
@@ -204,6 +204,16 @@ def test_multiprocess_mode_merges_ranks_and_restarts(tmp_path, monkeypatch) -> N
     assert got[("rrfp_last_heartbeat_timestamp_seconds", (r0,))] == 2000.0  # max
     assert not any("pid" in dict(labels) for _, labels in got)
     assert last_heartbeats(d) == {0: 2000.0, 1: 1500.0}
+    # The daemon's endpoint: the ranks' values, its own restarts counter and its routes.
+    srv = serve_node(d, port=0, routes={"/readyz": lambda: (200, "ready\n")})
+    try:
+        NodeMetrics(3, srv.registry).restarts.labels("3").inc()
+        served = samples(get(f"http://127.0.0.1:{srv.port}/metrics")[2])
+        assert served[("rrfp_restarts_total", (("node", "3"),))] == 1
+        assert served[("rrfp_steps_total", (r0,))] == 2
+        assert get(f"http://127.0.0.1:{srv.port}/readyz")[::2] == (200, "ready\n")
+    finally:
+        srv.close()
     assert set(GAUGE_MODES) == {"rrfp_loss", "rrfp_peak_inflight_microbatches", "rrfp_last_heartbeat_timestamp_seconds"}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import signal
 import socket
 import threading
@@ -62,7 +63,8 @@ class MetricsServer:
     Args:
         registry: what to render.
         addr, port: where to listen (port 0: any free port, see :attr:`port`).
-        routes: extra paths (``{"/healthz": fn}``), each ``fn() -> (status, text)``.
+        routes: extra paths (``{"/healthz": fn}``), each ``fn() -> (status, text)``, called
+            on the server's thread.
         lock: held while rendering a scrape (a :class:`~rrfp.obs.metrics.RankMetrics`'s, so a
             scrape never sees half a step).
 
@@ -85,6 +87,7 @@ class MetricsServer:
             self._httpd = server_cls((addr, port), handler)
         except OSError as e:
             raise OSError(f"cannot serve metrics on {addr}:{port}: {e.strerror or e}") from None
+        self.registry = registry
         self.addr = addr
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="rrfp-metrics", daemon=True)
@@ -95,6 +98,23 @@ class MetricsServer:
         self._httpd.shutdown()
         self._httpd.server_close()
         self._thread.join()
+
+
+def serve_node(
+    multiproc_dir: str | os.PathLike, addr: str = DEFAULT_ADDR, port: int = 0, routes: dict[str, Route] | None = None
+) -> MetricsServer:
+    """The daemon's one endpoint for all its ranks: their values from ``multiproc_dir`` (the
+    ``PROMETHEUS_MULTIPROC_DIR`` it gives them, :func:`~rrfp.obs.metrics.node_registry`), plus
+    ``routes`` (``/healthz``, ``/readyz``). Register the daemon's own
+    :class:`~rrfp.obs.metrics.NodeMetrics` in the returned server's ``registry``.
+
+    Raises:
+        ValueError: ``multiproc_dir`` is not a folder.
+        OSError: the address and port cannot be bound.
+    """
+    from .metrics import node_registry
+
+    return MetricsServer(node_registry(multiproc_dir), addr, port, routes)
 
 
 def _handler(registry: CollectorRegistry, routes: dict[str, Route], lock) -> type[BaseHTTPRequestHandler]:
