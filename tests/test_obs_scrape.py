@@ -154,7 +154,7 @@ def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_pat
         "global: {scrape_interval: 1s}\n"
         "scrape_configs:\n"
         "  - job_name: rrfp\n"
-        f"    static_configs: [{{targets: [{', '.join(f'127.0.0.1:{port + r}' for r in range(RANKS))}]}}]\n"
+        f"    static_configs: [{{targets: [{', '.join(repr(f'127.0.0.1:{port + r}') for r in range(RANKS))}]}}]\n"
     )
     prom = subprocess.Popen(
         ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
