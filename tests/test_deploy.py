@@ -6,6 +6,7 @@ dashboard passes its schema and queries only metrics that rrfp/obs/metrics.py de
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import shutil
@@ -38,10 +39,16 @@ CRD_SCHEMAS = {
 
 # ------------------------------------------------------------------ helpers
 def render(overlay: str) -> list[dict]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
+    """The documents ``kubectl kustomize deploy/OVERLAY`` renders (a fresh copy each call)."""
+    if shutil.which("kubectl") is None:
         pytest.skip("kubectl not on PATH")
-    p = subprocess.run([kubectl, "kustomize", str(DEPLOY / overlay)], capture_output=True, text=True, timeout=120)
+    return copy.deepcopy(_render(overlay))
+
+
+@functools.cache
+def _render(overlay: str) -> list[dict]:
+    p = subprocess.run([shutil.which("kubectl"), "kustomize", str(DEPLOY / overlay)],
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     return [d for d in yaml.safe_load_all(p.stdout) if d]
 
