@@ -128,10 +128,12 @@ def test_the_base_runs_the_daemon_as_asked() -> None:
     anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["topologyKey"] == "kubernetes.io/hostname"  # one pod per node
     # Rendezvous at node 0's pod, by the headless service's DNS name.
-    rdzv = next(a for a in args if a.startswith("--rdzv-endpoint=")).split("=")[1]
-    assert rdzv == f"{js['metadata']['name']}-{rj['name']}-0-0.{js['spec']['network']['subdomain']}:29400"
+    flag = {a.split("=")[0]: a.split("=", 1)[1] for a in args if "=" in a}
+    assert flag["--master-addr"] == f"{js['metadata']['name']}-{rj['name']}-0-0.{js['spec']['network']['subdomain']}"
     assert svc["spec"]["clusterIP"] == "None" and svc["metadata"]["name"] == js["spec"]["network"]["subdomain"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert int(flag["--master-port"]) == ports["rdzv"]
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == ports
     assert f"--metrics-port={ports['metrics']}" in args and "--metrics-addr=0.0.0.0" in args
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
@@ -160,7 +162,7 @@ def test_the_trainer_overlay_uses_the_base_pod_and_pet_variables() -> None:
     assert rj["name"] == "node"
     assert rj["template"]["spec"]["template"] == base["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
     args = tj["spec"]["trainer"]["args"]
-    assert not any(a.startswith(("--nnodes", "--nproc-per-node", "--rdzv-endpoint")) for a in args)
+    assert not any(a.startswith(("--nnodes", "--nproc-per-node", "--node-rank", "--master-")) for a in args)
 
 
 def test_validators_reject_broken_manifests() -> None:
