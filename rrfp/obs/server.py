@@ -28,11 +28,12 @@ Route = Callable[[], tuple[int, str]]
 """An extra route: ``fn() -> (HTTP status, plain-text body)``."""
 
 
-def add_flags(p: argparse.ArgumentParser, port_help: str) -> None:
-    """Add ``--metrics-addr``, ``--metrics-port`` and ``--metrics-linger`` to a command."""
+def add_flags(p: argparse.ArgumentParser, port_help: str, port_default: int | None = None) -> None:
+    """Add ``--metrics-addr``, ``--metrics-port`` (default ``port_default``; None: no
+    endpoint) and ``--metrics-linger`` to a command (``rrfp train``, ``rrfp node``)."""
     p.add_argument("--metrics-addr", default=DEFAULT_ADDR, metavar="ADDR",
                    help="address the Prometheus endpoint listens on (0.0.0.0: every interface)")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="P", help=port_help)
+    p.add_argument("--metrics-port", type=int, default=port_default, metavar="P", help=port_help)
     p.add_argument("--metrics-linger", type=float, default=0.0, metavar="SEC",
                    help="keep serving the final values this long after the job ends (SIGTERM ends it sooner)")
 
