@@ -166,6 +166,14 @@ def test_flags_are_checked_before_anything_starts(argv, problem) -> None:
     assert got == problem if problem is None else got.startswith(problem)
 
 
+def test_the_daemon_may_ask_for_any_free_port() -> None:
+    p = argparse.ArgumentParser()
+    add_flags(p, "port", port_default=9400)
+    assert p.parse_args([]).metrics_port == 9400
+    assert check_flags(p.parse_args(["--metrics-port", "0"]), allow_any_port=True) is None
+    assert check_flags(p.parse_args(["--metrics-port", "0"])) == "--metrics-port=0: expected a port in 1..65535"
+
+
 def test_train_refuses_a_bad_linger_with_exit_2() -> None:
     p = subprocess.run([sys.executable, "-m", "rrfp", "train", "--metrics-linger", "-5"],
                        capture_output=True, text=True, timeout=60)

@@ -38,15 +38,17 @@ def add_flags(p: argparse.ArgumentParser, port_help: str, port_default: int | No
                    help="keep serving the final values this long after the job ends (SIGTERM ends it sooner)")
 
 
-def check_flags(args: argparse.Namespace, n_ports: int = 1) -> str | None:
+def check_flags(args: argparse.Namespace, n_ports: int = 1, allow_any_port: bool = False) -> str | None:
     """The first problem with the ``--metrics-*`` flags, as a one-line message, or None.
 
-    ``n_ports``: consecutive ports used from ``--metrics-port`` (one per rank in standalone mode).
+    ``n_ports``: consecutive ports used from ``--metrics-port`` (one per rank in standalone
+    mode). ``allow_any_port``: port 0 (any free port) is accepted (one endpoint only).
     """
     top = 65535 - (n_ports - 1)
-    if args.metrics_port is not None and not 1 <= args.metrics_port <= top:
+    low = 0 if allow_any_port and n_ports == 1 else 1
+    if args.metrics_port is not None and not low <= args.metrics_port <= top:
         per = f" (ranks serve on port + rank, for {n_ports} ranks)" if n_ports > 1 else ""
-        return f"--metrics-port={args.metrics_port}: expected a port in 1..{top}{per}"
+        return f"--metrics-port={args.metrics_port}: expected a port in {low}..{top}{per}"
     if not (math.isfinite(args.metrics_linger) and args.metrics_linger >= 0):
         return f"--metrics-linger={args.metrics_linger}: expected a non-negative number of seconds"
     try:
