@@ -27,7 +27,8 @@ K8S_VERSION = "1.33.0"
 """The Kubernetes release whose core schemas the manifests are checked against (JobSet needs
 1.27 or newer; Trainer v2.3 is tested on 1.31 and newer)."""
 
-OVERLAYS = ["base", "overlays/trainer"]
+OVERLAYS = sorted(str(k.parent.relative_to(DEPLOY)) for k in DEPLOY.rglob("kustomization.yaml"))
+"""Every kustomization under deploy/ (base, overlays/trainer and the parts they build on)."""
 CORE_KINDS = {"Service", "ConfigMap", "PersistentVolumeClaim", "Secret"}
 CRD_SCHEMAS = {
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobset-jobset.x-k8s.io-v1alpha2.json",
@@ -96,11 +97,12 @@ def core_validate(doc: dict) -> None:
 
 # -------------------------------------------------------------------- tests
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_overlay_renders_and_validates(overlay: str) -> None:
+def test_every_kustomization_renders_and_validates(overlay: str) -> None:
     pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is a test dependency")
     docs = render(overlay)
     kinds = sorted(d["kind"] for d in docs)
     assert {"PodMonitor", "ConfigMap", "PersistentVolumeClaim"} <= set(kinds)
+    assert {"JobSet", "TrainJob"} & set(kinds) or overlay == "common"
     for doc in docs:
         key = (doc["apiVersion"], doc["kind"])
         if doc["kind"] in CORE_KINDS:
