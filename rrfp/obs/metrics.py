@@ -189,13 +189,16 @@ class RankMetrics:
         with self.lock:
             records = getattr(stats, "records", None) or []
             if records:
-                by_stage: dict[str, float] = {}
+                by_stage: dict[int, float] = {}
+                by_kind: dict[str, int] = {}
                 for rec in records:
-                    key = str(rec.task.stage)
-                    by_stage[key] = by_stage.get(key, 0.0) + (rec.end - rec.start)
-                    self.tasks.labels(self.rank, rec.task.kind).inc()
+                    task = rec.task
+                    by_stage[task.stage] = by_stage.get(task.stage, 0.0) + (rec.end - rec.start)
+                    by_kind[task.kind] = by_kind.get(task.kind, 0) + 1
                 for s, secs in by_stage.items():
-                    self.busy.labels(self.rank, s).inc(secs)
+                    self.busy.labels(self.rank, str(s)).inc(secs)
+                for kind, n in by_kind.items():
+                    self.tasks.labels(self.rank, kind).inc(n)
             else:
                 self.busy.labels(self.rank, self.stages[0]).inc(stats.busy)
             self.idle.labels(self.rank, self._idle_stage).inc(max(0.0, stats.wall - stats.busy))
