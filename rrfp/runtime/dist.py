@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 
+import torch
 import torch.distributed as dist
 
 REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -47,9 +48,41 @@ def default_store() -> dist.Store:
     return _get_default_store()
 
 
-def default_transport(rank: int, world_size: int, job: str):
-    """A :class:`~rrfp.transport.zmq.ZmqTransport` rendezvousing through the default store."""
+def default_transport(
+    rank: int, world_size: int, job: str, data_plane: str = "zmq", device: torch.device | str | None = None
+):
+    """This rank's transport, rendezvousing through the default store.
+
+    Args:
+        rank, world_size, job: as :class:`~rrfp.transport.zmq.ZmqTransport`.
+        data_plane: ``zmq`` (tensors ride ZeroMQ frames through host memory; the CPU default)
+            or ``torch`` (ZeroMQ announces, torch.distributed point-to-point moves the tensors:
+            NCCL when ``device`` is CUDA, else gloo).
+        device: where received tensors are allocated with ``torch`` (default: CPU).
+
+    Returns:
+        a :class:`~rrfp.transport.zmq.ZmqTransport`, or a
+        :class:`~rrfp.transport.planes.PlaneTransport` over one.
+
+    Raises:
+        ValueError: for an unknown data plane.
+    """
+    from ..transport.factory import check_data_plane
     from ..transport.zmq import ZmqTransport
 
+    check_data_plane(data_plane)
     init_distributed()
-    return ZmqTransport(rank, world_size, default_store(), job)
+    control = ZmqTransport(rank, world_size, default_store(), job)
+    if data_plane == "zmq":
+        return control
+    from ..transport.planes import N_CHANNELS, PlaneTransport
+    from ..transport.torch_plane import TorchDataPlane
+
+    dev = torch.device("cpu" if device is None else device)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+
+    def groups() -> list:
+        # Every rank calls new_group in the same order (inside start(), which all ranks run).
+        return [dist.new_group(backend=backend) for _ in range(N_CHANNELS)]
+
+    return PlaneTransport(control, TorchDataPlane(rank, groups, dev))

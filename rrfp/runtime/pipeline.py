@@ -101,6 +101,8 @@ class Pipeline:
         transport: a started-or-not :class:`~rrfp.transport.base.Transport`; default: ZeroMQ
             with endpoints exchanged through torch.distributed's store (initialised from the
             torchrun environment if needed).
+            A name picks the data plane of that default: ``"zmq"`` or ``"torch"``
+            (torch.distributed point-to-point, NCCL on CUDA stages, gloo on CPU).
         rank, n_ranks: this rank's pipeline index and the pipeline's rank count (default: the
             torch.distributed rank and world size).
         watchdog: seconds without progress before an error naming what the rank waits for.
@@ -125,7 +127,7 @@ class Pipeline:
         inflight_limit: int | Sequence[int] = 32,
         placement: str = "loop",
         loss_weight_fn: Callable[[Any], float] | None = None,
-        transport: Transport | None = None,
+        transport: Transport | str | None = None,
         rank: int | None = None,
         n_ranks: int | None = None,
         job: str = "rrfp",
@@ -166,6 +168,10 @@ class Pipeline:
             from .dist import default_transport
 
             transport = default_transport(rank, n_ranks, job)
+        elif isinstance(transport, str):
+            from .dist import default_transport
+
+            transport = default_transport(rank, n_ranks, job, data_plane=transport, device=stages[0].device)
         self.transport = transport
         self._loop.run_until_complete(self.transport.start())
         self.runtime = self._loop.run_until_complete(
@@ -263,6 +269,9 @@ class LocalPipeline:
         encode: pass every message through the codec, as between processes.
         task_delay: ``fn(step, rank, task) -> seconds`` of injected compute time.
         deterministic: as :class:`Pipeline`.
+        data_plane: None (tensors ride the fake network), ``fake`` or ``fake-nccl``: announcements
+            on the fake network, tensors on an in-process data plane (``fake-nccl``: matched by
+            order alone, like NCCL) with the same seeded ``delay``; see :attr:`wire`.
 
     Raises:
         ValueError: as :class:`Pipeline`.
@@ -288,6 +297,7 @@ class LocalPipeline:
         job: str = "rrfp-local",
         deterministic: bool = False,
         backpressure: str = "admission",
+        data_plane: str | None = None,
     ) -> None:
         from ..transport.fake import FakeNetwork
 
@@ -305,6 +315,11 @@ class LocalPipeline:
         self._loop = new_event_loop()
         self.net = FakeNetwork(n_ranks, seed=seed, delay=delay, encode=encode)
         self.transports = [self.net.transport(r) for r in range(n_ranks)]
+        self.wire = None
+        if data_plane is not None:
+            from ..transport.factory import wrap_fake
+
+            self.transports, self.wire = wrap_fake(self.transports, data_plane, seed=seed + 1, delay=delay)
 
         async def build() -> list[RankRuntime]:
             for t in self.transports:

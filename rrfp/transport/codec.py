@@ -40,6 +40,7 @@ __all__ = [
     "decode",
     "encode",
     "frames_nbytes",
+    "parse_descriptors",
 ]
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -563,3 +564,19 @@ def _is_int64(v: Any) -> bool:
 
 def _tname(v: Any) -> str:
     return type(v).__name__
+
+
+def parse_descriptors(tensors: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[torch.dtype, list[int], bool, int] | None]:
+    """Validate a list of tensor descriptors ``[dtype_name, shape, requires_grad] | None``
+    (a header's ``tensors`` field, as a data-plane announcement carries it) with the same
+    limits as :func:`decode`, before anything is allocated.
+
+    Returns:
+        per entry ``(dtype, shape, requires_grad, nbytes)`` or None.
+
+    Raises:
+        CodecError: as :func:`decode` for a bad ``tensors`` field.
+    """
+    header = {"job": "", "step": 0, "microbatch": 0, "stage": 0, "direction": 0, "tensors": tensors, "meta": {}}
+    _, descs, _, _ = _parse_header(header, max_bytes)
+    return [None if d is None else (d[0].torch, d[1], d[2], d[3]) for d in descs]

@@ -1,0 +1,238 @@
+"""One conformance suite that every transport runs (transport contract v2, issue 14).
+
+Kinds: ``zmq`` (ZeroMQ frames), ``torch`` (ZeroMQ announcements + gloo point-to-point, all
+ranks in this process on one loop), ``fake`` (in-process FakeNetwork), ``fake-plane`` (fake
+control plane + tagged fake data plane) and ``fake-nccl`` (fake control plane + data plane
+matched by order alone, like NCCL). The fake kinds run with seeded random delays, so
+messages overtake each other. Codec-level hostile input (every malformed header shape) is
+covered in test_transport.py; here each transport shows it refuses and counts a hostile
+message on its real delivery path and keeps receiving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from rrfp.transport import (
+    Direction,
+    FakeNetwork,
+    MsgKey,
+    PeerLost,
+    PlaneTransport,
+    TransportClosed,
+    ZmqTransport,
+    encode,
+    wrap_fake,
+)
+from rrfp.transport.planes import ANNOUNCE
+from rrfp.transport.torch_plane import TorchDataPlane, gloo_groups
+
+KINDS = ["zmq", "torch", "fake", "fake-plane", "fake-nccl"]
+DELAY = (0.0, 0.004)
+
+
+@contextlib.asynccontextmanager
+async def group(kind: str, n: int, seed: int = 0) -> AsyncIterator[list[Any]]:
+    """``n`` started transports of ``kind`` on the running loop; all aborted on exit."""
+    job = f"c-{uuid.uuid4().hex[:8]}"
+    stores: list[Any] = []
+    if kind in ("zmq", "torch"):
+        master = TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
+        stores = [master] + [TCPStore("127.0.0.1", master.port, n, is_master=False) for _ in range(n - 1)]
+        ts: list[Any] = [ZmqTransport(r, n, stores[r], job) for r in range(n)]
+        if kind == "torch":
+            ts = [
+                PlaneTransport(t, TorchDataPlane(r, lambda r=r: gloo_groups(stores[r], r, n, f"{job}/gloo"), "cpu"))
+                for r, t in enumerate(ts)
+            ]
+    else:
+        net = FakeNetwork(n, seed=seed, delay=DELAY)
+        ts = [net.transport(r) for r in range(n)]
+        if kind != "fake":
+            ts, _ = wrap_fake(ts, "fake" if kind == "fake-plane" else "fake-nccl", seed=seed + 7, delay=DELAY)
+    for t in ts:
+        t.job = job  # FakeTransport has no job of its own; the keys below use it
+    try:
+        await asyncio.wait_for(asyncio.gather(*(t.start() for t in ts)), 30)
+        yield ts
+    finally:
+        for t in ts:
+            t.abort()
+        del stores
+
+
+def rejected(t: Any) -> int:
+    return t.stats["rejected"] + (t.control.stats["rejected"] if isinstance(t, PlaneTransport) else 0)
+
+
+def payload(src: int, dst: int, i: int) -> list[torch.Tensor | None]:
+    """A mixed tuple whose shapes vary per message and whose values name (src, dst, i)."""
+    g = torch.Generator().manual_seed(1000 * src + 100 * dst + i)
+    rows = 1 + (7 * i + src) % 5
+    x = torch.randn(rows, 3 + i % 4, generator=g).requires_grad_(i % 2 == 0)
+    ids = torch.tensor([2**63 - 1, -(2**63), src, dst, i, -1][: 3 + i % 4], dtype=torch.int64)
+    mask = torch.rand(rows * 3, generator=g) < 0.5
+    half = torch.randn(rows, generator=g).to(torch.bfloat16)
+    scalar = torch.tensor(float(i), dtype=torch.float64)
+    empty = torch.empty(0, rows, dtype=torch.float32)
+    return [x, None, ids, mask, half, scalar, empty]
+
+
+def assert_bit_exact(got: torch.Tensor | None, want: torch.Tensor | None) -> None:
+    if want is None:
+        assert got is None
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape and got.device == want.device
+    assert got.requires_grad == want.requires_grad
+    assert got.detach().contiguous().view(-1).view(torch.uint8).tolist() == (
+        want.detach().contiguous().view(-1).view(torch.uint8).tolist()
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+async def test_all_to_all_variable_shapes_mixed_dtypes_bit_exact_any_order(kind: str) -> None:
+    n, per = 3, 6
+    async with group(kind, n, seed=3) as ts:
+        job = ts[0].job
+        sent: dict[tuple[int, int, int], tuple[list, dict]] = {}
+        for i in range(per):
+            for s in range(n):
+                for d in range(n):  # loopback included
+                    direction = Direction.ACT if (i + s) % 2 else Direction.GRAD
+                    key = MsgKey(job, 0, i, d, direction)
+                    tensors, meta = payload(s, d, i), {"s": s, "i": i}
+                    sent[(s, d, i)] = (tensors, meta)
+                    ts[s].send(d, key, tensors, meta)
+        await asyncio.gather(*(t.flush() for t in ts))
+        seen = set()
+        for d in range(n):
+            for _ in range(n * per):
+                m = await asyncio.wait_for(ts[d].recv(), 20)
+                k = (m.src, d, m.key.microbatch)
+                assert k not in seen and m.key.stage == d
+                seen.add(k)
+                tensors, meta = sent[k]
+                assert m.meta == meta
+                assert len(m.tensors) == len(tensors)
+                for g, w in zip(m.tensors, tensors):
+                    assert_bit_exact(g, w)
+                    if g is not None and w is not None:
+                        assert g.data_ptr() != w.data_ptr() or g.numel() == 0  # fresh, not aliased
+        assert seen == set(sent)
+        await asyncio.wait_for(asyncio.gather(*(t.close() for t in ts)), 30)
+        for t in ts:
+            assert not t.lost_peers and rejected(t) == 0
+        assert sum(t.stats["messages_received"] for t in ts) == len(sent)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+async def test_lost_peer_is_reported_by_rank(kind: str) -> None:
+    async with group(kind, 3) as ts:
+        job = ts[0].job
+        # Data in flight toward the victim and from it when it goes.
+        ts[0].send(2, MsgKey(job, 0, 0, 2, Direction.ACT), payload(0, 2, 0))
+        ts[2].send(1, MsgKey(job, 0, 0, 1, Direction.GRAD), payload(2, 1, 0))
+        await asyncio.wait_for(ts[1].recv(), 20)
+        ts[2].abort()
+        for r in (0, 1):
+            with pytest.raises(PeerLost) as ei:
+                while True:  # anything still queued may come first
+                    await asyncio.wait_for(ts[r].recv(), 20)
+            assert ei.value.rank == 2 and "rank 2 lost" in str(ei.value)
+            assert 2 in ts[r].lost_peers
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+async def test_close_with_messages_in_flight(kind: str) -> None:
+    n = 3
+    async with group(kind, n, seed=5) as ts:
+        job = ts[0].job
+        for i in range(8):
+            for s in range(n):
+                d = (s + 1) % n
+                ts[s].send(d, MsgKey(job, 0, i, d, Direction.ACT), payload(s, d, i))
+                ts[d].send(s, MsgKey(job, 0, i, s, Direction.GRAD), payload(d, s, i))
+        # Nobody receives: close must still end cleanly on every rank, then recv says closed.
+        await asyncio.wait_for(asyncio.gather(*(t.close() for t in ts)), 30)
+        for t in ts:
+            assert not t.lost_peers
+            with pytest.raises(TransportClosed):
+                await t.recv()
+            with pytest.raises(TransportClosed):
+                t.send((t.rank + 1) % n, MsgKey(job, 1, 0, 0, Direction.ACT), payload(0, 0, 0))
+
+
+def _hostile(t: Any, job: str) -> list[list[bytes]]:
+    """Messages a broken or hostile peer could put on ``t``'s control connection."""
+    key = MsgKey(job, 0, 0, t.rank, Direction.ACT)
+    huge = {"job": job, "step": 0, "microbatch": 0, "stage": t.rank, "direction": 0,
+            "tensors": [["float32", [1 << 20, 1 << 20], False]], "meta": {}}
+    import msgpack
+
+    out = [[msgpack.packb(huge)], [b"\x93not a header"]]
+    if isinstance(t, PlaneTransport):
+        for ann in (
+            {"seq": 0, "tensors": [["float32", [1 << 30, 1 << 30], False]]},  # over the payload cap
+            {"seq": 0, "tensors": [["float128", [4], False]]},  # unknown dtype
+            {"seq": 0, "tensors": [["int64", [4], True]]},  # grad on an integer
+            {"seq": 0, "tensors": [["float32", [-4], False]]},  # negative dim
+            {"seq": 1 << 40, "tensors": []},  # far ahead: would pin memory
+            {"seq": "0", "tensors": []},
+            {"tensors": []},
+        ):
+            out.append(encode(key, [], {ANNOUNCE: ann}))
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+async def test_hostile_input_refused_counted_and_receiving_continues(kind: str) -> None:
+    async with group(kind, 2) as ts:
+        job = ts[0].job
+        victim = ts[1]
+        inner = victim.control if isinstance(victim, PlaneTransport) else victim
+        bad = _hostile(victim, job)
+        for frames in bad:
+            inner._deliver_frames(0, frames)  # the delivery path every arrival takes
+        assert rejected(victim) == len(bad)
+        assert victim.stats["messages_received"] == 0
+        want = payload(0, 1, 1)
+        ts[0].send(1, MsgKey(job, 0, 1, 1, Direction.ACT), want)
+        m = await asyncio.wait_for(victim.recv(), 20)
+        for g, w in zip(m.tensors, want):
+            assert_bit_exact(g, w)
+
+
+@pytest.mark.timeout(30)
+async def test_replayed_announcement_is_refused() -> None:
+    async with group("fake-nccl", 2) as ts:
+        job = ts[0].job
+        key = MsgKey(job, 0, 0, 1, Direction.ACT)
+        ts[0].send(1, key, [torch.ones(3)])
+        m = await asyncio.wait_for(ts[1].recv(), 10)
+        assert m.tensors[0].tolist() == [1.0, 1.0, 1.0]
+        ts[1].control._deliver_frames(0, encode(key, [], {ANNOUNCE: {"seq": 0, "tensors": [["float32", [3], False]]}}))
+        assert rejected(ts[1]) == 1
+
+
+@pytest.mark.timeout(30)
+async def test_plane_send_handle_keeps_bytes_until_done_and_reserved_meta() -> None:
+    async with group("fake-nccl", 2) as ts:
+        job = ts[0].job
+        h = ts[0].send(1, MsgKey(job, 0, 0, 1, Direction.ACT), [torch.arange(5.0)])
+        assert not h.done  # the receive is posted only when the announcement lands
+        await asyncio.wait_for(h.wait(), 10)
+        assert h.done and h.error is None
+        with pytest.raises(ValueError, match="reserved"):
+            ts[0].send(1, MsgKey(job, 0, 1, 1, Direction.ACT), [torch.ones(1)], {ANNOUNCE: 1})
