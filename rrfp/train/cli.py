@@ -64,6 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_metrics_flags(p, "serve Prometheus metrics on this port + rank (each rank its own endpoint, /metrics)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
+    p.add_argument("--transport", choices=["zmq", "torch"], default="zmq",
+                   help="data plane for tensors between ranks: zmq (ZeroMQ frames through host memory) or torch "
+                   "(ZeroMQ announces, torch.distributed point-to-point moves them: NCCL on GPU, gloo on CPU)")
     p.set_defaults(func=run)
 
 

@@ -154,6 +154,7 @@ def _main(args: argparse.Namespace) -> int:
         placement=args.placement, loss_weight_fn=count_tokens, rank=rank, n_ranks=n_ranks,
         job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
         record=args.trace is not None or metrics is not None, deterministic=args.deterministic, backpressure=args.backpressure,
+        transport=getattr(args, "transport", "zmq"),
     )
     # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
     out_bytes = record_output_bytes(stages) if args.trace else None
