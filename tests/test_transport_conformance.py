@@ -236,3 +236,83 @@ async def test_plane_send_handle_keeps_bytes_until_done_and_reserved_meta() -> N
         assert h.done and h.error is None
         with pytest.raises(ValueError, match="reserved"):
             ts[0].send(1, MsgKey(job, 0, 1, 1, Direction.ACT), [torch.ones(1)], {ANNOUNCE: 1})
+
+
+class _Work:
+    """A stand-in for an NCCL work: done when the test says so (NCCL itself needs 2 GPUs)."""
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        return self.finished
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+
+class _Group:
+    def __init__(self) -> None:
+        self.works: list[_Work] = []
+
+    def send(self, bufs, peer, tag):
+        self.works.append(_Work())
+        return self.works[-1]
+
+    recv = send
+
+
+@pytest.mark.timeout(30)
+async def test_polled_completion_reports_each_work_once_in_any_order() -> None:
+    groups = [_Group() for _ in range(4)]
+    plane = TorchDataPlane(0, groups, "cpu", poll=True)
+    await plane.start()
+    seen: list[tuple[int, Any]] = []
+    all_done = asyncio.get_running_loop().create_future()
+
+    def cb(i: int):
+        def done(exc):
+            seen.append((i, exc))
+            if len(seen) == 3:
+                all_done.set_result(None)
+        return done
+
+    buf = torch.zeros(4, dtype=torch.uint8)
+    plane.isend(1, 0, (0, 0), buf, cb(0))
+    plane.irecv(1, 1, (0, 0), buf, cb(1))
+    plane.isend(1, 3, (0, 0), buf, cb(2))
+    w0, w1, w2 = groups[0].works[0], groups[1].works[0], groups[3].works[0]
+    for _ in range(3):
+        await asyncio.sleep(0)  # let the poller run: nothing is complete, nothing reported
+    assert seen == []
+    w2.finished = True
+    w1.error = RuntimeError("peer gone")
+    w1.finished = True
+    while len(seen) < 2:
+        await asyncio.sleep(0)
+    w0.finished = True
+    await asyncio.wait_for(all_done, 10)
+    assert [i for i, _ in seen[:2]] in ([1, 2], [2, 1]) and seen[2][0] == 0
+    assert dict(seen)[1] is w1.error and dict(seen)[0] is None and dict(seen)[2] is None
+    plane.close()
+
+
+def test_unknown_data_plane_is_one_line_naming_the_choices(capsys, monkeypatch) -> None:
+    from rrfp.cli import main
+    from rrfp.runtime.dist import default_transport
+
+    with pytest.raises(ValueError, match="unknown data plane 'nccl': expected one of zmq, torch"):
+        default_transport(0, 2, "j", data_plane="nccl")
+    with pytest.raises(ValueError, match="unknown data plane 'torch': expected one of fake, fake-nccl"):
+        wrap_fake([], "torch")
+
+    def no_launch(*a, **k):
+        raise AssertionError("a process was launched")
+
+    monkeypatch.setattr("rrfp.train.cli.launch", no_launch)
+    with pytest.raises(SystemExit) as ei:
+        main(["train", "--transport", "nccl"])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--transport: invalid choice: 'nccl'" in err[-1]
