@@ -231,9 +231,9 @@ async def test_plane_send_handle_keeps_bytes_until_done_and_reserved_meta() -> N
     async with group("fake-nccl", 2) as ts:
         job = ts[0].job
         h = ts[0].send(1, MsgKey(job, 0, 0, 1, Direction.ACT), [torch.arange(5.0)])
-        assert not h.done  # the receive is posted only when the announcement lands
+        assert not h.done()  # the receive is posted only when the announcement lands
         await asyncio.wait_for(h.wait(), 10)
-        assert h.done and h.error is None
+        assert h.done() and h.error is None
         with pytest.raises(ValueError, match="reserved"):
             ts[0].send(1, MsgKey(job, 0, 1, 1, Direction.ACT), [torch.ones(1)], {ANNOUNCE: 1})
 

@@ -163,6 +163,10 @@ class Transport(abc.ABC):
     rank: int
     world_size: int
     stats: dict[str, int]
+    device_tensors: bool = False
+    """True when :meth:`send` takes device (CUDA) tensors as they are and receivers get them on
+    their own device (the ``torch`` data plane); False: send host tensors (the codec would copy
+    device tensors to the host synchronously)."""
 
     def __init__(
         self,

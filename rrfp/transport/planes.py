@@ -117,8 +117,9 @@ class SendHandle:
     """What :meth:`PlaneTransport.send` returns: keeps the sent tensors' bytes alive until the
     data plane is done with them.
 
+    The runtime's outbox holds it until :meth:`done` (rrfp.runtime.outbox).
+
     Attributes:
-        done: True once every buffer has been sent (or the send failed).
         error: the failure, or None.
     """
 
@@ -130,8 +131,8 @@ class SendHandle:
         self._future: asyncio.Future[None] | None = None
         self.error: BaseException | None = None
 
-    @property
     def done(self) -> bool:
+        """True once every buffer has been sent (or the send failed)."""
         return self._pending == 0
 
     def _one_done(self, exc: BaseException | None) -> None:
@@ -177,6 +178,8 @@ class PlaneTransport(Transport):
     arrive on ``plane.device``. Raises as :meth:`Transport.send`, plus ValueError for a meta
     using the reserved key :data:`ANNOUNCE`.
     """
+
+    device_tensors = True
 
     def __init__(self, control: Transport, plane: DataPlane) -> None:
         super().__init__(control.rank, control.world_size, job=control.job, max_bytes=control.max_bytes)
@@ -260,7 +263,7 @@ class PlaneTransport(Transport):
         h._one_done(exc)
         if exc is not None:
             self._on_peer_lost(dst, f"data plane send failed: {_one_line(exc)}")
-        if h.done:
+        if h.done():
             self._inflight_tx.discard(h)
             self._check_idle()
 
