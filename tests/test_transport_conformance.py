@@ -316,3 +316,24 @@ def test_unknown_data_plane_is_one_line_naming_the_choices(capsys, monkeypatch) 
     assert ei.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "--transport: invalid choice: 'nccl'" in err[-1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(60)
+async def test_device_tensors_stay_on_the_device_end_to_end() -> None:
+    net = FakeNetwork(2, seed=1, delay=DELAY)
+    ts, wire = wrap_fake([net.transport(r) for r in range(2)], "fake-nccl", seed=2, delay=DELAY, device="cuda")
+    for t in ts:
+        t.job = "cuda"
+    await asyncio.gather(*(t.start() for t in ts))
+    try:
+        assert all(t.device_tensors for t in ts)
+        want = [w.cuda() if w is not None else None for w in payload(0, 1, 3)]
+        ts[0].send(1, MsgKey("cuda", 0, 3, 1, Direction.ACT), want)
+        m = await asyncio.wait_for(ts[1].recv(), 20)
+        for g, w in zip(m.tensors, want):
+            assert_bit_exact(g, w)  # same device included
+        assert wire.mismatches == 0
+    finally:
+        for t in ts:
+            t.abort()
