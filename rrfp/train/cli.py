@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stages", type=int, default=DEFAULTS["stages"], help="pipeline ranks (processes)")
     p.add_argument("--virtual-stages", type=int, default=DEFAULTS["virtual_stages"], help="virtual stages per rank")
     p.add_argument("--placement", choices=["loop", "v"], default="loop", help="virtual-stage placement")
+    p.add_argument("--transport", choices=["zmq", "torch"], default="zmq",
+                   help="data plane for tensors between ranks: zmq (ZeroMQ frames through host memory) or torch "
+                   "(ZeroMQ announces, torch.distributed point-to-point moves them: NCCL on GPU, gloo on CPU)")
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
@@ -64,9 +67,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_metrics_flags(p, "serve Prometheus metrics on this port + rank (each rank its own endpoint, /metrics)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
-    p.add_argument("--transport", choices=["zmq", "torch"], default="zmq",
-                   help="data plane for tensors between ranks: zmq (ZeroMQ frames through host memory) or torch "
-                   "(ZeroMQ announces, torch.distributed point-to-point moves them: NCCL on GPU, gloo on CPU)")
     p.set_defaults(func=run)
 
 
