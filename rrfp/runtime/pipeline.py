@@ -266,12 +266,12 @@ class LocalPipeline:
         n_virtual: virtual stages per rank.
         delay: ``(low, high)`` seconds of uniform random delay per message.
         seed: seeds the message delays.
-        encode: pass every message through the codec, as between processes.
-        task_delay: ``fn(step, rank, task) -> seconds`` of injected compute time.
-        deterministic: as :class:`Pipeline`.
         data_plane: None (tensors ride the fake network), ``fake`` or ``fake-nccl``: announcements
             on the fake network, tensors on an in-process data plane (``fake-nccl``: matched by
             order alone, like NCCL) with the same seeded ``delay``; see :attr:`wire`.
+        encode: pass every message through the codec, as between processes.
+        task_delay: ``fn(step, rank, task) -> seconds`` of injected compute time.
+        deterministic: as :class:`Pipeline`.
 
     Raises:
         ValueError: as :class:`Pipeline`.
@@ -290,6 +290,7 @@ class LocalPipeline:
         loss_weight_fn: Callable[[Any], float] | None = None,
         delay: tuple[float, float] = (0.0, 0.0),
         seed: int = 0,
+        data_plane: str | None = None,
         encode: bool = True,
         record: bool = False,
         task_delay: DelayFn | None = None,
@@ -297,7 +298,6 @@ class LocalPipeline:
         job: str = "rrfp-local",
         deterministic: bool = False,
         backpressure: str = "admission",
-        data_plane: str | None = None,
     ) -> None:
         from ..transport.fake import FakeNetwork
 
