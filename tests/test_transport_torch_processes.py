@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 import torch
@@ -83,7 +82,10 @@ def stages_of(model: ToyModel, n_stages: int) -> list[SeqStage]:
 
 
 def _rank_main(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    # The test process hosts the store (bound to port 0: no race for a free port), as torchrun's
+    # agent does; every rank connects to it as a client.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     from rrfp.runtime.pipeline import Pipeline
     from rrfp.runtime.stage import PipelineStage
@@ -121,9 +123,10 @@ def _reference() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 @pytest.mark.timeout(120)
 def test_torch_data_plane_4_processes_match_single_process_reference(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
+    port = store.port
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, port, str(tmp_path))) for r in range(WORLD)]
     for p in procs:
