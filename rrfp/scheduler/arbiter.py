@@ -352,6 +352,52 @@ class Arbiter:
                 return self._dispatch(self._order[j])
         return None
 
+    # ------------------------------------------------- propose / commit (TP agreement)
+    def propose(self) -> Task | None:
+        """Like :meth:`next`, but the choice may still be taken back with :meth:`withdraw`
+        (RRFP §4.2: a TP group agrees on a collective-bearing task before anyone runs it).
+        Follow with :meth:`commit` or :meth:`withdraw` before the next decision."""
+        self._undo = (self._phase, getattr(self, "_pos", None))
+        return self.next()
+
+    def commit(self, task: Task) -> None:
+        """Keep the proposed ``task`` (it runs; :meth:`complete` follows).
+
+        Raises:
+            SchedulingError: ``task`` is not the proposed task.
+        """
+        if task != self.running:
+            raise SchedulingError(f"rank {self.rank}: commit of {task} but {self.running} was proposed")
+        self._undo = None
+
+    def withdraw(self, task: Task) -> None:
+        """Take back the proposed ``task``: it is ready again and no state has advanced (the
+        hint's B/F phase and a strict order's position are as before :meth:`propose`).
+
+        Raises:
+            SchedulingError: ``task`` is not the proposed task.
+        """
+        if task != self.running or getattr(self, "_undo", None) is None:
+            raise SchedulingError(f"rank {self.rank}: withdraw of {task} but {self.running} was proposed")
+        self._phase, pos = self._undo
+        if pos is not None:
+            self._pos = pos
+        self._undo = None
+        self.running = None
+        c, i = self._key(task)
+        self._rdy[c][i] = 1
+        if self._policy:
+            s, _, m = task
+            v = self._vidx[s]
+            heap, entry = ((self._rf, (v, m, s)) if c == 0 else (self._rb, (-v, m, s)) if c == 1
+                           else (self._rw, (m, -v, s)))
+            stale = self._stale[id(heap)]
+            if entry in stale:  # taken from the heap's middle: it is still in the heap
+                stale.discard(entry)
+                self._n_stale -= 1
+            else:
+                heapq.heappush(heap, entry)
+
     # ------------------------------------------------------------- internals
     @staticmethod
     def _interleaved_flag(spec: PipelineSpec, rank: int) -> bool:

@@ -1,0 +1,7 @@
+"""Parallel layout beyond one pipeline: PP x DP x TP coordinates, process groups, data-parallel
+gradient reduction, tied parameters across stages and global-norm clipping (ARCHITECTURE.md,
+"parallel/")."""
+
+from .layout import ParallelLayout, check_stage_module
+
+__all__ = ["ParallelLayout", "check_stage_module"]
