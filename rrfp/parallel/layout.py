@@ -142,6 +142,13 @@ class ParallelLayout:
                 f"of pp {self.pp} x dp {self.dp} x tp {self.tp}")
 
 
+_WRAPPERS = (
+    ("torch.nn.parallel.distributed", "DistributedDataParallel", "DistributedDataParallel"),
+    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel", "FullyShardedDataParallel"),
+    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "fully_shard (FSDP2)"),
+)
+
+
 def check_stage_module(module: nn.Module, stage_index: int) -> None:
     """Refuse a stage module wrapped for data parallelism by torch.
 
@@ -154,26 +161,17 @@ def check_stage_module(module: nn.Module, stage_index: int) -> None:
     Raises:
         ValueError: one line naming the stage and the wrapper.
     """
-    from torch.nn.parallel import DistributedDataParallel
+    import sys
 
+    # Look the wrappers up only if their modules were imported: importing torch's FSDP here
+    # would pull in torch._dynamo (seconds per process), and a module can only be an instance
+    # of a class whose module is loaded.
     wrapper = None
-    if isinstance(module, DistributedDataParallel):
-        wrapper = "DistributedDataParallel"
-    else:
-        try:
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            if isinstance(module, FullyShardedDataParallel):
-                wrapper = "FullyShardedDataParallel"
-        except ImportError:  # pragma: no cover - torch without FSDP
-            pass
-        try:
-            from torch.distributed.fsdp import FSDPModule
-
-            if isinstance(module, FSDPModule):
-                wrapper = "fully_shard (FSDP2)"
-        except ImportError:  # pragma: no cover
-            pass
+    for mod_name, cls_name, label in _WRAPPERS:
+        cls = getattr(sys.modules.get(mod_name), cls_name, None)
+        if cls is not None and isinstance(module, cls):
+            wrapper = label
+            break
     if wrapper is not None:
         raise ValueError(
             f"stage {stage_index}'s module is wrapped in {wrapper}: pass the plain module and give the "

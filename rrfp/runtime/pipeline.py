@@ -112,6 +112,14 @@ class Pipeline:
             bitwise reproducible whatever order tasks ran in.
         backpressure: with virtual stages, ``admission`` (default: the limit counts
             microbatches in flight per rank) or ``completion-order`` (RRFP App. C.2).
+        layout: a :class:`~rrfp.parallel.layout.ParallelLayout` (PP x DP x TP): this rank runs
+            pipeline rank ``layout.pp_rank`` of the pipeline at its ``(dp_rank, tp_rank)``; its
+            stages' gradients are all-reduced over DP as soon as they are final, the loss is the
+            mean over the global batch's tokens, and TP ranks agree before each F and B.
+        tied: parameters shared by stages, ``{name: {stage_index: parameter name}}`` (stage -1:
+            the last), e.g. ``{"wte": {0: "tok_emb.weight", -1: "head.weight"}}``: their
+            gradients are summed over the owning ranks before the step returns. Every rank
+            passes the same value.
 
     Raises:
         ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...).
@@ -136,10 +144,16 @@ class Pipeline:
         task_delay: DelayFn | None = None,
         deterministic: bool = False,
         backpressure: str = "admission",
+        layout=None,
+        tied=None,
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
             raise ValueError("a pipeline rank needs at least one stage")
+        if layout is not None:
+            rank = layout.pp_rank if rank is None else rank
+            n_ranks = layout.pp if n_ranks is None else n_ranks
+            job = layout.job(job)
         if rank is None or n_ranks is None:
             import torch.distributed as dist
 
@@ -181,6 +195,13 @@ class Pipeline:
                 deterministic=deterministic,
             )
         )
+        self.grad_sync = None
+        if layout is not None or tied:
+            from ..parallel.attach import attach_layout
+            from ..parallel.layout import ParallelLayout
+
+            self.grad_sync = attach_layout(
+                self.runtime, layout or ParallelLayout.build(n_ranks), stages, tied, n_stages, place.rank_of)
         self._step = 0
         self.last_stats: StepStats | None = None
 

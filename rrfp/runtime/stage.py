@@ -55,6 +55,9 @@ class PipelineStage:
     ) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index={stage_index}: expected 0 <= stage_index < num_stages={num_stages}")
+        from ..parallel.layout import check_stage_module
+
+        check_stage_module(module, stage_index)
         self.submod = module
         self.stage_index = stage_index
         self.num_stages = num_stages

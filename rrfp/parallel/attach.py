@@ -1,0 +1,42 @@
+"""Joins a rank's runtime to its parallel layout: DP/tied step hooks, global loss weights, TP
+agreement. One function, used by :class:`~rrfp.runtime.pipeline.Pipeline`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .grads import GradSync, resolve_ties
+from .layout import ParallelLayout
+
+__all__ = ["attach_layout"]
+
+
+def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_stages: int, rank_of) -> GradSync | None:
+    """Register this rank's :class:`GradSync` (DP reduction, tied sums, global token count) and,
+    at TP > 1, the TP agreement exchange on ``runtime``.
+
+    Args:
+        runtime: the rank's runtime (``add_step_hooks``, ``set_loss_reduction``,
+            ``set_tp_agreement``).
+        layout: the rank's layout.
+        stages: its :class:`~rrfp.runtime.stage.PipelineStage` objects, in virtual-stage order.
+        tied: ``Pipeline(..., tied=...)`` (see :func:`~rrfp.parallel.grads.resolve_ties`).
+        n_stages: the pipeline's stage count; rank_of: ``stage -> pp_rank``.
+
+    Returns:
+        the :class:`GradSync`, or None when there is nothing to reduce (DP 1, no ties).
+    """
+    ties = resolve_ties(tied, n_stages)
+    if len(stages) > 1:
+        layout.make_dp_stage_groups(len(stages))
+    sync = None
+    if layout.dp > 1 or ties:
+        sync = GradSync(layout, {st.stage_index: st.submod for st in stages}, ties, n_stages, rank_of)
+        runtime.add_step_hooks(sync)
+        if layout.dp > 1:
+            runtime.set_loss_reduction(sync.global_weight_total, sync.global_loss)
+    if layout.tp > 1:
+        from .exchange import GlooExchange
+
+        runtime.set_tp_agreement(GlooExchange(layout.tp_control_group, layout.tp))
+    return sync

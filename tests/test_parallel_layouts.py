@@ -1,0 +1,132 @@
+"""PP x DP x TP on 4 gloo processes against the single-process GPT (fp32, rtol 1e-5, atol 1e-6).
+
+One launch of 4 processes runs every scenario (``tests/par_worker.py``): PP2 x DP2 with unequal
+token counts per replica, PP2 x DP2 with the embedding tied to the head across the first and
+last stage, PP2 x DP2 after 3 SGD steps with global-norm clipping, PP2 x TP2 (with jitter on
+one TP rank, the collective-bearing tasks' order must match), and a DDP-wrapped stage refused.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rrfp.data.batches import pad_batch
+from rrfp.model.gpt import GPT, lm_loss
+from rrfp.model.tp import tp_slice
+
+sys.path.insert(0, str(Path(__file__).parent))
+import par_worker as W  # noqa: E402
+
+pytestmark = pytest.mark.slow
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("par")
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "par_worker.py"), str(r), "4", str(port), str(out)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=150)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * 4, "\n".join(logs)[-4000:]
+    return out
+
+
+def _load(out: Path, scenario: str) -> list[dict]:
+    return [torch.load(out / f"{scenario}.rank{r}.pt") for r in range(4)]
+
+
+def _reference(tied: bool = False, steps: int = 1, clip: float | None = None):
+    model = GPT(W.CFG, seed=W.SEED)
+    if tied:
+        model.head.weight = model.tok_emb.weight
+    tokens, targets = pad_batch(W.SAMPLES)
+    losses, norms = [], []
+    for k in range(steps):
+        loss = lm_loss(model(tokens), targets)
+        loss.backward()
+        losses.append(loss.detach())
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        if k < steps - 1:
+            W.sgd(model.parameters())
+    return losses, norms, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _check_dp(parts, ref_losses, ref_grads, tied=False):
+    for part in parts:
+        pp, dp, tp = part["coords"]
+        for name, g in part["grads"].items():
+            ref_name = "tok_emb.weight" if tied and name == "head.weight" else name
+            torch.testing.assert_close(g, ref_grads[ref_name], **TOL, msg=lambda m: f"rank {pp, dp, tp} {name}: {m}")
+        if pp == 1:
+            for got, want in zip(part["losses"], ref_losses):
+                torch.testing.assert_close(got, want, **TOL)
+    names = {n for part in parts for n in part["grads"]}
+    assert names == set(ref_grads) | ({"head.weight"} if tied else set())
+
+
+def test_pp2_dp2_unequal_token_counts_match_reference(results):
+    counts = [sum(len(s) - 1 for s in W.SAMPLES[:4]), sum(len(s) - 1 for s in W.SAMPLES[4:])]
+    assert counts[0] * 2 < counts[1]  # the replicas' token counts really differ
+    losses, _, grads = _reference()
+    _check_dp(_load(results, "dp"), losses, grads)
+
+
+def test_pp2_dp2_tied_embedding_and_head_match_reference(results):
+    losses, _, grads = _reference(tied=True)
+    _check_dp(_load(results, "tied"), losses, grads, tied=True)
+
+
+def test_pp2_dp2_three_steps_with_global_norm_clipping(results):
+    losses, norms, grads = _reference(steps=3, clip=0.05)
+    assert min(norms) > 0.05  # clipping acted in every step
+    parts = _load(results, "clip")
+    _check_dp(parts, losses, grads)
+    for part in parts:
+        assert [math.isclose(a, b, rel_tol=1e-5) for a, b in zip(part["norms"], norms)] == [True] * 3
+
+
+def test_pp2_tp2_matches_reference_and_tp_ranks_agree(results):
+    losses, _, grads = _reference()
+    parts = _load(results, "tp")
+    for part in parts:
+        pp, _, tp = part["coords"]
+        for name, g in part["grads"].items():
+            want = tp_slice(name, grads[name], tp, 2, W.CFG.d_model, W.CFG.n_head)
+            torch.testing.assert_close(g, want, **TOL, msg=lambda m: f"pp {pp} tp {tp} {name}: {m}")
+        if pp == 1:
+            torch.testing.assert_close(part["losses"][0], losses[0], **TOL)
+    by = {part["coords"]: part["records"] for part in parts}
+    for pp in range(2):
+        assert by[(pp, 0, 0)] == by[(pp, 0, 1)]
+        assert len(by[(pp, 0, 0)]) == 2 * W.M
+
+
+def test_ddp_wrapped_stage_is_refused_with_one_line(results):
+    for r in range(4):
+        msg = (results / f"ddp.rank{r}.txt").read_text()
+        assert "DistributedDataParallel" in msg and "\n" not in msg
