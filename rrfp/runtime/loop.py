@@ -19,6 +19,7 @@ import time
 from collections import deque
 from typing import Callable
 
+from ..scheduler.agreement import TPAgreement, decode_task, encode_task
 from ..scheduler.arbiter import Arbiter
 from ..scheduler.tasks import Task, TaskRecord
 from .errors import WatchdogTimeout
@@ -26,6 +27,7 @@ from .executor import Executor, Pending, RunFn
 from .hooks import HookRunner
 from .inbox import Inbox
 
+_AGAIN = object()  # the TP group disagreed on the proposed task
 DelayFn = Callable[[int, int, Task], float]  # (step, rank, task) -> extra seconds
 EmitFn = Callable[[list], None]  # hands a finished task's outputs on (loop thread)
 
@@ -59,6 +61,8 @@ class SchedulerLoop:
         self._timed_out: WatchdogTimeout | None = None
         self._progress = time.perf_counter()  # the watchdog's clock: last task's end
         self._last_end = 0.0
+        self.agree = None  # TP agreement's exchange (RankRuntime.set_tp_agreement), None: no TP
+        self.agreement: TPAgreement | None = None
         executor.bind(inbox.wake.set)
 
     async def run(self, arb: Arbiter, step: int, stats, run_fn: RunFn, emit: EmitFn,
@@ -100,7 +104,10 @@ class SchedulerLoop:
                     if not running:
                         return
                 elif arb.running is None and len(running) < ex.window:
-                    task = arb.next()
+                    task = arb.next() if self.agree is None else await self._agreed(arb)
+                    if task is _AGAIN:  # the TP group disagreed: look at arrivals, arbitrate again
+                        await asyncio.sleep(0)
+                        continue
                     if task is not None:
                         p = ex.launch(task, run_fn)
                         if p.done and p.error is None:  # inline: finished inside launch
@@ -116,6 +123,19 @@ class SchedulerLoop:
                 await self._wait_for_event()
         finally:
             self._disarm_watchdog()
+
+    async def _agreed(self, arb: Arbiter):
+        """TP agreement (RRFP §4.2, :mod:`rrfp.scheduler.agreement`): the task this rank's TP
+        group agreed on (committed), a task that needs no agreement, None when nothing is
+        ready, or ``_AGAIN`` after a mismatch (nothing committed, no state advanced)."""
+        ag = self.agreement
+        if ag is None or ag.arb is not arb:
+            ag = self.agreement = TPAgreement(arb)
+        task, need = ag.propose()
+        if not need:
+            return task
+        codes = await self.agree(encode_task(task))
+        return task if ag.decide([decode_task(c) for c in codes]) else _AGAIN
 
     async def _delay(self, step: int, task: Task) -> None:
         # Injected delays stand for device time: the rank stays busy but its loop keeps

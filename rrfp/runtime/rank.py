@@ -201,6 +201,7 @@ class RankRuntime:
         self.outbox = Outbox(transport, job)
         self.loop = SchedulerLoop(rank, self.inbox, self.executor, watchdog=watchdog, task_delay=task_delay,
                                   record=record)
+        self._loss_total = self._loss_global = None
         self.hooks = HookRunner(self.stages, spec.n_microbatches, W if spec.split_backward else B)
         self._receiving = False
         # Step state: the inbox buffers arrivals (inputs); these are what tasks produce.
@@ -244,6 +245,19 @@ class RankRuntime:
     def rejected(self) -> int:
         """Messages refused for their routing (wrong job, step, stage, duplicates...)."""
         return self.inbox.rejected
+
+    def set_loss_reduction(self, total_fn: Callable[[float], float], loss_fn: Callable[[float], float]) -> None:
+        """Data parallelism (:mod:`rrfp.parallel.grads`): ``total_fn(local total)`` gives the
+        loss-weight total over every replica (the global token count), so microbatch weights
+        are shares of the global batch; ``loss_fn(local loss)`` gives the global step loss
+        from this replica's part (both on the rank holding the last stage)."""
+        self._loss_total, self._loss_global = total_fn, loss_fn
+
+    def set_tp_agreement(self, exchange) -> None:
+        """Tensor parallelism: agree with the TP group before every F and B (RRFP §4.2;
+        :class:`~rrfp.runtime.loop.SchedulerLoop`), ``exchange`` all-gathering the proposals
+        (:mod:`rrfp.parallel.exchange`)."""
+        self.loop.agree = exchange
 
     def add_step_hooks(self, hooks: StepHooks) -> None:
         """Register step hooks (:mod:`rrfp.runtime.hooks`): ``on_stage_grads_final(stage)``
@@ -336,6 +350,8 @@ class RankRuntime:
             # One reduction in float64 instead of M scalar tensor ops (and M device syncs).
             flat = torch.stack([l.reshape(()) for l in mb_losses]).to("cpu", torch.float64)
             stats.loss = float(flat.dot(torch.tensor(weights, dtype=torch.float64)))
+            if self._loss_global is not None:
+                stats.loss = self._loss_global(stats.loss)
         self._targets = self._weights = None
         await self.outbox.flush()
         inbox.end_step(step)
@@ -347,6 +363,8 @@ class RankRuntime:
             return [1.0 / M] * M
         raw = [float(self.loss_weight_fn(t)) for t in targets]
         total = sum(raw)
+        if self._loss_total is not None:
+            total = self._loss_total(total)
         if total <= 0:
             raise ValueError(f"loss weights {raw} sum to {total}: expected a positive total")
         return [r / total for r in raw]
