@@ -1,0 +1,169 @@
+"""TP agreement (RRFP §4.2): propose / commit / withdraw, and two TP ranks that jitter
+differently still run their collective-bearing tasks in one order."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from rrfp.parallel.exchange import LocalExchange
+from rrfp.runtime.pipeline import new_event_loop
+from rrfp.runtime.rank import RankRuntime
+from rrfp.runtime.stage import PipelineStage
+from rrfp.scheduler.agreement import TPAgreement, decode_task, encode_task
+from rrfp.scheduler.arbiter import Arbiter
+from rrfp.scheduler.hints import resolve_hint
+from rrfp.scheduler.tasks import B, F, Placement, Task
+from rrfp.transport.fake import FakeNetwork
+
+
+def _spec(n_ranks=2, M=4, hint="bf"):
+    return resolve_hint(hint, Placement(n_ranks, 1, "loop"), M)
+
+
+@pytest.mark.parametrize("hint", ["bf", "bfw", "fb", "1f1b", "strict-1f1b"])
+def test_withdraw_leaves_the_arbiter_as_before_propose(hint):
+    """After propose + withdraw, every later decision is the one a fresh arbiter makes."""
+    spec, h, strict = _spec(hint=hint)
+    rng = random.Random(3)
+    for trial in range(30):
+        a = Arbiter(spec, 1, h, strict=strict, inflight_limit=2)
+        b = copy.deepcopy(a)
+        pending = [(1, m, False) for m in range(spec.n_microbatches)]  # activations from stage 0
+        order_a, order_b = [], []
+        while not a.finished:
+            if pending and rng.random() < 0.5:
+                s, m, g = pending.pop(rng.randrange(len(pending)))
+                a.mark_input(s, m, g), b.mark_input(s, m, g)
+            t = a.propose()
+            if t is not None:
+                a.withdraw(t)
+                assert a.propose() == t  # the same choice again: nothing advanced
+                a.commit(t)
+            u = b.next()
+            assert t == u
+            for arb, task, order in ((a, t, order_a), (b, u, order_b)):
+                if task is not None:
+                    arb.complete(task)
+                    order.append(task)
+        assert order_a == order_b and len(order_a) == a.n_tasks
+
+
+def test_agreement_makes_two_differently_informed_ranks_run_one_order():
+    """Pure and deterministic: rank 1 sees gradients late. Without agreement the two ranks
+    run their collective-bearing tasks in different orders; with it they run one order and
+    a mismatch withdraws both proposals."""
+    spec, h, _ = _spec(M=4)
+    M = spec.n_microbatches
+
+    def run(agree: bool) -> tuple[list, list, int]:
+        arbs = [Arbiter(spec, 0, h), Arbiter(spec, 0, h)]
+        ags = [TPAgreement(a) for a in arbs]
+        orders = [[], []]
+        late: list[Task] = []  # gradients delivered to rank 1 only when it has nothing else
+        for step in range(200):
+            if all(a.finished for a in arbs):
+                break
+            if agree:
+                props = [ag.propose() for ag in ags]
+                codes = [encode_task(t) if need else encode_task(None) for t, need in props]
+                if all(need for _, need in props):
+                    got = [decode_task(c) for c in codes]
+                    ok = [ag.decide(got) for ag in ags]
+                    assert ok[0] == ok[1]  # every rank reaches the same decision, no leader
+                    ran = [t for t, _ in props] if ok[0] else [None, None]
+                else:
+                    for ag, (t, need) in zip(ags, props):
+                        if need:
+                            ag.arb.withdraw(t)
+                    ran = [None, None]
+            else:
+                ran = [a.next() for a in arbs]
+            for r, t in enumerate(ran):
+                if t is None:
+                    continue
+                arbs[r].complete(t)
+                orders[r].append(t)
+                if t.kind == F:  # stage 1's answer: the gradient for this microbatch
+                    if r == 0:
+                        arbs[0].mark_input(0, t.mb, True)
+                    else:
+                        late.append(t)
+            if late and (not ran[1] or len(late) > 1):
+                arbs[1].mark_input(0, late.pop(0).mb, True)
+        return orders[0], orders[1], sum(ag.mismatches for ag in ags)
+
+    a, b, _ = run(agree=False)
+    assert a != b and sorted(a) == sorted(b)  # the control: unequal information, unequal orders
+    a, b, mismatches = run(agree=True)
+    assert a == b and len(a) == 2 * M
+    assert mismatches > 0
+
+
+class _Lin(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = nn.Parameter(torch.randn(8, 8, generator=g) * 0.3)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w)
+
+
+def _run_jittered(seed: int, n_pp: int = 3, M: int = 6) -> tuple[list[list[str]], int]:
+    """2 TP pipelines of ``n_pp`` ranks on one loop, each over its own fake network; only TP
+    rank 1 gets injected jitter. Returns each rank's collective-bearing task order (index
+    ``tp * n_pp + pp``) and the mismatches seen."""
+    spec, hint, strict = resolve_hint("bf", Placement(n_pp, 1, "loop"), M)
+    loop = new_event_loop()
+    rng = random.Random(seed)
+
+    def jitter(step, rank, task):
+        return rng.choice((0.0, 0.0, 0.0, 0.0003, 0.001))
+
+    async def main():
+        exchanges = [LocalExchange(2) for _ in range(n_pp)]
+        runtimes = []
+        for tp in range(2):
+            net = FakeNetwork(n_pp, seed=seed * 2 + tp, delay=(0.0, 0.0005), encode=False)
+            for pp in range(n_pp):
+                t = net.transport(pp)
+                await t.start()
+                rt = RankRuntime(pp, [PipelineStage(_Lin(pp), pp, n_pp)], spec, hint, t, strict=strict,
+                                 job=f"tp{tp}", loss_fn=lambda out, y: ((out - y) ** 2).mean(), watchdog=20,
+                                 record=True, task_delay=jitter if tp == 1 else None)
+                rt.set_tp_agreement(exchanges[pp].member(tp))
+                runtimes.append(rt)
+        x = torch.randn(M, 8, generator=torch.Generator().manual_seed(seed))
+        mbs = [(x[m:m + 1],) for m in range(M)]
+        tgt = [torch.zeros(1, 8) for _ in range(M)]
+        stats = await asyncio.wait_for(asyncio.gather(*[
+            rt.run_step(0, mbs if rt.rank == 0 else None, tgt if rt.rank == n_pp - 1 else None) for rt in runtimes
+        ]), timeout=30)
+        for rt in runtimes:
+            await rt.close()
+        orders = [[str(r.task) for r in st.records if r.task.kind in (F, B)] for st in stats]
+        return orders, sum(rt.loop.agreement.mismatches for rt in runtimes)
+
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
+@pytest.mark.timeout(120)
+def test_jitter_on_one_tp_rank_same_collective_order_in_200_seeded_runs():
+    n_pp = 3
+    mismatches = 0
+    for seed in range(200):
+        orders, mm = _run_jittered(seed, n_pp)  # a deadlock would end in the watchdog or the timeout
+        mismatches += mm
+        for pp in range(n_pp):
+            assert orders[pp] == orders[n_pp + pp], f"seed {seed} pp_rank {pp}"
+            assert len(orders[pp]) == 2 * 6
+    print(f"mismatched proposals over 200 runs: {mismatches}")
