@@ -89,6 +89,17 @@ def ddp_refused(out: str) -> None:
         msg = str(e)
     with open(f"{out}/ddp.rank{os.environ['RANK']}.txt", "w") as f:
         f.write(msg or "accepted")
+    import argparse
+
+    from rrfp.parallel.train import train_layout
+
+    try:  # rrfp train under torchrun with a world that is not stages x dp x tp
+        train_layout(argparse.Namespace(stages=2, dp=1, tp=1))
+        msg = None
+    except ValueError as e:
+        msg = str(e)
+    with open(f"{out}/world.rank{os.environ['RANK']}.txt", "w") as f:
+        f.write(msg or "accepted")
 
 
 def main(rank: int, world: int, port: int, out: str) -> None:

@@ -130,3 +130,27 @@ def test_ddp_wrapped_stage_is_refused_with_one_line(results):
     for r in range(4):
         msg = (results / f"ddp.rank{r}.txt").read_text()
         assert "DistributedDataParallel" in msg and "\n" not in msg
+
+
+def test_world_not_pp_x_dp_x_tp_is_one_line(results):
+    msg = (results / "world.rank0.txt").read_text()
+    assert msg == "world size 4 != --stages 2 x --dp 1 x --tp 1 = 2: launch pp x dp x tp processes"
+
+
+def _train_losses(*flags: str) -> list[float]:
+    import re
+
+    p = subprocess.run([sys.executable, "-m", "rrfp", "train", "--steps", "3", "--batch-size", "16", "--microbatches", "4",
+                        "--max-len", "64", *flags], capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [float(x) for x in re.findall(r"^step\s+\d+/3\s+loss\s+([\d.]+)", p.stdout, re.M)]
+
+
+@pytest.mark.timeout(400)
+def test_rrfp_train_dp2_and_tp2_follow_the_pp_only_loss_curve():
+    """The same global batch per step: PP2 x DP2 and PP2 x TP2 against PP2 alone."""
+    pp = _train_losses("--stages", "2")
+    assert len(pp) == 3 and pp[-1] < pp[0]
+    for flags in (("--dp", "2"), ("--tp", "2")):
+        got = _train_losses("--stages", "2", *flags)
+        assert got == pytest.approx(pp, abs=2e-4), flags  # printed to 4 decimals

@@ -67,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_metrics_flags(p, "serve Prometheus metrics on this port + rank (each rank its own endpoint, /metrics)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
+    # Parallel layout (rrfp/parallel): one pipeline per (dp, tp) coordinate.
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree: pipelines that each take 1/dp of the batch")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: ranks that share each stage's attention and MLP")
     p.set_defaults(func=run)
 
 
@@ -80,7 +83,7 @@ def validate(args: argparse.Namespace) -> None:
     from ..scheduler.hints import resolve_hint
     from ..scheduler.tasks import Placement
 
-    for name in ("stages", "virtual_stages", "microbatches", "batch_size", "steps", "max_len", "threads"):
+    for name in ("stages", "virtual_stages", "microbatches", "batch_size", "steps", "max_len", "threads", "dp", "tp"):
         v = getattr(args, name)
         if v < 1:
             raise UsageError(f"--{name.replace('_', '-')}={v}: expected a positive integer")
@@ -98,6 +101,7 @@ def validate(args: argparse.Namespace) -> None:
             f"--microbatches={args.microbatches} exceeds --batch-size={args.batch_size}: "
             "each microbatch needs at least one sample"
         )
+    _validate_layout(args)
     if args.inflight_limit != "1f1b":
         try:
             limit = int(args.inflight_limit)
@@ -161,6 +165,22 @@ def validate(args: argparse.Namespace) -> None:
             )
 
 
+def _validate_layout(args: argparse.Namespace) -> None:
+    """--dp / --tp against the model and the batch (one line each, before any process starts)."""
+    from ..model.gpt import GPT_PRESETS
+
+    cfg = GPT_PRESETS[args.model]
+    if args.tp > 1 and (cfg.n_head % args.tp or cfg.ff_width % args.tp):
+        raise UsageError(f"--tp={args.tp}: expected a divisor of model {args.model!r}'s {cfg.n_head} attention heads")
+    if args.microbatches * args.dp > args.batch_size:
+        raise UsageError(
+            f"--microbatches={args.microbatches} x --dp={args.dp} exceeds --batch-size={args.batch_size}: "
+            "each replica's microbatches need at least one sample"
+        )
+    if args.trace is not None and args.dp * args.tp > 1:
+        raise UsageError(f"--trace records one pipeline: expected --dp 1 --tp 1 with it (got --dp {args.dp} --tp {args.tp})")
+
+
 def run(args: argparse.Namespace) -> int:
     validate(args)
     from ..runtime.dist import in_launched_worker
@@ -179,7 +199,7 @@ def launch(args: argparse.Namespace) -> int:
 
     argv = getattr(args, "argv", None) or ["train"]
     run_args = torchrun.get_args_parser().parse_args(
-        ["--standalone", "--nproc-per-node", str(args.stages), "--max-restarts", "0", "--monitor-interval", "0.5",
+        ["--standalone", "--nproc-per-node", str(args.stages * args.dp * args.tp), "--max-restarts", "0", "--monitor-interval", "0.5",
          "-m", "rrfp", *argv]
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))

@@ -20,12 +20,18 @@ import torch.distributed as dist
 from ..data.batches import BatchSampler, make_microbatches
 from ..data.text import load_samples
 from ..model.gpt import GPT_PRESETS, build_stage, count_tokens, lm_loss
+from ..parallel.clip import clip_grad_norm_
+from ..parallel.train import replica_samples, reports, train_layout
 from ..runtime.dist import init_distributed
 from ..runtime.pipeline import Pipeline
 from ..runtime.stage import PipelineStage
 from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
 
+
+TP_IMPL = "manual"
+"""Hand-written column/row-parallel layers: cheaper per task than DTensor's here
+(``benchmarks/bench_tp.py``, BENCHMARKS.md "Tensor parallelism")."""
 
 SAMPLE_POOL = 8192
 """Samples loaded for training: a fixed pool (not tied to --steps, so the first batches of a
@@ -136,31 +142,37 @@ def main(args: argparse.Namespace) -> int:
 def _main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     init_distributed()
-    rank, n_ranks = dist.get_rank(), dist.get_world_size()
-    if n_ranks != args.stages:
-        raise ValueError(f"world size {n_ranks} != --stages={args.stages}: launch one process per pipeline rank")
+    # rank: this process's pp_rank in its pipeline (one pipeline per (dp_rank, tp_rank)).
+    layout = train_layout(args)
+    rank, n_ranks = layout.pp_rank, layout.pp
     cfg = dataclasses.replace(GPT_PRESETS[args.model], max_len=args.max_len)
     place = Placement(n_ranks, args.virtual_stages, args.placement)
     n_stages = place.n_stages
     stage_ids = place.stages_of(rank)
     stages = [PipelineStage(build_stage(cfg, n_stages, s, args.seed), s, n_stages) for s in stage_ids]
+    if layout.tp > 1:
+        from ..model.tp import shard_gpt_stage
+
+        for st in stages:
+            shard_gpt_stage(st.submod, layout.tp_rank, layout.tp, layout.tp_group, TP_IMPL)
     sampler = None
     if 0 in stage_ids or n_stages - 1 in stage_ids:
         samples = load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL)
         sampler = BatchSampler(samples, args.batch_size, args.seed)
-    metrics, metrics_server = start_metrics(args, rank, stage_ids)
+    metrics, metrics_server = start_metrics(args, layout.rank, stage_ids)
     pipe = Pipeline(
         stages, args.microbatches, lm_loss, hint=args.hint, inflight_limit=inflight_limits(args, n_ranks),
         placement=args.placement, loss_weight_fn=count_tokens, rank=rank, n_ranks=n_ranks,
         job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
         record=args.trace is not None or metrics is not None, deterministic=args.deterministic, backpressure=args.backpressure,
         transport=getattr(args, "transport", "zmq"),
+        layout=layout if layout.dp * layout.tp > 1 else None,
     )
     # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
     out_bytes = record_output_bytes(stages) if args.trace else None
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    reporter = Reporter(args, n_ranks, place) if rank == 0 else None
+    reporter = Reporter(args, n_ranks, place) if layout.rank == 0 else None
     records, step_log = [], []
     if metrics is not None:
         pipe.run(metrics.start_heartbeat())
@@ -169,11 +181,14 @@ def _main(args: argparse.Namespace) -> int:
         for k in range(args.steps):
             t_step = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            mbs = make_microbatches(sampler.batch(k), args.microbatches) if sampler else None
+            batch = sampler.batch(k) if sampler else None
+            mbs = make_microbatches(replica_samples(batch, layout), args.microbatches) if sampler else None
             loss = pipe.step(
                 microbatches=[(mb.tokens,) for mb in mbs] if 0 in stage_ids else None,
                 targets=[mb.targets for mb in mbs] if n_stages - 1 in stage_ids else None,
             )
+            if getattr(args, "clip_grad", None) is not None:
+                clip_grad_norm_(params, args.clip_grad, layout)
             opt.step()
             st = pipe.last_stats
             if args.trace:
@@ -186,11 +201,13 @@ def _main(args: argparse.Namespace) -> int:
                                 seconds=time.perf_counter() - t_step, transport=pipe.transport.stats,
                                 runtime_rejected=pipe.runtime.rejected)
             if reporter is None:
-                pipe.runtime.send_control(0, k, meta)
+                if reports(layout):
+                    pipe.runtime.send_control(0, k, meta)
             else:
                 now = time.perf_counter()
                 reporter.step_time[k], last = now - last, now
-                reporter.tokens[k] = sum(mb.n_tokens for mb in mbs)
+                reporter.tokens[k] = sum(mb.n_tokens for mb in (
+                    mbs if layout.dp == 1 else make_microbatches(batch, args.microbatches)))
                 reporter.add(meta, 0)
                 for msg in pipe.runtime.poll_control():
                     reporter.add(msg.meta, msg.src)
