@@ -109,6 +109,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     run("tied", out, dp=2, tp=1, tied=True)
     run("clip", out, dp=2, tp=1, steps=3, clip=0.05)
     run("tp", out, dp=1, tp=2, jitter=True)
+    run("tied_tp", out, dp=1, tp=2, tied=True)
     ddp_refused(out)
 
 

@@ -126,6 +126,20 @@ def test_pp2_tp2_matches_reference_and_tp_ranks_agree(results):
         assert len(by[(pp, 0, 0)]) == 2 * W.M
 
 
+def test_pp2_tied_embedding_in_each_tp_pipeline_matches_reference(results):
+    """Each TP coordinate's pipeline is a PP2 pipeline whose first and last stage share the
+    embedding: the tie's group is that pipeline's two ranks."""
+    losses, _, grads = _reference(tied=True)
+    for part in _load(results, "tied_tp"):
+        pp, _, tp = part["coords"]
+        for name, g in part["grads"].items():
+            full = grads["tok_emb.weight" if name == "head.weight" else name]
+            want = tp_slice(name, full, tp, 2, W.CFG.d_model, W.CFG.n_head)
+            torch.testing.assert_close(g, want, **TOL, msg=lambda m: f"pp {pp} tp {tp} {name}: {m}")
+        if pp == 1:
+            torch.testing.assert_close(part["losses"][0], losses[0], **TOL)
+
+
 def test_ddp_wrapped_stage_is_refused_with_one_line(results):
     for r in range(4):
         msg = (results / f"ddp.rank{r}.txt").read_text()

@@ -261,6 +261,15 @@ class Pipeline:
             self._loop.run_until_complete(self.transport.close())
         finally:
             self._loop.close()
+            self._close_parallel()
+
+    def _close_parallel(self) -> None:
+        # The DP reduction's and TP agreement's helper threads (rrfp.parallel).
+        if getattr(self, "grad_sync", None) is not None:
+            self.grad_sync.close()
+        agree = getattr(self.runtime.loop, "agree", None)
+        if hasattr(agree, "close"):
+            agree.close()
 
     def abort(self) -> None:
         """Close at once without waiting for peers (error path)."""
