@@ -108,7 +108,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     run("dp", out, dp=2, tp=1)
     run("tied", out, dp=2, tp=1, tied=True)
     run("clip", out, dp=2, tp=1, steps=3, clip=0.05)
-    run("tp", out, dp=1, tp=2, jitter=True)
+    run("tp", out, dp=1, tp=2, jitter=True, clip=0.05)
     run("tied_tp", out, dp=1, tp=2, tied=True)
     ddp_refused(out)
 

@@ -111,10 +111,13 @@ def test_pp2_dp2_three_steps_with_global_norm_clipping(results):
 
 
 def test_pp2_tp2_matches_reference_and_tp_ranks_agree(results):
-    losses, _, grads = _reference()
+    """Gradients after global-norm clipping too: TP shards count on every TP rank, replicated
+    parameters once."""
+    losses, norms, grads = _reference(clip=0.05)
     parts = _load(results, "tp")
     for part in parts:
         pp, _, tp = part["coords"]
+        assert math.isclose(part["norms"][0], norms[0], rel_tol=1e-5)
         for name, g in part["grads"].items():
             want = tp_slice(name, grads[name], tp, 2, W.CFG.d_model, W.CFG.n_head)
             torch.testing.assert_close(g, want, **TOL, msg=lambda m: f"pp {pp} tp {tp} {name}: {m}")

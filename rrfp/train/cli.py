@@ -171,7 +171,7 @@ def _validate_layout(args: argparse.Namespace) -> None:
 
     cfg = GPT_PRESETS[args.model]
     if args.tp > 1 and (cfg.n_head % args.tp or cfg.ff_width % args.tp):
-        raise UsageError(f"--tp={args.tp}: expected a divisor of model {args.model!r}'s {cfg.n_head} attention heads")
+        raise UsageError(f"--tp={args.tp}: expected a divisor of the {cfg.n_head} attention heads of model {args.model!r}")
     if args.microbatches * args.dp > args.batch_size:
         raise UsageError(
             f"--microbatches={args.microbatches} x --dp={args.dp} exceeds --batch-size={args.batch_size}: "
