@@ -36,7 +36,7 @@ def stage_modules(tied: bool):
 
 
 def run(scenario: str, out: str, dp: int, tp: int, steps: int = 1, tied: bool = False, clip: float | None = None,
-        jitter: bool = False) -> None:
+        jitter: bool = False, tp_exchange: str = "control") -> None:
     from rrfp.parallel import ParallelLayout
     from rrfp.parallel.clip import clip_grad_norm_
     from rrfp.runtime.pipeline import Pipeline
@@ -57,7 +57,7 @@ def run(scenario: str, out: str, dp: int, tp: int, steps: int = 1, tied: bool = 
         delay = lambda step, rank, task: rng.choice([0.0, 0.0, 0.002, 0.005])  # noqa: E731
     pipe = Pipeline(PipelineStage(mod, p, 2), M, lm_loss, loss_weight_fn=count_tokens, layout=layout, watchdog=60,
                     job=scenario, tied={"wte": {0: "tok_emb.weight", 1: "head.weight"}} if tied else None,
-                    record=True, task_delay=delay)
+                    record=True, task_delay=delay, tp_exchange=tp_exchange)
     per = len(SAMPLES) // dp
     mine = SAMPLES[layout.dp_rank * per:(layout.dp_rank + 1) * per]
     mbs = make_microbatches(mine, M)
@@ -109,7 +109,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     run("tied", out, dp=2, tp=1, tied=True)
     run("clip", out, dp=2, tp=1, steps=3, clip=0.05)
     run("tp", out, dp=1, tp=2, jitter=True, clip=0.05)
-    run("tied_tp", out, dp=1, tp=2, tied=True)
+    run("tied_tp", out, dp=1, tp=2, tied=True, jitter=True, tp_exchange="gloo")
     ddp_refused(out)
 
 

@@ -3,7 +3,8 @@
 One launch of 4 processes runs every scenario (``tests/par_worker.py``): PP2 x DP2 with unequal
 token counts per replica, PP2 x DP2 with the embedding tied to the head across the first and
 last stage, PP2 x DP2 after 3 SGD steps with global-norm clipping, PP2 x TP2 (with jitter on
-one TP rank, the collective-bearing tasks' order must match), and a DDP-wrapped stage refused.
+one TP rank, the collective-bearing tasks' order must match; TP agreement over the control
+plane), PP2 x TP2 with the tie (agreement over gloo), and a DDP-wrapped stage refused.
 """
 
 from __future__ import annotations
@@ -131,9 +132,14 @@ def test_pp2_tp2_matches_reference_and_tp_ranks_agree(results):
 
 def test_pp2_tied_embedding_in_each_tp_pipeline_matches_reference(results):
     """Each TP coordinate's pipeline is a PP2 pipeline whose first and last stage share the
-    embedding: the tie's group is that pipeline's two ranks."""
+    embedding: the tie's group is that pipeline's two ranks. TP agreement over gloo here (the
+    TP2 scenario uses the control plane), with jitter on TP rank 1."""
     losses, _, grads = _reference(tied=True)
-    for part in _load(results, "tied_tp"):
+    parts = _load(results, "tied_tp")
+    by = {part["coords"]: part["records"] for part in parts}
+    for pp in range(2):
+        assert by[(pp, 0, 0)] == by[(pp, 0, 1)]
+    for part in parts:
         pp, _, tp = part["coords"]
         for name, g in part["grads"].items():
             full = grads["tok_emb.weight" if name == "head.weight" else name]

@@ -11,7 +11,8 @@ from .layout import ParallelLayout
 __all__ = ["attach_layout"]
 
 
-def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_stages: int, rank_of) -> GradSync | None:
+def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_stages: int, rank_of, *,
+                  tp_exchange: str = "control", job: str = "rrfp", run=None) -> GradSync | None:
     """Register this rank's :class:`GradSync` (DP reduction, tied sums, global token count) and,
     at TP > 1, the TP agreement exchange on ``runtime``.
 
@@ -22,6 +23,13 @@ def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_sta
         stages: its :class:`~rrfp.runtime.stage.PipelineStage` objects, in virtual-stage order.
         tied: ``Pipeline(..., tied=...)`` (see :func:`~rrfp.parallel.grads.resolve_ties`).
         n_stages: the pipeline's stage count; rank_of: ``stage -> pp_rank``.
+        tp_exchange: ``control`` (ZeroMQ control messages between the TP ranks) or ``gloo``
+            (an all-gather on a gloo group); see :mod:`rrfp.parallel.exchange`.
+        job: the job id the TP ranks share (without the DP/TP suffix).
+        run: runs a coroutine on the rank's event loop (starts the control transport).
+
+    Raises:
+        ValueError: an unknown ``tp_exchange``.
 
     Returns:
         the :class:`GradSync`, or None when there is nothing to reduce (DP 1, no ties).
@@ -36,7 +44,23 @@ def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_sta
         if layout.dp > 1:
             runtime.set_loss_reduction(sync.global_weight_total, sync.global_loss)
     if layout.tp > 1:
+        runtime.set_tp_agreement(_exchange(layout, tp_exchange, job, run))
+    return sync
+
+
+def _exchange(layout: ParallelLayout, kind: str, job: str, run):
+    if kind == "gloo":
         from .exchange import GlooExchange
 
-        runtime.set_tp_agreement(GlooExchange(layout.tp_control_group, layout.tp))
-    return sync
+        return GlooExchange(layout.tp_control_group, layout.tp)
+    if kind != "control":
+        raise ValueError(f"tp_exchange={kind!r}: expected 'control' or 'gloo'")
+    from ..runtime.dist import default_store
+    from ..transport.zmq import ZmqTransport
+    from .exchange import ControlExchange
+
+    # One namespace per TP group: its ranks address each other by tp_rank.
+    ex = ControlExchange(ZmqTransport(layout.tp_rank, layout.tp, default_store(),
+                                      f"{job}.agree.pp{layout.pp_rank}.dp{layout.dp_rank}"), layout.tp)
+    run(ex.start())
+    return ex

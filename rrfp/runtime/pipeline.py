@@ -120,6 +120,8 @@ class Pipeline:
             the last), e.g. ``{"wte": {0: "tok_emb.weight", -1: "head.weight"}}``: their
             gradients are summed over the owning ranks before the step returns. Every rank
             passes the same value.
+        tp_exchange: how TP ranks all-gather their proposals: ``control`` (ZeroMQ control
+            messages, the default: measured faster here, BENCHMARKS.md) or ``gloo``.
 
     Raises:
         ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...).
@@ -146,6 +148,7 @@ class Pipeline:
         backpressure: str = "admission",
         layout=None,
         tied=None,
+        tp_exchange: str = "control",
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -153,7 +156,7 @@ class Pipeline:
         if layout is not None:
             rank = layout.pp_rank if rank is None else rank
             n_ranks = layout.pp if n_ranks is None else n_ranks
-            job = layout.job(job)
+            base_job, job = job, layout.job(job)
         if rank is None or n_ranks is None:
             import torch.distributed as dist
 
@@ -201,7 +204,8 @@ class Pipeline:
             from ..parallel.layout import ParallelLayout
 
             self.grad_sync = attach_layout(
-                self.runtime, layout or ParallelLayout.build(n_ranks), stages, tied, n_stages, place.rank_of)
+                self.runtime, layout or ParallelLayout.build(n_ranks), stages, tied, n_stages, place.rank_of,
+                tp_exchange=tp_exchange, job=base_job if layout is not None else job, run=self._loop.run_until_complete)
         self._step = 0
         self.last_stats: StepStats | None = None
 
@@ -259,6 +263,9 @@ class Pipeline:
         try:
             self._loop.run_until_complete(self.runtime.close())
             self._loop.run_until_complete(self.transport.close())
+            agree = getattr(self.runtime.loop, "agree", None)
+            if hasattr(agree, "aclose"):  # the TP agreement's control transport: say goodbye too
+                self._loop.run_until_complete(agree.aclose())
         finally:
             self._loop.close()
             self._close_parallel()
