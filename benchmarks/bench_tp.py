@@ -201,19 +201,19 @@ def main() -> None:
         t = tasks[k]
         print(f"| TP2 {k} | {t['F'] * 1e3:.2f} | {t['B'] * 1e3:.2f} | {(t['F'] + t['B']) / base:.2f}x |")
     share = [r["agree_s"] / r["wall"] for r in agree]
-    print(f"\nTP agreement (gloo all-gather of proposals, PP2 x TP2, tiny GPT, 8 microbatches of 4 x <=128 tokens, "
-          f"{len(agree) // 4} steps x 4 ranks): {statistics.median(r['agree_s'] for r in agree) * 1e3:.1f} ms per step "
-          f"per rank = {statistics.median(share) * 100:.1f}% of the step (median; max {max(share) * 100:.1f}%), "
-          f"{statistics.median(r['rounds'] for r in agree):.0f} exchanges per step, "
-          f"{statistics.median(r['mismatches'] for r in agree):.0f} mismatches per step; "
-          f"median step {statistics.median(r['wall'] for r in agree) * 1e3:.0f} ms. The time in exchanges includes "
-          f"waiting for the TP partner to finish its previous task; one exchange with both ranks ready (2 processes, "
-          f"200 rounds) costs {tasks['exchange_s'] * 1e6:.0f} us, so "
-          f"{statistics.median(r['rounds'] for r in agree):.0f} exchanges cost "
-          f"{statistics.median(r['rounds'] for r in agree) * tasks['exchange_s'] * 1e3:.1f} ms per step = "
-          f"{statistics.median(r['rounds'] for r in agree) * tasks['exchange_s'] / statistics.median(r['wall'] for r in agree) * 100:.1f}% "
-          f"of the median step. Over the control plane (ZeroMQ, same 200 rounds, alternating with gloo) one exchange "
-          f"costs {tasks['control_s'] * 1e6:.0f} us.")
+    rounds = statistics.median(r["rounds"] for r in agree)
+    step = statistics.median(r["wall"] for r in agree)
+    print(f"\nTP agreement in training (control-plane exchange, the default; PP2 x TP2, tiny GPT, 8 microbatches of "
+          f"4 x <=128 tokens, {len(agree) // 4} steps x 4 ranks): {rounds:.0f} exchanges and "
+          f"{statistics.median(r['mismatches'] for r in agree):.0f} mismatches per step; wall time inside exchanges "
+          f"{statistics.median(r['agree_s'] for r in agree) * 1e3:.1f} ms per step per rank = "
+          f"{statistics.median(share) * 100:.1f}% of the median {step * 1e3:.0f} ms step (max {max(share) * 100:.1f}%), "
+          f"waiting for the TP partner to finish its previous task included.")
+    for name, key in (("control plane (ZeroMQ)", "control_s"), ("gloo all-gather", "exchange_s")):
+        c = tasks[key]
+        print(f"- one exchange over the {name}, both ranks ready (2 processes, 180 rounds alternating): "
+              f"{c * 1e6:.0f} us; x {rounds:.0f} per step = {rounds * c * 1e3:.1f} ms = {rounds * c / step * 100:.1f}% "
+              f"of the median step")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tp1": {"F": f1, "B": b1}, "tasks": tasks, "agree": agree}, f)
