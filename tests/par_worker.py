@@ -36,7 +36,7 @@ def stage_modules(tied: bool):
 
 
 def run(scenario: str, out: str, dp: int, tp: int, steps: int = 1, tied: bool = False, clip: float | None = None,
-        jitter: bool = False, tp_exchange: str = "control") -> None:
+        jitter: bool = False, tp_exchange: str = "control", weighted: bool = True) -> None:
     from rrfp.parallel import ParallelLayout
     from rrfp.parallel.clip import clip_grad_norm_
     from rrfp.runtime.pipeline import Pipeline
@@ -55,7 +55,8 @@ def run(scenario: str, out: str, dp: int, tp: int, steps: int = 1, tied: bool = 
 
         rng = random.Random(1000 + layout.rank)
         delay = lambda step, rank, task: rng.choice([0.0, 0.0, 0.002, 0.005])  # noqa: E731
-    pipe = Pipeline(PipelineStage(mod, p, 2), M, lm_loss, loss_weight_fn=count_tokens, layout=layout, watchdog=60,
+    pipe = Pipeline(PipelineStage(mod, p, 2), M, lm_loss, loss_weight_fn=count_tokens if weighted else None,
+                    layout=layout, watchdog=60,
                     job=scenario, tied={"wte": {0: "tok_emb.weight", 1: "head.weight"}} if tied else None,
                     record=True, task_delay=delay, tp_exchange=tp_exchange)
     per = len(SAMPLES) // dp
@@ -107,6 +108,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     run("dp", out, dp=2, tp=1)
     run("tied", out, dp=2, tp=1, tied=True)
+    run("dp_mean", out, dp=2, tp=1, weighted=False)
     run("clip", out, dp=2, tp=1, steps=3, clip=0.05)
     run("tp", out, dp=1, tp=2, jitter=True, clip=0.05)
     run("tied_tp", out, dp=1, tp=2, tied=True, jitter=True, tp_exchange="gloo")

@@ -97,6 +97,18 @@ def test_pp2_dp2_unequal_token_counts_match_reference(results):
     _check_dp(_load(results, "dp"), losses, grads)
 
 
+def test_pp2_dp2_without_loss_weights_is_the_mean_over_every_microbatch(results):
+    """No loss_weight_fn: PyTorch's semantics (each microbatch weighs the same) over the
+    global batch, i.e. over the microbatches of every replica."""
+    from rrfp.data.batches import make_microbatches
+
+    model = GPT(W.CFG, seed=W.SEED)
+    mbs = [mb for d in range(2) for mb in make_microbatches(W.SAMPLES[4 * d:4 * d + 4], W.M)]
+    loss = sum(lm_loss(model(mb.tokens), mb.targets) for mb in mbs) / len(mbs)
+    loss.backward()
+    _check_dp(_load(results, "dp_mean"), [loss.detach()], {n: p.grad for n, p in model.named_parameters()})
+
+
 def test_pp2_dp2_tied_embedding_and_head_match_reference(results):
     losses, _, grads = _reference(tied=True)
     _check_dp(_load(results, "tied"), losses, grads, tied=True)

@@ -359,9 +359,10 @@ class RankRuntime:
 
     def _loss_weights(self, targets: Sequence[Any]) -> list[float]:
         M = len(targets)
-        if self.loss_weight_fn is None:
+        if self.loss_weight_fn is None and self._loss_total is None:
             return [1.0 / M] * M
-        raw = [float(self.loss_weight_fn(t)) for t in targets]
+        # With data parallelism and no weights, every microbatch of every replica weighs the same.
+        raw = [1.0] * M if self.loss_weight_fn is None else [float(self.loss_weight_fn(t)) for t in targets]
         total = sum(raw)
         if self._loss_total is not None:
             total = self._loss_total(total)
