@@ -54,6 +54,9 @@ def register(subparsers: Any) -> None:
                    help="with virtual stages: admission (the limit counts microbatches in flight) or "
                    "completion-order (RRFP App. C.2)")
     g.add_argument("--limit", default="32", help="in-flight limit: an integer, or 1f1b (1F1B's p - r per rank)")
+    g.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="activation bytes per rank: a size (64MiB, 1.5GB, 4096) or 1f1b / gpipe (what that schedule "
+                   "holds on each rank with these sizes); needs --act-bytes or a cost file with act_bytes")
     g.add_argument("--baseline", default="auto",
                    help="hint the speedups are over (added to the table when missing): a hint name, none, or auto: "
                    "strict-1f1b with one stage per rank, strict-interleaved-1f1b with virtual stages in the loop "
@@ -316,6 +319,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         cfg = SimConfig(
             n_ranks=args.ranks, n_microbatches=m, n_virtual=args.virtual, placement=args.placement,
             steps=args.steps, step_overhead=args.step_overhead, limit=_limit(args.limit), backpressure=args.backpressure,
+            memory_budget=args.memory_budget,
             costs=_costs(args), seed=args.seed, jitter=_jitter(args.jitter, "--jitter"), noise=args.noise,
             seqlen=_seqlen(args.seqlen) if args.seqlen else None,
             images=Dist.parse(args.images) if args.images else None,
@@ -328,6 +332,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             # builds per point: its stage count changes).
             cfg.make_placement()
             cfg.limits()
+            cfg.memory_budgets()
             cfg.duration_model()
             cfg.comm_model()
         return cfg
@@ -399,7 +404,8 @@ def run(args: argparse.Namespace) -> int:
     header, cells = table_rows(rows)
     jit = cfg.jitter.name if cfg.jitter else "J0"
     print(f"# {cfg.n_ranks} ranks x {cfg.n_virtual} virtual stages ({cfg.placement}), "
-          f"{cfg.n_microbatches} microbatches, {cfg.steps} step(s), limit {cfg.limit}, jitter {jit}, seed {cfg.seed}")
+          f"{cfg.n_microbatches} microbatches, {cfg.steps} step(s), limit {cfg.limit}, jitter {jit}, seed {cfg.seed}"
+          + (f", memory budget {cfg.memory_budget}" if cfg.memory_budget is not None else ""))
     print(format_text(header, cells))
     if baseline:
         print(f"# speedup = makespan of {baseline} / makespan; bound = lower bound of that run (docs/simulator.md)")
