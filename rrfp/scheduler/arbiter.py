@@ -152,7 +152,10 @@ class Arbiter:
         # Policy hints keep one heap per direction, keyed by the hint's within-direction
         # preference; total-order hints scan their order.
         self._policy = hint.order is None
-        self._rf: list[tuple[int, int, int]] = []  # (virtual index, mb, stage): F prefers lower
+        # F prefers the lower virtual index, or the higher one for a depth-first hint: entries
+        # hold virtual index * _fsign, so a first-virtual-stage F has key 0 either way.
+        self._fsign = -1 if hint.depth_first else 1
+        self._rf: list[tuple[int, int, int]] = []  # (virtual index * _fsign, mb, stage)
         self._rb: list[tuple[int, int, int]] = []  # (-virtual index, mb, stage): B prefers higher
         self._rw: list[tuple[int, int, int]] = []  # (mb, -virtual index, stage)
         # Entries taken out of a heap's middle by the completion order, one set per heap (the
@@ -212,7 +215,7 @@ class Arbiter:
             self._act[i] = 1
             self._rdy[0][i] = 1
             if self._policy:
-                heapq.heappush(self._rf, (v, mb, stage))
+                heapq.heappush(self._rf, (v * self._fsign, mb, stage))
 
     @property
     def peak_bytes(self) -> int:
@@ -321,7 +324,7 @@ class Arbiter:
             else:
                 v, m, s = f_entry
                 self._remove_from_heap(rf, f_entry)
-            self._rdy[0][v * self._n_mb + m] = 0
+            self._rdy[0][v * self._fsign * self._n_mb + m] = 0
             t = _new(Task, (s, F, m))
         else:
             v, m, s = heapq.heappop(rb)
@@ -348,9 +351,9 @@ class Arbiter:
     def _next_policy_admission(self) -> Task | None:
         # At the limit with virtual stages: no forward on the first virtual stage, every other
         # ready task as the policy ranks it. The best admissible F is the smallest heap entry
-        # with virtual index >= 1; the scan runs only while the limit binds.
+        # with virtual index >= 1 (key != 0); the scan runs only while the limit binds.
         stale = self._stale[id(self._rf)]
-        best = min((e for e in self._rf if e[0] >= 1 and e not in stale), default=None)
+        best = min((e for e in self._rf if e[0] and e not in stale), default=None)
         return self._next_policy(False, best)
 
     def _next_completion_order(self) -> Task | None:
@@ -375,7 +378,7 @@ class Arbiter:
                 s = self.stages[j]
                 t = _new(Task, (s, F, m))
                 if self._policy:
-                    self._remove_from_heap(self._rf, (j, m, s))
+                    self._remove_from_heap(self._rf, (j * self._fsign, m, s))
             else:
                 v = 2 * len(self.stages) - 1 - j
                 s = self.stages[v]
@@ -409,7 +412,7 @@ class Arbiter:
             s, k, m = t
             v = self._vidx[s]
             if k == F:
-                heapq.heappush(self._rf, (v, m, s))
+                heapq.heappush(self._rf, (v * self._fsign, m, s))
             elif k == W:
                 heapq.heappush(self._rw, (m, -v, s))
             else:
