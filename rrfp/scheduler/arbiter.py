@@ -352,8 +352,14 @@ class Arbiter:
         # At the limit with virtual stages: no forward on the first virtual stage, every other
         # ready task as the policy ranks it. The best admissible F is the smallest heap entry
         # with virtual index >= 1 (key != 0); the scan runs only while the limit binds.
-        stale = self._stale[id(self._rf)]
-        best = min((e for e in self._rf if e[0] and e not in stale), default=None)
+        rf = self._rf
+        if self._fsign < 0:
+            # Depth-first: entries with key != 0 sort before every key-0 entry, so the best
+            # admissible F is the heap's (live) top, or there is none: no scan.
+            best = rf[0] if rf and rf[0][0] else None
+        else:
+            stale = self._stale[id(rf)]
+            best = min((e for e in rf if e[0] and e not in stale), default=None)
         return self._next_policy(False, best)
 
     def _next_completion_order(self) -> Task | None:

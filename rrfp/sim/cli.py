@@ -104,6 +104,13 @@ def register(subparsers: Any) -> None:
     g.add_argument("--imbalance", default="1", help="encoder-scale values (encoder/LLM imbalance)")
     g.add_argument("--seeds", type=int, default=1, help="seeds per point (makespans averaged)")
     g.add_argument("--out", default="sweep", help="sweep output prefix: writes PREFIX.csv and PREFIX.md")
+
+    g = p.add_argument_group("scenario suite (docs/suite.md)")
+    g.add_argument("--suite", action="store_true",
+                   help="run the scenario suite (compute and message jitter, sequence length, multimodal, a straggler; "
+                   "at 1F1B's memory and unlimited) for --hints; --markdown writes the document")
+    g.add_argument("--suite-ranks", default="4,8,16,32", help="suite pipeline depths (ranks)")
+    g.add_argument("--suite-scenarios", default=None, help="comma-separated suite scenarios; without it, all")
     p.set_defaults(func=run)
 
 
@@ -212,10 +219,14 @@ def _limit(text: str) -> Any:
 
 
 def _hints(args: argparse.Namespace) -> list[str]:
+    return _hints_or(args, ["bf", "bfw"])
+
+
+def _hints_or(args: argparse.Namespace, default: Any) -> Any:
     hints = list(args.hint)
     if args.hints:
         hints += [h.strip() for h in args.hints.split(",") if h.strip()]
-    return list(dict.fromkeys(hints)) or ["bf", "bfw"]
+    return list(dict.fromkeys(hints)) or default
 
 
 def _stragglers(items: list[str]) -> dict[int, float]:
@@ -378,6 +389,10 @@ def run(args: argparse.Namespace) -> int:
             cannot finish, or an output that cannot be written.
     """
     _check_numbers(args)
+    if args.suite:
+        from .suite import run_suite_command
+
+        return run_suite_command(args, _hints_or(args, None), _ints(args.suite_ranks, "suite-ranks"), _write)
     cfg = config_from_args(args)
     if args.sweep:
         return _run_sweep(args, cfg)

@@ -170,3 +170,73 @@ def median_speedups(rows: Sequence[SuiteRow], hints: Sequence[str]) -> list[list
                 out.append([h, mem, f"{min(sp):.3f}x", f"{statistics.median(sp):.3f}x"])
     return out
 
+
+
+SUITE_HINTS = ("bfw-df", "bf", "bfw")
+"""Hints the suite compares without ``--hints``: the first is the one the targets judge."""
+
+COMMAND = "rrfp simulate --suite --markdown docs/suite.md"
+
+
+def suite_markdown(rows: Sequence[SuiteRow], hints: Sequence[str], wall_s: float, command: str) -> str:
+    """The document: how it was made, the targets met or missed, the per-hint summary, the table."""
+    from .metrics import format_markdown
+
+    lines = [
+        "# The scenario suite",
+        "",
+        f"Regenerate with `{command}` (single process; {wall_s:.0f} s of wall time on the 2-core",
+        "machine it was last run on). Scenarios, memory settings and costs: `rrfp/sim/suite.py`.",
+        "Speedups are over the placement's fixed-order baseline (strict 1F1B; strict interleaved",
+        "1F1B with 2 virtual stages) on the same workload and seed. At `1f1b` memory every rank's",
+        "byte budget is what the baseline holds there; `unlimited` has no budget. MiB columns are",
+        "the most activation bytes any rank held.",
+        "",
+        "## Targets (rrfp issue 13)",
+        "",
+        "| target | figure | met |",
+        "|---|---|---|",
+    ]
+    for t, fig, ok in suite_targets(rows, hints[0]):
+        lines.append(f"| {t} | {fig} | {'met' if ok else 'missed'} |")
+    lines += ["", "## Per hint: min and median speedup over the baseline", "",
+              format_markdown(["hint", "memory", "min", "median"], median_speedups(rows, hints)), "",
+              "## Every point", ""]
+    header, cells = suite_table(rows, hints)
+    lines += [format_markdown(header, cells), ""]
+    return "\n".join(lines)
+
+
+def run_suite_command(args: Any, hints: Sequence[str] | None, ranks: Sequence[int], write: Callable[[str, str], None]) -> int:
+    """``rrfp simulate --suite``: print the table and targets; ``--markdown`` writes the document.
+
+    Raises:
+        rrfp.cli.UsageError: an unknown scenario or a hint that does not fit.
+    """
+    import sys
+    import time
+
+    from ..cli import UsageError
+    from .engine import DeadlockError
+    from .metrics import format_text
+
+    hints = list(hints or SUITE_HINTS)
+    scen = [s.strip() for s in args.suite_scenarios.split(",") if s.strip()] if args.suite_scenarios else list(SCENARIOS)
+    bad = [s for s in scen if s not in SCENARIOS]
+    if bad:
+        raise UsageError(f"--suite-scenarios {bad[0]!r}: expected some of {', '.join(SCENARIOS)}")
+    t0 = time.perf_counter()
+    try:
+        rows = run_suite(hints, scenarios=scen, ranks=ranks, seed=args.seed,
+                         progress=lambda s: print(s, file=sys.stderr))
+    except (ValueError, DeadlockError) as e:
+        raise UsageError(str(e)) from None
+    wall = time.perf_counter() - t0
+    header, cells = suite_table(rows, hints)
+    print(format_text(header, cells))
+    for t, fig, ok in suite_targets(rows, hints[0]):
+        print(f"# {'met   ' if ok else 'MISSED'} {t}: {fig}")
+    print(f"# {wall:.1f} s")
+    if args.markdown:
+        write(args.markdown, suite_markdown(rows, hints, wall, COMMAND))
+    return 0
