@@ -139,15 +139,24 @@ def _main(args: argparse.Namespace) -> int:
     rank, n_ranks = dist.get_rank(), dist.get_world_size()
     if n_ranks != args.stages:
         raise ValueError(f"world size {n_ranks} != --stages={args.stages}: launch one process per pipeline rank")
-    cfg = dataclasses.replace(GPT_PRESETS[args.model], max_len=args.max_len)
     place = Placement(n_ranks, args.virtual_stages, args.placement)
     n_stages = place.n_stages
     stage_ids = place.stages_of(rank)
-    stages = [PipelineStage(build_stage(cfg, n_stages, s, args.seed), s, n_stages) for s in stage_ids]
-    sampler = None
-    if 0 in stage_ids or n_stages - 1 in stage_ids:
-        samples = load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL)
-        sampler = BatchSampler(samples, args.batch_size, args.seed)
+    sampler = batches = None
+    if args.model == "multimodal":
+        from .multimodal import DigitBatches, multimodal_stages
+
+        modules = multimodal_stages(n_stages, stage_ids, args.seed)
+        if 0 in stage_ids or n_stages - 1 in stage_ids:
+            batches = DigitBatches(args.batch_size, args.seed).microbatches
+    else:
+        cfg = dataclasses.replace(GPT_PRESETS[args.model], max_len=args.max_len)
+        modules = [build_stage(cfg, n_stages, s, args.seed) for s in stage_ids]
+        if 0 in stage_ids or n_stages - 1 in stage_ids:
+            samples = load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL)
+            sampler = BatchSampler(samples, args.batch_size, args.seed)
+            batches = lambda k, m: make_microbatches(sampler.batch(k), m)  # noqa: E731
+    stages = [PipelineStage(mod, s, n_stages) for mod, s in zip(modules, stage_ids)]
     metrics, metrics_server = start_metrics(args, rank, stage_ids)
     pipe = Pipeline(
         stages, args.microbatches, lm_loss, hint=args.hint, inflight_limit=inflight_limits(args, n_ranks),
@@ -169,9 +178,9 @@ def _main(args: argparse.Namespace) -> int:
         for k in range(args.steps):
             t_step = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            mbs = make_microbatches(sampler.batch(k), args.microbatches) if sampler else None
+            mbs = batches(k, args.microbatches) if batches else None
             loss = pipe.step(
-                microbatches=[(mb.tokens,) for mb in mbs] if 0 in stage_ids else None,
+                microbatches=[mb.inputs for mb in mbs] if 0 in stage_ids else None,
                 targets=[mb.targets for mb in mbs] if n_stages - 1 in stage_ids else None,
             )
             opt.step()
