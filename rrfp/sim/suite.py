@@ -127,16 +127,17 @@ def run_suite(
 
 
 def suite_table(rows: Sequence[SuiteRow], hints: Sequence[str]) -> tuple[list[str], list[list[str]]]:
-    """Header and cells: one row per point; the baseline's makespan and peak MiB, then per
-    hint its speedup over the baseline, then the first hint's makespan over the lower bound
+    """Header and cells: one row per point; the baseline's makespan and peak MiB, the ideal
+    (the baseline's makespan over the lower bound: no hint can beat it, at any memory), then
+    per hint its speedup over the baseline, then the first hint's makespan over the lower bound
     (the smallest bound of the point's runs, so it holds for each) and its peak MiB."""
-    header = ["scenario", "ranks", "V", "memory", "baseline (s)", "baseline MiB"]
+    header = ["scenario", "ranks", "V", "memory", "baseline (s)", "baseline MiB", "ideal"]
     header += [f"{h}" for h in hints] + [f"{hints[0]}/bound", f"{hints[0]} MiB"]
     cells = []
     for r in rows:
         bound = min(r.bound.values())
         row = [r.scenario, str(r.n_ranks), str(r.n_virtual), r.memory, f"{r.makespan[r.baseline]:.3f}",
-               f"{r.peak_bytes[r.baseline] / MIB:.1f}"]
+               f"{r.peak_bytes[r.baseline] / MIB:.1f}", f"{r.makespan[r.baseline] / bound:.2f}x"]
         row += [f"{r.speedup(h):.2f}x" for h in hints]
         row += [f"{r.makespan[hints[0]] / bound:.3f}", f"{r.peak_bytes[hints[0]] / MIB:.1f}"]
         cells.append(row)
@@ -151,11 +152,15 @@ def suite_targets(rows: Sequence[SuiteRow], hint: str) -> list[tuple[str, str, b
     med = statistics.median(var) if var else math.nan
     unl = [r.makespan[hint] / min(r.bound.values()) for r in rows if r.memory == "unlimited"]
     med_b = statistics.median(unl) if unl else math.nan
+    ideal = [r.makespan[r.baseline] / min(r.bound.values()) for r in eq if r.scenario in VARIABLE]
+    med_ideal = statistics.median(ideal) if ideal else math.nan
     worst_row = min(eq, key=lambda r: r.speedup(hint)) if eq else None
     where = f" ({worst_row.scenario}, {worst_row.n_ranks} ranks, V={worst_row.n_virtual})" if worst_row else ""
     return [
         (f"{hint} at 1F1B's memory never below 1.00x the baseline", f"min {worst:.3f}x{where}", worst >= 1.0),
-        (f"{hint} at 1F1B's memory, median over scenarios with variability >= 1.15x", f"median {med:.3f}x", med >= 1.15),
+        (f"{hint} at 1F1B's memory, median over scenarios with variability >= 1.15x",
+         f"median {med:.3f}x (ideal, the baseline over the lower bound at any memory: median {med_ideal:.3f}x)",
+         med >= 1.15),
         (f"{hint} unlimited, median makespan within 1.10x of the lower bound", f"median {med_b:.3f}x", med_b <= 1.10),
     ]
 
