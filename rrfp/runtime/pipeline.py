@@ -59,6 +59,23 @@ def split_microbatches(args: Sequence[Any], n_microbatches: int, what: str = "in
     return [tuple(p[m] for p in parts) for m in range(n_microbatches)]
 
 
+def _budget(memory_budget: int | str | None) -> int | None:
+    """A memory budget in bytes (None: none).
+
+    Raises:
+        ValueError: a bad size, or a schedule name (the runtime learns sizes as it runs, so
+            it cannot know ahead what a schedule would hold; ``rrfp simulate`` can).
+    """
+    from ..scheduler.memory import BUDGET_NAMES, parse_size
+
+    if memory_budget is None:
+        return None
+    if memory_budget in BUDGET_NAMES:
+        raise ValueError(f"memory budget {memory_budget!r}: the runtime takes a size in bytes (e.g. 64MiB); "
+                         "schedule names need sizes known ahead (rrfp simulate --memory-budget)")
+    return parse_size(memory_budget)
+
+
 def _limits(inflight_limit: int | Sequence[int], n_ranks: int) -> list[int]:
     """One in-flight limit per rank.
 
@@ -112,6 +129,9 @@ class Pipeline:
             bitwise reproducible whatever order tasks ran in.
         backpressure: with virtual stages, ``admission`` (default: the limit counts
             microbatches in flight per rank) or ``completion-order`` (RRFP App. C.2).
+        memory_budget: activation bytes per rank (``64MiB``, ``1.5GB``, an int; None: none):
+            a microbatch is admitted only if its measured-size estimate fits
+            (:mod:`rrfp.scheduler.memory`, :mod:`rrfp.runtime.memory`).
 
     Raises:
         ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...).
@@ -136,6 +156,7 @@ class Pipeline:
         task_delay: DelayFn | None = None,
         deterministic: bool = False,
         backpressure: str = "admission",
+        memory_budget: int | str | None = None,
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -178,7 +199,7 @@ class Pipeline:
             _make_runtime(
                 rank, stages, self.spec, self.hint, transport, strict=self.strict, inflight_limit=limit, job=job,
                 loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog, task_delay=task_delay, record=record,
-                deterministic=deterministic,
+                deterministic=deterministic, memory_budget=_budget(memory_budget),
             )
         )
         self._step = 0
@@ -271,7 +292,7 @@ class LocalPipeline:
             order alone, like NCCL) with the same seeded ``delay``; see :attr:`wire`.
         encode: pass every message through the codec, as between processes.
         task_delay: ``fn(step, rank, task) -> seconds`` of injected compute time.
-        deterministic: as :class:`Pipeline`.
+        deterministic, memory_budget: as :class:`Pipeline`.
 
     Raises:
         ValueError: as :class:`Pipeline`.
@@ -298,6 +319,7 @@ class LocalPipeline:
         job: str = "rrfp-local",
         deterministic: bool = False,
         backpressure: str = "admission",
+        memory_budget: int | str | None = None,
     ) -> None:
         from ..transport.fake import FakeNetwork
 
@@ -331,6 +353,7 @@ class LocalPipeline:
                     self.spec, self.hint, self.transports[r], strict=self.strict, inflight_limit=limits[r],
                     job=job, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog,
                     task_delay=task_delay, record=record, deterministic=deterministic,
+                    memory_budget=_budget(memory_budget),
                 )
                 for r in range(n_ranks)
             ]

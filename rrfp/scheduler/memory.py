@@ -45,9 +45,10 @@ from typing import Callable, Sequence
 
 from .tasks import B, F, I, Task
 
-SizeFn = Callable[[int, int], int]
+SizeFn = Callable[[int, int], "int | None"]
 """``size(stage, microbatch) -> bytes`` that ``F(stage, microbatch)`` leaves held until its
-input backward."""
+input backward; None when not known yet (the runtime before it measured the stage once): a
+microbatch with an unknown size is admitted only when nothing is reserved."""
 
 BUDGET_NAMES = ("1f1b", "gpipe")
 """Budget names: what that schedule would hold on the rank (:func:`order_peak_bytes`)."""
@@ -119,25 +120,33 @@ class MemoryLedger:
         self._got: dict[tuple[int, int], int] = {}  # bytes held by (stage, mb)
         self._res: dict[tuple[int, int], int] = {}  # bytes reserved for (stage, mb)
 
-    def need(self, mb: int) -> int:
-        """Bytes microbatch ``mb`` will hold on every virtual stage of the rank."""
-        size = self.size
-        return sum(size(s, mb) for s in self.stages)
+    def need(self, mb: int) -> int | None:
+        """Bytes microbatch ``mb`` will hold on every virtual stage of the rank (None: unknown)."""
+        total = 0
+        for s in self.stages:
+            n = self.size(s, mb)
+            if n is None:
+                return None
+            total += n
+        return total
 
     def admits(self, mb: int) -> bool:
         """Whether admitting ``mb`` now keeps the budget (always when nothing is reserved)."""
         b = self.budget
-        return b is None or self.reserved == 0 or self.reserved + self.need(mb) <= b
+        if b is None or self.reserved == 0:
+            return True
+        n = self.need(mb)
+        return n is not None and self.reserved + n <= b
 
     def forward_done(self, stage: int, mb: int, nbytes: int | None = None) -> None:
         """``F(stage, mb)`` finished holding ``nbytes`` (None: the expected size). The first
         virtual stage's forward reserves the microbatch's bytes on every stage of the rank."""
         if stage == self.stages[0]:
             for s in self.stages:
-                r = self.size(s, mb)
+                r = self.size(s, mb) or 0  # unknown: reserved when measured, below
                 self._res[(s, mb)] = r
                 self.reserved += r
-        got = self.size(stage, mb) if nbytes is None else nbytes
+        got = (self.size(stage, mb) or 0) if nbytes is None else nbytes
         self._got[(stage, mb)] = got
         self.held += got
         if self.held > self.peak_held:
