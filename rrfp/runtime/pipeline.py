@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..scheduler.hints import resolve_hint
+from .memory import budget_bytes
 from ..scheduler.tasks import Placement
 from ..transport.base import Transport
 from .rank import DelayFn, LossFn, RankRuntime, StepStats
@@ -57,23 +58,6 @@ def split_microbatches(args: Sequence[Any], n_microbatches: int, what: str = "in
             )
         parts.append(torch.tensor_split(a, n_microbatches, dim=0))
     return [tuple(p[m] for p in parts) for m in range(n_microbatches)]
-
-
-def _budget(memory_budget: int | str | None) -> int | None:
-    """A memory budget in bytes (None: none).
-
-    Raises:
-        ValueError: a bad size, or a schedule name (the runtime learns sizes as it runs, so
-            it cannot know ahead what a schedule would hold; ``rrfp simulate`` can).
-    """
-    from ..scheduler.memory import BUDGET_NAMES, parse_size
-
-    if memory_budget is None:
-        return None
-    if memory_budget in BUDGET_NAMES:
-        raise ValueError(f"memory budget {memory_budget!r}: the runtime takes a size in bytes (e.g. 64MiB); "
-                         "schedule names need sizes known ahead (rrfp simulate --memory-budget)")
-    return parse_size(memory_budget)
 
 
 def _limits(inflight_limit: int | Sequence[int], n_ranks: int) -> list[int]:
@@ -199,7 +183,7 @@ class Pipeline:
             _make_runtime(
                 rank, stages, self.spec, self.hint, transport, strict=self.strict, inflight_limit=limit, job=job,
                 loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog, task_delay=task_delay, record=record,
-                deterministic=deterministic, memory_budget=_budget(memory_budget),
+                deterministic=deterministic, memory_budget=budget_bytes(memory_budget),
             )
         )
         self._step = 0
@@ -353,7 +337,7 @@ class LocalPipeline:
                     self.spec, self.hint, self.transports[r], strict=self.strict, inflight_limit=limits[r],
                     job=job, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog,
                     task_delay=task_delay, record=record, deterministic=deterministic,
-                    memory_budget=_budget(memory_budget),
+                    memory_budget=budget_bytes(memory_budget),
                 )
                 for r in range(n_ranks)
             ]

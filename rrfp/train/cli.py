@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
     p.add_argument("--hint", default=DEFAULTS["hint"], help=f"{', '.join(HINT_NAMES)}; strict-<name> for the fixed order; order:<per-rank actions> or a .csv file")
     p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], help="in-flight limit (an integer, or '1f1b' for p - rank)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="activation bytes per rank (64MiB, 1.5GB, bytes): a microbatch is admitted only if its "
+                   "measured-size estimate fits (README: Memory budget)")
     p.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
                    help="with virtual stages: what a rank does at the in-flight limit (see README)")
     p.add_argument("--model", default=DEFAULTS["model"], help="model preset: tiny (4 layers), small (8), medium (12), or multimodal (an image encoder + 3 decoder "
@@ -107,6 +110,13 @@ def validate(args: argparse.Namespace) -> None:
             f"--microbatches={args.microbatches} exceeds --batch-size={args.batch_size}: "
             "each microbatch needs at least one sample"
         )
+    if getattr(args, "memory_budget", None) is not None:
+        from ..runtime.memory import budget_bytes
+
+        try:
+            budget_bytes(args.memory_budget)
+        except ValueError as e:
+            raise UsageError(f"--memory-budget={args.memory_budget!r}: {e}") from None
     if args.inflight_limit != "1f1b":
         try:
             limit = int(args.inflight_limit)

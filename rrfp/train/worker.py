@@ -164,6 +164,7 @@ def _main(args: argparse.Namespace) -> int:
         job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
         record=args.trace is not None or metrics is not None, deterministic=args.deterministic, backpressure=args.backpressure,
         transport=getattr(args, "transport", "zmq"),
+        memory_budget=getattr(args, "memory_budget", None),
     )
     # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
     out_bytes = record_output_bytes(stages) if args.trace else None
