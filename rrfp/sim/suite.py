@@ -183,15 +183,17 @@ SUITE_HINTS = ("bfw-df", "bf", "bfw")
 COMMAND = "rrfp simulate --suite --markdown docs/suite.md"
 
 
-def suite_markdown(rows: Sequence[SuiteRow], hints: Sequence[str], wall_s: float, command: str) -> str:
+def suite_markdown(rows: Sequence[SuiteRow], hints: Sequence[str], wall_s: float, command: str,
+                   cpu_s: float | None = None) -> str:
     """The document: how it was made, the targets met or missed, the per-hint summary, the table."""
     from .metrics import format_markdown
 
     lines = [
         "# The scenario suite",
         "",
-        f"Regenerate with `{command}` (single process; {wall_s:.0f} s of wall time on the 2-core",
-        "machine it was last run on). Scenarios, memory settings and costs: `rrfp/sim/suite.py`.",
+        f"Regenerate with `{command}` (one process, one core: {cpu_s if cpu_s is not None else wall_s:.0f} s of CPU,",
+        f"{wall_s:.0f} s of wall time on the shared 2-core machine it was last run on).",
+        "Scenarios, memory settings and costs: `rrfp/sim/suite.py`.",
         "Speedups are over the placement's fixed-order baseline (strict 1F1B; strict interleaved",
         "1F1B with 2 virtual stages) on the same workload and seed. At `1f1b` memory every rank's",
         "byte budget is what the baseline holds there; `unlimited` has no budget. MiB columns are",
@@ -230,18 +232,18 @@ def run_suite_command(args: Any, hints: Sequence[str] | None, ranks: Sequence[in
     bad = [s for s in scen if s not in SCENARIOS]
     if bad:
         raise UsageError(f"--suite-scenarios {bad[0]!r}: expected some of {', '.join(SCENARIOS)}")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
         rows = run_suite(hints, scenarios=scen, ranks=ranks, seed=args.seed,
                          progress=lambda s: print(s, file=sys.stderr))
     except (ValueError, DeadlockError) as e:
         raise UsageError(str(e)) from None
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     header, cells = suite_table(rows, hints)
     print(format_text(header, cells))
     for t, fig, ok in suite_targets(rows, hints[0]):
         print(f"# {'met   ' if ok else 'MISSED'} {t}: {fig}")
-    print(f"# {wall:.1f} s")
+    print(f"# {wall:.1f} s wall, {cpu:.1f} s CPU")
     if args.markdown:
-        write(args.markdown, suite_markdown(rows, hints, wall, COMMAND))
+        write(args.markdown, suite_markdown(rows, hints, wall, COMMAND, cpu))
     return 0
