@@ -41,6 +41,11 @@ class Microbatch:
     targets: torch.Tensor
 
     @property
+    def inputs(self) -> tuple[torch.Tensor]:
+        """Stage 0's inputs: ``(tokens,)``."""
+        return (self.tokens,)
+
+    @property
     def n_tokens(self) -> int:
         """Number of real (non-padding) target positions."""
         return count_tokens(self.targets)

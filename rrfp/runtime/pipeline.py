@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..scheduler.hints import resolve_hint
+from .memory import budget_bytes
 from ..scheduler.tasks import Placement
 from ..transport.base import Transport
 from .rank import DelayFn, LossFn, RankRuntime, StepStats
@@ -122,6 +123,9 @@ class Pipeline:
             passes the same value.
         tp_exchange: how TP ranks all-gather their proposals: ``control`` (ZeroMQ control
             messages, the default: measured faster here, BENCHMARKS.md) or ``gloo``.
+        memory_budget: activation bytes per rank (``64MiB``, ``1.5GB``, an int; None: none):
+            a microbatch is admitted only if its measured-size estimate fits
+            (:mod:`rrfp.scheduler.memory`, :mod:`rrfp.runtime.memory`).
 
     Raises:
         ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...).
@@ -149,6 +153,7 @@ class Pipeline:
         layout=None,
         tied=None,
         tp_exchange: str = "control",
+        memory_budget: int | str | None = None,
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -195,7 +200,7 @@ class Pipeline:
             _make_runtime(
                 rank, stages, self.spec, self.hint, transport, strict=self.strict, inflight_limit=limit, job=job,
                 loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog, task_delay=task_delay, record=record,
-                deterministic=deterministic,
+                deterministic=deterministic, memory_budget=budget_bytes(memory_budget),
             )
         )
         self.grad_sync = None
@@ -308,7 +313,7 @@ class LocalPipeline:
             order alone, like NCCL) with the same seeded ``delay``; see :attr:`wire`.
         encode: pass every message through the codec, as between processes.
         task_delay: ``fn(step, rank, task) -> seconds`` of injected compute time.
-        deterministic: as :class:`Pipeline`.
+        deterministic, memory_budget: as :class:`Pipeline`.
 
     Raises:
         ValueError: as :class:`Pipeline`.
@@ -335,6 +340,7 @@ class LocalPipeline:
         job: str = "rrfp-local",
         deterministic: bool = False,
         backpressure: str = "admission",
+        memory_budget: int | str | None = None,
     ) -> None:
         from ..transport.fake import FakeNetwork
 
@@ -368,6 +374,7 @@ class LocalPipeline:
                     self.spec, self.hint, self.transports[r], strict=self.strict, inflight_limit=limits[r],
                     job=job, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog,
                     task_delay=task_delay, record=record, deterministic=deterministic,
+                    memory_budget=budget_bytes(memory_budget),
                 )
                 for r in range(n_ranks)
             ]

@@ -112,6 +112,8 @@ class StepStats:
             ``peak_inflight`` with one stage per rank.
         loss: weighted step loss (only on the rank holding the last stage, else None).
         n_tasks: tasks run.
+        peak_bytes: the most activation bytes held at once, as measured for the memory
+            budget (0 without one; :mod:`rrfp.runtime.memory`).
     """
 
     step: int
@@ -122,6 +124,7 @@ class StepStats:
     n_tasks: int = 0
     peak_mb_inflight: int = 0
     records: list[TaskRecord] = field(default_factory=list)
+    peak_bytes: int = 0
 
     @property
     def bubble(self) -> float:
@@ -151,6 +154,8 @@ class RankRuntime:
             backwards ran in, so runs are bitwise reproducible (see :class:`_OrderedGrads`).
         executor: where tasks run (:mod:`rrfp.runtime.executor`); default
             :class:`~rrfp.runtime.executor.InlineExecutor`.
+        memory_budget: activation bytes this rank may hold (None: none): the arbiter admits
+            by each forward's measured size (:mod:`rrfp.runtime.memory`).
 
     Attributes:
         inbox, loop, outbox, executor: the parts (see the module docstring).
@@ -174,6 +179,7 @@ class RankRuntime:
         record: bool = False,
         deterministic: bool = False,
         executor: Executor | None = None,
+        memory_budget: int | None = None,
     ) -> None:
         self.rank = rank
         self.deterministic = deterministic
@@ -215,6 +221,12 @@ class RankRuntime:
         self._mb_losses: list[torch.Tensor | None] = []
         self._rank_of = [spec.placement.rank_of(st) for st in range(spec.n_stages)]
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
+        self.memory_budget = memory_budget
+        self._sizer = None
+        if memory_budget is not None:
+            from .memory import ForwardSizer
+
+            self._sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()}, got[0])
 
     # The loop owns these; they stay settable here (tests and experiments change them).
     @property
@@ -320,7 +332,10 @@ class RankRuntime:
         inbox = self.inbox
         if inbox.error is not None:
             raise inbox.error
-        arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit)
+        arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit,
+                      memory_budget=self.memory_budget, act_bytes=self._sizer)
+        if self._sizer is not None:
+            self._sizer.begin_step(self._act)
         self._out.clear(), self._wstate.clear(), self._seed.clear()
         inbox.begin_step(step, arb)  # clears the input buffers, then admits early arrivals
         if 0 in self.stages:
@@ -344,6 +359,7 @@ class RankRuntime:
         stats.wall = time.perf_counter() - t_start
         stats.peak_inflight = arb.peak_inflight
         stats.peak_mb_inflight = arb.peak_mb_inflight
+        stats.peak_bytes = arb.peak_bytes
         if weights is not None:
             if losses is not None:
                 losses.extend(mb_losses)
@@ -386,7 +402,10 @@ class RankRuntime:
     def _forward(self, s: int, m: int) -> list:
         stage = self.stages[s]
         inputs = self._act[(s, m)]
-        if torch.is_grad_enabled():  # entering enable_grad() costs more than the check
+        if self._sizer is not None:
+            with self._sizer.measure(s, m, inputs), torch.enable_grad():
+                out = self._forward_graph(stage, s, m, inputs)
+        elif torch.is_grad_enabled():  # entering enable_grad() costs more than the check
             out = self._forward_graph(stage, s, m, inputs)
         else:
             with torch.enable_grad():

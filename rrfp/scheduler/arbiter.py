@@ -24,7 +24,14 @@ on the rank (activations held). In readiness mode, once ``D`` reaches the in-fli
   the limit binds: simulated, 16 ranks x 2 virtual stages, 128 microbatches, limit 32 took 10x
   strict interleaved 1F1B.
 
-Strict mode runs exactly the hint's order (the fixed-order baseline) and ignores the limit.
+Memory budget (:mod:`rrfp.scheduler.memory`): with ``act_bytes`` (the bytes each
+``F(stage, mb)`` holds) and ``memory_budget``, a microbatch is admitted (its first-virtual-stage
+forward runs) only if the count limit allows it and its bytes on the rank fit beside the bytes
+already reserved, or nothing is reserved. The bound and deadlock freedom are proved in that
+module's docstring. With ``act_bytes`` alone the arbiter only counts (``peak_bytes``).
+
+Strict mode runs exactly the hint's order (the fixed-order baseline) and ignores the limit
+and the memory budget.
 
 Pure module: no torch, no asyncio, no I/O.
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 import heapq
 
 from .hints import Hint
+from .memory import MemoryLedger, SizeFn
 from .tasks import F, I, W, PipelineSpec, Task
 
 # Task(...) runs a Python-level __new__; the arbiter builds a task per event, so its hot paths
@@ -77,10 +85,15 @@ class Arbiter:
         hint: a policy or a total order (:func:`~rrfp.scheduler.hints.resolve_hint`).
         strict: run the hint's order exactly (fixed-order baseline); needs a total order.
         inflight_limit: the in-flight limit ``>= 1`` (RRFP default 32).
+        memory_budget: bytes of activations the rank may hold (None: no budget).
+        act_bytes: ``act_bytes(stage, mb)``, bytes ``F(stage, mb)`` holds until its input
+            backward (an estimate; :meth:`complete` takes the measured size). Needed by
+            ``memory_budget``; alone, it only counts :attr:`peak_bytes`.
 
     Raises:
-        ValueError: bad limit, strict mode without a total order, or an order that is not
-            exactly this rank's tasks.
+        ValueError: bad limit or budget, a budget without ``act_bytes`` or with
+            ``completion-order`` backpressure, strict mode without a total order, or an
+            order that is not exactly this rank's tasks.
     """
 
     def __init__(
@@ -91,9 +104,15 @@ class Arbiter:
         *,
         strict: bool = False,
         inflight_limit: int = 32,
+        memory_budget: int | None = None,
+        act_bytes: SizeFn | None = None,
     ) -> None:
         if not isinstance(inflight_limit, int) or inflight_limit < 1:
             raise ValueError(f"in-flight limit {inflight_limit!r}: expected an integer >= 1")
+        if memory_budget is not None and act_bytes is None:
+            raise ValueError("a memory budget needs act_bytes(stage, mb), the bytes each forward holds")
+        if memory_budget is not None and len(spec.placement.stages_of(rank)) > 1 and hint.backpressure != "admission":
+            raise ValueError(f"a memory budget needs admission backpressure, got {hint.backpressure!r}")
         if strict and hint.order is None:
             raise ValueError(f"strict mode needs a total-order hint, got the policy {hint.name!r}")
         self.spec = spec
@@ -117,6 +136,10 @@ class Arbiter:
         self.peak_mb_inflight = 0
         self._admission = self._interleaved_flag(spec, rank) and hint.backpressure == "admission"
         self.running: Task | None = None
+        self.memory = None if act_bytes is None else MemoryLedger(
+            self.stages, act_bytes, None if strict else memory_budget
+        )
+        self._mem = self.memory if memory_budget is not None and not strict else None
         # Per-(stage, microbatch) state as flags indexed by virtual index * M + microbatch:
         # bytearrays keep a 128-rank, 1024-microbatch simulation in cache, where sets of
         # tuples (millions of objects) made every event a cache miss and fed the GC.
@@ -129,7 +152,10 @@ class Arbiter:
         # Policy hints keep one heap per direction, keyed by the hint's within-direction
         # preference; total-order hints scan their order.
         self._policy = hint.order is None
-        self._rf: list[tuple[int, int, int]] = []  # (virtual index, mb, stage): F prefers lower
+        # F prefers the lower virtual index, or the higher one for a depth-first hint: entries
+        # hold virtual index * _fsign, so a first-virtual-stage F has key 0 either way.
+        self._fsign = -1 if hint.depth_first else 1
+        self._rf: list[tuple[int, int, int]] = []  # (virtual index * _fsign, mb, stage)
         self._rb: list[tuple[int, int, int]] = []  # (-virtual index, mb, stage): B prefers higher
         self._rw: list[tuple[int, int, int]] = []  # (mb, -virtual index, stage)
         # Entries taken out of a heap's middle by the completion order, one set per heap (the
@@ -189,10 +215,16 @@ class Arbiter:
             self._act[i] = 1
             self._rdy[0][i] = 1
             if self._policy:
-                heapq.heappush(self._rf, (v, mb, stage))
+                heapq.heappush(self._rf, (v * self._fsign, mb, stage))
 
-    def complete(self, task: Task) -> None:
-        """The dispatched ``task`` finished.
+    @property
+    def peak_bytes(self) -> int:
+        """Most activation bytes held at once this step (0 without ``act_bytes``)."""
+        return 0 if self.memory is None else self.memory.peak_held
+
+    def complete(self, task: Task, nbytes: int | None = None) -> None:
+        """The dispatched ``task`` finished; for a forward, ``nbytes`` is the measured size of
+        what it holds (None: ``act_bytes``'s estimate).
 
         Raises:
             SchedulingError: if ``task`` is not the running task.
@@ -205,6 +237,11 @@ class Arbiter:
         v = self._vidx[s]
         i = v * self._n_mb + m
         # _make_ready inlined: the simulator calls this once per task.
+        if self.memory is not None:
+            if k == F:
+                self.memory.forward_done(s, m, nbytes)
+            elif k != W:
+                self.memory.backward_done(s, m)
         if k == F:
             self._done[0][i] = 1
             self.inflight += 1
@@ -248,14 +285,21 @@ class Arbiter:
                     self._pos += 1
                     return self._dispatch(t)
             return None
+        mem = self._mem
         if self._admission:
             if self.mb_inflight < self.limit:
-                return self._next_policy(True) if self._policy else self._next_in_order(True)
+                if not self._policy:
+                    return self._next_in_order(True)
+                rf = self._rf
+                # The heap's top is a first-virtual-stage F whenever there is one (key v first).
+                if mem is None or not rf or rf[0][0] or mem.admits(rf[0][1]):
+                    return self._next_policy(True)
             return self._next_policy_admission() if self._policy else self._next_in_order(True, admit=False)
         if self._interleaved and self.inflight >= self.limit:
             return self._next_completion_order()
         if self._policy:
-            return self._next_policy(self.inflight < self.limit)
+            rf = self._rf
+            return self._next_policy(self.inflight < self.limit and (mem is None or not rf or mem.admits(rf[0][1])))
         return self._next_in_order(self.inflight < self.limit)
 
     def _next_policy(self, f_allowed: bool, f_entry: tuple[int, int, int] | None = None) -> Task | None:
@@ -280,7 +324,7 @@ class Arbiter:
             else:
                 v, m, s = f_entry
                 self._remove_from_heap(rf, f_entry)
-            self._rdy[0][v * self._n_mb + m] = 0
+            self._rdy[0][v * self._fsign * self._n_mb + m] = 0
             t = _new(Task, (s, F, m))
         else:
             v, m, s = heapq.heappop(rb)
@@ -296,19 +340,26 @@ class Arbiter:
         n, M = len(order), self._n_mb
         while self._pos < n and done[keys[self._pos][0]][keys[self._pos][1]]:
             self._pos += 1
+        mem = self._mem
         for j in range(self._pos, n):
             c, i = keys[j]
             # Flag index i < M is the first virtual stage: F there admits a new microbatch.
-            if rdy[c][i] and (c != 0 or (f_allowed and (admit or i >= M))):
+            if rdy[c][i] and (c != 0 or (f_allowed and (i >= M or (admit and (mem is None or mem.admits(i)))))):
                 return self._dispatch(order[j])
         return None
 
     def _next_policy_admission(self) -> Task | None:
         # At the limit with virtual stages: no forward on the first virtual stage, every other
         # ready task as the policy ranks it. The best admissible F is the smallest heap entry
-        # with virtual index >= 1; the scan runs only while the limit binds.
-        stale = self._stale[id(self._rf)]
-        best = min((e for e in self._rf if e[0] >= 1 and e not in stale), default=None)
+        # with virtual index >= 1 (key != 0); the scan runs only while the limit binds.
+        rf = self._rf
+        if self._fsign < 0:
+            # Depth-first: entries with key != 0 sort before every key-0 entry, so the best
+            # admissible F is the heap's (live) top, or there is none: no scan.
+            best = rf[0] if rf and rf[0][0] else None
+        else:
+            stale = self._stale[id(rf)]
+            best = min((e for e in rf if e[0] and e not in stale), default=None)
         return self._next_policy(False, best)
 
     def _next_completion_order(self) -> Task | None:
@@ -333,7 +384,7 @@ class Arbiter:
                 s = self.stages[j]
                 t = _new(Task, (s, F, m))
                 if self._policy:
-                    self._remove_from_heap(self._rf, (j, m, s))
+                    self._remove_from_heap(self._rf, (j * self._fsign, m, s))
             else:
                 v = 2 * len(self.stages) - 1 - j
                 s = self.stages[v]
@@ -389,7 +440,7 @@ class Arbiter:
         if self._policy:
             s, _, m = task
             v = self._vidx[s]
-            heap, entry = ((self._rf, (v, m, s)) if c == 0 else (self._rb, (-v, m, s)) if c == 1
+            heap, entry = ((self._rf, (v * self._fsign, m, s)) if c == 0 else (self._rb, (-v, m, s)) if c == 1
                            else (self._rw, (m, -v, s)))
             stale = self._stale[id(heap)]
             if entry in stale:  # taken from the heap's middle: it is still in the heap
@@ -413,7 +464,7 @@ class Arbiter:
             s, k, m = t
             v = self._vidx[s]
             if k == F:
-                heapq.heappush(self._rf, (v, m, s))
+                heapq.heappush(self._rf, (v * self._fsign, m, s))
             elif k == W:
                 heapq.heappush(self._rw, (m, -v, s))
             else:

@@ -41,6 +41,12 @@ POLICIES = {
     "b-priority": ("B", False, False),
     "f-priority": ("F", False, False),
 }
+DEPTH_FIRST = {"bf-df": "bf", "bfw-df": "bfw"}
+"""Depth-first variants of policies (name -> the policy they vary): among ready forwards they
+prefer the *latest* virtual stage, so a microbatch already admitted moves on to its backward
+(and frees its memory) before a new one is started; critical-path priority across virtual
+stages. With one stage per rank they equal their base policy."""
+POLICIES.update({k: POLICIES[v] for k, v in DEPTH_FIRST.items()})
 HINT_NAMES = tuple(POLICIES) + tuple(SCHEDULES)
 
 NOMINAL_DURATIONS = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
@@ -66,6 +72,7 @@ class Hint:
         order: for a total-order hint, the per-rank order; None for a policy.
         backpressure: what readiness mode does at the in-flight limit with virtual stages
             (:data:`BACKPRESSURE`); one stage per rank always disables forwards.
+        depth_first: for a policy, prefer forwards on later virtual stages (:data:`DEPTH_FIRST`).
     """
 
     name: str
@@ -73,6 +80,7 @@ class Hint:
     alternate: bool = True
     order: Order | None = field(default=None, compare=False)
     backpressure: str = "admission"
+    depth_first: bool = False
 
     @property
     def is_policy(self) -> bool:
@@ -112,7 +120,7 @@ def compile_policy(
     if len(limits) != P:
         raise ValueError(f"{len(limits)} in-flight limits given for {P} ranks")
     dur = NOMINAL_DURATIONS if durations is None else durations
-    policy = Hint(hint.name, hint.first, hint.alternate)
+    policy = Hint(hint.name, hint.first, hint.alternate, depth_first=hint.depth_first)
     arbs = [Arbiter(spec, r, policy, inflight_limit=limits[r]) for r in range(P)]
     orders: Order = [[] for _ in range(P)]
     events: list[tuple[float, int, int]] = []  # (end time, seq, rank)
@@ -206,7 +214,7 @@ def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, ba
     if name in POLICIES:
         first, alternate, split = POLICIES[name]
         spec = PipelineSpec(placement, n_microbatches, split if split_backward is None else split_backward)
-        hint = Hint(name, first, alternate, backpressure=backpressure)
+        hint = Hint(name, first, alternate, backpressure=backpressure, depth_first=name in DEPTH_FIRST)
         if strict:
             hint = Hint(name, first, alternate, order=compile_policy(spec, hint, inflight_limit))
         return spec, hint, strict

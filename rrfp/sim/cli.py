@@ -54,6 +54,9 @@ def register(subparsers: Any) -> None:
                    help="with virtual stages: admission (the limit counts microbatches in flight) or "
                    "completion-order (RRFP App. C.2)")
     g.add_argument("--limit", default="32", help="in-flight limit: an integer, or 1f1b (1F1B's p - r per rank)")
+    g.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="activation bytes per rank: a size (64MiB, 1.5GB, 4096) or 1f1b / gpipe (what that schedule "
+                   "holds on each rank with these sizes); needs --act-bytes or a cost file with act_bytes")
     g.add_argument("--baseline", default="auto",
                    help="hint the speedups are over (added to the table when missing): a hint name, none, or auto: "
                    "strict-1f1b with one stage per rank, strict-interleaved-1f1b with virtual stages in the loop "
@@ -101,6 +104,13 @@ def register(subparsers: Any) -> None:
     g.add_argument("--imbalance", default="1", help="encoder-scale values (encoder/LLM imbalance)")
     g.add_argument("--seeds", type=int, default=1, help="seeds per point (makespans averaged)")
     g.add_argument("--out", default="sweep", help="sweep output prefix: writes PREFIX.csv and PREFIX.md")
+
+    g = p.add_argument_group("scenario suite (docs/suite.md)")
+    g.add_argument("--suite", action="store_true",
+                   help="run the scenario suite (compute and message jitter, sequence length, multimodal, a straggler; "
+                   "at 1F1B's memory and unlimited) for --hints; --markdown writes the document")
+    g.add_argument("--suite-ranks", default="4,8,16,32", help="suite pipeline depths (ranks)")
+    g.add_argument("--suite-scenarios", default=None, help="comma-separated suite scenarios; without it, all")
     p.set_defaults(func=run)
 
 
@@ -209,10 +219,14 @@ def _limit(text: str) -> Any:
 
 
 def _hints(args: argparse.Namespace) -> list[str]:
+    return _hints_or(args, ["bf", "bfw"])
+
+
+def _hints_or(args: argparse.Namespace, default: Any) -> Any:
     hints = list(args.hint)
     if args.hints:
         hints += [h.strip() for h in args.hints.split(",") if h.strip()]
-    return list(dict.fromkeys(hints)) or ["bf", "bfw"]
+    return list(dict.fromkeys(hints)) or default
 
 
 def _stragglers(items: list[str]) -> dict[int, float]:
@@ -316,6 +330,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         cfg = SimConfig(
             n_ranks=args.ranks, n_microbatches=m, n_virtual=args.virtual, placement=args.placement,
             steps=args.steps, step_overhead=args.step_overhead, limit=_limit(args.limit), backpressure=args.backpressure,
+            memory_budget=args.memory_budget,
             costs=_costs(args), seed=args.seed, jitter=_jitter(args.jitter, "--jitter"), noise=args.noise,
             seqlen=_seqlen(args.seqlen) if args.seqlen else None,
             images=Dist.parse(args.images) if args.images else None,
@@ -328,6 +343,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             # builds per point: its stage count changes).
             cfg.make_placement()
             cfg.limits()
+            cfg.memory_budgets()
             cfg.duration_model()
             cfg.comm_model()
         return cfg
@@ -373,6 +389,10 @@ def run(args: argparse.Namespace) -> int:
             cannot finish, or an output that cannot be written.
     """
     _check_numbers(args)
+    if args.suite:
+        from .suite import run_suite_command
+
+        return run_suite_command(args, _hints_or(args, None), _ints(args.suite_ranks, "suite-ranks"), _write)
     cfg = config_from_args(args)
     if args.sweep:
         return _run_sweep(args, cfg)
@@ -399,7 +419,8 @@ def run(args: argparse.Namespace) -> int:
     header, cells = table_rows(rows)
     jit = cfg.jitter.name if cfg.jitter else "J0"
     print(f"# {cfg.n_ranks} ranks x {cfg.n_virtual} virtual stages ({cfg.placement}), "
-          f"{cfg.n_microbatches} microbatches, {cfg.steps} step(s), limit {cfg.limit}, jitter {jit}, seed {cfg.seed}")
+          f"{cfg.n_microbatches} microbatches, {cfg.steps} step(s), limit {cfg.limit}, jitter {jit}, seed {cfg.seed}"
+          + (f", memory budget {cfg.memory_budget}" if cfg.memory_budget is not None else ""))
     print(format_text(header, cells))
     if baseline:
         print(f"# speedup = makespan of {baseline} / makespan; bound = lower bound of that run (docs/simulator.md)")

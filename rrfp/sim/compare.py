@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from ..scheduler.hints import resolve_hint
+from ..scheduler.memory import BUDGET_NAMES, order_peak_bytes, parse_size
 from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
 from .costs import CostModel
@@ -40,6 +41,10 @@ class SimConfig:
             (:data:`rrfp.scheduler.hints.BACKPRESSURE`).
         limit: the in-flight limit: an int, a per-rank list, or ``"1f1b"`` (1F1B's own
             per-rank limits ``p - r``, which match its activation memory).
+        memory_budget: activation bytes per rank: None (no budget), bytes (an int, or one
+            per rank), or ``"1f1b"`` / ``"gpipe"``: what the placement's fixed-order baseline
+            (:func:`default_baseline`) or GPipe holds on each rank with these sizes
+            (:func:`memory_budgets`). Needs ``act_bytes`` in the costs.
         costs: per-stage costs (None: every stage ``F = 10 ms``, ``B = 20 ms``).
         seed, jitter, noise, seqlen, images, samples_per_microbatch, encoder_stages,
         encoder_scale, stragglers: the compute model (:class:`~rrfp.sim.duration.DurationModel`).
@@ -54,6 +59,7 @@ class SimConfig:
     steps: int = 1
     step_overhead: float = 0.0
     limit: Any = 32
+    memory_budget: Any = None
     backpressure: str = "admission"
     costs: CostModel | None = None
     seed: int = 0
@@ -90,6 +96,36 @@ class SimConfig:
         ):
             return list(lim)
         raise ValueError(f"in-flight limit {lim!r}: expected an integer >= 1, '1f1b', or one per rank")
+
+    def memory_budgets(self) -> list[int] | None:
+        """Per rank, the memory budget in bytes (None: no budget).
+
+        Raises:
+            ValueError: a budget without activation sizes, a bad budget, or ``1f1b`` on a
+                placement without a fixed-order baseline.
+        """
+        mb = self.memory_budget
+        if mb is None:
+            return None
+        if not any(c.act_bytes for c in self.cost_model().stages):
+            raise ValueError(f"memory budget {mb!r} needs activation sizes: give act_bytes (--act-bytes or a cost file)")
+        P = self.n_ranks
+        if isinstance(mb, (list, tuple)):
+            if len(mb) != P:
+                raise ValueError(f"{len(mb)} memory budgets given for {P} ranks")
+            return [parse_size(x) for x in mb]
+        if mb not in BUDGET_NAMES:
+            return [parse_size(mb)] * P
+        if mb == "gpipe":  # all forwards before any backward: every microbatch held
+            base = "strict-gpipe" if self.n_virtual == 1 else "strict-looped-bfs"
+        else:
+            base = default_baseline(self.n_virtual, self.placement)
+        if base is None:
+            raise ValueError(f"memory budget {mb!r}: no such schedule for {self.n_virtual} virtual stages ({self.placement})")
+        spec, h, _ = resolve_hint(base, self.make_placement(), self.n_microbatches)
+        model = self.duration_model()
+        return [max(order_peak_bytes(h.order[r], lambda s, m, k=k: model.act_bytes(k, s, m)) for k in range(self.steps))
+                for r in range(P)]
 
     def cost_model(self) -> CostModel:
         """Costs fitted to the pipeline's stage count.
@@ -137,11 +173,17 @@ def run_one(cfg: SimConfig, hint: str, *, record: bool = True) -> tuple[RunSumma
     comm = cfg.comm_model()
     delay = None if comm.is_zero else comm
     kw: dict[str, Any] = {} if delay is None else {"delay": delay}
+    act = [c.act_bytes for c in cfg.cost_model().stages]
+    model = cfg.duration_model()
+    if any(act):
+        # The arbiter counts each microbatch's own bytes (they vary with sequence length and
+        # image count): the exact peak per rank, and the budget when one is set.
+        kw["act_bytes"] = model.act_bytes
+        kw["memory_budget"] = cfg.memory_budgets()
     res = simulate(
-        spec, h, cfg.duration_model(), strict=strict, inflight_limit=limits, steps=cfg.steps,
+        spec, h, model, strict=strict, inflight_limit=limits, steps=cfg.steps,
         step_overhead=cfg.step_overhead, record=record, **kw,
     )
-    act = [c.act_bytes for c in cfg.cost_model().stages]
     if record:
         summary = summarize(
             hint, spec, res, act, delay=delay, steps=cfg.steps, step_overhead=cfg.step_overhead, limit=cfg.limit
@@ -150,6 +192,9 @@ def run_one(cfg: SimConfig, hint: str, *, record: bool = True) -> tuple[RunSumma
         held = res.peak_inflight_stage
         summary = RunSummary(hint, res.makespan, res.bubble_fraction(), list(held),
                              [h_ * a for h_, a in zip(held, act)], [], math.nan, limit=cfg.limit)
+    if any(act):
+        summary.peak_memory_rank = list(res.peak_bytes)
+    summary.extra["memory_budget"] = kw.get("memory_budget")
     summary.extra["split_backward"] = spec.split_backward
     summary.extra["strict"] = strict
     return summary, res

@@ -244,6 +244,20 @@ class DurationModel:
             )
         return r
 
+    def act_bytes(self, step: int, stage: int, microbatch: int) -> int:
+        """Bytes ``F(stage, microbatch)`` holds until its input backward in step ``step``: the
+        stage's ``act_bytes`` times the microbatch's sequence-length ratio and, on the encoder
+        stages, its image count over the mean (what an activation's size follows)."""
+        b = self.costs.stages[stage].act_bytes
+        if not b:
+            return 0
+        r = 1.0
+        if self.images is not None and stage < self.encoder_stages:
+            r *= self._image_scale(step, microbatch)
+        if self.seqlen is not None:
+            r *= self.seqlen_ratio(step, microbatch)
+        return int(round(b * r))
+
     def compute(self, step: int, rank: int, task: Task) -> float:
         """Seconds of ``task`` without the injected jitter (stateless)."""
         s, kind, m = task

@@ -20,6 +20,7 @@ from ..scheduler.tasks import F, W, PipelineSpec, Task, TaskRecord
 
 DurationFn = Callable[[int, int, Task], float]  # (step, rank, task) -> seconds
 DelayFn = Callable[[int, int, int, Task], float]  # (step, src rank, dst rank, producing task) -> seconds
+BytesFn = Callable[[int, int, int], int]  # (step, stage, microbatch) -> activation bytes F holds
 
 
 @dataclass
@@ -34,6 +35,8 @@ class SimResult:
         step_end: per step, the time the last rank finished it (s).
         peak_inflight_stage: per stage, the most microbatches whose forward had finished and
             whose input backward (``B`` or ``I``) had not: the activations that stage held.
+        peak_bytes: per rank, the most activation bytes held at once in any step (all zero
+            without ``act_bytes``).
     """
 
     makespan: float
@@ -42,6 +45,7 @@ class SimResult:
     peak_inflight: list[int]
     step_end: list[float] = field(default_factory=list)
     peak_inflight_stage: list[int] = field(default_factory=list)
+    peak_bytes: list[int] = field(default_factory=list)
 
     def bubble_fraction(self) -> list[float]:
         """Per rank, the idle share of the makespan (0..1)."""
@@ -67,6 +71,8 @@ def simulate(
     steps: int = 1,
     step_overhead: float = 0.0,
     record: bool = True,
+    memory_budget: int | Sequence[int | None] | None = None,
+    act_bytes: BytesFn | None = None,
 ) -> SimResult:
     """Simulate ``steps`` training steps of ``spec`` under ``hint``.
 
@@ -89,9 +95,14 @@ def simulate(
         steps: training steps to run back to back.
         step_overhead: seconds each rank spends between its steps.
         record: keep a :class:`TaskRecord` per task (memory grows with the task count).
+        memory_budget: activation bytes per rank (one for all, or one per rank; None: none);
+            needs ``act_bytes`` (:mod:`rrfp.scheduler.memory`).
+        act_bytes: ``act_bytes(step, stage, mb)``, the bytes ``F(stage, mb)`` holds; with it
+            the result reports :attr:`SimResult.peak_bytes`.
 
     Raises:
-        ValueError: a limit list of the wrong length (or a bad hint, from the arbiter).
+        ValueError: a limit or budget list of the wrong length (or a bad hint or budget,
+            from the arbiter).
         DeadlockError: naming each unfinished rank and what it waits for.
     """
     # A run allocates millions of short-lived tuples and no reference cycles; the cyclic
@@ -100,7 +111,8 @@ def simulate(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(spec, hint, duration, strict, inflight_limit, delay, steps, step_overhead, record)
+        return _simulate(spec, hint, duration, strict, inflight_limit, delay, steps, step_overhead, record,
+                         memory_budget, act_bytes)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -116,6 +128,8 @@ def _simulate(
     steps: int,
     step_overhead: float,
     record: bool,
+    memory_budget: int | Sequence[int | None] | None = None,
+    act_bytes: BytesFn | None = None,
 ) -> SimResult:
     place = spec.placement
     P = place.n_ranks
@@ -124,8 +138,14 @@ def _simulate(
     if len(limits) != P:
         raise ValueError(f"{len(limits)} in-flight limits given for {P} ranks")
 
-    def new_arbiter(rank: int) -> Arbiter:
-        return Arbiter(spec, rank, hint, strict=strict, inflight_limit=limits[rank])
+    budgets = list(memory_budget) if isinstance(memory_budget, (list, tuple)) else [memory_budget] * P
+    if len(budgets) != P:
+        raise ValueError(f"{len(budgets)} memory budgets given for {P} ranks")
+
+    def new_arbiter(rank: int, step: int = 0) -> Arbiter:
+        size = None if act_bytes is None else (lambda s, m: act_bytes(step, s, m))
+        return Arbiter(spec, rank, hint, strict=strict, inflight_limit=limits[rank],
+                       memory_budget=budgets[rank], act_bytes=size)
 
     rank_of = [place.rank_of(s) for s in range(S)]
     next_rank = [rank_of[s + 1] if s + 1 < S else -1 for s in range(S)]
@@ -143,6 +163,7 @@ def _simulate(
     busy_until = [0.0] * P
     busy = [0.0] * P
     peak = [0] * P
+    peak_bytes = [0] * P
     held = [0] * S
     peak_held = [0] * S
     records: list[TaskRecord] = []
@@ -160,7 +181,7 @@ def _simulate(
             return cur[r]  # type: ignore[return-value]
         a = ahead[r].get(step)
         if a is None:
-            a = ahead[r][step] = new_arbiter(r)
+            a = ahead[r][step] = new_arbiter(r, step)
         return a
 
     now = 0.0
@@ -234,12 +255,14 @@ def _simulate(
             if a.n_done == a.n_tasks:  # type: ignore[union-attr]  # a.finished, without the call
                 if a.peak_inflight > peak[r]:  # type: ignore[union-attr]
                     peak[r] = a.peak_inflight  # type: ignore[union-attr]
+                if a.memory is not None and a.memory.peak_held > peak_bytes[r]:  # type: ignore[union-attr]
+                    peak_bytes[r] = a.memory.peak_held  # type: ignore[union-attr]
                 if now > step_end[step]:
                     step_end[step] = now
                 nxt = step + 1
                 cur_step[r] = nxt
                 if nxt < steps:
-                    cur[r] = ahead[r].pop(nxt, None) or new_arbiter(r)
+                    cur[r] = ahead[r].pop(nxt, None) or new_arbiter(r, nxt)
                     if step_overhead > 0:
                         busy_until[r] = now + step_overhead
                         seq += 1
@@ -253,4 +276,4 @@ def _simulate(
             for r in unfinished[:4]
         )
         raise DeadlockError(f"simulation cannot finish: {why}")
-    return SimResult(now, records, busy, peak, step_end, peak_held)
+    return SimResult(now, records, busy, peak, step_end, peak_held, peak_bytes)

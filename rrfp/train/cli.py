@@ -51,9 +51,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
     p.add_argument("--hint", default=DEFAULTS["hint"], help=f"{', '.join(HINT_NAMES)}; strict-<name> for the fixed order; order:<per-rank actions> or a .csv file")
     p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], help="in-flight limit (an integer, or '1f1b' for p - rank)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="activation bytes per rank (64MiB, 1.5GB, bytes): a microbatch is admitted only if its "
+                   "measured-size estimate fits (README: Memory budget)")
     p.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
                    help="with virtual stages: what a rank does at the in-flight limit (see README)")
-    p.add_argument("--model", default=DEFAULTS["model"], help="model preset: tiny (4 layers), small (8), medium (12); --stages x --virtual-stages must not exceed its layers")
+    p.add_argument("--model", default=DEFAULTS["model"], help="model preset: tiny (4 layers), small (8), medium (12), or multimodal (an image encoder + 3 decoder "
+                   "blocks on scikit-learn's digits, 0-6 images and a caption per sample); --stages x --virtual-stages "
+                   "must not exceed its layers")
     p.add_argument("--max-len", type=int, default=DEFAULTS["max_len"], help="longest sample, in tokens (bytes)")
     p.add_argument("--data", nargs="+", metavar="PATH", default=None, help="text files or folders; without --data, the Python standard library's sources")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed for weights and data order")
@@ -87,9 +92,16 @@ def validate(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v < 1:
             raise UsageError(f"--{name.replace('_', '-')}={v}: expected a positive integer")
-    if args.model not in GPT_PRESETS:
-        raise UsageError(f"--model={args.model!r}: expected one of {', '.join(GPT_PRESETS)}")
-    n_layer = GPT_PRESETS[args.model].n_layer
+    if args.model not in GPT_PRESETS and args.model != "multimodal":
+        raise UsageError(f"--model={args.model!r}: expected one of {', '.join(GPT_PRESETS)}, multimodal")
+    if args.model == "multimodal":
+        from ..model.multimodal import MULTIMODAL
+
+        if args.data is not None:
+            raise UsageError("--data with --model multimodal: the multimodal workload reads scikit-learn's digits, not text")
+        n_layer = MULTIMODAL.n_units  # the encoder and each decoder block
+    else:
+        n_layer = GPT_PRESETS[args.model].n_layer
     n_stages = args.stages * args.virtual_stages
     if n_stages > n_layer:
         raise UsageError(
@@ -102,6 +114,13 @@ def validate(args: argparse.Namespace) -> None:
             "each microbatch needs at least one sample"
         )
     _validate_layout(args)
+    if getattr(args, "memory_budget", None) is not None:
+        from ..runtime.memory import budget_bytes
+
+        try:
+            budget_bytes(args.memory_budget)
+        except ValueError as e:
+            raise UsageError(f"--memory-budget={args.memory_budget!r}: {e}") from None
     if args.inflight_limit != "1f1b":
         try:
             limit = int(args.inflight_limit)

@@ -145,20 +145,29 @@ def _main(args: argparse.Namespace) -> int:
     # rank: this process's pp_rank in its pipeline (one pipeline per (dp_rank, tp_rank)).
     layout = train_layout(args)
     rank, n_ranks = layout.pp_rank, layout.pp
-    cfg = dataclasses.replace(GPT_PRESETS[args.model], max_len=args.max_len)
     place = Placement(n_ranks, args.virtual_stages, args.placement)
     n_stages = place.n_stages
     stage_ids = place.stages_of(rank)
-    stages = [PipelineStage(build_stage(cfg, n_stages, s, args.seed), s, n_stages) for s in stage_ids]
+    sampler = batches = None
+    if args.model == "multimodal":
+        from .multimodal import DigitBatches, multimodal_stages
+
+        modules = multimodal_stages(n_stages, stage_ids, args.seed)
+        if 0 in stage_ids or n_stages - 1 in stage_ids:
+            batches = DigitBatches(args.batch_size, args.seed).microbatches
+    else:
+        cfg = dataclasses.replace(GPT_PRESETS[args.model], max_len=args.max_len)
+        modules = [build_stage(cfg, n_stages, s, args.seed) for s in stage_ids]
+        if 0 in stage_ids or n_stages - 1 in stage_ids:
+            samples = load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL)
+            sampler = BatchSampler(samples, args.batch_size, args.seed)
+            batches = lambda k, m: make_microbatches(replica_samples(sampler.batch(k), layout), m)  # noqa: E731
+    stages = [PipelineStage(mod, s, n_stages) for mod, s in zip(modules, stage_ids)]
     if layout.tp > 1:
         from ..model.tp import shard_gpt_stage
 
         for st in stages:
             shard_gpt_stage(st.submod, layout.tp_rank, layout.tp, layout.tp_group, TP_IMPL)
-    sampler = None
-    if 0 in stage_ids or n_stages - 1 in stage_ids:
-        samples = load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL)
-        sampler = BatchSampler(samples, args.batch_size, args.seed)
     metrics, metrics_server = start_metrics(args, layout.rank, stage_ids)
     pipe = Pipeline(
         stages, args.microbatches, lm_loss, hint=args.hint, inflight_limit=inflight_limits(args, n_ranks),
@@ -167,6 +176,7 @@ def _main(args: argparse.Namespace) -> int:
         record=args.trace is not None or metrics is not None, deterministic=args.deterministic, backpressure=args.backpressure,
         transport=getattr(args, "transport", "zmq"),
         layout=layout if layout.dp * layout.tp > 1 else None,
+        memory_budget=getattr(args, "memory_budget", None),
     )
     # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
     out_bytes = record_output_bytes(stages) if args.trace else None
@@ -181,10 +191,9 @@ def _main(args: argparse.Namespace) -> int:
         for k in range(args.steps):
             t_step = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            batch = sampler.batch(k) if sampler else None
-            mbs = make_microbatches(replica_samples(batch, layout), args.microbatches) if sampler else None
+            mbs = batches(k, args.microbatches) if batches else None
             loss = pipe.step(
-                microbatches=[(mb.tokens,) for mb in mbs] if 0 in stage_ids else None,
+                microbatches=[mb.inputs for mb in mbs] if 0 in stage_ids else None,
                 targets=[mb.targets for mb in mbs] if n_stages - 1 in stage_ids else None,
             )
             if getattr(args, "clip_grad", None) is not None:

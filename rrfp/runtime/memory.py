@@ -1,0 +1,106 @@
+"""Activation bytes in the runtime: what each forward leaves saved for its backward, measured,
+and the estimate the arbiter's memory budget admits by (rrfp issue 13).
+
+:class:`ForwardSizer` is the ``act_bytes(stage, mb)`` function of
+:class:`~rrfp.scheduler.arbiter.Arbiter`: after ``F(stage, mb)`` ran, the bytes it measured;
+before, an estimate scaled from the stage's last measured forward by the number of elements
+of the microbatch's input on the rank's first virtual stage (so longer sequences or more
+images count more); None until the stage was measured once (the arbiter then admits that
+microbatch only when nothing is reserved, so the budget holds from the first step on).
+
+Measured: the storages autograd saves for backward during the forward
+(``torch.autograd.graph.saved_tensors_hooks``), each counted once however many saved tensors
+view it, parameters excluded (the benchmarks' ActivationMeter counts the same way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Mapping
+
+import torch
+
+
+def budget_bytes(memory_budget: int | str | None) -> int | None:
+    """A memory budget in bytes (None: none), from ``Pipeline(memory_budget=...)`` or
+    ``rrfp train --memory-budget``.
+
+    Raises:
+        ValueError: a bad size, or a schedule name (the runtime learns sizes as it runs, so
+            it cannot know ahead what a schedule would hold; ``rrfp simulate`` can).
+    """
+    from ..scheduler.memory import BUDGET_NAMES, parse_size
+
+    if memory_budget is None:
+        return None
+    if memory_budget in BUDGET_NAMES:
+        raise ValueError(f"memory budget {memory_budget!r}: the runtime takes a size in bytes (e.g. 64MiB); "
+                         "schedule names need sizes known ahead (rrfp simulate --memory-budget)")
+    return parse_size(memory_budget)
+
+
+def _numel(inputs: Any) -> int:
+    return sum(t.numel() for t in inputs if isinstance(t, torch.Tensor))
+
+
+class ForwardSizer:
+    """Measures and estimates one rank's activation bytes per ``(stage, microbatch)``.
+
+    Args:
+        modules: stage index -> the stage's module (its parameters are not activations).
+        first_stage: the rank's first virtual stage.
+    """
+
+    def __init__(self, modules: Mapping[int, torch.nn.Module], first_stage: int) -> None:
+        self._params = {p.untyped_storage().data_ptr() for m in modules.values() for p in m.parameters()}
+        self.first_stage = first_stage
+        self._per_elem: dict[int, float] = {}  # stage -> bytes per element of the first stage's input
+        self._inputs: dict[int, int] = {}  # mb -> elements of its first-virtual-stage input
+        self._measured: dict[tuple[int, int], int] = {}
+        self.act: Mapping[tuple[int, int], Any] | None = None  # the inbox's buffered inputs
+
+    def begin_step(self, act: Mapping[tuple[int, int], Any]) -> None:
+        """A new step: forget the last step's microbatches (the per-stage rates stay)."""
+        self.act = act
+        self._inputs.clear()
+        self._measured.clear()
+
+    def __call__(self, stage: int, mb: int) -> int | None:
+        got = self._measured.get((stage, mb))
+        if got is not None:
+            return got
+        rate = self._per_elem.get(stage)
+        if rate is None:
+            return None
+        n = self._inputs.get(mb)
+        if n is None:
+            x = self.act.get((self.first_stage, mb)) if self.act is not None else None
+            if x is None:
+                return None
+            n = _numel(x)
+        return int(rate * n)
+
+    @contextlib.contextmanager
+    def measure(self, stage: int, mb: int, inputs: Any) -> Iterator[None]:
+        """Count what autograd saves inside the block as ``F(stage, mb)``'s bytes."""
+        if stage == self.first_stage:
+            self._inputs[mb] = _numel(inputs)
+        seen: set[int] = set()
+        total = 0
+        params = self._params
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr not in params and ptr not in seen:
+                seen.add(ptr)
+                total += st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self._measured[(stage, mb)] = total
+        n = self._inputs.get(mb)
+        if n:
+            self._per_elem[stage] = total / n

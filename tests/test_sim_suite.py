@@ -1,0 +1,72 @@
+"""``rrfp simulate --memory-budget`` and ``--suite`` (rrfp issue 13)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from rrfp.cli import main
+from rrfp.sim.compare import SimConfig, run_one
+from rrfp.sim.costs import CostModel
+from rrfp.sim.duration import Dist
+from rrfp.sim.suite import run_suite, suite_targets
+
+MIB = 2**20
+
+
+def _sim(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["simulate", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_memory_budget_bounds_peak_bytes_in_the_table(capsys, tmp_path) -> None:
+    rc, out, _ = _sim(capsys, "-p", "4", "-m", "16", "--act-bytes", str(MIB), "--memory-budget", "2.5MiB",
+                      "--hints", "bf,bfw-df", "--jitter", "J2", "--csv", str(tmp_path / "t.csv"),
+                      "--json", str(tmp_path / "t.json"))
+    assert rc == 0 and "memory budget 2.5MiB" in out
+    rows = {r["policy"]: r for r in csv.DictReader(open(tmp_path / "t.csv"))}
+    # 1 MiB microbatches under a 2.5 MiB budget: at most 2 held on any rank.
+    assert float(rows["bf"]["peak_act_MiB_max"]) == 2.0 and float(rows["bfw-df"]["peak_act_MiB_max"]) == 2.0
+    assert float(rows["strict-1f1b"]["peak_act_MiB_max"]) == 4.0  # strict ignores the budget
+    runs = json.load(open(tmp_path / "t.json"))["runs"]
+    assert all(max(r["peak_memory_rank"]) <= 2 * MIB for r in runs if r["hint"] != "strict-1f1b")
+
+
+def test_memory_budget_names_match_what_the_schedule_holds() -> None:
+    base = dict(n_ranks=4, n_microbatches=12, costs=CostModel.uniform(1, 0.01, 0.02, act_bytes=1000),
+                seqlen=Dist.parse("uniform:0.5,1.5"), limit=12)
+    for name, strict in (("1f1b", "strict-1f1b"), ("gpipe", "strict-gpipe")):
+        cfg = SimConfig(memory_budget=name, **base)
+        budgets = cfg.memory_budgets()
+        held, _ = run_one(SimConfig(**base), strict)
+        assert budgets == held.peak_memory_rank  # the strict run holds exactly the named budget
+        got, _ = run_one(cfg, "bf")
+        assert all(g <= b for g, b in zip(got.peak_memory_rank, budgets))
+
+
+def test_memory_budget_errors_exit_2(capsys) -> None:
+    rc, _, err = _sim(capsys, "--memory-budget", "1f1b")
+    assert rc == 2 and "needs activation sizes" in err
+    rc, _, err = _sim(capsys, "--memory-budget", "lots", "--act-bytes", "100")
+    assert rc == 2 and "memory size 'lots'" in err
+
+
+def test_suite_table_bound_and_document(capsys, tmp_path) -> None:
+    rc, out, _ = _sim(capsys, "--suite", "--suite-ranks", "4", "--suite-scenarios", "J0,seqlen",
+                      "--hints", "bfw-df,bf", "--markdown", str(tmp_path / "suite.md"))
+    assert rc == 0
+    doc = (tmp_path / "suite.md").read_text()
+    assert "## Targets" in doc and "| J0 | 4 | 1 | 1f1b |" in doc and "| seqlen | 4 | 2 | unlimited |" in doc
+    assert "never below 1.00x" in out
+
+
+def test_suite_rows_keep_the_baselines_memory() -> None:
+    rows = run_suite(["bfw-df", "bf"], scenarios=["seqlen", "multimodal"], ranks=[4])
+    assert len(rows) == 2 * 2 * 2
+    for r in rows:
+        if r.memory == "1f1b":
+            # The budget is the baseline's own peak, and no microbatch alone exceeds it.
+            assert max(r.peak_bytes["bfw-df"], r.peak_bytes["bf"]) <= r.peak_bytes[r.baseline]
+    (t1, _, _), _, (t3, fig, _) = suite_targets(rows, "bfw-df")
+    assert "never below" in t1 and fig.startswith("median")
