@@ -21,6 +21,7 @@ from torch import nn
 from ..scheduler.hints import resolve_hint
 from ..scheduler.tasks import Placement
 from ..transport.base import Transport
+from .executor import make_executor
 from .rank import DelayFn, LossFn, RankRuntime, StepStats
 from .stage import PipelineStage, as_tuple
 
@@ -112,6 +113,11 @@ class Pipeline:
             bitwise reproducible whatever order tasks ran in.
         backpressure: with virtual stages, ``admission`` (default: the limit counts
             microbatches in flight per rank) or ``completion-order`` (RRFP App. C.2).
+        device: where the stages compute (``"cpu"``, ``"cuda"``, ``"cuda:1"``); the stage
+            modules are moved there. None: where their parameters already are.
+        executor: ``auto`` (``cuda`` on a CUDA device, else ``inline``), ``inline``, ``thread``
+            or ``cuda`` (see :mod:`rrfp.runtime.executor`).
+        launch_ahead: the CUDA executor's launch-ahead window, 1 or 2 tasks.
 
     Raises:
         ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...).
@@ -136,6 +142,9 @@ class Pipeline:
         task_delay: DelayFn | None = None,
         deterministic: bool = False,
         backpressure: str = "admission",
+        device: torch.device | str | None = None,
+        executor: str = "auto",
+        launch_ahead: int = 1,
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -178,7 +187,7 @@ class Pipeline:
             _make_runtime(
                 rank, stages, self.spec, self.hint, transport, strict=self.strict, inflight_limit=limit, job=job,
                 loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog, task_delay=task_delay, record=record,
-                deterministic=deterministic,
+                deterministic=deterministic, device=device, executor=executor, launch_ahead=launch_ahead,
             )
         )
         self._step = 0
@@ -248,9 +257,25 @@ class Pipeline:
             self._loop.close()
 
 
-async def _make_runtime(*args, **kwargs) -> RankRuntime:
-    # Built inside the loop so its asyncio primitives bind to it.
-    return RankRuntime(*args, **kwargs)
+async def _make_runtime(rank: int, stages: Sequence[PipelineStage], *args, device=None, executor: str = "auto",
+                        launch_ahead: int = 1, **kwargs) -> RankRuntime:
+    """One rank's runtime, for :class:`Pipeline` and :class:`LocalPipeline` alike: its stages
+    moved to ``device``, its executor made by name. Built inside the loop so that its asyncio
+    primitives bind to it.
+
+    Raises:
+        ValueError: an unknown executor, or ``cuda`` on a non-CUDA device.
+        RuntimeError: a CUDA device or executor without CUDA.
+    """
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {str(device)!r}: torch.cuda.is_available() is False")
+        for st in stages:
+            st.submod.to(device)
+            st.device = device
+    ex = make_executor(executor, stages[0].device, window=launch_ahead)
+    return RankRuntime(rank, stages, *args, executor=ex, **kwargs)
 
 
 class LocalPipeline:
@@ -271,7 +296,8 @@ class LocalPipeline:
             order alone, like NCCL) with the same seeded ``delay``; see :attr:`wire`.
         encode: pass every message through the codec, as between processes.
         task_delay: ``fn(step, rank, task) -> seconds`` of injected compute time.
-        deterministic: as :class:`Pipeline`.
+        deterministic, device, executor, launch_ahead: as :class:`Pipeline` (every rank on
+            the one device; each rank its own executor, so with ``cuda`` its own stream).
 
     Raises:
         ValueError: as :class:`Pipeline`.
@@ -298,6 +324,9 @@ class LocalPipeline:
         job: str = "rrfp-local",
         deterministic: bool = False,
         backpressure: str = "admission",
+        device: torch.device | str | None = None,
+        executor: str = "auto",
+        launch_ahead: int = 1,
     ) -> None:
         from ..transport.fake import FakeNetwork
 
@@ -325,12 +354,13 @@ class LocalPipeline:
             for t in self.transports:
                 await t.start()
             return [
-                RankRuntime(
+                await _make_runtime(
                     r,
                     [PipelineStage(modules[s], s, n_stages) for s in place.stages_of(r)],
                     self.spec, self.hint, self.transports[r], strict=self.strict, inflight_limit=limits[r],
                     job=job, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog,
-                    task_delay=task_delay, record=record, deterministic=deterministic,
+                    task_delay=task_delay, record=record, deterministic=deterministic, device=device,
+                    executor=executor, launch_ahead=launch_ahead,
                 )
                 for r in range(n_ranks)
             ]

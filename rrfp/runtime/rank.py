@@ -198,7 +198,10 @@ class RankRuntime:
             raise ValueError("the rank holding the last stage needs a loss_fn")
         self.executor = executor if executor is not None else InlineExecutor()
         self.inbox = Inbox(rank, job, self.stages, spec.n_microbatches)
-        self.outbox = Outbox(transport, job)
+        self.outbox = Outbox(transport, job, getattr(self.executor, "to_host", None))
+        to_device = getattr(self.executor, "to_device", None)
+        if to_device is not None:  # the executor copies on its own stream
+            self.inbox.place = lambda stage, tensors: to_device(stage.device, tensors)
         self.loop = SchedulerLoop(rank, self.inbox, self.executor, watchdog=watchdog, task_delay=task_delay,
                                   record=record)
         self.hooks = HookRunner(self.stages, spec.n_microbatches, W if spec.split_backward else B)
@@ -308,11 +311,12 @@ class RankRuntime:
             raise inbox.error
         arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit)
         self._out.clear(), self._wstate.clear(), self._seed.clear()
+        self.executor.begin_step()
         inbox.begin_step(step, arb)  # clears the input buffers, then admits early arrivals
         if 0 in self.stages:
             first = self.stages[0]
             for m, x in enumerate(inputs):
-                self._act[(0, m)] = first.to_device(as_tuple(x))
+                self._act[(0, m)] = inbox.place_on(first, as_tuple(x))
         self._targets = targets
         self._weights = weights = self._loss_weights(targets) if targets is not None else None
         self._mb_losses = mb_losses = [None] * M
@@ -322,6 +326,7 @@ class RankRuntime:
         stats = StepStats(step, 0.0, 0.0, 0)
         t_start = time.perf_counter()
         await self.loop.run(arb, step, stats, self._run_task, self._emit, hooks)
+        self.executor.end_step()
         if self._ordered is not None:
             for acc in self._ordered.values():
                 acc.finish(M)
