@@ -67,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_metrics_flags(p, "serve Prometheus metrics on this port + rank (each rank its own endpoint, /metrics)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
+    from . import device
+
+    device.add_flags(p)
     p.set_defaults(func=run)
 
 
@@ -122,6 +125,9 @@ def validate(args: argparse.Namespace) -> None:
                      inflight_limit=inflight_limits(args, args.stages), backpressure=args.backpressure)
     except (ValueError, OSError) as e:
         raise UsageError(f"--hint={args.hint!r}: {e}") from None
+    from . import device
+
+    device.validate(args)
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr={args.lr}: expected a finite, positive learning rate")
     if not (math.isfinite(args.watchdog) and args.watchdog > 0):

@@ -25,6 +25,7 @@ from ..runtime.pipeline import Pipeline
 from ..runtime.stage import PipelineStage
 from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
+from . import device
 
 
 SAMPLE_POOL = 8192
@@ -155,6 +156,7 @@ def _main(args: argparse.Namespace) -> int:
         job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
         record=args.trace is not None or metrics is not None, deterministic=args.deterministic, backpressure=args.backpressure,
         transport=getattr(args, "transport", "zmq"),
+        **device.pipeline_kwargs(args),
     )
     # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
     out_bytes = record_output_bytes(stages) if args.trace else None
