@@ -268,3 +268,30 @@ def test_cuda_copies_keep_requires_grad_and_values():
         pass
     assert host[0].is_pinned() and host[0].requires_grad and torch.equal(host[0].detach(), src[0].detach())
     assert torch.equal(host[2], src[2])
+
+
+# ------------------------------------------------------------------ flags and the GPU check
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--executor", "cuda", "--device", "cpu"], "--executor cuda: needs --device cuda (this run computes on the cpu)"),
+    (["--launch-ahead", "3"], "--launch-ahead=3: expected 1 or 2"),
+    pytest.param(["--device", "cuda"], "--device cuda: torch.cuda.is_available() is False",
+                 marks=pytest.mark.skipif(HAS_CUDA, reason="this machine has CUDA")),
+])
+def test_device_flags_refuse_what_this_machine_cannot_do(argv, needle, capsys, monkeypatch):
+    from rrfp.cli import main
+
+    monkeypatch.setattr("rrfp.train.cli.launch", lambda *a, **k: pytest.fail("a process was launched"))
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rrfp train: error: ") and needle in err[0], err
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has CUDA")
+def test_gpu_check_without_cuda_says_so_in_one_line_and_exits_77(capsys):
+    from rrfp.gpu_check import EXIT_NO_CUDA, main
+
+    assert main([]) == EXIT_NO_CUDA == 77
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "no CUDA device" in out[0]
