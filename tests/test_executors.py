@@ -115,6 +115,19 @@ def test_a_control_message_is_answered_during_a_long_task_with_the_thread_execut
     _assert_grads(mods, _reference(cfg, 2, x, y))
 
 
+@pytest.mark.parametrize("hint, n_virtual, deterministic", [("bfw", 2, False), ("strict-1f1b", 1, True)])
+def test_the_thread_executor_matches_the_reference(hint, n_virtual, deterministic):
+    """Split backward (its weight-gradient store), virtual stages and deterministic
+    accumulation all run on the worker thread; gradients equal the single-process model's."""
+    cfg = ToyConfig(n_layer=4)
+    x, y = toy_batch(cfg, 8, seed=7)
+    mods = split_toy(ToyModel(cfg, seed=8), 2 * n_virtual)
+    with LocalPipeline(mods, 4, toy_loss, hint=hint, n_virtual=n_virtual, executor="thread", delay=(0.0, 0.001),
+                       deterministic=deterministic, watchdog=30) as pipe:
+        pipe.step(*x, target=y)
+    _assert_grads(mods, _reference(cfg, 8, x, y))
+
+
 def test_a_task_error_on_the_worker_thread_fails_the_step():
     cfg = ToyConfig()
     x, y = toy_batch(cfg, 8, seed=1)
