@@ -308,3 +308,70 @@ def test_gpu_check_without_cuda_says_so_in_one_line_and_exits_77(capsys):
     assert main([]) == EXIT_NO_CUDA == 77
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "no CUDA device" in out[0]
+
+
+# ------------------------------------------------------------------ outbox with device tensors
+
+
+class RecordingTransport:
+    def __init__(self, device_tensors: bool) -> None:
+        self.device_tensors, self.sent, self.flushed = device_tensors, [], 0
+
+    def send(self, dst, key, tensors, meta=None):
+        self.sent.append((dst, key.microbatch, list(tensors)))
+
+    async def flush(self):
+        self.flushed += 1
+
+
+class Gate:
+    """A fake event the test fires."""
+
+    def __init__(self) -> None:
+        self.fired = False
+
+    def query(self) -> bool:
+        return self.fired
+
+
+@pytest.mark.parametrize("device_tensors", [True, False], ids=["device data plane", "host data plane"])
+def test_outbox_sends_device_tensors_only_after_their_event_in_send_order(device_tensors):
+    """Device tensors (here on the meta device: no data, never copied) leave only once the
+    executor's event fires: as they are for a device data plane, via to_host for a host one.
+    A host message sent meanwhile waits behind them; flush waits for both."""
+    from rrfp.runtime.outbox import Outbox
+
+    tr = RecordingTransport(device_tensors)
+    gates: list[Gate] = []
+
+    def gate():
+        gates.append(Gate())
+        return gates[-1]
+
+    def to_host(tensors):
+        return [None if t is None else torch.zeros(t.shape) for t in tensors], gate()
+
+    out = Outbox(tr, "job", to_host=to_host, ready_event=gate)
+    dev = torch.empty(2, 3, device="meta")
+
+    async def main():
+        out.send(1, 0, 0, 1, Direction.ACT, [dev, None])
+        out.send(1, 0, 1, 1, Direction.ACT, [torch.ones(1)])  # on the host, but queued behind
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert tr.sent == [] and len(gates) == 2
+        gates[0].fired = True
+        flushing = asyncio.ensure_future(out.flush())
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert [m for _, m, _ in tr.sent] == [0] and not flushing.done()
+        gates[1].fired = True
+        await asyncio.wait_for(flushing, 5)
+        assert [m for _, m, _ in tr.sent] == [0, 1] and tr.flushed == 1
+
+    asyncio.run(main())
+    first = tr.sent[0][2]
+    if device_tensors:
+        assert first[0] is dev and first[1] is None  # the device tensor itself
+    else:
+        assert first[0].device.type == "cpu" and first[0].shape == (2, 3) and first[1] is None

@@ -160,6 +160,10 @@ class CudaExecutor:
         with self._ctx(self.stream):
             for t in tensors:
                 if t is None or t.device == device:
+                    if t is not None and t.is_cuda and not self._fake:
+                        # Received on a data plane's stream (NCCL): the caching allocator must
+                        # not reuse its memory before this stream is done with it.
+                        t.record_stream(self.stream)
                     out.append(t)
                     continue
                 rg = t.requires_grad
@@ -169,6 +173,13 @@ class CudaExecutor:
                 d = src.to(device, non_blocking=True)
                 out.append(d.requires_grad_(True) if rg else d)
         return tuple(out)
+
+    def ready_event(self) -> Any:
+        """An event recorded on the compute stream now: fires once every task launched so far
+        is done (what a device-tensor send waits for)."""
+        ev = self._new_event()
+        ev.record(self.stream)
+        return ev
 
     def to_host(self, tensors: Sequence[torch.Tensor | None]) -> tuple[list, Any]:
         """Device -> pinned host memory on the compute stream (after the kernels that produced

@@ -8,7 +8,11 @@ every such handle until it says done, so no tensor is freed while a send still r
 Device tensors (a CUDA stage's outputs) are copied to pinned host memory by the executor's
 ``to_host`` (non-blocking, on the compute stream, with an event); the outbox queues the message
 and sends it from a loop callback once the event has fired, keeping the send order. Without a
-``to_host`` (an inline or thread executor on a device) the copy is a plain ``.cpu()``.
+``to_host`` (an inline or thread executor on a device) the copy is a plain ``.cpu()``. A
+transport whose ``device_tensors`` is True (the ``torch`` data plane, NCCL) takes the device
+tensors themselves: no copy, but the send still waits for the executor's ``ready_event`` (the
+kernels that produced them ran on the rank's compute stream, which the data plane's own stream
+does not wait for).
 """
 
 from __future__ import annotations
@@ -35,10 +39,13 @@ class Outbox:
     """
 
     def __init__(self, transport: Transport, job: str,
-                 to_host: Callable[[Sequence[torch.Tensor | None]], tuple[list, Any]] | None = None) -> None:
+                 to_host: Callable[[Sequence[torch.Tensor | None]], tuple[list, Any]] | None = None,
+                 ready_event: Callable[[], Any] | None = None) -> None:
         self.transport = transport
         self.job = job
         self.to_host = to_host
+        self.ready_event = ready_event
+        self.device_tensors = bool(getattr(transport, "device_tensors", False))
         self.in_flight: list = []
         self._copying: deque = deque()  # (event, dst, key, host tensors), in send order
         self._timer: asyncio.Handle | None = None
@@ -59,12 +66,19 @@ class Outbox:
         self._keep(self.transport.send(dst_rank, key, tensors))
 
     def _send_from_device(self, dst: int, key: MsgKey, tensors: Sequence[torch.Tensor | None]) -> None:
-        if self.to_host is None:
+        if self.device_tensors:
+            if self.ready_event is None and not self._copying:  # no stream of its own: ordered already
+                self._keep(self.transport.send(dst, key, tensors))
+                return
+            event = self.ready_event() if self.ready_event is not None else _Fired
+            self._copying.append((event, dst, key, list(tensors)))
+        elif self.to_host is None:
             payload = [None if t is None or t.device.type == "cpu" else _host_copy(t) for t in tensors]
             self._keep(self.transport.send(dst, key, payload))
             return
-        host, event = self.to_host(tensors)
-        self._copying.append((event, dst, key, host))
+        else:
+            host, event = self.to_host(tensors)
+            self._copying.append((event, dst, key, host))
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_soon(self._poll)
 
@@ -122,3 +136,11 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     """A blocking host copy that keeps ``requires_grad`` (the next stage needs the flag)."""
     h = t.detach().cpu()
     return h.requires_grad_(True) if t.requires_grad else h
+
+
+class _Fired:
+    """An event that has fired (keeps the send order behind queued device sends)."""
+
+    @staticmethod
+    def query() -> bool:
+        return True

@@ -198,7 +198,8 @@ class RankRuntime:
             raise ValueError("the rank holding the last stage needs a loss_fn")
         self.executor = executor if executor is not None else InlineExecutor()
         self.inbox = Inbox(rank, job, self.stages, spec.n_microbatches)
-        self.outbox = Outbox(transport, job, getattr(self.executor, "to_host", None))
+        self.outbox = Outbox(transport, job, getattr(self.executor, "to_host", None),
+                             getattr(self.executor, "ready_event", None))
         to_device = getattr(self.executor, "to_device", None)
         if to_device is not None:  # the executor copies on its own stream
             self.inbox.place = lambda stage, tensors: to_device(stage.device, tensors)
