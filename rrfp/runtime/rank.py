@@ -36,7 +36,7 @@ from .executor import Executor, InlineExecutor
 from .hooks import HookRunner, StepHooks
 from .inbox import MAX_CONTROL_BACKLOG, Inbox
 from .loop import DelayFn, SchedulerLoop
-from .ordered import _Capture, _OrderedGrads
+from .ordered import _Capture, _OrderedGrads  # noqa: F401 - importable from here, as before the split
 from .outbox import Outbox
 from .split import WeightGradStore, deferring, enable_split_backward
 from .stage import PipelineStage, as_tuple, detach_for_next
@@ -153,7 +153,8 @@ class RankRuntime:
             :class:`~rrfp.runtime.executor.InlineExecutor`.
 
     Attributes:
-        inbox, loop, outbox, executor: the parts (see the module docstring).
+        inbox, loop (the SchedulerLoop, not an asyncio loop), outbox, executor: the parts (see the
+            module docstring).
     """
 
     def __init__(
