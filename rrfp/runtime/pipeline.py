@@ -180,7 +180,9 @@ class Pipeline:
         elif isinstance(transport, str):
             from .dist import default_transport
 
-            transport = default_transport(rank, n_ranks, job, data_plane=transport, device=stages[0].device)
+            # The data plane receives on the device the stages will compute on (device= moves them).
+            plane_device = torch.device(device) if device is not None else stages[0].device
+            transport = default_transport(rank, n_ranks, job, data_plane=transport, device=plane_device)
         self.transport = transport
         self._loop.run_until_complete(self.transport.start())
         self.runtime = self._loop.run_until_complete(
