@@ -100,7 +100,8 @@ def scalar_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out * target).sum()
 
 
-def sequential_runner(n_stages: int, n_microbatches: int) -> tuple[Callable[[], None], int, list[nn.Module]]:
+def sequential_runner(n_stages: int, n_microbatches: int,
+                      device: torch.device | str | None = None) -> tuple[Callable[[], None], int, list[nn.Module]]:
     """The tasks of a ``n_stages``-stage pipeline of :class:`Scale` stages with no runtime: a
     function that runs them by hand, one microbatch after another, each stage's forward on a
     detached copy of the previous stage's output and each stage's backward its own engine call
@@ -109,13 +110,14 @@ def sequential_runner(n_stages: int, n_microbatches: int) -> tuple[Callable[[], 
     ``.grad`` accumulates over calls).
 
     This is the reference that runtime overhead is measured against: what a pipeline's tasks
-    cost when nothing arbitrates, buffers or moves messages."""
+    cost when nothing arbitrates, buffers or moves messages. ``device``: where it computes
+    (default CPU; on CUDA the kernels are queued, as a pipeline's are)."""
     from rrfp.runtime.rank import run_backward
     from rrfp.runtime.stage import detach_for_next
 
-    stages = [Scale() for _ in range(n_stages)]
-    x = torch.ones(n_microbatches, 1)
-    y = torch.ones(n_microbatches, 1)
+    stages = [Scale().to(device or "cpu") for _ in range(n_stages)]
+    x = torch.ones(n_microbatches, 1, device=device)
+    y = torch.ones(n_microbatches, 1, device=device)
     w = 1.0 / n_microbatches
 
     def once() -> None:
@@ -141,7 +143,8 @@ def sequential_runner(n_stages: int, n_microbatches: int) -> tuple[Callable[[], 
 
 
 def local_overhead(n_ranks: int = 4, n_microbatches: int = 64, hints: Sequence[str] = ("bf", "strict-1f1b"),
-                   steps: int = 7) -> dict[str, dict[str, float]]:
+                   steps: int = 7, executors: Sequence[str] = ("inline",), device: str | None = None,
+                   encodes: Sequence[bool] = (True, False), launch_ahead: int = 1) -> dict[str, dict[str, float]]:
     """Microseconds per task of an in-process ``LocalPipeline`` (every rank on one event loop,
     one thread) on do-nothing stages, with messages through the codec (as between processes)
     and without (the runtime alone): wall time (median and fastest step) and the thread's CPU
@@ -149,38 +152,54 @@ def local_overhead(n_ranks: int = 4, n_microbatches: int = 64, hints: Sequence[s
 
     After every pipeline step the same tasks run by hand (:func:`sequential_runner`), so the
     reference sees the same machine state; ``overhead_cpu_us`` is the fastest step's CPU time
-    per task minus the reference's fastest."""
+    per task minus the reference's fastest.
+
+    ``executors`` (``rrfp.runtime.executor`` names) and ``device`` run the same pipeline under
+    other executors (rows named ``"<hint>, <codec>, <executor>"``); the thread executor computes
+    on its worker thread, which the loop thread's CPU time does not see, so compare executors
+    by wall time (``min_per_task_us``, ``overhead_wall_us``). On CUDA, every step ends with a
+    device synchronisation (in both the pipeline's and the reference's times)."""
     from rrfp.runtime.pipeline import LocalPipeline
 
     out = {}
     x = torch.ones(n_microbatches, 1)
     y = torch.ones(n_microbatches, 1)
     n_tasks = 2 * n_ranks * n_microbatches
-    ref, ref_tasks, _ = sequential_runner(n_ranks, n_microbatches)
+    ref, ref_tasks, _ = sequential_runner(n_ranks, n_microbatches, device)
+    sync = torch.cuda.synchronize if device is not None and torch.device(device).type == "cuda" else (lambda: None)
     quiet = logging.getLogger("rrfp")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # closing a LocalPipeline logs each rank's peers as lost
     try:
         for h in hints:
-            for encode in (True, False):
-                with LocalPipeline([Scale() for _ in range(n_ranks)], n_microbatches, scalar_loss, hint=h,
-                                   encode=encode, watchdog=60) as pipe:
-                    walls, cpus, ref_cpus = [], [], []
-                    for k in range(steps + 1):
-                        t0, c0 = time.perf_counter(), time.thread_time()
-                        pipe.step(x, target=y)
-                        if k:
-                            walls.append(time.perf_counter() - t0)
-                            cpus.append(time.thread_time() - c0)
-                        c0 = time.thread_time()
-                        ref()
-                        ref_cpus.append(time.thread_time() - c0)
-                name = f"{h}, {'codec' if encode else 'no codec'}"
-                cpu, ref_cpu = min(cpus) / n_tasks * 1e6, min(ref_cpus) / ref_tasks * 1e6
-                out[name] = {"per_task_us": statistics.median(walls) / n_tasks * 1e6,
-                             "min_per_task_us": min(walls) / n_tasks * 1e6,
-                             "cpu_per_task_us": cpu, "ref_cpu_per_task_us": ref_cpu,
-                             "overhead_cpu_us": cpu - ref_cpu, "tasks": n_tasks}
+            for encode in encodes:
+                for ex in executors:
+                    with LocalPipeline([Scale() for _ in range(n_ranks)], n_microbatches, scalar_loss, hint=h,
+                                       encode=encode, watchdog=60, executor=ex, device=device,
+                                       launch_ahead=launch_ahead) as pipe:
+                        walls, cpus, ref_cpus, ref_walls, procs = [], [], [], [], []
+                        for k in range(steps + 1):
+                            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+                            pipe.step(x, target=y)
+                            sync()
+                            if k:
+                                walls.append(time.perf_counter() - t0)
+                                cpus.append(time.thread_time() - c0)
+                                procs.append(time.process_time() - p0)
+                            t0, c0 = time.perf_counter(), time.thread_time()
+                            ref()
+                            sync()
+                            ref_cpus.append(time.thread_time() - c0)
+                            ref_walls.append(time.perf_counter() - t0)
+                    name = f"{h}, {'codec' if encode else 'no codec'}" + ("" if ex == "inline" else f", {ex}")
+                    name += f", window {launch_ahead}" if launch_ahead != 1 else ""
+                    cpu, ref_cpu = min(cpus) / n_tasks * 1e6, min(ref_cpus) / ref_tasks * 1e6
+                    out[name] = {"per_task_us": statistics.median(walls) / n_tasks * 1e6,
+                                 "min_per_task_us": min(walls) / n_tasks * 1e6,
+                                 "cpu_per_task_us": cpu, "ref_cpu_per_task_us": ref_cpu,
+                                 "overhead_cpu_us": cpu - ref_cpu, "tasks": n_tasks,
+                                 "overhead_wall_us": (min(walls) / n_tasks - min(ref_walls) / ref_tasks) * 1e6,
+                                 "process_cpu_per_task_us": min(procs) / n_tasks * 1e6}
     finally:
         quiet.setLevel(level)
     return out

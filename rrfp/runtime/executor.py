@@ -18,8 +18,12 @@ keeps the loop answering during long tasks.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Protocol
+
+import torch
 
 from ..scheduler.tasks import Task
 
@@ -76,15 +80,36 @@ class Executor(Protocol):
     def release(self, pending: Pending) -> None:
         """Forget ``pending`` (its outputs were handed on)."""
 
+    def begin_step(self) -> None:
+        """A step starts (CUDA: order the step after the host's earlier device work, e.g. the
+        optimizer)."""
+
+    def end_step(self) -> None:
+        """Every task of the step is done (CUDA: order later device work after the step)."""
+
     def close(self) -> None:
         """Free the executor's resources (threads, streams); idempotent."""
 
 
-class InlineExecutor:
+class _NoDeviceWork:
+    """Step boundaries and releases for executors whose tasks leave no device work behind."""
+
+    def release(self, pending: Pending) -> None:
+        pass
+
+    def begin_step(self) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+
+class InlineExecutor(_NoDeviceWork):
     """Runs each task to completion inside :meth:`launch`, on the loop thread (the CPU default).
 
     ZeroMQ keeps receiving in its own I/O thread while Python computes, and the arrivals are
-    routed as soon as the task returns, so inline costs nothing per task beyond the call.
+    routed as soon as the task returns, so inline costs nothing per task beyond the call. The
+    loop answers nothing (control messages, heartbeats) while a task runs.
     """
 
     name = "inline"
@@ -99,8 +124,85 @@ class InlineExecutor:
         p.launched = p.done = True
         return p
 
-    def release(self, pending: Pending) -> None:
-        pass
-
     def close(self) -> None:
         pass
+
+
+class ThreadExecutor(_NoDeviceWork):
+    """Runs tasks on one CPU worker thread, so the loop keeps answering during long tasks
+    (control messages, heartbeats, TP agreement).
+
+    One thread, one task at a time (the arbiter runs one task at a time anyway): the task's
+    compute runs on the worker while the loop thread routes arrivals and runs other coroutines;
+    the worker hands the result back with ``loop.call_soon_threadsafe``, which wakes the loop.
+    Costs a thread hop and back per task (``benchmarks/bench_executor.py``). PyTorch releases
+    the GIL inside its kernels, so the loop thread gets the interpreter while they run; a task
+    spending its time in Python code shares the GIL with the loop.
+    """
+
+    name = "thread"
+    window = 1
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: Callable[[], None] = lambda: None
+
+    def bind(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+
+    def launch(self, task: Task, run_fn: RunFn) -> Pending:
+        if self._pool is None:
+            self._loop = asyncio.get_running_loop()
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="rrfp-task")
+        p = Pending(task, time.perf_counter())
+        self._pool.submit(self._run, p, run_fn)
+        return p
+
+    def _run(self, p: Pending, run_fn: RunFn) -> None:  # on the worker thread
+        try:
+            out, err = run_fn(p.task), None
+        except BaseException as e:  # noqa: BLE001 - re-raised by the loop
+            out, err = [], e
+        try:
+            self._loop.call_soon_threadsafe(self._finished, p, out, err)
+        except RuntimeError:  # the loop closed while the task ran (an aborted step): nobody waits
+            pass
+
+    def _finished(self, p: Pending, out: list, err: BaseException | None) -> None:  # on the loop
+        p.outputs, p.error = out, err
+        p.launched = p.done = True
+        self._wake()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+
+
+EXECUTORS = ("inline", "thread", "cuda")
+
+
+def make_executor(name: str, device: torch.device | str | None = None, window: int = 1) -> Executor:
+    """An executor by name: ``inline``, ``thread`` or ``cuda`` (on ``device``, with a
+    launch-ahead ``window`` of 1 or 2 tasks); ``auto`` is ``cuda`` on a CUDA device, else
+    ``inline``.
+
+    Raises:
+        ValueError: an unknown name, or ``cuda`` for a non-CUDA device.
+        RuntimeError: ``cuda`` without CUDA.
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if name == "auto":
+        name = "cuda" if dev.type == "cuda" else "inline"
+    if name == "inline":
+        return InlineExecutor()
+    if name == "thread":
+        return ThreadExecutor()
+    if name == "cuda":
+        if dev.type != "cuda":
+            raise ValueError(f"executor 'cuda' on device {str(dev)!r}: expected a CUDA device")
+        from .cuda import CudaExecutor
+
+        return CudaExecutor(dev, window=window)
+    raise ValueError(f"executor {name!r}: expected one of auto, {', '.join(EXECUTORS)}")

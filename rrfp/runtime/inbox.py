@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 from ..scheduler.arbiter import Arbiter, SchedulingError
 from ..transport.base import Message
@@ -66,6 +66,9 @@ class Inbox:
         self.closed = False
         self.wake = asyncio.Event()
         self._control: asyncio.Queue[Message] = asyncio.Queue()
+        # How an arrival's tensors reach its stage's device: the stage's own to_device unless
+        # an executor copies on its stream (CUDA).
+        self.place: Callable[[PipelineStage, Sequence], tuple] | None = None
 
     # ------------------------------------------------------------ transport callbacks
     def handle(self, msg: Message) -> None:
@@ -138,12 +141,16 @@ class Inbox:
             self.arb.mark_input(key.stage, key.microbatch, grad)
         except SchedulingError as e:  # a duplicate: the first copy stands
             return self.reject(msg, str(e))
-        tensors = stage.to_device(msg.tensors)
+        tensors = self.place_on(stage, msg.tensors)
         if grad:
             self.grad[(key.stage, key.microbatch)] = list(tensors)
         else:
             self.act[(key.stage, key.microbatch)] = tensors
         self.wake.set()
+
+    def place_on(self, stage: PipelineStage, tensors: Sequence) -> tuple:
+        """``tensors`` on ``stage``'s device (no copy on the CPU)."""
+        return stage.to_device(tensors) if self.place is None else self.place(stage, tensors)
 
     def deliver_local(self, dst_stage: int, m: int, direction: Direction, tensors: list) -> None:
         """A same-rank handover between virtual stages: no serialization, no admission checks

@@ -22,6 +22,7 @@ from ..scheduler.hints import resolve_hint
 from .memory import budget_bytes
 from ..scheduler.tasks import Placement
 from ..transport.base import Transport
+from .executor import make_executor
 from .rank import DelayFn, LossFn, RankRuntime, StepStats
 from .stage import PipelineStage, as_tuple
 
@@ -126,6 +127,11 @@ class Pipeline:
         memory_budget: activation bytes per rank (``64MiB``, ``1.5GB``, an int; None: none):
             a microbatch is admitted only if its measured-size estimate fits
             (:mod:`rrfp.scheduler.memory`, :mod:`rrfp.runtime.memory`).
+        device: where the stages compute (``"cpu"``, ``"cuda"``, ``"cuda:1"``); the stage
+            modules are moved there. None: where their parameters already are.
+        executor: ``auto`` (``cuda`` on a CUDA device, else ``inline``), ``inline``, ``thread``
+            or ``cuda`` (see :mod:`rrfp.runtime.executor`).
+        launch_ahead: the CUDA executor's launch-ahead window, 1 or 2 tasks.
 
     Raises:
         ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...).
@@ -154,6 +160,9 @@ class Pipeline:
         tied=None,
         tp_exchange: str = "control",
         memory_budget: int | str | None = None,
+        device: torch.device | str | None = None,
+        executor: str = "auto",
+        launch_ahead: int = 1,
     ) -> None:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
@@ -193,7 +202,9 @@ class Pipeline:
         elif isinstance(transport, str):
             from .dist import default_transport
 
-            transport = default_transport(rank, n_ranks, job, data_plane=transport, device=stages[0].device)
+            # The data plane receives on the device the stages will compute on (device= moves them).
+            plane_device = torch.device(device) if device is not None else stages[0].device
+            transport = default_transport(rank, n_ranks, job, data_plane=transport, device=plane_device)
         self.transport = transport
         self._loop.run_until_complete(self.transport.start())
         self.runtime = self._loop.run_until_complete(
@@ -201,6 +212,7 @@ class Pipeline:
                 rank, stages, self.spec, self.hint, transport, strict=self.strict, inflight_limit=limit, job=job,
                 loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog, task_delay=task_delay, record=record,
                 deterministic=deterministic, memory_budget=budget_bytes(memory_budget),
+                device=device, executor=executor, launch_ahead=launch_ahead,
             )
         )
         self.grad_sync = None
@@ -290,9 +302,25 @@ class Pipeline:
             self._loop.close()
 
 
-async def _make_runtime(*args, **kwargs) -> RankRuntime:
-    # Built inside the loop so its asyncio primitives bind to it.
-    return RankRuntime(*args, **kwargs)
+async def _make_runtime(rank: int, stages: Sequence[PipelineStage], *args, device=None, executor: str = "auto",
+                        launch_ahead: int = 1, **kwargs) -> RankRuntime:
+    """One rank's runtime, for :class:`Pipeline` and :class:`LocalPipeline` alike: its stages
+    moved to ``device``, its executor made by name. Built inside the loop so that its asyncio
+    primitives bind to it.
+
+    Raises:
+        ValueError: an unknown executor, or ``cuda`` on a non-CUDA device.
+        RuntimeError: a CUDA device or executor without CUDA.
+    """
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {str(device)!r}: torch.cuda.is_available() is False")
+        for st in stages:
+            st.submod.to(device)
+            st.device = device
+    ex = make_executor(executor, stages[0].device, window=launch_ahead)
+    return RankRuntime(rank, stages, *args, executor=ex, **kwargs)
 
 
 class LocalPipeline:
@@ -314,6 +342,8 @@ class LocalPipeline:
         encode: pass every message through the codec, as between processes.
         task_delay: ``fn(step, rank, task) -> seconds`` of injected compute time.
         deterministic, memory_budget: as :class:`Pipeline`.
+        deterministic, device, executor, launch_ahead: as :class:`Pipeline` (every rank on
+            the one device; each rank its own executor, so with ``cuda`` its own stream).
 
     Raises:
         ValueError: as :class:`Pipeline`.
@@ -341,6 +371,9 @@ class LocalPipeline:
         deterministic: bool = False,
         backpressure: str = "admission",
         memory_budget: int | str | None = None,
+        device: torch.device | str | None = None,
+        executor: str = "auto",
+        launch_ahead: int = 1,
     ) -> None:
         from ..transport.fake import FakeNetwork
 
@@ -368,13 +401,14 @@ class LocalPipeline:
             for t in self.transports:
                 await t.start()
             return [
-                RankRuntime(
+                await _make_runtime(
                     r,
                     [PipelineStage(modules[s], s, n_stages) for s in place.stages_of(r)],
                     self.spec, self.hint, self.transports[r], strict=self.strict, inflight_limit=limits[r],
                     job=job, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog,
                     task_delay=task_delay, record=record, deterministic=deterministic,
                     memory_budget=budget_bytes(memory_budget),
+                    device=device, executor=executor, launch_ahead=launch_ahead,
                 )
                 for r in range(n_ranks)
             ]

@@ -36,7 +36,7 @@ from .executor import Executor, InlineExecutor
 from .hooks import HookRunner, StepHooks
 from .inbox import MAX_CONTROL_BACKLOG, Inbox
 from .loop import DelayFn, SchedulerLoop
-from .ordered import _Capture, _OrderedGrads
+from .ordered import _Capture, _OrderedGrads  # noqa: F401 - importable from here, as before the split
 from .outbox import Outbox
 from .split import WeightGradStore, deferring, enable_split_backward
 from .stage import PipelineStage, as_tuple, detach_for_next
@@ -158,7 +158,8 @@ class RankRuntime:
             by each forward's measured size (:mod:`rrfp.runtime.memory`).
 
     Attributes:
-        inbox, loop, outbox, executor: the parts (see the module docstring).
+        inbox, loop (the SchedulerLoop, not an asyncio loop), outbox, executor: the parts (see the
+            module docstring).
     """
 
     def __init__(
@@ -204,7 +205,11 @@ class RankRuntime:
             raise ValueError("the rank holding the last stage needs a loss_fn")
         self.executor = executor if executor is not None else InlineExecutor()
         self.inbox = Inbox(rank, job, self.stages, spec.n_microbatches)
-        self.outbox = Outbox(transport, job)
+        self.outbox = Outbox(transport, job, getattr(self.executor, "to_host", None),
+                             getattr(self.executor, "ready_event", None))
+        to_device = getattr(self.executor, "to_device", None)
+        if to_device is not None:  # the executor copies on its own stream
+            self.inbox.place = lambda stage, tensors: to_device(stage.device, tensors)
         self.loop = SchedulerLoop(rank, self.inbox, self.executor, watchdog=watchdog, task_delay=task_delay,
                                   record=record)
         self._loss_total = self._loss_global = None
@@ -337,11 +342,12 @@ class RankRuntime:
         if self._sizer is not None:
             self._sizer.begin_step(self._act)
         self._out.clear(), self._wstate.clear(), self._seed.clear()
+        self.executor.begin_step()
         inbox.begin_step(step, arb)  # clears the input buffers, then admits early arrivals
         if 0 in self.stages:
             first = self.stages[0]
             for m, x in enumerate(inputs):
-                self._act[(0, m)] = first.to_device(as_tuple(x))
+                self._act[(0, m)] = inbox.place_on(first, as_tuple(x))
         self._targets = targets
         self._weights = weights = self._loss_weights(targets) if targets is not None else None
         self._mb_losses = mb_losses = [None] * M
@@ -351,6 +357,7 @@ class RankRuntime:
         stats = StepStats(step, 0.0, 0.0, 0)
         t_start = time.perf_counter()
         await self.loop.run(arb, step, stats, self._run_task, self._emit, hooks)
+        self.executor.end_step()
         if self._ordered is not None:
             for acc in self._ordered.values():
                 acc.finish(M)

@@ -75,6 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     # Parallel layout (rrfp/parallel): one pipeline per (dp, tp) coordinate.
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree: pipelines that each take 1/dp of the batch")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: ranks that share each stage's attention and MLP")
+    from . import device
+
+    device.add_flags(p)
     p.set_defaults(func=run)
 
 
@@ -145,6 +148,9 @@ def validate(args: argparse.Namespace) -> None:
                      inflight_limit=inflight_limits(args, args.stages), backpressure=args.backpressure)
     except (ValueError, OSError) as e:
         raise UsageError(f"--hint={args.hint!r}: {e}") from None
+    from . import device
+
+    device.validate(args)
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise UsageError(f"--lr={args.lr}: expected a finite, positive learning rate")
     if not (math.isfinite(args.watchdog) and args.watchdog > 0):

@@ -27,6 +27,7 @@ from ..runtime.pipeline import Pipeline
 from ..runtime.stage import PipelineStage
 from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
+from . import device
 
 
 TP_IMPL = "manual"
@@ -177,6 +178,7 @@ def _main(args: argparse.Namespace) -> int:
         transport=getattr(args, "transport", "zmq"),
         layout=layout if layout.dp * layout.tp > 1 else None,
         memory_budget=getattr(args, "memory_budget", None),
+        **device.pipeline_kwargs(args),
     )
     # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
     out_bytes = record_output_bytes(stages) if args.trace else None
