@@ -37,10 +37,11 @@ def _rank_main(rank: int, world: int, port: int, hint: str, out: str) -> None:
     stage_mod = split_gpt(GPT(CFG, seed=7), world)[rank]
     pipe = Pipeline(PipelineStage(stage_mod, rank, world), 4, lm_loss, hint=hint, loss_weight_fn=count_tokens, watchdog=60)
     mbs = make_microbatches(SAMPLES, 4)
-    loss = pipe.step(
+    pipe.step(
         microbatches=[(m.tokens,) for m in mbs] if rank == 0 else None,
         targets=[m.targets for m in mbs] if rank == world - 1 else None,
     )
+    loss = pipe.last_loss
     pipe.close()
     torch.save({"loss": loss, "grads": {stage_mod.stage_param_names[n]: p.grad for n, p in stage_mod.named_parameters()}},
                f"{out}/rank{rank}.pt")

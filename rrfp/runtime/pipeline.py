@@ -21,7 +21,9 @@ from torch import nn
 from ..scheduler.hints import resolve_hint
 from ..scheduler.tasks import Placement
 from ..transport.base import Transport
+from .compat import StepIO as _StepIO, check_grad_mode as _check_grad_mode, hint_text, new_job_id, prepare_inputs as _prepare_inputs
 from .rank import DelayFn, LossFn, RankRuntime, StepStats
+from .split import disable_split_backward
 from .stage import PipelineStage, as_tuple
 
 
@@ -122,15 +124,20 @@ class Pipeline:
         stages: PipelineStage | Sequence[PipelineStage],
         n_microbatches: int,
         loss_fn: LossFn | None = None,
+        args_chunk_spec: tuple | None = None,
+        kwargs_chunk_spec: dict | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
         *,
-        hint: str = "bf",
+        hint: Any = "bf",
         inflight_limit: int | Sequence[int] = 32,
         placement: str = "loop",
         loss_weight_fn: Callable[[Any], float] | None = None,
         transport: Transport | str | None = None,
         rank: int | None = None,
         n_ranks: int | None = None,
-        job: str = "rrfp",
+        job: str | None = None,
+        group: Any = None,
         watchdog: float = 300.0,
         record: bool = False,
         task_delay: DelayFn | None = None,
@@ -140,14 +147,15 @@ class Pipeline:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
             raise ValueError("a pipeline rank needs at least one stage")
+        group = group if group is not None else stages[0].group
         if rank is None or n_ranks is None:
             import torch.distributed as dist
 
             from .dist import init_distributed
 
             init_distributed()
-            rank = dist.get_rank() if rank is None else rank
-            n_ranks = dist.get_world_size() if n_ranks is None else n_ranks
+            rank = dist.get_rank(group) if rank is None else rank
+            n_ranks = dist.get_world_size(group) if n_ranks is None else n_ranks
         n_stages = stages[0].num_stages
         _check_stages(stages, n_stages)
         if n_stages != n_ranks * len(stages):
@@ -157,75 +165,128 @@ class Pipeline:
         place = Placement(n_ranks, len(stages), placement)
         limits = _limits(inflight_limit, n_ranks)
         self.spec, self.hint, self.strict = resolve_hint(
-            hint, place, n_microbatches, inflight_limit=limits, backpressure=backpressure
+            hint_text(hint), place, n_microbatches, inflight_limit=limits, backpressure=backpressure
         )
         limit = limits[rank]
         self.rank = rank
+        self.group = group
         self.stages = stages
         self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self.output_merge_spec = output_merge_spec
+        self.scale_grads = scale_grads
+        self.job = job if job is not None else new_job_id(group)
+        self._io = _StepIO(loss_fn, loss_weight_fn, scale_grads)
         self._loop = new_event_loop()
         if transport is None:
             from .dist import default_transport
 
-            transport = default_transport(rank, n_ranks, job)
+            transport = default_transport(rank, n_ranks, self.job)
         elif isinstance(transport, str):
             from .dist import default_transport
 
-            transport = default_transport(rank, n_ranks, job, data_plane=transport, device=stages[0].device)
+            transport = default_transport(rank, n_ranks, self.job, data_plane=transport, device=stages[0].device)
         self.transport = transport
         self._loop.run_until_complete(self.transport.start())
         self.runtime = self._loop.run_until_complete(
             _make_runtime(
-                rank, stages, self.spec, self.hint, transport, strict=self.strict, inflight_limit=limit, job=job,
-                loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog, task_delay=task_delay, record=record,
+                rank, stages, self.spec, self.hint, transport, strict=self.strict, inflight_limit=limit, job=self.job,
+                loss_fn=self._io.loss if loss_fn is not None else None,
+                loss_weight_fn=self._io.weight, watchdog=watchdog, task_delay=task_delay, record=record,
                 deterministic=deterministic,
             )
         )
         self._step = 0
         self.last_stats: StepStats | None = None
+        self.last_loss: torch.Tensor | None = None
 
     def step(
         self,
-        *args: torch.Tensor,
-        target: torch.Tensor | None = None,
+        *args: Any,
+        target: Any = None,
         losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
         microbatches: Sequence[tuple] | None = None,
         targets: Sequence[Any] | None = None,
-    ) -> torch.Tensor | None:
+        **kwargs: Any,
+    ) -> Any:
         """Run one step's forwards and backwards on this rank (then call ``optimizer.step()``).
 
-        Stage 0's rank passes the whole batch as ``*args`` (split along dim 0 into
-        ``n_microbatches``) or pre-split ``microbatches`` (one tuple per microbatch, e.g. each
-        padded to its own length); the last stage's rank passes ``target`` (split the same
-        way) or ``targets``. Gradients accumulate into the parameters' ``.grad``.
+        As ``torch.distributed.pipelining``'s ``step``: the rank holding stage 0 passes the
+        whole batch as ``*args``/``**kwargs``, split into ``n_microbatches`` by torch's
+        ``split_args_kwargs_into_chunks`` under ``args_chunk_spec``/``kwargs_chunk_spec``
+        (default: tensors along dim 0, ``torch.tensor_split`` sizes; other values replicated);
+        keyword inputs given on any rank reach that rank's stage forwards. The last stage's
+        rank passes ``target`` (split along dim 0). Gradients accumulate into ``.grad``.
+        rrfp extension: ``microbatches`` (one tuple per microbatch, e.g. each padded to its
+        own length) and ``targets`` pass pre-split inputs.
+
+        Args:
+            losses: a list, cleared and filled with the ``n_microbatches`` unweighted
+                microbatch losses (last stage).
+            return_outputs: return the last stage's outputs.
+            loss_kwargs: extra keyword arguments of ``loss_fn``.
 
         Returns:
-            on the rank holding the last stage, the step loss (weighted sum of microbatch
-            losses, a detached scalar); elsewhere None.
+            on the rank holding the last stage, its microbatch outputs in microbatch order,
+            merged by torch's ``merge_chunks`` under ``output_merge_spec`` (detached); else
+            None. The step loss (microbatch losses weighted by their share of the batch, or
+            summed without ``scale_grads``) is in :attr:`last_loss`.
+
+        Raises:
+            RuntimeError: called under ``torch.no_grad()`` (use :meth:`eval`), or after close.
+            ValueError: inputs that do not split into ``n_microbatches``.
         """
+        _check_grad_mode(self)
+        return self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, False)
+
+    def eval(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+        """Forwards only (no autograd graph kept, no gradients): as :meth:`step` otherwise.
+        The last stage's rank gets its merged outputs; with a ``target`` and a ``loss_fn``,
+        ``losses`` is filled and :attr:`last_loss` set."""
+        return self._run(args, kwargs, target, losses, True, None, None, None, True)
+
+    def _run(self, args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, forward_only):
         if self._loop.is_closed():
             raise RuntimeError("this pipeline is closed: build a new one to run more steps")
-        return self._loop.run_until_complete(
-            self.astep(*args, target=target, losses=losses, microbatches=microbatches, targets=targets)
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
+        has_first = 0 in self.runtime.stages
+        has_last = self.spec.n_stages - 1 in self.runtime.stages
+        mbs, kwarg_mbs, targets = _prepare_inputs(self, args, kwargs, microbatches, target, targets, has_first, has_last)
+        keep = has_last and return_outputs
+        tagged = self._io.begin(targets, keep, loss_kwargs)
+        mb_losses: list | None = [] if has_last else None
+        stats = self._loop.run_until_complete(
+            _run_step(self.runtime, self._step, mbs, kwarg_mbs, tagged, mb_losses, forward_only, self.scale_grads)
         )
-
-    async def astep(self, *args, target=None, losses=None, microbatches=None, targets=None) -> torch.Tensor | None:
-        """Coroutine form of :meth:`step`, for callers that run their own event loop."""
-        M = self.n_microbatches
-        # Like PyTorch's schedules, every rank may pass inputs and target: each rank uses only
-        # what its stages need.
-        if 0 not in self.runtime.stages:
-            microbatches = None
-        elif microbatches is None and args:
-            microbatches = split_microbatches(args, M)
-        if self.spec.n_stages - 1 not in self.runtime.stages:
-            targets = None
-        elif targets is None and target is not None:
-            targets = [t[0] for t in split_microbatches([target], M, "target")]
-        stats = await self.runtime.run_step(self._step, microbatches, targets, losses)
         self._step += 1
         self.last_stats = stats
-        return None if stats.loss is None else torch.tensor(stats.loss)
+        self.last_loss = None if stats.loss is None else torch.tensor(stats.loss)
+        if losses is not None and has_last:
+            losses.clear()
+            losses.extend(mb_losses)
+        return self._io.merged(self.n_microbatches, self.output_merge_spec) if keep else None
+
+    async def astep(self, *args, target=None, losses=None, microbatches=None, targets=None, **kwargs):
+        """Coroutine form of :meth:`step` (for callers that run their own event loop);
+        returns the step loss on the last stage's rank, else None."""
+        _check_grad_mode(self)
+        has_first = 0 in self.runtime.stages
+        has_last = self.spec.n_stages - 1 in self.runtime.stages
+        mbs, kwarg_mbs, targets = _prepare_inputs(self, args, kwargs, microbatches, target, targets, has_first, has_last)
+        tagged = self._io.begin(targets, False, None)
+        mb_losses: list | None = [] if has_last else None
+        stats = await _run_step(self.runtime, self._step, mbs, kwarg_mbs, tagged, mb_losses, False, self.scale_grads)
+        self._step += 1
+        self.last_stats = stats
+        self.last_loss = None if stats.loss is None else torch.tensor(stats.loss)
+        if losses is not None and has_last:
+            losses.clear()
+            losses.extend(mb_losses)
+        return self.last_loss
 
     def run(self, coro):
         """Run a coroutine on this rank's event loop (e.g. ``runtime.control()``)."""
@@ -240,12 +301,34 @@ class Pipeline:
             self._loop.run_until_complete(self.transport.close())
         finally:
             self._loop.close()
+            _unpatch(self.stages)
 
     def abort(self) -> None:
         """Close at once without waiting for peers (error path)."""
         self.transport.abort()
         if not self._loop.is_closed():
             self._loop.close()
+        _unpatch(self.stages)
+
+
+def _unpatch(stages: Sequence[PipelineStage]) -> None:
+    # The split backward patched the user's layers; a closed pipeline leaves them as given.
+    for st in stages:
+        disable_split_backward(st.submod)
+
+
+async def _run_step(rt: RankRuntime, step: int, mbs, kwarg_mbs, targets, losses, forward_only: bool,
+                    scale_grads: bool) -> StepStats:
+    """One step of one rank's runtime; the keyword inputs, forward-only mode and summed
+    (unscaled) losses go to the runtime only when asked for."""
+    extra: dict[str, Any] = {}
+    if kwarg_mbs is not None:
+        extra["kwargs"] = kwarg_mbs
+    if forward_only:
+        extra["forward_only"] = True
+    if not scale_grads:
+        extra["normalize_weights"] = False
+    return await rt.run_step(step, mbs, targets, losses, **extra)
 
 
 async def _make_runtime(*args, **kwargs) -> RankRuntime:
@@ -281,9 +364,13 @@ class LocalPipeline:
         self,
         modules: Sequence[nn.Module],
         n_microbatches: int,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
+        args_chunk_spec: tuple | None = None,
+        kwargs_chunk_spec: dict | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
         *,
-        hint: str = "bf",
+        hint: Any = "bf",
         inflight_limit: int | Sequence[int] = 32,
         n_virtual: int = 1,
         placement: str = "loop",
@@ -308,9 +395,15 @@ class LocalPipeline:
         place = Placement(n_ranks, n_virtual, placement)
         limits = _limits(inflight_limit, n_ranks)
         self.spec, self.hint, self.strict = resolve_hint(
-            hint, place, n_microbatches, inflight_limit=limits, backpressure=backpressure
+            hint_text(hint), place, n_microbatches, inflight_limit=limits, backpressure=backpressure
         )
         self.n_microbatches = n_microbatches
+        self.modules = list(modules)
+        self.loss_fn = loss_fn
+        self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self.output_merge_spec = output_merge_spec
+        self.scale_grads = scale_grads
+        self._io = _StepIO(loss_fn, loss_weight_fn, scale_grads)
         self.n_ranks = n_ranks
         self._loop = new_event_loop()
         self.net = FakeNetwork(n_ranks, seed=seed, delay=delay, encode=encode)
@@ -329,7 +422,8 @@ class LocalPipeline:
                     r,
                     [PipelineStage(modules[s], s, n_stages) for s in place.stages_of(r)],
                     self.spec, self.hint, self.transports[r], strict=self.strict, inflight_limit=limits[r],
-                    job=job, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog,
+                    job=job, loss_fn=self._io.loss if loss_fn is not None else None,
+                    loss_weight_fn=self._io.weight, watchdog=watchdog,
                     task_delay=task_delay, record=record, deterministic=deterministic,
                 )
                 for r in range(n_ranks)
@@ -338,35 +432,55 @@ class LocalPipeline:
         self.runtimes = self._loop.run_until_complete(build())
         self._step = 0
         self.last_stats: list[StepStats] = []
+        self.last_loss: torch.Tensor | None = None
 
     def step(
         self,
-        *args: torch.Tensor,
-        target: torch.Tensor | None = None,
+        *args: Any,
+        target: Any = None,
         losses: list | None = None,
+        return_outputs: bool = False,
+        loss_kwargs: dict[str, Any] | None = None,
         microbatches: Sequence[tuple] | None = None,
         targets: Sequence[Any] | None = None,
-    ) -> torch.Tensor:
-        """Run one step of every rank; returns the step loss (detached scalar)."""
+        **kwargs: Any,
+    ) -> Any:
+        """Run one step of every rank, with :meth:`Pipeline.step`'s arguments (the inputs
+        reach stage 0, the keyword inputs every stage, the target the last stage).
+
+        Returns:
+            the step loss (detached scalar), or with ``return_outputs=True`` the last stage's
+            merged outputs (as :meth:`Pipeline.step`; the loss is then in :attr:`last_loss`).
+        """
+        _check_grad_mode(self)
+        if targets is None and target is None and self.loss_fn is not None:
+            raise ValueError("the last stage needs a target: pass target= or targets=")
+        out = self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, False)
+        return out if return_outputs else self.last_loss
+
+    def eval(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+        """Forwards only on every rank (no graph kept); returns the last stage's merged outputs."""
+        return self._run(args, kwargs, target, losses, True, None, None, None, True)
+
+    def _run(self, args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, forward_only):
         if self._loop.is_closed():
             raise RuntimeError("this pipeline is closed: build a new one to run more steps")
-        M = self.n_microbatches
-        if microbatches is None:
-            microbatches = split_microbatches(args, M)
-        if targets is None:
-            if target is None:
-                raise ValueError("the last stage needs a target: pass target= or targets=")
-            targets = [t[0] for t in split_microbatches([target], M, "target")]
-        microbatches = [as_tuple(x) for x in microbatches]
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
+        mbs, kwarg_mbs, targets = _prepare_inputs(self, args, kwargs, microbatches, target, targets, True, True)
+        tagged = self._io.begin(targets, return_outputs, loss_kwargs)
         last_rank = self.spec.placement.rank_of(self.spec.n_stages - 1)
+        mb_losses: list = []
 
         async def run() -> list[StepStats]:
             coros = [
-                rt.run_step(
-                    self._step,
-                    microbatches if 0 in rt.stages else None,
-                    targets if r == last_rank else None,
-                    losses if r == last_rank else None,
+                _run_step(
+                    rt, self._step,
+                    mbs if 0 in rt.stages else None,
+                    kwarg_mbs,
+                    tagged if r == last_rank else None,
+                    mb_losses if r == last_rank else None,
+                    forward_only, self.scale_grads,
                 )
                 for r, rt in enumerate(self.runtimes)
             ]
@@ -381,7 +495,12 @@ class LocalPipeline:
 
         self.last_stats = self._loop.run_until_complete(run())
         self._step += 1
-        return torch.tensor(self.last_stats[last_rank].loss)
+        loss = self.last_stats[last_rank].loss
+        self.last_loss = None if loss is None else torch.tensor(loss)
+        if losses is not None:
+            losses.clear()
+            losses.extend(mb_losses)
+        return self._io.merged(self.n_microbatches, self.output_merge_spec) if return_outputs else None
 
     def close(self) -> None:
         """Stop every rank's receiving, close the transports and the loop."""
@@ -397,6 +516,8 @@ class LocalPipeline:
             self._loop.run_until_complete(shut())
         finally:
             self._loop.close()
+            for m in self.modules:
+                disable_split_backward(m)
 
     def __enter__(self) -> "LocalPipeline":
         return self

@@ -170,10 +170,12 @@ def _main(args: argparse.Namespace) -> int:
             t_step = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             mbs = make_microbatches(sampler.batch(k), args.microbatches) if sampler else None
-            loss = pipe.step(
+            pipe.step(
                 microbatches=[(mb.tokens,) for mb in mbs] if 0 in stage_ids else None,
                 targets=[mb.targets for mb in mbs] if n_stages - 1 in stage_ids else None,
+                return_outputs=False,
             )
+            loss = pipe.last_loss
             opt.step()
             st = pipe.last_stats
             if args.trace:
