@@ -242,11 +242,12 @@ class Pipeline:
         _check_grad_mode(self)
         return self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, False)
 
-    def eval(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+    def eval(self, *args: Any, target: Any = None, losses: list | None = None,
+             microbatches: Sequence[tuple] | None = None, targets: Sequence[Any] | None = None, **kwargs: Any) -> Any:
         """Forwards only (no autograd graph kept, no gradients): as :meth:`step` otherwise.
-        The last stage's rank gets its merged outputs; with a ``target`` and a ``loss_fn``,
+        The last stage's rank gets its merged outputs; with a target and a ``loss_fn``,
         ``losses`` is filled and :attr:`last_loss` set."""
-        return self._run(args, kwargs, target, losses, True, None, None, None, True)
+        return self._run(args, kwargs, target, losses, True, None, microbatches, targets, True)
 
     def _run(self, args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, forward_only):
         if self._loop.is_closed():
@@ -458,9 +459,10 @@ class LocalPipeline:
         out = self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, False)
         return out if return_outputs else self.last_loss
 
-    def eval(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+    def eval(self, *args: Any, target: Any = None, losses: list | None = None,
+             microbatches: Sequence[tuple] | None = None, targets: Sequence[Any] | None = None, **kwargs: Any) -> Any:
         """Forwards only on every rank (no graph kept); returns the last stage's merged outputs."""
-        return self._run(args, kwargs, target, losses, True, None, None, None, True)
+        return self._run(args, kwargs, target, losses, True, None, microbatches, targets, True)
 
     def _run(self, args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, forward_only):
         if self._loop.is_closed():
