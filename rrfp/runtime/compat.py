@@ -133,57 +133,20 @@ def batch_share(target: Any) -> float:
     return 1.0
 
 
-class _Tagged:
-    """A microbatch's target with its index, so that the loss hook can file the stage's
-    output under its microbatch whatever order the forwards ran in."""
-
-    __slots__ = ("m", "value")
-
-    def __init__(self, m: int, value: Any) -> None:
-        self.m, self.value = m, value
-
-
 class StepIO:
-    """One step's loss-side plumbing on the rank holding the last stage: the user's
-    ``loss_fn(output, target, **loss_kwargs)``, each microbatch's output kept in microbatch
-    order, and the microbatch loss weights (share of the batch, or 1 each without
-    ``scale_grads``)."""
+    """The loss side of a step on the rank holding the last stage: the user's
+    ``loss_fn(output, target, **loss_kwargs)`` and the microbatch loss weights (by default the
+    microbatch's share of the batch, :func:`batch_share`)."""
 
-    def __init__(self, loss_fn, loss_weight_fn, scale_grads: bool) -> None:
-        self.loss_fn, self.loss_weight_fn, self.scale_grads = loss_fn, loss_weight_fn, scale_grads
+    def __init__(self, loss_fn, loss_weight_fn) -> None:
+        self.loss_fn, self.loss_weight_fn = loss_fn, loss_weight_fn
         self.loss_kwargs: dict = {}
-        self.outputs: dict[int, Any] = {}
-        self.keep = False
 
-    def loss(self, output, tagged: Any) -> torch.Tensor:
-        if not isinstance(tagged, _Tagged):  # a runtime driven directly, not through step()
-            return self.loss_fn(output, tagged)
-        if self.keep:
-            self.outputs[tagged.m] = _detached(output)
-        return self.loss_fn(output, tagged.value, **self.loss_kwargs)
+    def loss(self, output, target) -> torch.Tensor:
+        return self.loss_fn(output, target, **self.loss_kwargs)
 
-    def weight(self, tagged: Any) -> float:
-        value = tagged.value if isinstance(tagged, _Tagged) else tagged
-        return float((self.loss_weight_fn or batch_share)(value))
-
-    def begin(self, targets: Sequence[Any] | None, keep: bool, loss_kwargs: dict | None) -> list | None:
-        self.outputs, self.keep, self.loss_kwargs = {}, keep, dict(loss_kwargs or {})
-        return None if targets is None else [_Tagged(m, t) for m, t in enumerate(targets)]
-
-    def merged(self, n_microbatches: int, spec) -> Any:
-        outs = [self.outputs[m] for m in range(n_microbatches)]
-        self.outputs = {}
-        return merge_outputs(outs, spec)
-
-
-def _detached(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detached(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _detached(v) for k, v in x.items()}
-    return x
+    def weight(self, target) -> float:
+        return float((self.loss_weight_fn or batch_share)(target))
 
 
 def prepare_inputs(pipe, args, kwargs, microbatches, target, targets, has_first: bool, has_last: bool):

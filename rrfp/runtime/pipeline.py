@@ -21,7 +21,8 @@ from torch import nn
 from ..scheduler.hints import resolve_hint
 from ..scheduler.tasks import Placement
 from ..transport.base import Transport
-from .compat import StepIO as _StepIO, check_grad_mode as _check_grad_mode, hint_text, new_job_id, prepare_inputs as _prepare_inputs
+from .compat import StepIO as _StepIO, check_grad_mode as _check_grad_mode, hint_text, merge_outputs, new_job_id
+from .compat import prepare_inputs as _prepare_inputs
 from .rank import DelayFn, LossFn, RankRuntime, StepStats
 from .split import disable_split_backward
 from .stage import PipelineStage, as_tuple
@@ -177,7 +178,7 @@ class Pipeline:
         self.output_merge_spec = output_merge_spec
         self.scale_grads = scale_grads
         self.job = job if job is not None else new_job_id(group)
-        self._io = _StepIO(loss_fn, loss_weight_fn, scale_grads)
+        self._io = _StepIO(loss_fn, loss_weight_fn)
         self._loop = new_event_loop()
         if transport is None:
             from .dist import default_transport
@@ -258,18 +259,20 @@ class Pipeline:
         has_last = self.spec.n_stages - 1 in self.runtime.stages
         mbs, kwarg_mbs, targets = _prepare_inputs(self, args, kwargs, microbatches, target, targets, has_first, has_last)
         keep = has_last and return_outputs
-        tagged = self._io.begin(targets, keep, loss_kwargs)
+        self._io.loss_kwargs = dict(loss_kwargs or {})
+        outputs: dict | None = {} if keep else None
         mb_losses: list | None = [] if has_last else None
-        stats = self._loop.run_until_complete(
-            _run_step(self.runtime, self._step, mbs, kwarg_mbs, tagged, mb_losses, forward_only, self.scale_grads)
-        )
+        stats = self._loop.run_until_complete(_run_step(
+            self.runtime, self._step, mbs, kwarg_mbs, targets, mb_losses, outputs,
+            forward_only or self.loss_fn is None, self.scale_grads,
+        ))
         self._step += 1
         self.last_stats = stats
         self.last_loss = None if stats.loss is None else torch.tensor(stats.loss)
         if losses is not None and has_last:
             losses.clear()
             losses.extend(mb_losses)
-        return self._io.merged(self.n_microbatches, self.output_merge_spec) if keep else None
+        return merge_outputs([outputs[m] for m in range(self.n_microbatches)], self.output_merge_spec) if keep else None
 
     async def astep(self, *args, target=None, losses=None, microbatches=None, targets=None, **kwargs):
         """Coroutine form of :meth:`step` (for callers that run their own event loop);
@@ -278,9 +281,10 @@ class Pipeline:
         has_first = 0 in self.runtime.stages
         has_last = self.spec.n_stages - 1 in self.runtime.stages
         mbs, kwarg_mbs, targets = _prepare_inputs(self, args, kwargs, microbatches, target, targets, has_first, has_last)
-        tagged = self._io.begin(targets, False, None)
+        self._io.loss_kwargs = {}
         mb_losses: list | None = [] if has_last else None
-        stats = await _run_step(self.runtime, self._step, mbs, kwarg_mbs, tagged, mb_losses, False, self.scale_grads)
+        stats = await _run_step(self.runtime, self._step, mbs, kwarg_mbs, targets, mb_losses, None,
+                                self.loss_fn is None, self.scale_grads)
         self._step += 1
         self.last_stats = stats
         self.last_loss = None if stats.loss is None else torch.tensor(stats.loss)
@@ -318,18 +322,11 @@ def _unpatch(stages: Sequence[PipelineStage]) -> None:
         disable_split_backward(st.submod)
 
 
-async def _run_step(rt: RankRuntime, step: int, mbs, kwarg_mbs, targets, losses, forward_only: bool,
+async def _run_step(rt: RankRuntime, step: int, mbs, kwarg_mbs, targets, losses, outputs, forward_only: bool,
                     scale_grads: bool) -> StepStats:
-    """One step of one rank's runtime; the keyword inputs, forward-only mode and summed
-    (unscaled) losses go to the runtime only when asked for."""
-    extra: dict[str, Any] = {}
-    if kwarg_mbs is not None:
-        extra["kwargs"] = kwarg_mbs
-    if forward_only:
-        extra["forward_only"] = True
-    if not scale_grads:
-        extra["normalize_weights"] = False
-    return await rt.run_step(step, mbs, targets, losses, **extra)
+    """One step of one rank's runtime (the arguments Pipeline and LocalPipeline share)."""
+    return await rt.run_step(step, mbs, targets, losses, kwargs=kwarg_mbs, outputs=outputs,
+                             forward_only=forward_only, sum_losses=not scale_grads)
 
 
 async def _make_runtime(*args, **kwargs) -> RankRuntime:
@@ -404,7 +401,7 @@ class LocalPipeline:
         self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
         self.output_merge_spec = output_merge_spec
         self.scale_grads = scale_grads
-        self._io = _StepIO(loss_fn, loss_weight_fn, scale_grads)
+        self._io = _StepIO(loss_fn, loss_weight_fn)
         self.n_ranks = n_ranks
         self._loop = new_event_loop()
         self.net = FakeNetwork(n_ranks, seed=seed, delay=delay, encode=encode)
@@ -470,7 +467,9 @@ class LocalPipeline:
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
         mbs, kwarg_mbs, targets = _prepare_inputs(self, args, kwargs, microbatches, target, targets, True, True)
-        tagged = self._io.begin(targets, return_outputs, loss_kwargs)
+        self._io.loss_kwargs = dict(loss_kwargs or {})
+        outputs: dict | None = {} if return_outputs else None
+        forward_only = forward_only or self.loss_fn is None
         last_rank = self.spec.placement.rank_of(self.spec.n_stages - 1)
         mb_losses: list = []
 
@@ -480,8 +479,9 @@ class LocalPipeline:
                     rt, self._step,
                     mbs if 0 in rt.stages else None,
                     kwarg_mbs,
-                    tagged if r == last_rank else None,
+                    targets if r == last_rank else None,
                     mb_losses if r == last_rank else None,
+                    outputs if r == last_rank else None,
                     forward_only, self.scale_grads,
                 )
                 for r, rt in enumerate(self.runtimes)
@@ -502,7 +502,7 @@ class LocalPipeline:
         if losses is not None:
             losses.clear()
             losses.extend(mb_losses)
-        return self._io.merged(self.n_microbatches, self.output_merge_spec) if return_outputs else None
+        return merge_outputs([outputs[m] for m in range(self.n_microbatches)], self.output_merge_spec) if return_outputs else None
 
     def close(self) -> None:
         """Stop every rank's receiving, close the transports and the loop."""
