@@ -232,9 +232,10 @@ class Pipeline:
 
         Returns:
             on the rank holding the last stage, its microbatch outputs in microbatch order,
-            merged by torch's ``merge_chunks`` under ``output_merge_spec`` (detached); else
-            None. The step loss (microbatch losses weighted by their share of the batch, or
-            summed without ``scale_grads``) is in :attr:`last_loss`.
+            merged by torch's ``merge_chunks`` under ``output_merge_spec`` (detached), or
+            their list with pre-split ``microbatches``; else None. The step loss (microbatch
+            losses weighted by their share of the batch, or summed without ``scale_grads``)
+            is in :attr:`last_loss`.
 
         Raises:
             RuntimeError: called under ``torch.no_grad()`` (use :meth:`eval`), or after close.
@@ -257,6 +258,7 @@ class Pipeline:
             raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
         has_first = 0 in self.runtime.stages
         has_last = self.spec.n_stages - 1 in self.runtime.stages
+        presplit = microbatches is not None or targets is not None
         mbs, kwarg_mbs, targets = _prepare_inputs(self, args, kwargs, microbatches, target, targets, has_first, has_last)
         keep = has_last and return_outputs
         self._io.loss_kwargs = dict(loss_kwargs or {})
@@ -272,7 +274,7 @@ class Pipeline:
         if losses is not None and has_last:
             losses.clear()
             losses.extend(mb_losses)
-        return merge_outputs([outputs[m] for m in range(self.n_microbatches)], self.output_merge_spec) if keep else None
+        return _result(outputs, self.n_microbatches, self.output_merge_spec, presplit) if keep else None
 
     async def astep(self, *args, target=None, losses=None, microbatches=None, targets=None, **kwargs):
         """Coroutine form of :meth:`step` (for callers that run their own event loop);
@@ -314,6 +316,14 @@ class Pipeline:
         if not self._loop.is_closed():
             self._loop.close()
         _unpatch(self.stages)
+
+
+def _result(outputs: dict, n_microbatches: int, spec, presplit: bool) -> Any:
+    """The last stage's outputs in microbatch order: merged (torch's ``merge_chunks``), or a
+    list when the caller passed pre-split ``microbatches``/``targets`` (each microbatch may
+    have its own length)."""
+    chunks = [outputs[m] for m in range(n_microbatches)]
+    return chunks if presplit else merge_outputs(chunks, spec)
 
 
 def _unpatch(stages: Sequence[PipelineStage]) -> None:
@@ -466,6 +476,7 @@ class LocalPipeline:
             raise RuntimeError("this pipeline is closed: build a new one to run more steps")
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
+        presplit = microbatches is not None or targets is not None
         mbs, kwarg_mbs, targets = _prepare_inputs(self, args, kwargs, microbatches, target, targets, True, True)
         self._io.loss_kwargs = dict(loss_kwargs or {})
         outputs: dict | None = {} if return_outputs else None
@@ -502,7 +513,7 @@ class LocalPipeline:
         if losses is not None:
             losses.clear()
             losses.extend(mb_losses)
-        return merge_outputs([outputs[m] for m in range(self.n_microbatches)], self.output_merge_spec) if return_outputs else None
+        return _result(outputs, self.n_microbatches, self.output_merge_spec, presplit) if return_outputs else None
 
     def close(self) -> None:
         """Stop every rank's receiving, close the transports and the loop."""
