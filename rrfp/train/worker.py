@@ -246,7 +246,8 @@ def _main(args: argparse.Namespace) -> int:
             sched.step()
             st = pipe.last_stats
             if args.trace and trace_lo <= k + 1 <= trace_hi:
-                records += st.records
+                # Labelled with the training step (evaluations are pipeline steps too).
+                records += [r if r.step == k else dataclasses.replace(r, step=k) for r in st.records]
                 step_log.append([k, st.wall, st.busy])
             meta = {"kind": "stats", "step": k, "busy": st.busy, "wall": st.wall, "peak": st.peak_mb_inflight,
                     "loss": None if loss is None else float(loss)}
