@@ -93,21 +93,33 @@ class Pipeline:
     Args:
         stages: this rank's :class:`PipelineStage` (or its virtual stages, in placement order).
         n_microbatches: microbatches per step.
-        loss_fn: ``loss_fn(output, target) -> scalar tensor`` on the last stage.
+        loss_fn: ``loss_fn(output, target, **loss_kwargs) -> scalar tensor`` on the last
+            stage; None: every step runs forwards only (as PyTorch's schedules).
+        args_chunk_spec, kwargs_chunk_spec: how ``step``'s positional and keyword inputs
+            split into microbatches (``torch.distributed.pipelining``'s ``TensorChunkSpec``;
+            default: tensors along dim 0, other values replicated).
+        output_merge_spec: how the last stage's outputs merge (torch's ``merge_chunks``).
+        scale_grads: True (default): microbatch losses weighted by their share of the batch
+            (``loss_weight_fn`` overrides); False: summed, as PyTorch's ``scale_grads=False``.
         hint: ``bf`` (default), ``bfw``, ``fb``, ``b-priority``, ``f-priority``, a schedule
-            name (``1f1b``, ``gpipe``...) used as a hint, or ``strict-<schedule>`` for the
-            fixed-order baseline (RRFP §4).
+            name (``1f1b``, ``gpipe``...; PyTorch's names and classes too: ``Interleaved1F1B``,
+            ``Schedule1F1B``) used as a hint, or ``strict-<schedule>`` for the fixed-order
+            baseline (RRFP §4).
         inflight_limit: the in-flight limit (RRFP §6, default 32); a sequence gives one per rank.
         placement: ``loop`` or ``v`` for virtual stages.
         loss_weight_fn: ``fn(target) -> float`` weighting microbatch losses (e.g. token counts,
-            so the step loss is the mean over all tokens); None: each microbatch ``1/M``.
+            so the step loss is the mean over all tokens); None: the microbatch's samples
+            (dim 0 of its target), so the step loss is the unpipelined batch mean.
         transport: a started-or-not :class:`~rrfp.transport.base.Transport`; default: ZeroMQ
             with endpoints exchanged through torch.distributed's store (initialised from the
             torchrun environment if needed).
             A name picks the data plane of that default: ``"zmq"`` or ``"torch"``
             (torch.distributed point-to-point, NCCL on CUDA stages, gloo on CPU).
         rank, n_ranks: this rank's pipeline index and the pipeline's rank count (default: the
-            torch.distributed rank and world size).
+            rank and size of ``group``).
+        job: job id in every message key and store entry; default: one per Pipeline built in
+            this process (the ranks build theirs in the same order), so pipelines never mix.
+        group: the pipeline's process group (default: the stage's ``group``, else the world).
         watchdog: seconds without progress before an error naming what the rank waits for.
         record: keep per-task timestamps in :attr:`last_stats` (for traces).
         task_delay: ``fn(step, rank, task) -> seconds`` of injected delay (experiments).
