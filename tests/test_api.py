@@ -118,7 +118,6 @@ def test_step_under_no_grad_raises_and_leaves_no_gradients():
 
 
 def test_unscaled_microbatch_losses_are_summed():
-    pytest.importorskip("torch")
     modules = _model(2, seed=3)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     ref = copy.deepcopy(modules)

@@ -25,7 +25,7 @@ from .compat import StepIO as _StepIO, check_grad_mode as _check_grad_mode, hint
 from .compat import prepare_inputs as _prepare_inputs
 from .rank import DelayFn, LossFn, RankRuntime, StepStats
 from .split import disable_split_backward
-from .stage import PipelineStage, as_tuple
+from .stage import PipelineStage
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
