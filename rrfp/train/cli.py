@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--stages", type=int, default=None,
-                   help=f"pipeline ranks (processes); default: the world size under torchrun, else {DEFAULTS['stages']}")
+                   help=f"pipeline ranks (processes); without it, the world size under torchrun, else {DEFAULTS['stages']}")
     p.add_argument("--virtual-stages", type=int, default=DEFAULTS["virtual_stages"], help="virtual stages per rank")
     p.add_argument("--placement", choices=["loop", "v"], default="loop", help="virtual-stage placement")
     p.add_argument("--transport", choices=["zmq", "torch"], default="zmq",
@@ -89,7 +89,7 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
                    help="bf16: forwards under torch.autocast (parameters and gradients stay float32)")
     p.add_argument("--log-file", default=None, metavar="PATH", help="also write every printed line here")
     p.add_argument("--trace-steps", default=None, metavar="A:B",
-                   help="with --trace: record steps A..B (1-based, inclusive); default: every step, "
+                   help="with --trace: record steps A..B (1-based, inclusive); without it, every step, "
                    "the timeline showing the last 3")
     p.add_argument("--config", default=None, metavar="FILE.toml",
                    help="read flags from a TOML file (keys are flag names: steps = 100); the command line wins")
