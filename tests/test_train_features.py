@@ -259,3 +259,15 @@ def test_train_into_head_ends_quietly(tmp_path):
     out, err = p.communicate(timeout=230)
     assert p.returncode == 0 and len(out.splitlines()) == 2 and out.startswith("step    1/100000"), (out, err)
     assert err == "", err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_bf16_autocast_on_cuda():
+    from rrfp.train.precision import use_autocast
+
+    lin = torch.nn.Sequential(torch.nn.Linear(4, 3)).cuda()
+    seen = []
+    lin[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    use_autocast(lin, "bf16", "cuda", last=True)
+    out = lin(torch.randn(2, 4, device="cuda"))
+    assert seen == [torch.bfloat16] and out.dtype == torch.float32 and lin[0].weight.dtype == torch.float32
