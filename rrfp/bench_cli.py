@@ -17,14 +17,20 @@ from typing import Any
 
 from .cli import UsageError
 
-_REPO = Path(__file__).resolve().parent.parent
-
-
 def _run_all():
-    if not (_REPO / "benchmarks" / "run_all.py").is_file():
-        raise UsageError(f"the benchmarks live in the source tree: no benchmarks/run_all.py under {_REPO}")
-    if str(_REPO) not in sys.path:
-        sys.path.insert(0, str(_REPO))
+    import os
+
+    from .resources import bench_root
+
+    root = bench_root()
+    if root is None:
+        raise UsageError("this installation has no benchmarks: run rrfp bench from a clone of the rrfp repository")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    # The rank processes import ``benchmarks`` too (python -m benchmarks.harness).
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if str(root) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, paths)])
     from benchmarks import run_all
 
     return run_all

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(
         prog="rrfp", description="Readiness-driven runtime for pipeline-parallel training."
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"rrfp {__version__}")
     sub = parser.add_subparsers(
         dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}", parser_class=ArgumentParser
     )

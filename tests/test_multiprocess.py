@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -37,10 +36,11 @@ def _rank_main(rank: int, world: int, port: int, hint: str, out: str) -> None:
     stage_mod = split_gpt(GPT(CFG, seed=7), world)[rank]
     pipe = Pipeline(PipelineStage(stage_mod, rank, world), 4, lm_loss, hint=hint, loss_weight_fn=count_tokens, watchdog=60)
     mbs = make_microbatches(SAMPLES, 4)
-    loss = pipe.step(
+    pipe.step(
         microbatches=[(m.tokens,) for m in mbs] if rank == 0 else None,
         targets=[m.targets for m in mbs] if rank == world - 1 else None,
     )
+    loss = pipe.last_loss
     pipe.close()
     torch.save({"loss": loss, "grads": {stage_mod.stage_param_names[n]: p.grad for n, p in stage_mod.named_parameters()}},
                f"{out}/rank{rank}.pt")
@@ -92,7 +92,7 @@ def test_rrfp_train_runs_under_torchrun_launcher():
     assert "done: 3 steps" in out
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(400)
 def test_killed_rank_makes_every_other_rank_exit_naming_it(tmp_path):
     world, victim = 4, 2
     port = _free_port()
@@ -104,18 +104,18 @@ def test_killed_rank_makes_every_other_rank_exit_naming_it(tmp_path):
                            "--max-len", "64", "--watchdog", "60", env=env))
     # Rank 0 prints a line per step: once two are out, every rank is mid-run.
     seen = 0
-    deadline = time.monotonic() + 90
-    while seen < 2 and time.monotonic() < deadline:
+    while seen < 2:  # readline() returns '' if rank 0 exits; the test's timeout guards a hang
         line = procs[0].stdout.readline()
         assert line, procs[0].stderr.read()[-2000:]
         seen += line.startswith("step")
     assert seen == 2
     procs[victim].send_signal(signal.SIGKILL)
-    t_kill = time.monotonic()
     for r, p in enumerate(procs):
         if r == victim:
             continue
-        _, err = p.communicate(timeout=40)
-        assert time.monotonic() - t_kill < 30, f"rank {r} took too long to exit"
+        # No wall-clock bound (a loaded machine may take long): the --watchdog 60 would end a
+        # rank that missed the loss with a message that does not name the victim, which fails
+        # the assertion below; the timeout only guards against a hang.
+        _, err = p.communicate(timeout=150)
         assert p.returncode != 0, f"rank {r} exited 0"
         assert f"rank {victim} lost" in err, err[-2000:]

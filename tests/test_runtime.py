@@ -175,9 +175,12 @@ def test_watchdog_names_the_missing_message():
     from rrfp.runtime.rank import WatchdogTimeout
     from rrfp.transport.keys import Direction
 
-    def delay(src, dst, key, rng):  # the activation of microbatch 0 for stage 1 is held 3 s
+    def delay(src, dst, key, rng):
+        # The activation of microbatch 0 for stage 1 is held 12x the watchdog period, so
+        # only the watchdog can end the step unless the loop stalls for over 5 s. Not for
+        # ever: the closing BYE queues behind it, as on a FIFO link.
         held = key is not None and key.stage == 1 and key.microbatch == 0 and key.direction == Direction.ACT
-        return 3.0 if held else 0.0
+        return 6.0 if held else 0.0
 
     pipe, _, x, y = _toy_pipe(delay, watchdog=0.5)
     with pipe:

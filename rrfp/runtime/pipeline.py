@@ -23,8 +23,11 @@ from .memory import budget_bytes
 from ..scheduler.tasks import Placement
 from ..transport.base import Transport
 from .executor import make_executor
+from .compat import StepIO as _StepIO, check_grad_mode as _check_grad_mode, hint_text, merge_outputs, new_job_id
+from .compat import prepare_inputs as _prepare_inputs
 from .rank import DelayFn, LossFn, RankRuntime, StepStats
-from .stage import PipelineStage, as_tuple
+from .split import disable_split_backward
+from .stage import PipelineStage
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -92,21 +95,33 @@ class Pipeline:
     Args:
         stages: this rank's :class:`PipelineStage` (or its virtual stages, in placement order).
         n_microbatches: microbatches per step.
-        loss_fn: ``loss_fn(output, target) -> scalar tensor`` on the last stage.
+        loss_fn: ``loss_fn(output, target, **loss_kwargs) -> scalar tensor`` on the last
+            stage; None: every step runs forwards only (as PyTorch's schedules).
+        args_chunk_spec, kwargs_chunk_spec: how ``step``'s positional and keyword inputs
+            split into microbatches (``torch.distributed.pipelining``'s ``TensorChunkSpec``;
+            default: tensors along dim 0, other values replicated).
+        output_merge_spec: how the last stage's outputs merge (torch's ``merge_chunks``).
+        scale_grads: True (default): microbatch losses weighted by their share of the batch
+            (``loss_weight_fn`` overrides); False: summed, as PyTorch's ``scale_grads=False``.
         hint: ``bf`` (default), ``bfw``, ``fb``, ``b-priority``, ``f-priority``, a schedule
-            name (``1f1b``, ``gpipe``...) used as a hint, or ``strict-<schedule>`` for the
-            fixed-order baseline (RRFP §4).
+            name (``1f1b``, ``gpipe``...; PyTorch's names and classes too: ``Interleaved1F1B``,
+            ``Schedule1F1B``) used as a hint, or ``strict-<schedule>`` for the fixed-order
+            baseline (RRFP §4).
         inflight_limit: the in-flight limit (RRFP §6, default 32); a sequence gives one per rank.
         placement: ``loop`` or ``v`` for virtual stages.
         loss_weight_fn: ``fn(target) -> float`` weighting microbatch losses (e.g. token counts,
-            so the step loss is the mean over all tokens); None: each microbatch ``1/M``.
+            so the step loss is the mean over all tokens); None: the microbatch's samples
+            (dim 0 of its target), so the step loss is the unpipelined batch mean.
         transport: a started-or-not :class:`~rrfp.transport.base.Transport`; default: ZeroMQ
             with endpoints exchanged through torch.distributed's store (initialised from the
             torchrun environment if needed).
             A name picks the data plane of that default: ``"zmq"`` or ``"torch"``
             (torch.distributed point-to-point, NCCL on CUDA stages, gloo on CPU).
         rank, n_ranks: this rank's pipeline index and the pipeline's rank count (default: the
-            torch.distributed rank and world size).
+            rank and size of ``group``).
+        job: job id in every message key and store entry; default: one per Pipeline built in
+            this process (the ranks build theirs in the same order), so pipelines never mix.
+        group: the pipeline's process group (default: the stage's ``group``, else the world).
         watchdog: seconds without progress before an error naming what the rank waits for.
         record: keep per-task timestamps in :attr:`last_stats` (for traces).
         task_delay: ``fn(step, rank, task) -> seconds`` of injected delay (experiments).
@@ -142,15 +157,20 @@ class Pipeline:
         stages: PipelineStage | Sequence[PipelineStage],
         n_microbatches: int,
         loss_fn: LossFn | None = None,
+        args_chunk_spec: tuple | None = None,
+        kwargs_chunk_spec: dict | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
         *,
-        hint: str = "bf",
+        hint: Any = "bf",
         inflight_limit: int | Sequence[int] = 32,
         placement: str = "loop",
         loss_weight_fn: Callable[[Any], float] | None = None,
         transport: Transport | str | None = None,
         rank: int | None = None,
         n_ranks: int | None = None,
-        job: str = "rrfp",
+        job: str | None = None,
+        group: Any = None,
         watchdog: float = 300.0,
         record: bool = False,
         task_delay: DelayFn | None = None,
@@ -167,18 +187,21 @@ class Pipeline:
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
             raise ValueError("a pipeline rank needs at least one stage")
+        group = group if group is not None else stages[0].group
+        job = job if job is not None else new_job_id(group)
+        base_job = job
         if layout is not None:
             rank = layout.pp_rank if rank is None else rank
             n_ranks = layout.pp if n_ranks is None else n_ranks
-            base_job, job = job, layout.job(job)
+            job = layout.job(job)
         if rank is None or n_ranks is None:
             import torch.distributed as dist
 
             from .dist import init_distributed
 
             init_distributed()
-            rank = dist.get_rank() if rank is None else rank
-            n_ranks = dist.get_world_size() if n_ranks is None else n_ranks
+            rank = dist.get_rank(group) if rank is None else rank
+            n_ranks = dist.get_world_size(group) if n_ranks is None else n_ranks
         n_stages = stages[0].num_stages
         _check_stages(stages, n_stages)
         if n_stages != n_ranks * len(stages):
@@ -188,29 +211,37 @@ class Pipeline:
         place = Placement(n_ranks, len(stages), placement)
         limits = _limits(inflight_limit, n_ranks)
         self.spec, self.hint, self.strict = resolve_hint(
-            hint, place, n_microbatches, inflight_limit=limits, backpressure=backpressure
+            hint_text(hint), place, n_microbatches, inflight_limit=limits, backpressure=backpressure
         )
         limit = limits[rank]
         self.rank = rank
+        self.group = group
         self.stages = stages
         self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self.output_merge_spec = output_merge_spec
+        self.scale_grads = scale_grads
+        self.job = job
+        self._io = _StepIO(loss_fn, loss_weight_fn)
         self._loop = new_event_loop()
         if transport is None:
             from .dist import default_transport
 
-            transport = default_transport(rank, n_ranks, job)
+            transport = default_transport(rank, n_ranks, self.job)
         elif isinstance(transport, str):
             from .dist import default_transport
 
             # The data plane receives on the device the stages will compute on (device= moves them).
             plane_device = torch.device(device) if device is not None else stages[0].device
-            transport = default_transport(rank, n_ranks, job, data_plane=transport, device=plane_device)
+            transport = default_transport(rank, n_ranks, self.job, data_plane=transport, device=plane_device)
         self.transport = transport
         self._loop.run_until_complete(self.transport.start())
         self.runtime = self._loop.run_until_complete(
             _make_runtime(
-                rank, stages, self.spec, self.hint, transport, strict=self.strict, inflight_limit=limit, job=job,
-                loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog, task_delay=task_delay, record=record,
+                rank, stages, self.spec, self.hint, transport, strict=self.strict, inflight_limit=limit, job=self.job,
+                loss_fn=self._io.loss if loss_fn is not None else None,
+                loss_weight_fn=self._io.weight, watchdog=watchdog, task_delay=task_delay, record=record,
                 deterministic=deterministic, memory_budget=budget_bytes(memory_budget),
                 device=device, executor=executor, launch_ahead=launch_ahead,
             )
@@ -222,52 +253,103 @@ class Pipeline:
 
             self.grad_sync = attach_layout(
                 self.runtime, layout or ParallelLayout.build(n_ranks), stages, tied, n_stages, place.rank_of,
-                tp_exchange=tp_exchange, job=base_job if layout is not None else job, run=self._loop.run_until_complete)
+                tp_exchange=tp_exchange, job=base_job, run=self._loop.run_until_complete)
         self._step = 0
         self.last_stats: StepStats | None = None
+        self.last_loss: torch.Tensor | None = None
 
     def step(
         self,
-        *args: torch.Tensor,
-        target: torch.Tensor | None = None,
+        *args: Any,
+        target: Any = None,
         losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
         microbatches: Sequence[tuple] | None = None,
         targets: Sequence[Any] | None = None,
-    ) -> torch.Tensor | None:
+        **kwargs: Any,
+    ) -> Any:
         """Run one step's forwards and backwards on this rank (then call ``optimizer.step()``).
 
-        Stage 0's rank passes the whole batch as ``*args`` (split along dim 0 into
-        ``n_microbatches``) or pre-split ``microbatches`` (one tuple per microbatch, e.g. each
-        padded to its own length); the last stage's rank passes ``target`` (split the same
-        way) or ``targets``. Gradients accumulate into the parameters' ``.grad``.
+        As ``torch.distributed.pipelining``'s ``step``: the rank holding stage 0 passes the
+        whole batch as ``*args``/``**kwargs``, split into ``n_microbatches`` by torch's
+        ``split_args_kwargs_into_chunks`` under ``args_chunk_spec``/``kwargs_chunk_spec``
+        (default: tensors along dim 0, ``torch.tensor_split`` sizes; other values replicated);
+        keyword inputs given on any rank reach that rank's stage forwards. The last stage's
+        rank passes ``target`` (split along dim 0). Gradients accumulate into ``.grad``.
+        rrfp extension: ``microbatches`` (one tuple per microbatch, e.g. each padded to its
+        own length) and ``targets`` pass pre-split inputs.
+
+        Args:
+            losses: a list, cleared and filled with the ``n_microbatches`` unweighted
+                microbatch losses (last stage).
+            return_outputs: return the last stage's outputs.
+            loss_kwargs: extra keyword arguments of ``loss_fn``.
 
         Returns:
-            on the rank holding the last stage, the step loss (weighted sum of microbatch
-            losses, a detached scalar); elsewhere None.
+            on the rank holding the last stage, its microbatch outputs in microbatch order,
+            merged by torch's ``merge_chunks`` under ``output_merge_spec`` (detached), or
+            their list with pre-split ``microbatches``; else None. The step loss (microbatch
+            losses weighted by their share of the batch, or summed without ``scale_grads``)
+            is in :attr:`last_loss`.
+
+        Raises:
+            RuntimeError: called under ``torch.no_grad()`` (use :meth:`eval`), or after close.
+            ValueError: inputs that do not split into ``n_microbatches``.
         """
+        _check_grad_mode(self)
+        return self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, False)
+
+    def eval(self, *args: Any, target: Any = None, losses: list | None = None,
+             microbatches: Sequence[tuple] | None = None, targets: Sequence[Any] | None = None, **kwargs: Any) -> Any:
+        """Forwards only (no autograd graph kept, no gradients): as :meth:`step` otherwise.
+        The last stage's rank gets its merged outputs; with a target and a ``loss_fn``,
+        ``losses`` is filled and :attr:`last_loss` set."""
+        return self._run(args, kwargs, target, losses, True, None, microbatches, targets, True)
+
+    def _run(self, args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, forward_only):
         if self._loop.is_closed():
             raise RuntimeError("this pipeline is closed: build a new one to run more steps")
-        return self._loop.run_until_complete(
-            self.astep(*args, target=target, losses=losses, microbatches=microbatches, targets=targets)
-        )
-
-    async def astep(self, *args, target=None, losses=None, microbatches=None, targets=None) -> torch.Tensor | None:
-        """Coroutine form of :meth:`step`, for callers that run their own event loop."""
-        M = self.n_microbatches
-        # Like PyTorch's schedules, every rank may pass inputs and target: each rank uses only
-        # what its stages need.
-        if 0 not in self.runtime.stages:
-            microbatches = None
-        elif microbatches is None and args:
-            microbatches = split_microbatches(args, M)
-        if self.spec.n_stages - 1 not in self.runtime.stages:
-            targets = None
-        elif targets is None and target is not None:
-            targets = [t[0] for t in split_microbatches([target], M, "target")]
-        stats = await self.runtime.run_step(self._step, microbatches, targets, losses)
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
+        has_first = 0 in self.runtime.stages
+        has_last = self.spec.n_stages - 1 in self.runtime.stages
+        presplit = microbatches is not None or targets is not None
+        mbs, kwarg_mbs, targets = _prepare_inputs(self, args, kwargs, microbatches, target, targets, has_first, has_last)
+        keep = has_last and return_outputs
+        self._io.loss_kwargs = dict(loss_kwargs or {})
+        outputs: dict | None = {} if keep else None
+        mb_losses: list | None = [] if has_last else None
+        stats = self._loop.run_until_complete(_run_step(
+            self.runtime, self._step, mbs, kwarg_mbs, targets, mb_losses, outputs,
+            forward_only or self.loss_fn is None, self.scale_grads,
+        ))
         self._step += 1
         self.last_stats = stats
-        return None if stats.loss is None else torch.tensor(stats.loss)
+        self.last_loss = None if stats.loss is None else torch.tensor(stats.loss)
+        if losses is not None and has_last:
+            losses.clear()
+            losses.extend(mb_losses)
+        return _result(outputs, self.n_microbatches, self.output_merge_spec, presplit) if keep else None
+
+    async def astep(self, *args, target=None, losses=None, microbatches=None, targets=None, **kwargs):
+        """Coroutine form of :meth:`step` (for callers that run their own event loop);
+        returns the step loss on the last stage's rank, else None."""
+        _check_grad_mode(self)
+        has_first = 0 in self.runtime.stages
+        has_last = self.spec.n_stages - 1 in self.runtime.stages
+        mbs, kwarg_mbs, targets = _prepare_inputs(self, args, kwargs, microbatches, target, targets, has_first, has_last)
+        self._io.loss_kwargs = {}
+        mb_losses: list | None = [] if has_last else None
+        stats = await _run_step(self.runtime, self._step, mbs, kwarg_mbs, targets, mb_losses, None,
+                                self.loss_fn is None, self.scale_grads)
+        self._step += 1
+        self.last_stats = stats
+        self.last_loss = None if stats.loss is None else torch.tensor(stats.loss)
+        if losses is not None and has_last:
+            losses.clear()
+            losses.extend(mb_losses)
+        return self.last_loss
 
     def run(self, coro):
         """Run a coroutine on this rank's event loop (e.g. ``runtime.control()``)."""
@@ -285,6 +367,7 @@ class Pipeline:
                 self._loop.run_until_complete(agree.aclose())
         finally:
             self._loop.close()
+            _unpatch(self.stages)
             self._close_parallel()
 
     def _close_parallel(self) -> None:
@@ -300,6 +383,28 @@ class Pipeline:
         self.transport.abort()
         if not self._loop.is_closed():
             self._loop.close()
+        _unpatch(self.stages)
+
+
+def _result(outputs: dict, n_microbatches: int, spec, presplit: bool) -> Any:
+    """The last stage's outputs in microbatch order: merged (torch's ``merge_chunks``), or a
+    list when the caller passed pre-split ``microbatches``/``targets`` (each microbatch may
+    have its own length)."""
+    chunks = [outputs[m] for m in range(n_microbatches)]
+    return chunks if presplit else merge_outputs(chunks, spec)
+
+
+def _unpatch(stages: Sequence[PipelineStage]) -> None:
+    # The split backward patched the user's layers; a closed pipeline leaves them as given.
+    for st in stages:
+        disable_split_backward(st.submod)
+
+
+async def _run_step(rt: RankRuntime, step: int, mbs, kwarg_mbs, targets, losses, outputs, forward_only: bool,
+                    scale_grads: bool) -> StepStats:
+    """One step of one rank's runtime (the arguments Pipeline and LocalPipeline share)."""
+    return await rt.run_step(step, mbs, targets, losses, kwargs=kwarg_mbs, outputs=outputs,
+                             forward_only=forward_only, sum_losses=not scale_grads)
 
 
 async def _make_runtime(rank: int, stages: Sequence[PipelineStage], *args, device=None, executor: str = "auto",
@@ -353,9 +458,13 @@ class LocalPipeline:
         self,
         modules: Sequence[nn.Module],
         n_microbatches: int,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
+        args_chunk_spec: tuple | None = None,
+        kwargs_chunk_spec: dict | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
         *,
-        hint: str = "bf",
+        hint: Any = "bf",
         inflight_limit: int | Sequence[int] = 32,
         n_virtual: int = 1,
         placement: str = "loop",
@@ -384,9 +493,15 @@ class LocalPipeline:
         place = Placement(n_ranks, n_virtual, placement)
         limits = _limits(inflight_limit, n_ranks)
         self.spec, self.hint, self.strict = resolve_hint(
-            hint, place, n_microbatches, inflight_limit=limits, backpressure=backpressure
+            hint_text(hint), place, n_microbatches, inflight_limit=limits, backpressure=backpressure
         )
         self.n_microbatches = n_microbatches
+        self.modules = list(modules)
+        self.loss_fn = loss_fn
+        self.args_chunk_spec, self.kwargs_chunk_spec = args_chunk_spec, kwargs_chunk_spec
+        self.output_merge_spec = output_merge_spec
+        self.scale_grads = scale_grads
+        self._io = _StepIO(loss_fn, loss_weight_fn)
         self.n_ranks = n_ranks
         self._loop = new_event_loop()
         self.net = FakeNetwork(n_ranks, seed=seed, delay=delay, encode=encode)
@@ -405,7 +520,8 @@ class LocalPipeline:
                     r,
                     [PipelineStage(modules[s], s, n_stages) for s in place.stages_of(r)],
                     self.spec, self.hint, self.transports[r], strict=self.strict, inflight_limit=limits[r],
-                    job=job, loss_fn=loss_fn, loss_weight_fn=loss_weight_fn, watchdog=watchdog,
+                    job=job, loss_fn=self._io.loss if loss_fn is not None else None,
+                    loss_weight_fn=self._io.weight, watchdog=watchdog,
                     task_delay=task_delay, record=record, deterministic=deterministic,
                     memory_budget=budget_bytes(memory_budget),
                     device=device, executor=executor, launch_ahead=launch_ahead,
@@ -416,35 +532,60 @@ class LocalPipeline:
         self.runtimes = self._loop.run_until_complete(build())
         self._step = 0
         self.last_stats: list[StepStats] = []
+        self.last_loss: torch.Tensor | None = None
 
     def step(
         self,
-        *args: torch.Tensor,
-        target: torch.Tensor | None = None,
+        *args: Any,
+        target: Any = None,
         losses: list | None = None,
+        return_outputs: bool = False,
+        loss_kwargs: dict[str, Any] | None = None,
         microbatches: Sequence[tuple] | None = None,
         targets: Sequence[Any] | None = None,
-    ) -> torch.Tensor:
-        """Run one step of every rank; returns the step loss (detached scalar)."""
+        **kwargs: Any,
+    ) -> Any:
+        """Run one step of every rank, with :meth:`Pipeline.step`'s arguments (the inputs
+        reach stage 0, the keyword inputs every stage, the target the last stage).
+
+        Returns:
+            the step loss (detached scalar), or with ``return_outputs=True`` the last stage's
+            merged outputs (as :meth:`Pipeline.step`; the loss is then in :attr:`last_loss`).
+        """
+        _check_grad_mode(self)
+        if targets is None and target is None and self.loss_fn is not None:
+            raise ValueError("the last stage needs a target: pass target= or targets=")
+        out = self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, False)
+        return out if return_outputs else self.last_loss
+
+    def eval(self, *args: Any, target: Any = None, losses: list | None = None,
+             microbatches: Sequence[tuple] | None = None, targets: Sequence[Any] | None = None, **kwargs: Any) -> Any:
+        """Forwards only on every rank (no graph kept); returns the last stage's merged outputs."""
+        return self._run(args, kwargs, target, losses, True, None, microbatches, targets, True)
+
+    def _run(self, args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets, forward_only):
         if self._loop.is_closed():
             raise RuntimeError("this pipeline is closed: build a new one to run more steps")
-        M = self.n_microbatches
-        if microbatches is None:
-            microbatches = split_microbatches(args, M)
-        if targets is None:
-            if target is None:
-                raise ValueError("the last stage needs a target: pass target= or targets=")
-            targets = [t[0] for t in split_microbatches([target], M, "target")]
-        microbatches = [as_tuple(x) for x in microbatches]
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
+        presplit = microbatches is not None or targets is not None
+        mbs, kwarg_mbs, targets = _prepare_inputs(self, args, kwargs, microbatches, target, targets, True, True)
+        self._io.loss_kwargs = dict(loss_kwargs or {})
+        outputs: dict | None = {} if return_outputs else None
+        forward_only = forward_only or self.loss_fn is None
         last_rank = self.spec.placement.rank_of(self.spec.n_stages - 1)
+        mb_losses: list = []
 
         async def run() -> list[StepStats]:
             coros = [
-                rt.run_step(
-                    self._step,
-                    microbatches if 0 in rt.stages else None,
+                _run_step(
+                    rt, self._step,
+                    mbs if 0 in rt.stages else None,
+                    kwarg_mbs,
                     targets if r == last_rank else None,
-                    losses if r == last_rank else None,
+                    mb_losses if r == last_rank else None,
+                    outputs if r == last_rank else None,
+                    forward_only, self.scale_grads,
                 )
                 for r, rt in enumerate(self.runtimes)
             ]
@@ -459,7 +600,12 @@ class LocalPipeline:
 
         self.last_stats = self._loop.run_until_complete(run())
         self._step += 1
-        return torch.tensor(self.last_stats[last_rank].loss)
+        loss = self.last_stats[last_rank].loss
+        self.last_loss = None if loss is None else torch.tensor(loss)
+        if losses is not None:
+            losses.clear()
+            losses.extend(mb_losses)
+        return _result(outputs, self.n_microbatches, self.output_merge_spec, presplit) if return_outputs else None
 
     def close(self) -> None:
         """Stop every rank's receiving, close the transports and the loop."""
@@ -475,6 +621,8 @@ class LocalPipeline:
             self._loop.run_until_complete(shut())
         finally:
             self._loop.close()
+            for m in self.modules:
+                disable_split_backward(m)
 
     def __enter__(self) -> "LocalPipeline":
         return self

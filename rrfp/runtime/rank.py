@@ -33,6 +33,7 @@ from ..transport.base import Message, Transport
 from ..transport.keys import Direction
 from .errors import PipelineError, WatchdogTimeout
 from .executor import Executor, InlineExecutor
+from .forward import ForwardArbiter
 from .hooks import HookRunner, StepHooks
 from .inbox import MAX_CONTROL_BACKLOG, Inbox
 from .loop import DelayFn, SchedulerLoop
@@ -96,6 +97,17 @@ def run_backward(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | N
     _engine_run_backward(outs, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def _detached(x: Any) -> Any:
+    """An output (tensor, or tuple/list/dict of them) without its autograd graph."""
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detached(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _detached(v) for k, v in x.items()}
+    return x
 
 
 @dataclass
@@ -201,8 +213,6 @@ class RankRuntime:
             for st in stages:
                 enable_split_backward(st.submod)
         self.last_stage = spec.n_stages - 1
-        if self.last_stage in self.stages and loss_fn is None:
-            raise ValueError("the rank holding the last stage needs a loss_fn")
         self.executor = executor if executor is not None else InlineExecutor()
         self.inbox = Inbox(rank, job, self.stages, spec.n_microbatches)
         self.outbox = Outbox(transport, job, getattr(self.executor, "to_host", None),
@@ -224,6 +234,9 @@ class RankRuntime:
         self._targets: Sequence[Any] | None = None
         self._weights: list[float] | None = None
         self._mb_losses: list[torch.Tensor | None] = []
+        self._kwargs: Sequence[dict] | None = None  # per microbatch: keyword inputs of this rank's stages
+        self._outputs: dict[int, Any] | None = None  # last stage: microbatch -> output (detached)
+        self._forward_only = False
         self._rank_of = [spec.placement.rank_of(st) for st in range(spec.n_stages)]
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self.memory_budget = memory_budget
@@ -313,13 +326,24 @@ class RankRuntime:
         inputs: Sequence[tuple] | None = None,
         targets: Sequence[Any] | None = None,
         losses: list | None = None,
+        *,
+        kwargs: Sequence[dict] | None = None,
+        outputs: dict[int, Any] | None = None,
+        forward_only: bool = False,
+        sum_losses: bool = False,
     ) -> StepStats:
         """Run every task of this rank for step ``step``.
 
         Args:
             inputs: on the rank holding stage 0, one tuple of input tensors per microbatch.
-            targets: on the rank holding the last stage, one target per microbatch.
+            targets: on the rank holding the last stage, one target per microbatch (optional
+                in a forward-only step: without them no loss is computed).
             losses: if given (last stage), per-microbatch unweighted losses are appended.
+            kwargs: one dict per microbatch of keyword inputs for this rank's stage forwards.
+            outputs: the last stage's rank: filled with ``microbatch -> output`` (detached).
+            forward_only: forwards only, under ``torch.no_grad()`` (no graph, no gradients).
+            sum_losses: weight every microbatch loss 1 (PyTorch's ``scale_grads=False``)
+                instead of ``loss_weight_fn``'s normalised weights.
 
         Returns:
             This rank's :class:`StepStats` (with the weighted loss on the last stage's rank).
@@ -331,16 +355,27 @@ class RankRuntime:
         M = self.spec.n_microbatches
         if 0 in self.stages and (inputs is None or len(inputs) != M):
             raise ValueError(f"stage 0 needs {M} microbatch inputs, got {None if inputs is None else len(inputs)}")
-        if self.last_stage in self.stages and (targets is None or len(targets) != M):
+        last = self.last_stage in self.stages
+        if last and not forward_only and self.loss_fn is None:
+            raise ValueError("a training step needs a loss_fn on the rank holding the last stage (eval() runs forwards only)")
+        if last and (targets is None and not forward_only or targets is not None and len(targets) != M):
             raise ValueError(f"the last stage needs {M} microbatch targets, got {None if targets is None else len(targets)}")
+        if kwargs is not None and len(kwargs) != M:
+            raise ValueError(f"keyword inputs for {len(kwargs)} microbatches, expected {M}")
+        if self.loss_fn is None:
+            targets = None
         self.start()
         inbox = self.inbox
         if inbox.error is not None:
             raise inbox.error
-        arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit,
-                      memory_budget=self.memory_budget, act_bytes=self._sizer)
-        if self._sizer is not None:
-            self._sizer.begin_step(self._act)
+        if forward_only:
+            arb = ForwardArbiter(self.spec, self.rank)
+        else:
+            arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit,
+                          memory_budget=self.memory_budget, act_bytes=self._sizer)
+            if self._sizer is not None:
+                self._sizer.begin_step(self._act)
+        self._kwargs, self._outputs, self._forward_only = kwargs, outputs, forward_only
         self._out.clear(), self._wstate.clear(), self._seed.clear()
         self.executor.begin_step()
         inbox.begin_step(step, arb)  # clears the input buffers, then admits early arrivals
@@ -349,16 +384,22 @@ class RankRuntime:
             for m, x in enumerate(inputs):
                 self._act[(0, m)] = inbox.place_on(first, as_tuple(x))
         self._targets = targets
-        self._weights = weights = self._loss_weights(targets) if targets is not None else None
+        weights = None
+        if targets is not None:
+            weights = [1.0] * M if sum_losses else self._loss_weights(targets)
+        self._weights = weights
         self._mb_losses = mb_losses = [None] * M
-        hooks = self.hooks if self.hooks.hooks else None
+        hooks = self.hooks if self.hooks.hooks and not forward_only else None
         if hooks is not None:
             hooks.begin_step()
         stats = StepStats(step, 0.0, 0.0, 0)
         t_start = time.perf_counter()
-        await self.loop.run(arb, step, stats, self._run_task, self._emit, hooks)
+        try:
+            await self.loop.run(arb, step, stats, self._run_task, self._emit, hooks)
+        finally:
+            self._kwargs, self._outputs, self._forward_only = None, None, False
         self.executor.end_step()
-        if self._ordered is not None:
+        if self._ordered is not None and not forward_only:
             for acc in self._ordered.values():
                 acc.finish(M)
         if hooks is not None:
@@ -408,6 +449,11 @@ class RankRuntime:
 
     def _forward(self, s: int, m: int) -> list:
         stage = self.stages[s]
+        if self._forward_only:
+            # No backward follows: no graph, and the inputs go at once.
+            with torch.no_grad():
+                out = self._forward_graph(stage, s, m, self._act.pop((s, m)))
+            return [] if out is None else [(s + 1, m, Direction.ACT, list(as_tuple(out)))]
         inputs = self._act[(s, m)]
         if self._sizer is not None:
             with self._sizer.measure(s, m, inputs), torch.enable_grad():
@@ -424,13 +470,20 @@ class RankRuntime:
         return [(s + 1, m, Direction.ACT, [detach_for_next(o) for o in outs])]
 
     def _forward_graph(self, stage, s: int, m: int, inputs):
-        out = stage.submod(*inputs)
+        kw = self._kwargs
+        out = stage.submod(*inputs, **kw[m]) if kw is not None and kw[m] else stage.submod(*inputs)
         if s != self.last_stage:
             return out
+        if self._outputs is not None:
+            self._outputs[m] = _detached(out)
+        if self._targets is None:  # forward-only without a target or a loss_fn
+            return None
         loss = self.loss_fn(out, self._targets[m])
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise PipelineError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
         self._mb_losses[m] = loss.detach()
+        if self._forward_only:
+            return None
         # The microbatch's weight enters as the backward's seed gradient, d(w L) = w dL: the
         # same values as backpropagating through ``loss * w``, without that extra node.
         self._out[(s, m)] = (loss,)

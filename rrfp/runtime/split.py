@@ -3,44 +3,100 @@ later (RRFP §4 "BFW"; the zero-bubble papers' B/W split).
 
 The runtime does not walk the autograd graph in Python (torch.distributed.pipelining's
 ``stage_backward_input`` does, which cost 40-50% on top of a full backward for a one-layer
-stage here). Instead, every ``nn.Linear`` of a stage runs through :class:`_DeferredLinear`.
-During I, its backward returns only ``dX = dY @ W``. It records ``(X, dY)`` in the active
-:class:`WeightGradStore`, and W later computes ``dW = dY^T X`` and ``db = sum(dY)``. This is the
-way Megatron's zero-bubble implementation defers weight gradients. Parameters outside
-``nn.Linear`` layers (norms, embeddings) get their gradients during I, as in a full backward.
+stage here). Instead, every affine layer of a stage that declares its layout runs through
+:class:`_DeferredAffine`. During I, its backward returns only ``dX``. It records ``(X, dY)``
+in the active :class:`WeightGradStore`, and W later computes ``dW`` and ``db = sum(dY)``.
+This is the way Megatron's zero-bubble implementation defers weight gradients. Parameters
+outside such layers (norms, embeddings) get their gradients during I, as in a full backward.
 They are a small share of the FLOPs.
+
+Which layers split is a small registry (:func:`register_split_layer`): ``nn.Linear``
+(``y = x W^T + b``, weight ``[out, in]``) and HuggingFace's ``Conv1D``
+(``transformers.pytorch_utils.Conv1D``: ``y = x W + b``, weight ``[in, out]``, recognised by
+name so that transformers need not be installed) are registered; a layer class may also
+declare ``rrfp_split_layout = SplitLayout(...)``. :func:`disable_split_backward` restores
+the user's modules exactly (the pipeline calls it on ``close()``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 _active: "WeightGradStore | None" = None
 
 
+@dataclass(frozen=True)
+class SplitLayout:
+    """How an affine layer computes ``y`` from ``x`` (the last dim is the feature dim).
+
+    Attributes:
+        weight: attribute name of the weight parameter.
+        bias: attribute name of the bias parameter (its value may be None).
+        weight_in_out: True for a ``[in, out]`` weight (``y = x W + b``, HF ``Conv1D``);
+            False for ``[out, in]`` (``y = x W^T + b``, ``nn.Linear``).
+    """
+
+    weight: str = "weight"
+    bias: str = "bias"
+    weight_in_out: bool = False
+
+
+LINEAR = SplitLayout()
+CONV1D = SplitLayout(weight_in_out=True)
+
+_BY_TYPE: dict[type, SplitLayout] = {nn.Linear: LINEAR}
+# Classes we recognise by their qualified name, so their library need not be imported.
+_BY_NAME: dict[str, SplitLayout] = {"transformers.pytorch_utils.Conv1D": CONV1D}
+
+
+def register_split_layer(cls: type | str, layout: SplitLayout) -> None:
+    """Declare that layers of exactly ``cls`` (a class, or its ``module.QualName``) are
+    affine with ``layout``, so a split-backward hint defers their weight gradients to W.
+
+    Raises:
+        TypeError: ``layout`` is not a :class:`SplitLayout`.
+    """
+    if not isinstance(layout, SplitLayout):
+        raise TypeError(f"layout {layout!r}: expected a SplitLayout")
+    if isinstance(cls, str):
+        _BY_NAME[cls] = layout
+    else:
+        _BY_TYPE[cls] = layout
+
+
+def layout_of(module: nn.Module) -> SplitLayout | None:
+    """The split layout of ``module``'s exact class, or None if it does not split."""
+    cls = type(module)
+    own = cls.__dict__.get("rrfp_split_layout")
+    if isinstance(own, SplitLayout):
+        return own
+    return _BY_TYPE.get(cls) or _BY_NAME.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
 class WeightGradStore:
     """The weight-gradient work of one (stage, microbatch) left for W.
 
-    Each entry is ``(weight, bias, X[..., in], dY[..., out])``; :meth:`flush` accumulates
-    ``dW [out, in]`` into ``weight.grad`` and ``db [out]`` into ``bias.grad``.
+    Each entry is ``(weight, bias, X[..., in], dY[..., out], weight_in_out)``; :meth:`flush`
+    accumulates ``dW`` (``[out, in]``, or ``[in, out]`` for a Conv1D layout) into
+    ``weight.grad`` and ``db [out]`` into ``bias.grad``.
     """
 
     def __init__(self) -> None:
-        self.items: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+        self.items: list[tuple] = []
 
     def __len__(self) -> int:
         return len(self.items)
 
     def flush(self) -> None:
         """Compute and accumulate every deferred weight gradient, then forget them."""
-        for weight, bias, x, dy in self.items:
-            dw, db = _weight_grads(x, dy, bias is not None)
+        for weight, bias, x, dy, in_out in self.items:
+            dw, db = _weight_grads(x, dy, bias is not None, in_out)
             _accumulate(weight, dw)
             if bias is not None:
                 _accumulate(bias, db)
@@ -49,7 +105,7 @@ class WeightGradStore:
 
 @contextlib.contextmanager
 def deferring(store: WeightGradStore) -> Iterator[None]:
-    """While active, split linear layers defer their weight gradients to ``store``."""
+    """While active, split layers defer their weight gradients to ``store``."""
     global _active
     prev, _active = _active, store
     try:
@@ -58,9 +114,10 @@ def deferring(store: WeightGradStore) -> Iterator[None]:
         _active = prev
 
 
-def _weight_grads(x: torch.Tensor, dy: torch.Tensor, has_bias: bool):
+def _weight_grads(x: torch.Tensor, dy: torch.Tensor, has_bias: bool, in_out: bool = False):
     dy2 = dy.reshape(-1, dy.shape[-1])
-    dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]))
+    x2 = x.reshape(-1, x.shape[-1])
+    dw = x2.t().matmul(dy2) if in_out else dy2.t().matmul(x2)
     return dw, (dy2.sum(0) if has_bias else None)
 
 
@@ -71,50 +128,83 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
-class _DeferredLinear(torch.autograd.Function):
+class _DeferredAffine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, in_out):
         ctx.save_for_backward(x, weight)
         # Parameters are not modified before W runs (the optimizer steps after every W), so
         # plain references are safe where saved tensors would not let us reach the Parameter.
         ctx.params = (weight, bias)
-        return F.linear(x, weight, bias)
+        ctx.in_out = in_out
+        y = x.matmul(weight) if in_out else x.matmul(weight.t())
+        return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         w_param, b_param = ctx.params
-        dx = dy.matmul(weight) if ctx.needs_input_grad[0] else None
+        in_out = ctx.in_out
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy.matmul(weight.t()) if in_out else dy.matmul(weight)
         if not (ctx.needs_input_grad[1] or (b_param is not None and ctx.needs_input_grad[2])):
-            return dx, None, None
+            return dx, None, None, None
         store = _active
         if store is not None:
-            store.items.append((w_param, b_param, x, dy))
-            return dx, None, None
-        dw, db = _weight_grads(x, dy, b_param is not None)
-        return dx, dw, db
+            store.items.append((w_param, b_param, x, dy, in_out))
+            return dx, None, None, None
+        dw, db = _weight_grads(x, dy, b_param is not None, in_out)
+        return dx, dw, db, None
 
 
-def _deferred_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _DeferredLinear.apply(x, self.weight, self.bias)
+def _deferred_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    lay = self._rrfp_split[0]
+    return _DeferredAffine.apply(x, getattr(self, lay.weight), getattr(self, lay.bias, None), lay.weight_in_out)
+
+
+_NO_FORWARD = object()
 
 
 def enable_split_backward(module: nn.Module) -> int:
-    """Route every ``nn.Linear`` in ``module`` through the deferring linear function.
+    """Route every layer in ``module`` with a split layout (:func:`layout_of`) through the
+    deferring affine function.
 
     Outside :func:`deferring` the layers compute their weight gradients at once, so a full
-    backward still works. Idempotent.
+    backward still works. Idempotent; :func:`disable_split_backward` undoes it.
 
     Returns:
-        the number of linear layers routed.
+        the number of layers routed.
     """
     n = 0
     for m in module.modules():
-        if type(m) is nn.Linear:
-            if getattr(m, "_rrfp_split", False):
-                n += 1
-                continue
-            m.forward = types.MethodType(_deferred_forward, m)
-            m._rrfp_split = True
-            n += 1
+        lay = layout_of(m)
+        if lay is None:
+            continue
+        n += 1
+        if "_rrfp_split" in m.__dict__:
+            continue
+        # Keep an instance-level forward the user set, so that undoing restores it.
+        saved = m.__dict__.get("forward", _NO_FORWARD)
+        m._rrfp_split = (lay, saved)
+        m.forward = types.MethodType(_deferred_forward, m)
+    return n
+
+
+def disable_split_backward(module: nn.Module) -> int:
+    """Undo :func:`enable_split_backward`: every routed layer gets back its own forward.
+
+    Returns:
+        the number of layers restored.
+    """
+    n = 0
+    for m in module.modules():
+        state = m.__dict__.pop("_rrfp_split", None)
+        if state is None:
+            continue
+        saved = state[1]
+        if saved is _NO_FORWARD:
+            m.__dict__.pop("forward", None)
+        else:
+            m.forward = saved
+        n += 1
     return n

@@ -41,6 +41,14 @@ class PipelineStage:
         stage_index: this stage's index in the pipeline, ``0 <= stage_index < num_stages``.
         num_stages: the pipeline's number of stages (virtual stages included).
         device: where the module's parameters and inputs live (default: the module's).
+        input_args, output_args, output_grads, input_grads: accepted for signature parity
+            with ``torch.distributed.pipelining.PipelineStage``, which uses them to infer
+            message shapes; rrfp's messages carry their shapes, so they are not needed.
+        group: the pipeline's process group (default: the world); :class:`Pipeline` takes
+            this rank's pipeline index and the rank count from it.
+        dw_builder: accepted for parity; rrfp splits the backward of the layers in its
+            registry (:func:`rrfp.runtime.split.register_split_layer`) instead.
+        get_mesh: accepted for parity (DeviceMesh callback), unused.
 
     Raises:
         ValueError: for an index outside ``[0, num_stages)``.
@@ -52,6 +60,13 @@ class PipelineStage:
         stage_index: int,
         num_stages: int,
         device: torch.device | str | None = None,
+        input_args: Any = None,
+        output_args: Any = None,
+        output_grads: Any = None,
+        input_grads: Any = None,
+        group: Any = None,
+        dw_builder: Any = None,
+        get_mesh: Any = None,
     ) -> None:
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index={stage_index}: expected 0 <= stage_index < num_stages={num_stages}")
@@ -61,6 +76,8 @@ class PipelineStage:
         self.submod = module
         self.stage_index = stage_index
         self.num_stages = num_stages
+        self.group = group
+        self.dw_builder = dw_builder
         if device is None:
             p = next(module.parameters(), None)
             device = p.device if p is not None else torch.device("cpu")

@@ -22,6 +22,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..cli import UsageError
+from ..resources import doc_path
 from .compare import SimConfig, compare, default_baseline, sweep, sweep_table
 from .costs import MAX_BYTES, MAX_SECONDS, CostModel, StageCost, load_costs, short
 from .duration import Dist
@@ -36,7 +37,7 @@ def register(subparsers: Any) -> None:
         "simulate",
         help="simulate a pipeline under hints (no GPUs, no processes)",
         description="Discrete-event simulation of a pipeline driving the real scheduler. "
-        "Times in seconds, sizes in bytes. Guide: docs/simulator.md.",
+        f"Times in seconds, sizes in bytes. Guide: {doc_path('simulator.md')}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("pipeline")

@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pipeline rank, on real text (default: this Python's standard-library sources).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--stages", type=int, default=DEFAULTS["stages"], help="pipeline ranks (processes)")
+    p.add_argument("--stages", type=int, default=None,
+                   help=f"pipeline ranks (processes); without it, the world size under torchrun, else {DEFAULTS['stages']}")
     p.add_argument("--virtual-stages", type=int, default=DEFAULTS["virtual_stages"], help="virtual stages per rank")
     p.add_argument("--placement", choices=["loop", "v"], default="loop", help="virtual-stage placement")
     p.add_argument("--transport", choices=["zmq", "torch"], default="zmq",
@@ -78,7 +79,98 @@ def register(sub: argparse._SubParsersAction) -> None:
     from . import device
 
     device.add_flags(p)
-    p.set_defaults(func=run)
+    add_job_flags(p)
+    p.set_defaults(func=run, _parser=p)
+
+
+def add_job_flags(p: argparse.ArgumentParser) -> None:
+    """Evaluation, learning-rate schedule, clipping, precision, output and config flags."""
+    from .precision import PRECISIONS
+
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="every N steps (and after the last), the validation loss on the held-out split; 0: never")
+    p.add_argument("--eval-batches", type=int, default=2, help="held-out batches (of --batch-size samples) per evaluation")
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                   help="after warm-up: constant, or cosine decay to --min-lr at the last step")
+    p.add_argument("--warmup", type=int, default=0, metavar="STEPS", help="linear learning-rate warm-up steps")
+    p.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of a cosine schedule")
+    p.add_argument("--clip-grad", type=float, default=None, metavar="MAX",
+                   help="clip the global gradient norm (across all stages) to MAX")
+    p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                   help="bf16: forwards under torch.autocast (parameters and gradients stay float32)")
+    p.add_argument("--log-file", default=None, metavar="PATH", help="also write every printed line here")
+    p.add_argument("--trace-steps", default=None, metavar="A:B",
+                   help="with --trace: record steps A..B (1-based, inclusive); without it, every step, "
+                   "the timeline showing the last 3")
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="read flags from a TOML file (keys are flag names: steps = 100); the command line wins")
+
+
+def resolve_stages(args: argparse.Namespace) -> None:
+    """``--stages``: the world size inside a torchrun job (an explicit value must agree),
+    else the default.
+
+    Raises:
+        UsageError: ``--stages`` that differs from the world size of the job.
+    """
+    from ..runtime.dist import in_launched_worker
+
+    if in_launched_worker():
+        world = int(os.environ["WORLD_SIZE"])
+        if args.stages is not None and args.stages != world:
+            raise UsageError(
+                f"--stages={args.stages} but this torchrun job has {world} processes (world size): "
+                f"drop --stages or launch {args.stages} processes per pipeline"
+            )
+        args.stages = world
+    elif args.stages is None:
+        args.stages = DEFAULTS["stages"]
+
+
+def parse_trace_steps(text: str | None, steps: int) -> tuple[int, int] | None:
+    """``A:B`` -> ``(A, B)`` (1-based, inclusive; ``A:`` runs to the last step).
+
+    Raises:
+        UsageError: malformed text or a range outside ``1..steps``.
+    """
+    if text is None:
+        return None
+    a, sep, b = text.partition(":")
+    try:
+        lo = int(a) if a else 1
+        hi = int(b) if b else steps
+        if not sep:
+            hi = lo
+    except ValueError:
+        raise UsageError(f"--trace-steps={text!r}: expected A:B, two step numbers (e.g. 5:8)") from None
+    if not 1 <= lo <= hi <= steps:
+        raise UsageError(f"--trace-steps={text!r}: expected 1 <= A <= B <= --steps={steps}")
+    return lo, hi
+
+
+def validate_job_flags(args: argparse.Namespace) -> None:
+    """Check the flags of :func:`add_job_flags`.
+
+    Raises:
+        UsageError: one line naming the bad value.
+    """
+    if args.eval_every < 0:
+        raise UsageError(f"--eval-every={args.eval_every}: expected 0 (never) or a positive number of steps")
+    if args.eval_batches < 1:
+        raise UsageError(f"--eval-batches={args.eval_batches}: expected a positive integer")
+    if not 0 <= args.warmup <= args.steps:
+        raise UsageError(f"--warmup={args.warmup}: expected 0..{args.steps} (--steps)")
+    if not (math.isfinite(args.min_lr) and 0 <= args.min_lr <= args.lr):
+        raise UsageError(f"--min-lr={args.min_lr}: expected 0 <= min-lr <= --lr={args.lr}")
+    if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad > 0):
+        raise UsageError(f"--clip-grad={args.clip_grad}: expected a positive, finite norm")
+    if args.trace_steps is not None and args.trace is None:
+        raise UsageError(f"--trace-steps={args.trace_steps!r} needs --trace DIR")
+    args.trace_range = parse_trace_steps(args.trace_steps, args.steps)
+    if args.log_file is not None:
+        parent = Path(args.log_file).resolve().parent
+        if not parent.is_dir():
+            raise UsageError(f"--log-file={args.log_file!r}: its folder {str(parent)!r} does not exist")
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -91,6 +183,7 @@ def validate(args: argparse.Namespace) -> None:
     from ..scheduler.hints import resolve_hint
     from ..scheduler.tasks import Placement
 
+    resolve_stages(args)
     for name in ("stages", "virtual_stages", "microbatches", "batch_size", "steps", "max_len", "threads", "dp", "tp"):
         v = getattr(args, name)
         if v < 1:
@@ -159,6 +252,7 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--threads={args.threads}: expected at most {4 * (os.cpu_count() or 1)} on this machine")
     if args.max_len > 65536:
         raise UsageError(f"--max-len={args.max_len}: expected at most 65536 tokens")
+    validate_job_flags(args)
     if args.trace is not None:
         try:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
@@ -188,6 +282,12 @@ def validate(args: argparse.Namespace) -> None:
                 f"--batch-size={args.batch_size} exceeds the {n} samples in --data "
                 f"{' '.join(args.data)}: use a smaller batch or more text"
             )
+        held = args.eval_batches * args.batch_size if args.eval_every else 0
+        if held and n - held < args.batch_size:
+            raise UsageError(
+                f"--eval-every holds out {held} of the {n} samples in --data (--eval-batches={args.eval_batches} "
+                f"x --batch-size={args.batch_size}), leaving fewer than a batch to train on: use more text"
+            )
 
 
 def _validate_layout(args: argparse.Namespace) -> None:
@@ -207,6 +307,10 @@ def _validate_layout(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.config is not None:
+        from .config import apply_config
+
+        args = apply_config(args)
     validate(args)
     from ..runtime.dist import in_launched_worker
 
@@ -234,6 +338,8 @@ def launch(args: argparse.Namespace) -> int:
     try:
         torchrun.run(run_args)
     except ChildFailedError as e:
+        if any(f.exitcode == PIPE_CLOSED for f in e.failures.values()):
+            return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
         print(f"rrfp train: error: {describe_failures(e.failures)}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SignalException) as e:
@@ -243,12 +349,26 @@ def launch(args: argparse.Namespace) -> int:
     return 0
 
 
+PIPE_CLOSED = 141
+"""A rank's exit code when rank 0's stdout reader went away (128 + SIGPIPE)."""
+
+
+class _NoPipeClosedErrors:
+    """Drops the agent's error record for a rank that stopped because its reader left, and
+    its note that it stops the others (the one-line summary says so)."""
+
+    def filter(self, record) -> bool:
+        text = record.getMessage()
+        return f"exitcode: {PIPE_CLOSED})" not in text and "closing signal SIGTERM" not in text
+
+
 def _quiet_launcher_logs() -> None:
     import logging
 
     # torchrun's agent logs every rendezvous detail at INFO; users want the job's own lines.
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoPipeClosedErrors())
 
 
 def describe_failures(failures: dict) -> str:

@@ -28,6 +28,9 @@ from ..runtime.stage import PipelineStage
 from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
 from . import device
+from .optim import lr_scheduler
+from .precision import use_autocast
+from .progress import Output
 
 
 TP_IMPL = "manual"
@@ -50,8 +53,10 @@ def inflight_limits(args: argparse.Namespace, n_ranks: int) -> list[int]:
 class Reporter:
     """Rank 0's view of the run: collects per-rank step statistics and prints them."""
 
-    def __init__(self, args: argparse.Namespace, n_ranks: int, place: Placement) -> None:
+    def __init__(self, args: argparse.Namespace, n_ranks: int, place: Placement, out: Output | None = None) -> None:
         self.args = args
+        self.out = out if out is not None else Output(args.steps, args.quiet)
+        self.evals: dict[int, float] = {}
         self.n_ranks = n_ranks
         self.place = place
         self.pending: dict[int, dict[int, dict]] = {}
@@ -62,6 +67,12 @@ class Reporter:
 
     def add(self, meta: dict, src: int) -> None:
         """Take one rank's statistics; a malformed message is logged and dropped."""
+        if isinstance(meta, dict) and meta.get("kind") == "eval":
+            step, loss = meta.get("step"), meta.get("loss")
+            if isinstance(step, int) and isinstance(loss, (int, float)) and 0 <= step <= self.args.steps:
+                self.evals[step] = float(loss)
+                self.out.message(f"eval after step {step:4d}/{self.args.steps}  validation loss {loss:7.4f}")
+                return
         try:
             step = meta["step"]
             ok = (
@@ -86,13 +97,12 @@ class Reporter:
             t = self.step_time[k]
             row = dict(step=k, loss=loss, seconds=t, tokens=self.tokens[k], tok_s=self.tokens[k] / t, bubble=bubble, peak=peak)
             self.rows.append(row)
-            if not self.args.quiet:
-                print(
-                    f"step {k + 1:4d}/{self.args.steps}  loss {loss:7.4f}  tok/s {row['tok_s']:8.0f}  "
-                    f"step {t:6.3f} s  bubble/rank [{' '.join(f'{b:.2f}' for b in bubble)}]  "
-                    f"peak in-flight [{' '.join(str(p) for p in peak)}]",
-                    flush=True,
-                )
+            self.out.step(
+                f"step {k + 1:4d}/{self.args.steps}  loss {loss:7.4f}  tok/s {row['tok_s']:8.0f}  "
+                f"step {t:6.3f} s  bubble/rank [{' '.join(f'{b:.2f}' for b in bubble)}]  "
+                f"peak in-flight [{' '.join(str(p) for p in peak)}]",
+                postfix=f"loss {loss:.4f}, {row['tok_s']:.0f} tok/s",
+            )
             self.next_step += 1
 
     def summary(self, total: float) -> None:
@@ -104,11 +114,12 @@ class Reporter:
         which = "after the first step" if len(rows) > 1 else "(one step, warm-up included)"
         tok_s = sum(r["tokens"] for r in steady) / sum(r["seconds"] for r in steady)
         mean_bubble = [sum(r["bubble"][i] for r in steady) / len(steady) for i in range(self.n_ranks)]
-        print(
+        val = f"; validation loss {self.evals[max(self.evals)]:.4f}" if self.evals else ""
+        self.out.close_bar()
+        self.out.message(
             f"done: {len(rows)} steps in {total:.1f} s, {tok_s:.0f} tok/s {which}; "
             f"loss {first:.4f} -> {last:.4f} ({(last - first) / first * 100:+.1f}%); "
-            f"per-step mean bubble/rank [{' '.join(f'{b:.2f}' for b in mean_bubble)}]; hint {self.args.hint}",
-            flush=True,
+            f"per-step mean bubble/rank [{' '.join(f'{b:.2f}' for b in mean_bubble)}]; hint {self.args.hint}{val}"
         )
 
 
@@ -126,18 +137,66 @@ def _die_with_parent() -> None:
             pass
 
 
+class _QuietAfterReaderLeft:
+    """Drops the transport's lost-peer error records once rank 0's reader has gone: the peer
+    stopped on purpose (`rrfp train | head`)."""
+
+    def filter(self, record) -> bool:
+        return record.levelno < 40 or not _reader_gone()
+
+
 def main(args: argparse.Namespace) -> int:
     _die_with_parent()
+    import logging
+
+    logging.getLogger("rrfp.transport").addFilter(_QuietAfterReaderLeft())
     try:
         return _main(args)
+    except BrokenPipeError:
+        # `rrfp train | head`: the reader is gone. Stop as Unix tools do, quietly, and tell the
+        # other ranks (through the launcher's store) that this is no failure to report.
+        _stop_quietly()
     except KeyboardInterrupt:
         print(f"rrfp train: rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
         os._exit(130)
     except Exception as e:  # one line per rank, then a non-zero exit the launcher reports
+        if _reader_gone():
+            os._exit(PIPE_CLOSED)
         rank = os.environ.get("RANK", "?")
         print(f"rrfp train: rank {rank}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         sys.stderr.flush()
         os._exit(1)
+
+
+PIPE_CLOSED = 141
+"""Exit code of a rank whose stdout reader went away (128 + SIGPIPE, as a shell reports it)."""
+_PIPE_KEY = "rrfp/train/stdout-closed"
+
+
+def _mark_reader_gone() -> None:
+    try:
+        from ..runtime.dist import default_store
+
+        default_store().set(_PIPE_KEY, "1")
+    except Exception:  # noqa: BLE001 - no store: the launcher still sees exit code 141
+        pass
+
+
+def _stop_quietly() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    _mark_reader_gone()
+    os._exit(PIPE_CLOSED)
+
+
+def _reader_gone() -> bool:
+    """Whether rank 0's stdout reader went away (then a peer's loss is no error to report)."""
+    try:
+        from ..runtime.dist import default_store
+
+        return default_store().check([_PIPE_KEY])
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -150,6 +209,7 @@ def _main(args: argparse.Namespace) -> int:
     n_stages = place.n_stages
     stage_ids = place.stages_of(rank)
     sampler = batches = None
+    held_out: list = []
     if args.model == "multimodal":
         from .multimodal import DigitBatches, multimodal_stages
 
@@ -161,6 +221,7 @@ def _main(args: argparse.Namespace) -> int:
         modules = [build_stage(cfg, n_stages, s, args.seed) for s in stage_ids]
         if 0 in stage_ids or n_stages - 1 in stage_ids:
             samples = load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL)
+            samples, held_out = split_held_out(samples, args)
             sampler = BatchSampler(samples, args.batch_size, args.seed)
             batches = lambda k, m: make_microbatches(replica_samples(sampler.batch(k), layout), m)  # noqa: E731
     stages = [PipelineStage(mod, s, n_stages) for mod, s in zip(modules, stage_ids)]
@@ -169,6 +230,8 @@ def _main(args: argparse.Namespace) -> int:
 
         for st in stages:
             shard_gpt_stage(st.submod, layout.tp_rank, layout.tp, layout.tp_group, TP_IMPL)
+    for st in stages:
+        use_autocast(st.submod, args.precision, st.device.type, last=st.stage_index == n_stages - 1)
     metrics, metrics_server = start_metrics(args, layout.rank, stage_ids)
     pipe = Pipeline(
         stages, args.microbatches, lm_loss, hint=args.hint, inflight_limit=inflight_limits(args, n_ranks),
@@ -184,7 +247,9 @@ def _main(args: argparse.Namespace) -> int:
     out_bytes = record_output_bytes(stages) if args.trace else None
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    reporter = Reporter(args, n_ranks, place) if layout.rank == 0 else None
+    sched = lr_scheduler(opt, args.steps, args.warmup, args.lr_schedule, args.min_lr)
+    reporter = Reporter(args, n_ranks, place, Output(args.steps, args.quiet, args.log_file)) if layout.rank == 0 else None
+    trace_lo, trace_hi = getattr(args, "trace_range", None) or (1, args.steps)
     records, step_log = [], []
     if metrics is not None:
         pipe.run(metrics.start_heartbeat())
@@ -194,16 +259,20 @@ def _main(args: argparse.Namespace) -> int:
             t_step = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             mbs = batches(k, args.microbatches) if batches else None
-            loss = pipe.step(
+            pipe.step(
                 microbatches=[mb.inputs for mb in mbs] if 0 in stage_ids else None,
                 targets=[mb.targets for mb in mbs] if n_stages - 1 in stage_ids else None,
+                return_outputs=False,
             )
-            if getattr(args, "clip_grad", None) is not None:
+            loss = pipe.last_loss
+            if args.clip_grad is not None:
                 clip_grad_norm_(params, args.clip_grad, layout)
             opt.step()
+            sched.step()
             st = pipe.last_stats
-            if args.trace:
-                records += st.records
+            if args.trace and trace_lo <= k + 1 <= trace_hi:
+                # Labelled with the training step (evaluations are pipeline steps too).
+                records += [r if r.step == k else dataclasses.replace(r, step=k) for r in st.records]
                 step_log.append([k, st.wall, st.busy])
             meta = {"kind": "stats", "step": k, "busy": st.busy, "wall": st.wall, "peak": st.peak_mb_inflight,
                     "loss": None if loss is None else float(loss)}
@@ -218,13 +287,22 @@ def _main(args: argparse.Namespace) -> int:
                 now = time.perf_counter()
                 reporter.step_time[k], last = now - last, now
                 reporter.tokens[k] = sum(mb.n_tokens for mb in (
-                    mbs if layout.dp == 1 else make_microbatches(batch, args.microbatches)))
+                    mbs if layout.dp == 1 else make_microbatches(sampler.batch(k), args.microbatches)))
                 reporter.add(meta, 0)
                 for msg in pipe.runtime.poll_control():
                     reporter.add(msg.meta, msg.src)
                 reporter.flush()
+            if args.eval_every and ((k + 1) % args.eval_every == 0 or k + 1 == args.steps):
+                val = evaluate(pipe, held_out, args, 0 in stage_ids, n_stages - 1 in stage_ids)
+                if val is not None:
+                    ev = {"kind": "eval", "step": k + 1, "loss": val}
+                    if reporter is not None:
+                        reporter.add(ev, rank)
+                    else:
+                        pipe.runtime.send_control(0, k, ev)
         if reporter is not None:
-            while reporter.next_step < args.steps:
+            n_evals = len(eval_steps(args))
+            while reporter.next_step < args.steps or len(reporter.evals) < n_evals:
                 msg = pipe.run(pipe.runtime.control(timeout=args.watchdog))
                 reporter.add(msg.meta, msg.src)
                 reporter.flush()
@@ -232,7 +310,9 @@ def _main(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.stop_heartbeat()
         pipe.close()
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, BrokenPipeError):
+            _mark_reader_gone()  # before abort(): the peers see the connection close next
         if metrics is not None:
             metrics.stop_heartbeat()
         pipe.abort()
@@ -268,6 +348,46 @@ def start_metrics(args: argparse.Namespace, rank: int, stage_ids: list[int]):
     except OSError as e:
         raise OSError(f"rank {rank}: {e}") from None
     return metrics, server
+
+
+def eval_steps(args: argparse.Namespace) -> list[int]:
+    """The steps (1-based) after which ``--eval-every`` evaluates: every N-th and the last."""
+    if not args.eval_every:
+        return []
+    return sorted({*range(args.eval_every, args.steps + 1, args.eval_every), args.steps})
+
+
+def split_held_out(samples: list, args: argparse.Namespace) -> tuple[list, list]:
+    """``(train, held_out)``: with ``--eval-every``, the last ``--eval-batches`` x
+    ``--batch-size`` samples of the (shuffled) pool are held out for validation.
+
+    Raises:
+        ValueError: fewer than a batch left to train on.
+    """
+    if not args.eval_every:
+        return samples, []
+    held = args.eval_batches * args.batch_size
+    if len(samples) - held < args.batch_size:
+        raise ValueError(f"holding out {held} of {len(samples)} samples leaves fewer than a batch to train on")
+    return samples[:-held], samples[-held:]
+
+
+def evaluate(pipe: Pipeline, held_out: list, args: argparse.Namespace, first: bool, last: bool) -> float | None:
+    """The held-out split's loss (mean over its target tokens), forwards only; on the rank
+    holding the last stage, else None."""
+    total, tokens = 0.0, 0
+    B = args.batch_size
+    for b in range(args.eval_batches):
+        mbs = make_microbatches(held_out[b * B:(b + 1) * B], args.microbatches) if held_out else None
+        pipe.eval(
+            microbatches=[(mb.tokens,) for mb in mbs] if first else None,
+            targets=[mb.targets for mb in mbs] if last else None,
+        )
+        if last:
+            n = sum(count_tokens(mb.targets) for mb in mbs)
+            total += float(pipe.last_loss) * n
+            tokens += n
+    return total / tokens if last and tokens else None
 
 
 def record_output_bytes(stages: list[PipelineStage]) -> dict[int, list[int]]:
@@ -326,12 +446,25 @@ def _write_trace(
     t0 = min(r.start for r in merged)
     merged = [dataclasses.replace(r, start=r.start - t0, end=r.end - t0) for r in merged]
     write_chrome_trace(merged, out / "trace.json")
-    write_gantt_png(merged, out / "timeline.png", title=f"rrfp train, hint {args.hint}", n_ranks=n_ranks)
+    shown = timeline_steps(sorted({r.step for r in merged}))
+    write_gantt_png([r for r in merged if r.step in shown], out / "timeline.png", n_ranks=n_ranks,
+                    title=f"rrfp train, hint {args.hint}, step{'s' if len(shown) > 1 else ''} "
+                    f"{min(shown) + 1}-{max(shown) + 1} of {args.steps}")
     save_profile(profile_from_records(merged, n_ranks * args.virtual_stages, sizes), out / "profile.json",
                  meta={"source": "rrfp train", "model": args.model, "microbatches": args.microbatches,
                        "batch_size": args.batch_size, "max_len": args.max_len, "hint": args.hint})
     print(f"trace: {out / 'trace.json'} (open in Perfetto), timeline {out / 'timeline.png'}, "
           f"costs {out / 'profile.json'}", flush=True)
+
+
+TIMELINE_STEPS = 3
+"""Steps a timeline PNG shows at most: more turn the bars into an unreadable barcode."""
+
+
+def timeline_steps(recorded: list[int]) -> set[int]:
+    """The steps (0-based) the timeline PNG draws: the last :data:`TIMELINE_STEPS` recorded
+    (the first step warms up; ``--trace-steps`` picks others)."""
+    return set(recorded[-TIMELINE_STEPS:])
 
 
 def profile_from_records(records: list, n_stages: int, out_bytes: dict[int, list[int]] | None = None):

@@ -1,0 +1,181 @@
+"""What ``torch.distributed.pipelining`` users pass, in rrfp's terms: PyTorch's schedule
+names as hints, the splitting of a batch into microbatches and the merging of the last
+stage's outputs (torch's own ``split_args_kwargs_into_chunks`` and ``merge_chunks``, so chunk
+specs mean exactly what they mean there), and job ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.pipelining.microbatch import merge_chunks, split_args_kwargs_into_chunks
+
+from .stage import as_tuple
+
+# torch.distributed.pipelining's schedule names (get_schedule_class is case-insensitive, and
+# so is this) -> the rrfp hint that ranks ready work the same way.
+TORCH_SCHEDULE_HINTS = {
+    "gpipe": "gpipe",
+    "1f1b": "1f1b",
+    "interleaved1f1b": "interleaved-1f1b",
+    "loopedbfs": "looped-bfs",
+    "interleavedzerobubble": "zb-h1",
+    "zbvzerobubble": "zb-v",
+}
+
+
+def hint_text(hint: Any) -> str:
+    """rrfp hint text for ``hint``: an rrfp hint, a PyTorch schedule name (``Interleaved1F1B``,
+    ``ScheduleZBVZeroBubble``, any case) or class (``Schedule1F1B``); ``strict-`` works with
+    each.
+
+    Raises:
+        TypeError: ``hint`` is neither text nor a class.
+    """
+    if isinstance(hint, type):
+        hint = hint.__name__
+    if not isinstance(hint, str):
+        raise TypeError(f"hint {hint!r}: expected a hint name or a PyTorch schedule class")
+    prefix = "strict-" if hint.startswith("strict-") else ""
+    base = hint[len(prefix):]
+    key = base.lower()
+    key = key[len("schedule"):] if key.startswith("schedule") else key
+    return prefix + TORCH_SCHEDULE_HINTS.get(key, base)
+
+
+_job_counter = itertools.count()
+
+
+def new_job_id(group: Any = None) -> str:
+    """A job id unique to this pipeline: the n-th :class:`Pipeline` built in this process
+    (every rank builds its pipelines in the same order, so the ranks agree), plus the group's
+    global ranks for a subgroup (so that two pipeline groups of one job never share store keys).
+    """
+    n = next(_job_counter)
+    if group is None:
+        return f"rrfp-{n}"
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    tag = hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:8]
+    return f"rrfp-{n}-g{tag}"
+
+
+def split_inputs(
+    args: tuple, kwargs: dict, n_microbatches: int, args_chunk_spec=None, kwargs_chunk_spec=None
+) -> tuple[list[tuple], list[dict]]:
+    """Split a whole batch into ``n_microbatches`` (torch's ``split_args_kwargs_into_chunks``:
+    tensors along their spec's dim, default 0, with ``torch.tensor_split`` sizes; other values
+    replicated).
+
+    Returns:
+        one args tuple and one kwargs dict per microbatch.
+
+    Raises:
+        ValueError: a tensor too small to give every microbatch a sample.
+    """
+    if not args and not kwargs:
+        return [()] * n_microbatches, [{}] * n_microbatches
+    for name, v in [*enumerate(args), *kwargs.items()]:
+        if isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] < n_microbatches) and args_chunk_spec is None \
+                and kwargs_chunk_spec is None:
+            size = 0 if v.dim() == 0 else v.shape[0]
+            raise ValueError(
+                f"n_microbatches={n_microbatches} exceeds the input batch size {size} (input {name!r}): "
+                "each microbatch needs at least one sample"
+            )
+    try:
+        arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(
+            tuple(args), dict(kwargs), n_microbatches, args_chunk_spec, kwargs_chunk_spec
+        )
+    except AssertionError as e:  # torch's "Tensor size N is smaller than num_chunks"
+        raise ValueError(f"cannot split the inputs into {n_microbatches} microbatches: {e}") from None
+    if len(arg_mbs) != n_microbatches:
+        raise ValueError(
+            f"the inputs split into {len(arg_mbs)} microbatches, expected n_microbatches={n_microbatches}"
+        )
+    return arg_mbs, kwarg_mbs
+
+
+def split_target(target: Any, n_microbatches: int) -> list:
+    """The target's microbatches (dim 0, as PyTorch's schedules split it).
+
+    Raises:
+        ValueError: a target with fewer than ``n_microbatches`` samples.
+    """
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a tensor, got {type(target).__name__}")
+    if target.dim() == 0 or target.shape[0] < n_microbatches:
+        size = 0 if target.dim() == 0 else target.shape[0]
+        raise ValueError(
+            f"n_microbatches={n_microbatches} exceeds the target batch size {size}: "
+            "each microbatch needs at least one sample"
+        )
+    return list(torch.tensor_split(target, n_microbatches, dim=0))
+
+
+def merge_outputs(chunks: Sequence[Any], output_merge_spec=None) -> Any:
+    """The last stage's microbatch outputs, in microbatch order, merged back into one batch
+    (torch's ``merge_chunks``: concatenated along dim 0 unless ``output_merge_spec`` says
+    otherwise)."""
+    return merge_chunks(list(chunks), output_merge_spec)
+
+
+def batch_share(target: Any) -> float:
+    """A microbatch's loss weight before normalisation: its number of samples (dim 0 of its
+    target), so that microbatch ``m`` weighs ``n_m / sum(n)``, its share of the batch, and an
+    uneven split gives the unpipelined mean loss and gradients."""
+    if isinstance(target, torch.Tensor) and target.dim() > 0:
+        return float(target.shape[0])
+    return 1.0
+
+
+class StepIO:
+    """The loss side of a step on the rank holding the last stage: the user's
+    ``loss_fn(output, target, **loss_kwargs)`` and the microbatch loss weights (by default the
+    microbatch's share of the batch, :func:`batch_share`)."""
+
+    def __init__(self, loss_fn, loss_weight_fn) -> None:
+        self.loss_fn, self.loss_weight_fn = loss_fn, loss_weight_fn
+        self.loss_kwargs: dict = {}
+
+    def loss(self, output, target) -> torch.Tensor:
+        return self.loss_fn(output, target, **self.loss_kwargs)
+
+    def weight(self, target) -> float:
+        return float((self.loss_weight_fn or batch_share)(target))
+
+
+def prepare_inputs(pipe, args, kwargs, microbatches, target, targets, has_first: bool, has_last: bool):
+    """The microbatches this rank feeds its runtime: stage 0's inputs (torch's splitting
+    under the pipeline's chunk specs, or the caller's pre-split ``microbatches``), every
+    local stage's keyword inputs, and the last stage's targets."""
+    M = pipe.n_microbatches
+    kwarg_mbs = None
+    if microbatches is not None:
+        microbatches = [as_tuple(x) for x in microbatches]
+        if kwargs:
+            _, kwarg_mbs = split_inputs((), kwargs, M, None, pipe.kwargs_chunk_spec)
+    elif args or kwargs:
+        microbatches, kwarg_mbs = split_inputs(args, kwargs, M, pipe.args_chunk_spec, pipe.kwargs_chunk_spec)
+    if not has_first:
+        microbatches = None
+    if not has_last:
+        targets = None
+    elif targets is None and target is not None:
+        targets = split_target(target, M)
+    if kwarg_mbs is not None and not any(kwarg_mbs):
+        kwarg_mbs = None
+    return microbatches, kwarg_mbs, targets
+
+
+def check_grad_mode(pipe) -> None:
+    if pipe.loss_fn is not None and not torch.is_grad_enabled():
+        # As torch.distributed.pipelining: a step under no_grad would leak a validation
+        # batch's gradients into training, or fail deep inside autograd.
+        raise RuntimeError(
+            "step() runs the backward and needs gradients enabled; under torch.no_grad() call eval() instead"
+        )

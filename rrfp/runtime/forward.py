@@ -1,0 +1,102 @@
+"""Forward-only steps (``Pipeline.eval()``, and ``step()`` without a ``loss_fn``, as in
+``torch.distributed.pipelining``): an arbiter over this rank's forwards alone.
+
+No backward follows, so nothing is held in flight and no in-flight limit applies; a ready
+forward of a deeper virtual stage goes first, so microbatches leave the rank as early as they
+can. It has the :class:`~rrfp.scheduler.arbiter.Arbiter` interface the scheduler loop and the
+inbox use.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from ..scheduler.arbiter import SchedulingError
+from ..scheduler.tasks import F, PipelineSpec, Task
+
+
+class ForwardArbiter:
+    """Chooses what one rank runs next in a forward-only step.
+
+    Args:
+        spec: the pipeline's shape.
+        rank: this rank's pipeline index.
+    """
+
+    def __init__(self, spec: PipelineSpec, rank: int) -> None:
+        self.spec, self.rank = spec, rank
+        self.stages = spec.placement.stages_of(rank)
+        self._vidx = {s: i for i, s in enumerate(self.stages)}
+        self._n_mb = spec.n_microbatches
+        self.n_tasks = len(self.stages) * self._n_mb
+        self.n_done = 0
+        self.running: Task | None = None
+        # Forwards only keep no activations for a backward: nothing is held, nothing counted.
+        self.peak_inflight = self.peak_mb_inflight = self.peak_bytes = 0
+        self._arrived = bytearray(self.n_tasks)
+        self._ready: list[tuple[int, int, int]] = []  # (-virtual index, mb, stage)
+        if self.stages[0] == 0:
+            for m in range(self._n_mb):
+                self._arrived[m] = 1
+                heapq.heappush(self._ready, (0, m, 0))
+
+    @property
+    def finished(self) -> bool:
+        return self.n_done == self.n_tasks
+
+    def mark_input(self, stage: int, mb: int, grad: bool) -> None:
+        """An activation arrived for ``F(stage, mb)``.
+
+        Raises:
+            SchedulingError: a gradient (none exists in a forward-only step), a stage this
+                rank does not hold, or a duplicate.
+        """
+        v = self._vidx.get(stage)
+        if grad or v is None or not 0 <= mb < self._n_mb:
+            what = "gradient" if grad else "input"
+            raise SchedulingError(
+                f"rank {self.rank}: {what} for stage {stage} microbatch {mb}, which this forward-only step does not run"
+            )
+        i = v * self._n_mb + mb
+        if self._arrived[i]:
+            raise SchedulingError(f"rank {self.rank}: duplicate activation for stage {stage} microbatch {mb}")
+        self._arrived[i] = 1
+        heapq.heappush(self._ready, (-v, mb, stage))
+
+    def next(self) -> Task | None:
+        """Dispatch the ready forward of the deepest virtual stage (lowest microbatch first).
+
+        Raises:
+            SchedulingError: a task is already running.
+        """
+        if self.running is not None:
+            raise SchedulingError(f"rank {self.rank}: next() while {self.running} is running")
+        if not self._ready:
+            return None
+        _, m, s = heapq.heappop(self._ready)
+        self.running = Task(s, F, m)
+        return self.running
+
+    def complete(self, task: Task) -> None:
+        """The running ``task`` finished.
+
+        Raises:
+            SchedulingError: ``task`` is not the running task.
+        """
+        if task != self.running:
+            raise SchedulingError(f"rank {self.rank}: completed {task} but {self.running} was running")
+        self.running = None
+        self.n_done += 1
+
+    def waiting_for(self, limit: int = 3) -> str:
+        """What this rank waits for, in words (for the watchdog's error)."""
+        if self.finished:
+            return "nothing (step finished)"
+        if self.running is not None:
+            return f"task {self.running} to finish"
+        place = self.spec.placement
+        missing = [
+            f"activation for {Task(s, F, m)} from stage {s - 1} (rank {place.rank_of(s - 1)})"
+            for m in range(self._n_mb) for v, s in enumerate(self.stages) if not self._arrived[v * self._n_mb + m]
+        ]
+        return "; ".join(missing[:limit]) or "no ready task"

@@ -1,0 +1,105 @@
+"""Golden dispatch orders: each hint's defining rule, pinned by hand-computed sequences on a
+scripted arrival of inputs (no clock, no threads: the arbiter alone).
+
+Script (rank 0 of 2, stage 0, 6 microbatches unless said): three dispatches with nothing
+arrived (only forwards can run), then the gradients of microbatches 0 and 1 arrive together,
+five dispatches, then the other gradients arrive and the step drains. The moment two
+backwards and several forwards are ready at once is where the rules differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rrfp.scheduler.arbiter import Arbiter
+from rrfp.scheduler.hints import resolve_hint
+from rrfp.scheduler.tasks import Placement
+
+
+def dispatch(hint: str, script, n_ranks: int = 2, M: int = 6, rank: int = 0, limit: int = 32) -> str:
+    """Run the arbiter of ``rank`` through ``script``: an int ``k`` dispatches (and completes)
+    up to ``k`` tasks, stopping early when none is ready; a list of ``(stage, mb, grad)``
+    delivers those inputs. The rest drains once the script ends. Returns the tasks in
+    dispatch order, as text."""
+    spec, h, strict = resolve_hint(hint, Placement(n_ranks), M)
+    arb = Arbiter(spec, rank, h, strict=strict, inflight_limit=limit)
+    seen = []
+
+    def run(k: int) -> None:
+        for _ in range(k):
+            t = arb.next()
+            if t is None:
+                return
+            seen.append(str(t))
+            arb.complete(t)
+
+    for item in script:
+        if isinstance(item, int):
+            run(item)
+        else:
+            for s, m, g in item:
+                arb.mark_input(s, m, g)
+    run(10 ** 6)
+    assert arb.finished, f"{hint}: stuck after {seen}"
+    return " ".join(seen)
+
+
+SCRIPT = [3, [(0, 0, True), (0, 1, True)], 5, [(0, m, True) for m in (2, 3, 4, 5)]]
+
+GOLDEN = {
+    # bf: rounds of one ready B, then one ready F (RRFP App. A); with one kind ready it runs that.
+    "bf": "0F0 0F1 0F2 0B0 0F3 0B1 0F4 0F5 0B2 0B3 0B4 0B5",
+    # fb: rounds of one ready F, then one ready B. The first task of a step is always an F,
+    # after which the round asks for a B: the same sequence as bf.
+    "fb": "0F0 0F1 0F2 0B0 0F3 0B1 0F4 0F5 0B2 0B3 0B4 0B5",
+    # b-priority: any ready B first.
+    "b-priority": "0F0 0F1 0F2 0B0 0B1 0F3 0F4 0F5 0B2 0B3 0B4 0B5",
+    # f-priority: any ready F first.
+    "f-priority": "0F0 0F1 0F2 0F3 0F4 0F5 0B0 0B1 0B2 0B3 0B4 0B5",
+    # bfw: split backward, B (here I) > F > W: W only when no I or F is ready.
+    "bfw": "0F0 0F1 0F2 0I0 0I1 0F3 0F4 0F5 0I2 0I3 0I4 0I5 0W0 0W1 0W2 0W3 0W4 0W5",
+    # An order used as a hint: the earliest ready task of PyTorch's order. 1F1B's rank 0 order
+    # is F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5; B0 is not ready after F1, so F2 goes first.
+    "1f1b": "0F0 0F1 0F2 0B0 0B1 0F3 0F4 0F5 0B2 0B3 0B4 0B5",
+    # GPipe's order: every F, then every B.
+    "gpipe": "0F0 0F1 0F2 0F3 0F4 0F5 0B0 0B1 0B2 0B3 0B4 0B5",
+}
+
+
+@pytest.mark.parametrize("hint", sorted(GOLDEN))
+def test_golden_dispatch_order(hint):
+    assert dispatch(hint, SCRIPT) == GOLDEN[hint]
+
+
+def test_bf_golden_fails_for_plain_backward_first():
+    """The bf golden order tells bf from its nearest wrong rule: a bf replaced by plain
+    backward-first (b-priority) fails it."""
+    assert dispatch("b-priority", SCRIPT) != GOLDEN["bf"]
+    # And bfw's W-last rule: W as soon as a slot is free would run W0 before F3.
+    script = [3, [(0, 0, True)], 2, [(0, m, True) for m in range(1, 6)]]
+    assert dispatch("bfw", script).split()[3:5] == ["0I0", "0F3"]
+
+
+def test_inflight_limit_blocks_forwards_until_a_backward_frees_a_slot():
+    # Limit 2: after F0 F1 nothing may start until a gradient comes; then B0 frees a slot.
+    got = dispatch("bf", [5, [(0, 0, True)], 5, [(0, m, True) for m in range(1, 6)]], limit=2)
+    assert got.startswith("0F0 0F1 0B0 0F2 ")
+
+
+STRICT_GOLDEN = {
+    # PyTorch's orders for 2 ranks and 4 microbatches (rank 0 | rank 1); ZB-H1's rank r
+    # defers its first r weight gradients (tests/test_scheduler_schedules.py checks these
+    # against torch's own schedule objects for more shapes).
+    "strict-gpipe": ("0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3", "1F0 1F1 1F2 1F3 1B0 1B1 1B2 1B3"),
+    "strict-1f1b": ("0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3", "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3"),
+    "strict-zb-h1": ("0F0 0F1 0I0 0W0 0F2 0I1 0W1 0F3 0I2 0W2 0I3 0W3",
+                     "1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3"),
+}
+
+
+@pytest.mark.parametrize("hint", sorted(STRICT_GOLDEN))
+def test_strict_schedules_run_pytorchs_order(hint):
+    for rank in (0, 1):
+        spec, h, strict = resolve_hint(hint, Placement(2), 4)
+        assert strict
+        assert " ".join(map(str, h.order[rank])) == STRICT_GOLDEN[hint][rank]
