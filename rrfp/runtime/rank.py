@@ -37,7 +37,7 @@ from .forward import ForwardArbiter
 from .hooks import HookRunner, StepHooks
 from .inbox import MAX_CONTROL_BACKLOG, Inbox
 from .loop import DelayFn, SchedulerLoop
-from .ordered import _Capture, _OrderedGrads  # noqa: F401 - importable from here, as before the split
+from .ordered import _OrderedGrads  # noqa: F401 - importable from here, as before the split
 from .outbox import Outbox
 from .split import WeightGradStore, deferring, enable_split_backward
 from .stage import PipelineStage, as_tuple, detach_for_next
@@ -508,7 +508,7 @@ class RankRuntime:
         if split and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
             # I: input gradients now; the linear layers' weight gradients wait in a store for W.
             store = WeightGradStore()
-            with deferring(store), self._capture(s, m, final=False):
+            with deferring(store, self.stages[s].submod), self._capture(s, m, final=False):
                 if outs:
                     run_backward(outs, grads, (self.rank, s, m))
             self._wstate[(s, m)] = ("store", store)

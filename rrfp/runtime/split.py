@@ -104,14 +104,31 @@ class WeightGradStore:
 
 
 @contextlib.contextmanager
-def deferring(store: WeightGradStore) -> Iterator[None]:
-    """While active, split layers defer their weight gradients to ``store``."""
+def deferring(store: WeightGradStore, module: nn.Module | None = None) -> Iterator[None]:
+    """While active, split layers defer their weight gradients to ``store``.
+
+    With ``module``, only that module's layers defer (the store is pinned on its parameters):
+    several ranks of one process (``LocalPipeline`` with the thread executor) run backwards at
+    once, and the autograd engine may call a layer's backward on another thread than the
+    caller's (CUDA), so neither a process-wide nor a thread-local switch would name the right
+    store. Without it, every split layer in the process defers (one caller at a time).
+    """
     global _active
-    prev, _active = _active, store
+    if module is None:
+        prev, _active = _active, store
+        try:
+            yield
+        finally:
+            _active = prev
+        return
+    params = list(module.parameters())
+    for p in params:
+        p._rrfp_defer = store
     try:
         yield
     finally:
-        _active = prev
+        for p in params:
+            p._rrfp_defer = None
 
 
 def _weight_grads(x: torch.Tensor, dy: torch.Tensor, has_bias: bool, in_out: bool = False):
@@ -149,7 +166,9 @@ class _DeferredAffine(torch.autograd.Function):
             dx = dy.matmul(weight.t()) if in_out else dy.matmul(weight)
         if not (ctx.needs_input_grad[1] or (b_param is not None and ctx.needs_input_grad[2])):
             return dx, None, None, None
-        store = _active
+        store = getattr(w_param, "_rrfp_defer", None)
+        if store is None:
+            store = _active
         if store is not None:
             store.items.append((w_param, b_param, x, dy, in_out))
             return dx, None, None, None
