@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "train": "rrfp.train.cli",
     "simulate": "rrfp.sim.cli",
     "bench": "rrfp.bench_cli",
+    "node": "rrfp.node.cli",
+    "export": "rrfp.train.export_cli",
 }
 
 

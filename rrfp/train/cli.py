@@ -67,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     add_metrics_flags(p, "serve Prometheus metrics on this port + rank (each rank its own endpoint, /metrics)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
+    from .checkpoint import add_flags as add_checkpoint_flags
+
+    add_checkpoint_flags(p)
     p.set_defaults(func=run)
 
 
@@ -138,6 +141,11 @@ def validate(args: argparse.Namespace) -> None:
     from ..obs.server import check_flags as check_metrics_flags
 
     problem = check_metrics_flags(args, n_ports=args.stages)
+    if problem:
+        raise UsageError(problem)
+    from .checkpoint import check_flags as check_checkpoint_flags
+
+    problem = check_checkpoint_flags(args)
     if problem:
         raise UsageError(problem)
     for path in args.data or []:
