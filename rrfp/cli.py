@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 sub.add_parser(cmd, help="(not available in this build)")
     args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "pass_through", False):
+        args.extra, extra = extra, []  # rrfp node hands the arguments it does not know to rrfp train
     if extra:
         # Reported by the subcommand's parser, so the line names the subcommand (rrfp train: ...).
         owner = sub.choices.get(getattr(args, "command", None) or "", parser)
