@@ -162,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     os.environ[STOP_FILE_ENV] = str(stop_file)
     os.environ.setdefault("OMP_NUM_THREADS", str(job.targs.threads))
+    # A fresh worker store per rendezvous round (rank 0 of each round hosts it). The agent's
+    # shared store keeps the previous round's keys, and restarted ranks that start at
+    # different times read a dead peer's gloo address from them ("connection refused").
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
 
     health = Health(str(metrics_dir), job.nproc, args.heartbeat_timeout)
     try:
