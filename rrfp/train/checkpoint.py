@@ -35,6 +35,7 @@ import re
 import shutil
 import signal
 import uuid
+import warnings
 from pathlib import Path
 
 META_FILE = "rrfp.json"
@@ -403,7 +404,9 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict:
     md = reader.read_metadata().state_dict_metadata
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()
              if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP notes it loads in one process: the intent
+        dcp.load(state, storage_reader=reader, no_dist=True)
     a = meta["args"]
     cfg = dataclasses.replace(GPT_PRESETS[a["model"]], max_len=a["max_len"])
     ranges = stage_layer_ranges(cfg.n_layer, a["stages"] * a["virtual_stages"])
