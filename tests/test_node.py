@@ -60,6 +60,7 @@ class Proc:
     def __init__(self, argv: list[str], env: dict) -> None:
         self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
+        self.times: list[float] = []
         self.cond = threading.Condition()
         self.t = threading.Thread(target=self._read, daemon=True)
         self.t.start()
@@ -68,6 +69,7 @@ class Proc:
         for line in self.p.stdout:
             with self.cond:
                 self.lines.append(line.rstrip("\n"))
+                self.times.append(time.monotonic())
                 self.cond.notify_all()
         with self.cond:
             self.cond.notify_all()
@@ -95,7 +97,8 @@ class Proc:
         return rc
 
     def output(self) -> str:
-        return "\n".join(self.lines)
+        t0 = self.times[0] if self.times else 0.0
+        return "\n".join(f"{t - t0:7.2f} {ln}" for t, ln in zip(self.times, self.lines))
 
     def kill(self) -> None:
         if self.p.poll() is None:
