@@ -169,6 +169,7 @@ def _main(args: argparse.Namespace) -> int:
     from .checkpoint import Checkpointer
     from .stop import GracefulStop
 
+    stop = GracefulStop(default_store(), rank, timeout_s=args.watchdog)  # before loading: SIGTERM may come any time
     ckpt = Checkpointer(args, rank, n_ranks, stages, opt, n_samples=len(sampler.samples) if sampler else 0)
     first = end = 0
     resume = ckpt.resume_path()
@@ -176,7 +177,6 @@ def _main(args: argparse.Namespace) -> int:
         first = ckpt.load(resume)
         if rank == 0:
             print(f"rrfp train: resumed from {resume} at step {first}", flush=True)
-    stop = GracefulStop(default_store(), rank, timeout_s=args.watchdog)
     if reporter is not None:
         reporter.next_step = first
     # --- end checkpoints ---
