@@ -273,8 +273,8 @@ def test_node_reads_kubernetes_environment(monkeypatch):
     from rrfp.node.cli import resolve
 
     def args(**kw):
-        base = dict(nnodes=None, nproc_per_node=None, node_rank=None, master_addr=None, master_port=None,
-                    max_restarts=3, metrics_port=0, heartbeat_timeout=60.0, extra=["--", "--steps", "2"])
+        base = {"nnodes": None, "nproc_per_node": None, "node_rank": None, "master_addr": None, "master_port": None,
+                "max_restarts": 3, "metrics_port": 0, "heartbeat_timeout": 60.0, "extra": ["--", "--steps", "2"]}
         return argparse.Namespace(**{**base, **kw})
 
     for k in ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",

@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     job = resolve(args)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from ..train.cli import _quiet_launcher_logs, describe_failures
@@ -213,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     except SignalException as e:
         print(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", file=sys.stderr)
         code = 128 + int(e.sigval)
-    except Exception as e:  # rendezvous timeouts and the like: one line, non-zero exit
+    except (RendezvousError, RuntimeError, OSError) as e:  # a rendezvous timeout and the like: one line
         print(f"rrfp node: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         code = 1
     finally:

@@ -98,7 +98,7 @@ class Endpoint:
         routes = {"/healthz": health.healthz, "/readyz": health.readyz}
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:  # http.server's name
                 path = self.path.split("?", 1)[0]
                 if path in routes:
                     status, text = routes[path]()

@@ -217,7 +217,7 @@ class Checkpointer:
 
         # Flattened: every optimizer entry keyed by its parameter's name (``state.stage1.x.exp_avg``,
         # ``param_groups.stage1.x.lr``), so no two ranks write the same key.
-        model, optim = get_state_dict(self.module, self.optimizer, options=_OPTIONS())
+        model, optim = get_state_dict(self.module, self.optimizer, options=_options())
         return {
             "model": model,
             "optim": optim,
@@ -305,7 +305,7 @@ class Checkpointer:
         state = self._state(0)
         dcp.load(state, checkpoint_id=os.fspath(path))
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_OPTIONS())
+                       options=_options())
         _set_rng_state(state[f"rank{self.rank}"]["rng"])
         step = int(state["train"]["step"])
         if step != meta["step"] or meta["data"]["next_step"] != step:
@@ -314,7 +314,7 @@ class Checkpointer:
         return step
 
 
-def _OPTIONS():  # noqa: N802 - a constant, built lazily (torch import)
+def _options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(flatten_optimizer_state_dict=True)
