@@ -274,7 +274,8 @@ def test_node_reads_kubernetes_environment(monkeypatch):
 
     def args(**kw):
         base = {"nnodes": None, "nproc_per_node": None, "node_rank": None, "master_addr": None, "master_port": None,
-                "max_restarts": 3, "metrics_port": 0, "heartbeat_timeout": 60.0, "extra": ["--", "--steps", "2"]}
+                "max_restarts": 3, "metrics_port": 0, "metrics_linger": 0.0, "heartbeat_timeout": 60.0,
+                "extra": ["--", "--steps", "2"]}
         return argparse.Namespace(**{**base, **kw})
 
     for k in ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
@@ -320,3 +321,28 @@ def test_healthz_names_a_silent_rank(tmp_path):
     h.stopping = True
     assert h.readyz()[0] == 503
     assert Health(str(tmp_path), n_local=3, max_age_s=10.0).readyz()[0] == 503
+
+
+def test_graceful_stop_agrees_on_one_step(tmp_path, monkeypatch):
+    """Rank 2 is asked to stop during step 3 (its daemon's stop file plus SIGTERM); rank 0
+    learns it from the store at its step end and fixes the last step to 4; rank 2, which
+    finished step 3 before rank 0 decided, stops after step 4 too (the one-step lag of rrfp.train.stop)."""
+    import torch.distributed as dist
+
+    from rrfp.train.stop import STOP_FILE_ENV, GracefulStop
+
+    stop_file = tmp_path / "stop-requested"
+    monkeypatch.setenv(STOP_FILE_ENV, str(stop_file))
+    monkeypatch.delenv("RRFP_TEST_HOLD_AFTER_STEP", raising=False)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        store = dist.HashStore()
+        r0, r2 = GracefulStop(store, 0), GracefulStop(store, 2)
+        assert not r0.after_step(2, 6) and not r2.after_step(2, 6)
+        stop_file.write_text("1")
+        assert not r2.after_step(3, 6)  # sees the file, publishes the request; no decision yet
+        assert not r0.after_step(3, 6)  # decides: the last step is 4
+        assert r0.after_step(4, 6) and r2.after_step(4, 6)
+        assert GracefulStop(store, 1).after_step(4, 6)  # a rank that never saw the file follows
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -43,7 +43,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Run this node's ranks of an `rrfp train` job under PyTorch's elastic agent, serve "
         "/metrics, /healthz and /readyz, restart failed ranks (they resume from the last checkpoint) and "
         "stop gracefully on SIGTERM. Arguments after `--` (or not known here) go to `rrfp train`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--nnodes", type=int, default=None, help="nodes in the job (env PET_NNODES; default 1)")
     p.add_argument("--nproc-per-node", type=int, default=None,
@@ -56,14 +55,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"rendezvous port on node 0 (env PET_MASTER_PORT, MASTER_PORT; default {DEFAULT_RDZV_PORT})")
     p.add_argument("--node-addr", default=None, help="this node's address in the rendezvous (default: found by torch)")
     p.add_argument("--job-id", default=os.environ.get("RRFP_JOB_ID", "rrfp"),
-                   help="rendezvous id shared by every node of the job (env RRFP_JOB_ID)")
-    p.add_argument("--max-restarts", type=int, default=3, help="restarts of the node's ranks after a failure")
-    p.add_argument("--metrics-addr", default="127.0.0.1", help="address the HTTP endpoint listens on (0.0.0.0 in a pod)")
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT, help="port of /metrics, /healthz, /readyz (0: any free)")
+                   help="rendezvous id shared by every node of the job (env RRFP_JOB_ID; default %(default)s)")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts of the node's ranks after a failure (default %(default)s)")
+    p.add_argument("--metrics-addr", default="127.0.0.1",
+                   help="address the HTTP endpoint listens on, 0.0.0.0 in a pod (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help="port of /metrics, /healthz, /readyz; 0: any free (default %(default)s)")
     p.add_argument("--metrics-linger", type=float, default=0.0, metavar="SEC",
-                   help="keep serving the final values this long after the ranks end")
+                   help="keep serving the final values this long after the ranks end (default %(default)s)")
     p.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SEC",
-                   help="/healthz fails when a rank's event-loop heartbeat is older than this")
+                   help="/healthz fails when a rank's event-loop heartbeat is older than this (default %(default)s)")
     p.add_argument("--run-dir", default=None, help="the daemon's working folder (metrics files, stop file); default a temporary one")
     p.set_defaults(func=run, pass_through=True)
 
@@ -121,6 +122,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected 0 or more")
     if not 0 <= args.metrics_port <= 65535:
         raise UsageError(f"--metrics-port={args.metrics_port}: expected a port in 0..65535")
+    if not args.metrics_linger >= 0:
+        raise UsageError(f"--metrics-linger={args.metrics_linger}: expected 0 or more seconds")
     if not args.heartbeat_timeout > 0:
         raise UsageError(f"--heartbeat-timeout={args.heartbeat_timeout}: expected a positive number of seconds")
     if targs.checkpoint_dir is not None and targs.resume is None:
