@@ -276,8 +276,8 @@ class Checkpointer:
             return None
         choice = [None]
         if self.rank == 0:
-            choice[0] = os.fspath(latest(self.root)) if self.args.resume == "auto" and latest(self.root) else (
-                None if self.args.resume == "auto" else self.args.resume)
+            path = latest(self.root) if self.args.resume == "auto" else self.args.resume
+            choice[0] = os.fspath(path) if path else None
         dist.broadcast_object_list(choice, src=0)
         return Path(choice[0]) if choice[0] else None
 
