@@ -176,11 +176,12 @@ def test_two_daemons_sigterm_then_resume_then_rank_killed_mid_checkpoint(tmp_pat
     try:
         d0.wait_for("holding after step 2", 180)
         url = d0.wait_for("serving http://", 5).split("serving ")[1].split(" ")[0]
-        status, body = _get(url + "/readyz")
-        assert status in (200, 503) and body  # ranks may not all have beaten yet (metrics land with obs)
+        # Node 0's ranks (0 and 1) have run steps, so both have beaten and counted steps.
+        assert _get(url + "/readyz") == (200, "ready\n")
         status, body = _get(url + "/healthz")
-        assert status == 200, body
-        assert _get(url + "/metrics")[0] == 200
+        assert status == 200 and "rank 0: heartbeat" in body and "rank 1: heartbeat" in body, body
+        status, body = _get(url + "/metrics")
+        assert status == 200 and 'rrfp_steps_total{rank="0"}' in body and 'rrfp_steps_total{rank="1"}' in body
         assert _get(url + "/nothing")[0] == 404
         t0 = time.monotonic()
         d1.p.send_signal(signal.SIGTERM)
@@ -274,7 +275,8 @@ def test_node_reads_kubernetes_environment(monkeypatch):
 
     def args(**kw):
         base = {"nnodes": None, "nproc_per_node": None, "node_rank": None, "master_addr": None, "master_port": None,
-                "max_restarts": 3, "metrics_port": 0, "metrics_linger": 0.0, "heartbeat_timeout": 60.0,
+                "max_restarts": 3, "metrics_port": 0, "metrics_linger": 0.0, "metrics_addr": "127.0.0.1",
+                "heartbeat_timeout": 60.0,
                 "extra": ["--", "--steps", "2"]}
         return argparse.Namespace(**{**base, **kw})
 
@@ -306,10 +308,10 @@ def test_node_reads_kubernetes_environment(monkeypatch):
 def test_healthz_names_a_silent_rank(tmp_path):
     """A rank whose heartbeat gauge is older than the threshold makes /healthz fail (simulated
     clock); the values are written by a real multiprocess-mode process."""
-    from rrfp.node.endpoint import HEARTBEAT_METRIC, Health
+    from rrfp.node.health import Health
 
-    code = (f"from prometheus_client import Gauge\n"
-            f"g = Gauge({HEARTBEAT_METRIC!r}, 'h', ['rank'], multiprocess_mode='max')\n"
+    code = ("from prometheus_client import Gauge\n"
+            "g = Gauge('rrfp_last_heartbeat_timestamp_seconds', 'h', ['rank'], multiprocess_mode='max')\n"
             "g.labels('0').set(1000.0)\ng.labels('1').set(998.0)\n")
     subprocess.run([sys.executable, "-c", code], env=_env(PROMETHEUS_MULTIPROC_DIR=str(tmp_path)), check=True, timeout=60)
     now = [1005.0]

@@ -57,12 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--job-id", default=os.environ.get("RRFP_JOB_ID", "rrfp"),
                    help="rendezvous id shared by every node of the job (env RRFP_JOB_ID; default %(default)s)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of the node's ranks after a failure (default %(default)s)")
-    p.add_argument("--metrics-addr", default="127.0.0.1",
-                   help="address the HTTP endpoint listens on, 0.0.0.0 in a pod (default %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                   help="port of /metrics, /healthz, /readyz; 0: any free (default %(default)s)")
-    p.add_argument("--metrics-linger", type=float, default=0.0, metavar="SEC",
-                   help="keep serving the final values this long after the ranks end (default %(default)s)")
+    from ..obs.server import add_flags as add_metrics_flags
+
+    add_metrics_flags(p, "port of /metrics, /healthz and /readyz for all the node's ranks; 0: any free "
+                      f"(default {DEFAULT_METRICS_PORT})", port_default=DEFAULT_METRICS_PORT)
     p.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SEC",
                    help="/healthz fails when a rank's event-loop heartbeat is older than this (default %(default)s)")
     p.add_argument("--run-dir", default=None, help="the daemon's working folder (metrics files, stop file); default a temporary one")
@@ -120,10 +118,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for name in ("max_restarts",):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected 0 or more")
-    if not 0 <= args.metrics_port <= 65535:
-        raise UsageError(f"--metrics-port={args.metrics_port}: expected a port in 0..65535")
-    if not args.metrics_linger >= 0:
-        raise UsageError(f"--metrics-linger={args.metrics_linger}: expected 0 or more seconds")
+    from ..obs.server import check_flags as check_metrics_flags
+
+    problem = check_metrics_flags(args, allow_any_port=True)
+    if problem:
+        raise UsageError(problem)
     if not args.heartbeat_timeout > 0:
         raise UsageError(f"--heartbeat-timeout={args.heartbeat_timeout}: expected a positive number of seconds")
     if targs.checkpoint_dir is not None and targs.resume is None:
@@ -152,15 +151,16 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from ..obs.metrics import clear_multiprocess_dir
+    from ..obs.server import linger, serve_node
     from ..train.cli import _quiet_launcher_logs, describe_failures
     from ..train.stop import STOP_FILE_ENV
-    from .endpoint import Endpoint, Health
+    from .health import Health
 
     own_dir = args.run_dir is None
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rrfp-node-"))
     metrics_dir = run_dir / "metrics"
-    shutil.rmtree(metrics_dir, ignore_errors=True)  # a previous job's values are not this one's
-    metrics_dir.mkdir(parents=True, exist_ok=True)
+    clear_multiprocess_dir(metrics_dir)  # a previous job's values are not this one's
     stop_file = run_dir / "stop-requested"
     stop_file.unlink(missing_ok=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
@@ -173,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
 
     health = Health(str(metrics_dir), job.nproc, args.heartbeat_timeout)
     try:
-        endpoint = Endpoint(args.metrics_addr, args.metrics_port, str(metrics_dir), health)
+        endpoint = serve_node(metrics_dir, args.metrics_addr, args.metrics_port,
+                              routes={"/healthz": health.healthz, "/readyz": health.readyz})
     except OSError as e:
         raise UsageError(f"--metrics-addr/--metrics-port: {e}") from None
     print(f"rrfp node: node {job.node_rank} of {job.nnodes}, {job.nproc} ranks, rendezvous "
@@ -222,12 +223,8 @@ def run(args: argparse.Namespace) -> int:
         code = 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if args.metrics_linger > 0 and code == 0:
-            import threading
-
-            done = threading.Event()
-            signal.signal(signal.SIGTERM, lambda *_: done.set())
-            done.wait(args.metrics_linger)
+        if code == 0:
+            linger(args.metrics_linger)  # the last scrape sees the last step
         endpoint.close()
         if own_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
