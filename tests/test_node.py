@@ -112,7 +112,7 @@ def _free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def _daemons(ckdir: Path, extra_train: list[str] = (), **env: str) -> list[Proc]:
+def _daemons(ckdir: Path, extra_train: list[str] = (), linger: bool = False, **env: str) -> list[Proc]:
     port = _free_port(ADDRS[0])
     procs = []
     for node, addr in enumerate(ADDRS):
@@ -123,6 +123,7 @@ def _daemons(ckdir: Path, extra_train: list[str] = (), **env: str) -> list[Proc]
         # Node 0 takes its node rank from Kubeflow Trainer's variable, node 1 from the flag,
         # and node 1 passes the train flags without "--".
         if node == 0:
+            argv += ["--metrics-linger", "120"] if linger else []
             procs.append(Proc(argv + ["--", *train], _env(PET_NODE_RANK="0", **env)))
         else:
             procs.append(Proc(argv + ["--node-rank", "1", *train], _env(**env)))
@@ -188,6 +189,7 @@ def test_two_daemons_sigterm_then_resume_then_rank_killed_mid_checkpoint(tmp_pat
         # Kubernetes' default grace period is the bound.
         assert d1.finish(30) == 0, d1.output()
         assert d0.finish(max(1.0, 30 - (time.monotonic() - t0))) == 0, d0.output()
+        print(f"SIGTERM to both daemons' exit: {time.monotonic() - t0:.1f} s")  # for the record (pytest -rP)
     finally:
         d0.kill()
         d1.kill()
@@ -196,9 +198,15 @@ def test_two_daemons_sigterm_then_resume_then_rank_killed_mid_checkpoint(tmp_pat
     assert ck.latest(ckdir) == ck.step_dir(ckdir, 3)
     assert ck.read_meta(ck.step_dir(ckdir, 3))["step"] == 3
 
-    d0, d1 = _daemons(ckdir, ["--checkpoint-every", "2"], **{ck.CRASH_ENV: "1:4"})
+    d0, d1 = _daemons(ckdir, ["--checkpoint-every", "2"], linger=True, **{ck.CRASH_ENV: "1:4"})
     try:
-        rc0, rc1 = d0.finish(300), d1.finish(60)
+        d0.wait_for("rrfp node: done", 300)
+        # Node 0's daemon keeps serving its final values (--metrics-linger) until SIGTERM.
+        url = d0.wait_for("serving http://", 5).split("serving ")[1].split(" ")[0]
+        status, body = _get(url + "/metrics")
+        assert status == 200 and 'rrfp_restarts_total{node="0"} 1.0' in body, body
+        d0.p.send_signal(signal.SIGTERM)
+        rc0, rc1 = d0.finish(30), d1.finish(60)
     finally:
         d0.kill()
         d1.kill()

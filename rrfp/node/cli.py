@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from ..cli import UsageError
@@ -144,6 +145,17 @@ def _children() -> list[int]:
     return pids
 
 
+def _count_restarts(on_restart, stop: threading.Event, period_s: float = 0.5) -> None:
+    # The agent restarts a group by stopping every rank, then starting new ones: a set of
+    # children with no pid of the previous set is a restart.
+    before: set[int] = set()
+    while not stop.wait(period_s):
+        now = set(_children())
+        if now and before and not now & before:
+            on_restart()
+        before = now or before
+
+
 def run(args: argparse.Namespace) -> int:
     job = resolve(args)
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -177,6 +189,12 @@ def run(args: argparse.Namespace) -> int:
                               routes={"/healthz": health.healthz, "/readyz": health.readyz})
     except OSError as e:
         raise UsageError(f"--metrics-addr/--metrics-port: {e}") from None
+    from ..obs.metrics import NodeMetrics
+
+    node_metrics = NodeMetrics(job.node_rank, endpoint.registry)
+    watching = threading.Event()
+    threading.Thread(target=_count_restarts, args=(node_metrics.restarts.labels(str(job.node_rank)).inc, watching),
+                     name="rrfp-node-restarts", daemon=True).start()
     print(f"rrfp node: node {job.node_rank} of {job.nnodes}, {job.nproc} ranks, rendezvous "
           f"{job.master_addr}:{job.port} ({args.job_id}); serving http://{endpoint.addr}:{endpoint.port} "
           "(/metrics /healthz /readyz)", flush=True)
@@ -222,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"rrfp node: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         code = 1
     finally:
+        watching.set()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if code == 0:
             linger(args.metrics_linger)  # the last scrape sees the last step
