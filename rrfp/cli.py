@@ -17,6 +17,8 @@ SUBCOMMANDS = {
     "train": "rrfp.train.cli",
     "simulate": "rrfp.sim.cli",
     "bench": "rrfp.bench_cli",
+    "node": "rrfp.node.cli",
+    "export": "rrfp.train.export_cli",
 }
 
 
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 sub.add_parser(cmd, help="(not available in this build)")
     args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "pass_through", False):
+        args.extra, extra = extra, []  # rrfp node hands the arguments it does not know to rrfp train
     if extra:
         # Reported by the subcommand's parser, so the line names the subcommand (rrfp train: ...).
         owner = sub.choices.get(getattr(args, "command", None) or "", parser)

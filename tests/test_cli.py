@@ -65,7 +65,7 @@ def test_launcher_summary_names_the_rank_that_died_first():
         (["simulate", "-p", "x"], "rrfp simulate: error: argument -p/--ranks: invalid int value: 'x'"),
         (["simulate", "--latency", "soon"], "rrfp simulate: error: argument --latency: invalid float value: 'soon'"),
         (["bench", "--rounds", "q"], "rrfp bench: error: argument --rounds: invalid int value: 'q'"),
-        (["nosuch"], "rrfp: error: argument {train,simulate,bench}: invalid choice: 'nosuch'"),
+        (["nosuch"], "rrfp: error: argument {train,simulate,bench,node,export}: invalid choice: 'nosuch'"),
     ],
 )
 def test_argparse_errors_are_one_line_and_exit_2(argv, needle, capsys):

@@ -80,6 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     device.add_flags(p)
     add_job_flags(p)
+    from .checkpoint import add_flags as add_checkpoint_flags
+
+    add_checkpoint_flags(p)
     p.set_defaults(func=run, _parser=p)
 
 
@@ -263,6 +266,11 @@ def validate(args: argparse.Namespace) -> None:
     problem = check_metrics_flags(args, n_ports=args.stages)
     if problem:
         raise UsageError(problem)
+    from .checkpoint import check_flags as check_checkpoint_flags
+
+    problem = check_checkpoint_flags(args)
+    if problem:
+        raise UsageError(problem)
     for path in args.data or []:
         if not path or not Path(path).exists():
             raise UsageError(f"--data: data path {path!r} does not exist")
@@ -294,6 +302,14 @@ def _validate_layout(args: argparse.Namespace) -> None:
     """--dp / --tp against the model and the batch (one line each, before any process starts)."""
     from ..model.gpt import GPT_PRESETS
 
+    if args.model == "multimodal":
+        if args.dp * args.tp > 1 or args.eval_every:
+            raise UsageError("--model multimodal: expected --dp 1 --tp 1 and no --eval-every "
+                             "(data and tensor parallelism and evaluation cover the GPT models)")
+        return
+    if getattr(args, "checkpoint_dir", None) and args.dp * args.tp > 1:
+        raise UsageError(f"--checkpoint-dir with --dp {args.dp} --tp {args.tp}: checkpoints cover one pipeline; "
+                         "expected --dp 1 --tp 1")
     cfg = GPT_PRESETS[args.model]
     if args.tp > 1 and (cfg.n_head % args.tp or cfg.ff_width % args.tp):
         raise UsageError(f"--tp={args.tp}: expected a divisor of the {cfg.n_head} attention heads of model {args.model!r}")

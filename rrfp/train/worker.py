@@ -253,9 +253,25 @@ def _main(args: argparse.Namespace) -> int:
     records, step_log = [], []
     if metrics is not None:
         pipe.run(metrics.start_heartbeat())
+    # --- checkpoints and graceful stop (rrfp/train/checkpoint.py, stop.py) ---
+    from ..runtime.dist import default_store
+    from .checkpoint import Checkpointer
+    from .stop import GracefulStop
+
+    stop = GracefulStop(default_store(), layout.rank, timeout_s=args.watchdog)  # before loading: SIGTERM may come any time
+    ckpt = Checkpointer(args, rank, n_ranks, stages, opt, n_samples=len(sampler.samples) if sampler else 0)
+    first = end = 0
+    resume = ckpt.resume_path()
+    if resume is not None:
+        first = ckpt.load(resume)
+        if rank == 0:
+            print(f"rrfp train: resumed from {resume} at step {first}", flush=True)
+    if reporter is not None:
+        reporter.next_step = first
+    # --- end checkpoints ---
     t_begin = last = time.perf_counter()
     try:
-        for k in range(args.steps):
+        for k in range(first, args.steps):
             t_step = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             mbs = batches(k, args.microbatches) if batches else None
@@ -300,9 +316,22 @@ def _main(args: argparse.Namespace) -> int:
                         reporter.add(ev, rank)
                     else:
                         pipe.runtime.send_control(0, k, ev)
+            # --- checkpoints and graceful stop ---
+            end = k + 1
+            stopping = stop.after_step(end, args.steps)
+            if ckpt.root is not None and (stopping or end == args.steps or (
+                    args.checkpoint_every and end % args.checkpoint_every == 0)):
+                path = ckpt.save(end)
+                if rank == 0:
+                    print(f"rrfp train: checkpoint {path} committed after step {end}", flush=True)
+            if stopping:
+                if rank == 0:
+                    print(f"rrfp train: stopped after step {end} on request (SIGTERM)", flush=True)
+                break
+            # --- end checkpoints ---
         if reporter is not None:
-            n_evals = len(eval_steps(args))
-            while reporter.next_step < args.steps or len(reporter.evals) < n_evals:
+            n_evals = len([s for s in eval_steps(args) if first < s <= end])
+            while reporter.next_step < end or len(reporter.evals) < n_evals:
                 msg = pipe.run(pipe.runtime.control(timeout=args.watchdog))
                 reporter.add(msg.meta, msg.src)
                 reporter.flush()

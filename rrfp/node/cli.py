@@ -1,0 +1,250 @@
+"""``rrfp node``: the per-node daemon, one per pod. It starts this node's ranks of an
+``rrfp train`` job through PyTorch's elastic agent (``elastic_launch`` with the c10d
+rendezvous: torchrun's own machinery), serves one HTTP endpoint for all of them
+(``/metrics``, ``/healthz``, ``/readyz``), restarts the node's ranks when one fails (the
+agent's ``max_restarts``; they resume from the last checkpoint), and on SIGTERM has every
+rank finish its step, write a checkpoint and exit 0 (:mod:`rrfp.train.stop`).
+
+Where the job's shape comes from, first found wins: the flags, then the environment
+Kubeflow Trainer sets (``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``,
+``PET_MASTER_ADDR``, ``PET_MASTER_PORT``), then a JobSet's (``JOB_COMPLETION_INDEX`` for the
+node rank, ``MASTER_ADDR``, ``MASTER_PORT``), then the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from ..cli import UsageError
+
+DEFAULT_METRICS_PORT = 9400
+DEFAULT_RDZV_PORT = 29500
+
+ENV = {
+    "nnodes": ("PET_NNODES",),
+    "nproc_per_node": ("PET_NPROC_PER_NODE",),
+    "node_rank": ("PET_NODE_RANK", "JOB_COMPLETION_INDEX"),
+    "master_addr": ("PET_MASTER_ADDR", "MASTER_ADDR"),
+    "master_port": ("PET_MASTER_PORT", "MASTER_PORT"),
+}
+"""For each setting, the environment variables read when its flag is not given, in order."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "node",
+        help="per-node daemon: run this node's ranks of an rrfp train job (elastic agent, c10d rendezvous)",
+        description="Run this node's ranks of an `rrfp train` job under PyTorch's elastic agent, serve "
+        "/metrics, /healthz and /readyz, restart failed ranks (they resume from the last checkpoint) and "
+        "stop gracefully on SIGTERM. Arguments after `--` (or not known here) go to `rrfp train`.",
+    )
+    p.add_argument("--nnodes", type=int, default=None, help="nodes in the job (env PET_NNODES; default 1)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks on this node (env PET_NPROC_PER_NODE; default --stages / nodes)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="this node's index, 0 hosts the rendezvous store (env PET_NODE_RANK, JOB_COMPLETION_INDEX; default 0)")
+    p.add_argument("--master-addr", default=None,
+                   help="host of node 0, the rendezvous endpoint (env PET_MASTER_ADDR, MASTER_ADDR; default 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help=f"rendezvous port on node 0 (env PET_MASTER_PORT, MASTER_PORT; default {DEFAULT_RDZV_PORT})")
+    p.add_argument("--node-addr", default=None, help="this node's address in the rendezvous (default: found by torch)")
+    p.add_argument("--job-id", default=os.environ.get("RRFP_JOB_ID", "rrfp"),
+                   help="rendezvous id shared by every node of the job (env RRFP_JOB_ID; default %(default)s)")
+    p.add_argument("--max-restarts", type=int, default=3, help="restarts of the node's ranks after a failure (default %(default)s)")
+    from ..obs.server import add_flags as add_metrics_flags
+
+    add_metrics_flags(p, "port of /metrics, /healthz and /readyz for all the node's ranks; 0: any free "
+                      f"(default {DEFAULT_METRICS_PORT})", port_default=DEFAULT_METRICS_PORT)
+    p.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SEC",
+                   help="/healthz fails when a rank's event-loop heartbeat is older than this (default %(default)s)")
+    p.add_argument("--run-dir", default=None, help="the daemon's working folder (metrics files, stop file); default a temporary one")
+    p.set_defaults(func=run, pass_through=True)
+
+
+def _from_env(args: argparse.Namespace, name: str, default, kind=str):
+    value = getattr(args, name)
+    if value is not None:
+        return value
+    for var in ENV[name]:
+        raw = os.environ.get(var)
+        if raw:
+            try:
+                return kind(raw)
+            except ValueError:
+                raise UsageError(f"{var}={raw!r}: expected {'an integer' if kind is int else 'a value'}") from None
+    return default
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the job's shape from flags, environment and defaults, and check the train
+    arguments (:func:`rrfp.train.cli.validate`) before anything starts.
+
+    Raises:
+        UsageError: one line naming the bad flag or environment variable.
+    """
+    from ..cli import ArgumentParser
+    from ..train import cli as train_cli
+
+    train_args = list(getattr(args, "extra", None) or [])
+    if "--" in train_args:
+        train_args.remove("--")  # the separator itself; argparse leaves it among the unknown arguments
+    parser = ArgumentParser(prog="rrfp")
+    train_cli.register(parser.add_subparsers(dest="command", parser_class=ArgumentParser))
+    targs, extra = parser.parse_known_args(["train", *train_args])
+    if extra:
+        raise UsageError(f"unrecognized arguments: {' '.join(extra)} (neither rrfp node's nor rrfp train's)")
+    train_cli.validate(targs)
+    nnodes = _from_env(args, "nnodes", 1, int)
+    if nnodes < 1:
+        raise UsageError(f"--nnodes={nnodes}: expected a positive integer")
+    if targs.stages % nnodes:
+        raise UsageError(f"--stages={targs.stages} is not a multiple of {nnodes} nodes: expected one rank per stage")
+    nproc = _from_env(args, "nproc_per_node", targs.stages // nnodes, int)
+    if nproc < 1 or nproc * nnodes != targs.stages:
+        raise UsageError(f"--nproc-per-node={nproc} x {nnodes} nodes != --stages={targs.stages}: "
+                         "expected one rank per pipeline stage")
+    node_rank = _from_env(args, "node_rank", 0, int)
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank={node_rank}: expected 0..{nnodes - 1}")
+    port = _from_env(args, "master_port", DEFAULT_RDZV_PORT, int)
+    if not 1 <= port <= 65535:
+        raise UsageError(f"--master-port={port}: expected a port in 1..65535")
+    for name in ("max_restarts",):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected 0 or more")
+    from ..obs.server import check_flags as check_metrics_flags
+
+    problem = check_metrics_flags(args, allow_any_port=True)
+    if problem:
+        raise UsageError(problem)
+    if not args.heartbeat_timeout > 0:
+        raise UsageError(f"--heartbeat-timeout={args.heartbeat_timeout}: expected a positive number of seconds")
+    if targs.checkpoint_dir is not None and targs.resume is None:
+        train_args += ["--resume", "auto"]  # a restarted group continues from the last checkpoint
+    return argparse.Namespace(
+        nnodes=nnodes, nproc=nproc, node_rank=node_rank, port=port, train_args=train_args, targs=targs,
+        master_addr=_from_env(args, "master_addr", "127.0.0.1"),
+    )
+
+
+def _children() -> list[int]:
+    """This process's child pids (Linux /proc); the elastic agent starts its ranks as children."""
+    pids: list[int] = []
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return pids
+
+
+def _count_restarts(on_restart, stop: threading.Event, period_s: float = 0.5) -> None:
+    # The agent restarts a group by stopping every rank, then starting new ones: a set of
+    # children with no pid of the previous set is a restart.
+    before: set[int] = set()
+    while not stop.wait(period_s):
+        now = set(_children())
+        if now and before and not now & before:
+            on_restart()
+        before = now or before
+
+
+def run(args: argparse.Namespace) -> int:
+    job = resolve(args)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from ..obs.metrics import clear_multiprocess_dir
+    from ..obs.server import linger, serve_node
+    from ..train.cli import _quiet_launcher_logs, describe_failures
+    from ..train.stop import STOP_FILE_ENV
+    from .health import Health
+
+    own_dir = args.run_dir is None
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rrfp-node-"))
+    metrics_dir = run_dir / "metrics"
+    clear_multiprocess_dir(metrics_dir)  # a previous job's values are not this one's
+    stop_file = run_dir / "stop-requested"
+    stop_file.unlink(missing_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    os.environ[STOP_FILE_ENV] = str(stop_file)
+    os.environ.setdefault("OMP_NUM_THREADS", str(job.targs.threads))
+    # A fresh worker store per rendezvous round (rank 0 of each round hosts it). The agent's
+    # shared store keeps the previous round's keys, and restarted ranks that start at
+    # different times read a dead peer's gloo address from them ("connection refused").
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+
+    health = Health(str(metrics_dir), job.nproc, args.heartbeat_timeout)
+    try:
+        endpoint = serve_node(metrics_dir, args.metrics_addr, args.metrics_port,
+                              routes={"/healthz": health.healthz, "/readyz": health.readyz})
+    except OSError as e:
+        raise UsageError(f"--metrics-addr/--metrics-port: {e}") from None
+    from ..obs.metrics import NodeMetrics
+
+    node_metrics = NodeMetrics(job.node_rank, endpoint.registry)
+    watching = threading.Event()
+    threading.Thread(target=_count_restarts, args=(node_metrics.restarts.labels(str(job.node_rank)).inc, watching),
+                     name="rrfp-node-restarts", daemon=True).start()
+    print(f"rrfp node: node {job.node_rank} of {job.nnodes}, {job.nproc} ranks, rendezvous "
+          f"{job.master_addr}:{job.port} ({args.job_id}); serving http://{endpoint.addr}:{endpoint.port} "
+          "(/metrics /healthz /readyz)", flush=True)
+
+    def on_sigterm(signum, frame) -> None:
+        # The ranks stop after their current step and checkpoint (rrfp/train/stop.py); the
+        # file tells them (and ranks still starting) that this SIGTERM asks for that.
+        if health.stopping:
+            return
+        ranks = _children()
+        if not ranks:  # still in the rendezvous: nothing to checkpoint, leave now
+            raise SignalException(f"rrfp node {os.getpid()} got SIGTERM", sigval=signal.SIGTERM)
+        health.stopping = True
+        stop_file.write_text(str(os.getpid()))
+        print("rrfp node: SIGTERM: asking the ranks to finish their step, checkpoint and exit", flush=True)
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    config = LaunchConfig(
+        min_nodes=job.nnodes, max_nodes=job.nnodes, nproc_per_node=job.nproc, run_id=args.job_id,
+        rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{job.port}",
+        rdzv_configs={"is_host": job.node_rank == 0}, max_restarts=args.max_restarts, monitor_interval=0.5,
+        local_addr=args.node_addr,
+        # SIGTERM stays the daemon's own (above): the agent would forward it as "die now".
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
+    )
+    _quiet_launcher_logs()
+    code = 0
+    try:
+        elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
+        print("rrfp node: " + ("stopped on SIGTERM, all ranks exited 0" if health.stopping else "done"), flush=True)
+    except ChildFailedError as e:
+        print(f"rrfp node: error: {describe_failures(e.failures)}", file=sys.stderr, flush=True)
+        code = 1
+    except SignalException as e:
+        print(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", file=sys.stderr)
+        code = 128 + int(e.sigval)
+    except (RendezvousError, RuntimeError, OSError) as e:  # a rendezvous timeout and the like: one line
+        print(f"rrfp node: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        watching.set()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if code == 0:
+            linger(args.metrics_linger)  # the last scrape sees the last step
+        endpoint.close()
+        if own_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return code

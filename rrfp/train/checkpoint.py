@@ -1,0 +1,428 @@
+"""Checkpoints of ``rrfp train``: sharded with ``torch.distributed.checkpoint`` (DCP), committed
+atomically, resumed bit for bit.
+
+What one checkpoint holds (every rank writes its own part; the keys never collide because
+every model key carries its stage index):
+
+* ``model.stage{s}.<name>``: the parameters of stage ``s`` (its :class:`~rrfp.model.gpt.GPTStage`
+  names), and ``optim.*``: the AdamW state of the same parameters, keyed the same way
+  (``torch.distributed.checkpoint.state_dict.get_state_dict``);
+* ``train.step``: optimizer steps done; ``train.data``: the data position (the sampler's seed,
+  batch size and pool size, and the next step's index: :class:`~rrfp.data.batches.BatchSampler`
+  is random access by step, so the next step's index *is* its state);
+* ``rank{r}.rng``: rank ``r``'s torch, Python ``random`` and numpy generator states.
+
+Layout on disk (``--checkpoint-dir DIR``)::
+
+    DIR/step-00000040/       a committed checkpoint: DCP's shards + .metadata + rrfp.json
+    DIR/.tmp-step-00000042-<id>/   one being written (or left by a crash): never loaded
+
+A checkpoint is committed in three moves: every rank writes its shards into the ``.tmp-``
+folder, DCP's coordinator (rank 0) writes ``.metadata`` once all shards are in, then rank 0
+writes ``rrfp.json`` (the layout and step) and renames the folder to ``step-N``. A rename is
+atomic, so a crash at any point leaves either no new ``step-N`` or a whole one, and the
+previous checkpoint stays loadable. ``--resume auto`` takes the newest ``step-N`` that has
+``rrfp.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import uuid
+import warnings
+from pathlib import Path
+
+META_FILE = "rrfp.json"
+"""Written last into a checkpoint, just before the rename that commits it."""
+
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+CRASH_ENV = "RRFP_TEST_CRASH_IN_CHECKPOINT"
+"""Test hook, ``RANK:STEP``: that rank SIGKILLs itself while writing the checkpoint of that
+step, after its own shard is on disk and before the checkpoint is committed, in the first
+attempt of the job only (``TORCHELASTIC_RESTART_COUNT`` 0). It lets a test kill a writer at a
+chosen point instead of racing a timer."""
+
+LAYOUT_KEYS = ("stages", "virtual_stages", "placement", "model", "max_len")
+DATA_KEYS = ("seed", "batch_size")
+
+
+# ----------------------------------------------------------------------------- flags
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """``--checkpoint-dir``, ``--checkpoint-every``, ``--checkpoint-keep`` and ``--resume``."""
+    p.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                   help="write sharded checkpoints (torch.distributed.checkpoint) under DIR, one folder per step")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="checkpoint every N steps (0: only at the end and on a graceful stop)")
+    p.add_argument("--checkpoint-keep", type=int, default=3, metavar="K",
+                   help="keep the newest K committed checkpoints, delete older ones")
+    p.add_argument("--resume", metavar="auto|PATH", default=None,
+                   help="resume from a checkpoint: 'auto' takes the newest committed one in --checkpoint-dir "
+                   "(none there: start from step 0), or a checkpoint folder")
+
+
+def check_flags(args: argparse.Namespace) -> str | None:
+    """The first problem with the checkpoint flags as one line, or None. Creates
+    ``--checkpoint-dir`` and checks that it is writable (before any process starts)."""
+    if args.checkpoint_every < 0:
+        return f"--checkpoint-every={args.checkpoint_every}: expected 0 (only at the end) or a positive number of steps"
+    if args.checkpoint_keep < 1:
+        return f"--checkpoint-keep={args.checkpoint_keep}: expected a positive integer"
+    if args.checkpoint_every and args.checkpoint_dir is None:
+        return "--checkpoint-every needs --checkpoint-dir DIR"
+    if args.checkpoint_dir is not None:
+        problem = check_writable(args.checkpoint_dir)
+        if problem:
+            return f"--checkpoint-dir={args.checkpoint_dir!r}: {problem}"
+    if args.resume is not None:
+        if args.resume == "auto":
+            if args.checkpoint_dir is None:
+                return "--resume auto needs --checkpoint-dir DIR (where to look for checkpoints)"
+        else:
+            try:
+                meta = read_meta(args.resume)
+            except ValueError as e:
+                return f"--resume={args.resume!r}: {e}"
+            return check_compatible(meta, args, f"--resume={args.resume!r}")
+    return None
+
+
+def check_writable(path: str | os.PathLike) -> str | None:
+    """Create ``path`` if needed and try writing a file there; the reason it fails, or None."""
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        probe = p / f".rrfp-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        return f"not a writable folder ({e.strerror or e})"
+    return None
+
+
+def check_compatible(meta: dict, args: argparse.Namespace, what: str) -> str | None:
+    """Why a checkpoint cannot resume this run (another layout, model or data stream), or None."""
+    for key in LAYOUT_KEYS + DATA_KEYS:
+        have, want = meta["args"].get(key), getattr(args, key)
+        if have != want:
+            flag = "--" + key.replace("_", "-")
+            return f"{what} was written with {flag} {have}, this run has {flag} {want}: expected the same"
+    return None
+
+
+# ----------------------------------------------------------------------------- finding
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """The ``rrfp.json`` of a committed checkpoint folder.
+
+    Raises:
+        ValueError: one line if ``path`` is not a committed rrfp checkpoint.
+    """
+    f = Path(path) / META_FILE
+    try:
+        meta = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"not a committed checkpoint (no {META_FILE} in {os.fspath(path)!r})") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"unreadable {META_FILE}: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("step"), int):
+        raise ValueError(f"{f} is not an rrfp checkpoint description of format {FORMAT}")
+    return meta
+
+
+def committed(root: str | os.PathLike) -> list[Path]:
+    """The committed checkpoints under ``root``, oldest first. Folders being written or left
+    half-written by a crash (``.tmp-*``) and folders without ``rrfp.json`` are not listed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and (d / META_FILE).is_file():
+            found.append((int(m.group(1)), d))
+    return [d for _, d in sorted(found)]
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The newest committed checkpoint under ``root``, or None."""
+    found = committed(root)
+    return found[-1] if found else None
+
+
+# ----------------------------------------------------------------------------- state
+def _rng_state() -> dict:
+    import torch
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # numpy is a dependency, but the state is not essential to training
+        pass
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import torch
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+class Checkpointer:
+    """One rank's side of saving and resuming (collective: every rank calls the same methods
+    at the same steps).
+
+    Args:
+        args: the ``rrfp train`` flags (``checkpoint_dir``, ``resume``, the layout).
+        rank, n_ranks: this rank and the world size.
+        stages: this rank's :class:`~rrfp.runtime.stage.PipelineStage` objects.
+        optimizer: the optimizer over exactly these stages' parameters.
+        n_samples: size of the sample pool the sampler draws from (0 on ranks without data).
+    """
+
+    def __init__(self, args: argparse.Namespace, rank: int, n_ranks: int, stages, optimizer, n_samples: int = 0) -> None:
+        self.args = args
+        self.rank = rank
+        self.n_ranks = n_ranks
+        self.root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+        self.optimizer = optimizer
+        self.n_samples = n_samples
+        import torch
+
+        # One module whose parameter names carry the stage index, so the FQNs of all ranks
+        # are distinct and DCP's keys say which stage a tensor belongs to.
+        self.module = torch.nn.ModuleDict({f"stage{s.stage_index}": s.submod for s in stages})
+        self.last_saved: int | None = None
+
+    # ------------------------------------------------------------------ state dicts
+    def _state(self, step: int) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        # Flattened: every optimizer entry keyed by its parameter's name (``state.stage1.x.exp_avg``,
+        # ``param_groups.stage1.x.lr``), so no two ranks write the same key.
+        model, optim = get_state_dict(self.module, self.optimizer, options=_options())
+        return {
+            "model": model,
+            "optim": optim,
+            "train": {"step": step},
+            f"rank{self.rank}": {"rng": _rng_state()},
+        }
+
+    def _meta(self, step: int) -> dict:
+        return {
+            "format": FORMAT,
+            "step": step,
+            "world_size": self.n_ranks,
+            "args": {k: getattr(self.args, k) for k in LAYOUT_KEYS + DATA_KEYS},
+            "data": {"next_step": step, "n_samples": self.n_samples},
+            "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+        }
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int) -> Path:
+        """Write and commit the checkpoint of ``step`` optimizer steps done (collective).
+
+        Returns:
+            The committed folder ``DIR/step-NNNNNNNN``.
+        """
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        assert self.root is not None
+        token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        dist.broadcast_object_list(token, src=0)  # every rank writes into the same folder
+        tmp = self.root / f".tmp-step-{step:08d}-{token[0]}"
+        writer = _crashing_writer(tmp, self.rank, step) if _crash_requested(self.rank, step) else dcp.FileSystemWriter(tmp)
+        dcp.save(self._state(step), storage_writer=writer)
+        final = step_dir(self.root, step)
+        if self.rank == 0:
+            _commit(tmp, final, self._meta(step))
+            self._prune()
+        dist.barrier()  # nobody reports the checkpoint before it is committed
+        self.last_saved = step
+        return final
+
+    def _prune(self) -> None:
+        keep = self.args.checkpoint_keep
+        for old in committed(self.root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        # Half-written folders of crashed earlier attempts (this attempt's own are gone).
+        for d in self.root.glob(".tmp-step-*"):
+            shutil.rmtree(d, ignore_errors=True)
+
+    # ------------------------------------------------------------------ resume
+    def resume_path(self) -> Path | None:
+        """Which checkpoint ``--resume`` names (rank 0 decides; all ranks get its answer)."""
+        import torch.distributed as dist
+
+        if self.args.resume is None:
+            return None
+        choice = [None]
+        if self.rank == 0:
+            path = latest(self.root) if self.args.resume == "auto" else self.args.resume
+            choice[0] = os.fspath(path) if path else None
+        dist.broadcast_object_list(choice, src=0)
+        return Path(choice[0]) if choice[0] else None
+
+    def load(self, path: str | os.PathLike) -> int:
+        """Load model, optimizer, RNG and data position from ``path`` (collective).
+
+        Returns:
+            The step to continue from (optimizer steps done).
+
+        Raises:
+            ValueError: the checkpoint is not committed or was written for another layout.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        meta = read_meta(path)
+        problem = check_compatible(meta, self.args, f"checkpoint {os.fspath(path)!r}")
+        if problem is None and meta["world_size"] != self.n_ranks:
+            problem = f"checkpoint {os.fspath(path)!r} has {meta['world_size']} ranks, this job {self.n_ranks}"
+        if problem is None and self.n_samples and meta["data"]["n_samples"] not in (0, self.n_samples):
+            problem = (f"checkpoint {os.fspath(path)!r} drew batches from {meta['data']['n_samples']} samples, "
+                       f"this run has {self.n_samples}: expected the same --data")
+        if problem:
+            raise ValueError(problem)
+        state = self._state(0)
+        dcp.load(state, checkpoint_id=os.fspath(path))
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_options())
+        _set_rng_state(state[f"rank{self.rank}"]["rng"])
+        step = int(state["train"]["step"])
+        if step != meta["step"] or meta["data"]["next_step"] != step:
+            raise ValueError(f"checkpoint {os.fspath(path)!r}: step {step} in the shards, {meta['step']} in {META_FILE}")
+        self.last_saved = step
+        return step
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _commit(tmp: Path, final: Path, meta: dict) -> None:
+    """Make ``tmp`` the committed checkpoint ``final``: description file (synced), then one
+    atomic rename, then sync the parent folder so the rename survives a power cut."""
+    f = tmp / META_FILE
+    with open(f, "w") as fh:
+        json.dump(meta, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if final.exists():
+        # The same step again (a resumed run re-reaching it): swap, old one out of the way first.
+        old = final.with_name(f".old-{final.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crash_requested(rank: int, step: int) -> bool:
+    spec = os.environ.get(CRASH_ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    want_rank, _, want_step = spec.partition(":")
+    return want_rank == str(rank) and want_step == str(step)
+
+
+def _crashing_writer(path, rank: int, step: int):
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    class CrashingWriter(dcp.FileSystemWriter):
+        """DCP's file writer that SIGKILLs its process once its shard is written (:data:`CRASH_ENV`)."""
+
+        def __init__(self, path, rank: int, step: int) -> None:
+            super().__init__(path)
+            self._what = (rank, step)
+
+        def write_data(self, plan, planner):
+            fut = super().write_data(plan, planner)
+            fut.wait()
+            print(f"rrfp train: rank {self._what[0]}: test hook {CRASH_ENV}: killed while writing the checkpoint "
+                  f"of step {self._what[1]}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return fut
+
+    return CrashingWriter(path, rank, step)
+
+
+# ----------------------------------------------------------------------------- export
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict:
+    """Write the model of a committed checkpoint as one state dict for :class:`~rrfp.model.gpt.GPT`.
+
+    Reads only the ``model.*`` tensors (no process group: DCP's ``no_dist`` load), renames
+    each stage's parameters to the full model's names (``stage1.blocks.0.x`` ->
+    ``blocks.2.x``) and saves ``{name: tensor}`` with ``torch.save`` (written to a temporary
+    file, then renamed). Load it with ``GPT(cfg).load_state_dict(torch.load(out))``, where
+    ``cfg`` is the preset named in the returned description with its ``max_len``.
+
+    Returns:
+        The checkpoint's description (``rrfp.json``).
+
+    Raises:
+        ValueError: ``checkpoint`` is not a committed checkpoint, or its stages do not cover
+            the model.
+    """
+    import dataclasses
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..model.gpt import GPT, GPT_PRESETS, _full_param_name, stage_layer_ranges
+
+    meta = read_meta(checkpoint)
+    reader = dcp.FileSystemReader(os.fspath(checkpoint))
+    md = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP notes it loads in one process: the intent
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    a = meta["args"]
+    cfg = dataclasses.replace(GPT_PRESETS[a["model"]], max_len=a["max_len"])
+    ranges = stage_layer_ranges(cfg.n_layer, a["stages"] * a["virtual_stages"])
+    full = {}
+    for key, t in state.items():
+        stage, name = key.removeprefix("model.").split(".", 1)
+        s = int(stage.removeprefix("stage"))
+        full[_full_param_name(name, ranges[s].start)] = t
+    expected = set(GPT(cfg).state_dict())  # the reference model's names: nothing missing, nothing extra
+    if set(full) != expected:
+        missing, extra = sorted(expected - set(full)), sorted(set(full) - expected)
+        raise ValueError(f"checkpoint {os.fspath(checkpoint)!r} does not hold the whole model "
+                         f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    torch.save(full, tmp)
+    os.replace(tmp, out)
+    return meta

@@ -1,0 +1,358 @@
+"""``rrfp node`` and checkpoints: two daemons as two nodes of one job on loopback addresses,
+graceful SIGTERM, bit-identical resume, a rank SIGKILLed while writing a checkpoint, export.
+
+The reference for every bitwise check is one uninterrupted ``rrfp train`` run (one launcher,
+4 ranks) with the same flags in ``--deterministic`` mode. Every wait is on an event (a line a
+process printed, a process exit) under a timeout; no sleeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from rrfp.train import checkpoint as ck
+
+ADDRS = ("127.0.0.2", "127.0.0.3")
+TRAIN = ["--steps", "6", "--batch-size", "8", "--microbatches", "4", "--deterministic", "--threads", "1",
+         "--max-len", "64"]
+
+
+def _bindable(addr: str) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((addr, 0))
+        return True
+    except OSError:
+        return False
+
+
+needs_loopback = pytest.mark.skipif(not all(_bindable(a) for a in ADDRS), reason="127.0.0.2/3 not bindable here")
+
+
+def _env(**extra: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "PET_NNODES", "PET_NODE_RANK",
+              ck.CRASH_ENV, "RRFP_TEST_HOLD_AFTER_STEP", "JOB_COMPLETION_INDEX"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A child process whose output lines are collected by a thread; :meth:`wait_for` blocks
+    until a line containing a text appears (or the process ends)."""
+
+    def __init__(self, argv: list[str], env: dict) -> None:
+        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.times: list[float] = []
+        self.cond = threading.Condition()
+        self.t = threading.Thread(target=self._read, daemon=True)
+        self.t.start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            with self.cond:
+                self.lines.append(line.rstrip("\n"))
+                self.times.append(time.monotonic())
+                self.cond.notify_all()
+        with self.cond:
+            self.cond.notify_all()
+
+    def wait_for(self, text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                hit = next((ln for ln in self.lines if text in ln), None)
+                if hit is not None:
+                    return hit
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.p.poll() is not None and not self.t.is_alive()):
+                    raise AssertionError(f"no line with {text!r}; output:\n" + self.output())
+                self.cond.wait(left)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            rc = self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+            raise AssertionError(f"still running after {timeout} s; output:\n" + self.output()) from None
+        self.t.join(5)
+        return rc
+
+    def output(self) -> str:
+        t0 = self.times[0] if self.times else 0.0
+        return "\n".join(f"{t - t0:7.2f} {ln}" for t, ln in zip(self.times, self.lines))
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _daemons(ckdir: Path, extra_train: list[str] = (), linger: bool = False, **env: str) -> list[Proc]:
+    port = _free_port(ADDRS[0])
+    procs = []
+    for node, addr in enumerate(ADDRS):
+        argv = [sys.executable, "-m", "rrfp", "node", "--nnodes", "2", "--nproc-per-node", "2",
+                "--master-addr", ADDRS[0], "--master-port", str(port), "--node-addr", addr,
+                "--metrics-addr", addr, "--metrics-port", "0", "--job-id", f"test{port}", "--max-restarts", "1"]
+        train = [*TRAIN, "--checkpoint-dir", str(ckdir), *extra_train]
+        # Node 0 takes its node rank from Kubeflow Trainer's variable, node 1 from the flag,
+        # and node 1 passes the train flags without "--".
+        if node == 0:
+            argv += ["--metrics-linger", "120"] if linger else []
+            procs.append(Proc(argv + ["--", *train], _env(PET_NODE_RANK="0", **env)))
+        else:
+            procs.append(Proc(argv + ["--node-rank", "1", *train], _env(**env)))
+    return procs
+
+
+def _model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a committed checkpoint (DCP, no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()
+             if k.startswith(("model.", "optim.")) and isinstance(v, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process": yes
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One uninterrupted run: its final checkpoint (step 6)."""
+    d = tmp_path_factory.mktemp("reference")
+    proc = Proc([sys.executable, "-m", "rrfp", "train", *TRAIN, "--checkpoint-dir", str(d), "--quiet"], _env())
+    assert proc.finish(180) == 0, proc.output()
+    assert ck.latest(d) == ck.step_dir(d, 6)
+    return ck.step_dir(d, 6)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@needs_loopback
+@pytest.mark.timeout(420)
+def test_two_daemons_sigterm_then_resume_then_rank_killed_mid_checkpoint(tmp_path, reference):
+    """Two daemons (nodes 0 and 1 on 127.0.0.2 and 127.0.0.3, two ranks each) train together.
+    Rank 0 holds after step 2 (test hook) until a stop is asked; SIGTERM to node 1's daemon
+    makes all four ranks finish step 3, commit a checkpoint and exit 0. Started again, they
+    resume from step 3; rank 1 SIGKILLs itself while writing the checkpoint of step 4 (after its
+    shard is on disk, before the commit); its daemon restarts the group, which resumes from step
+    3 again (the half-written step 4 is never loaded) and finishes. The final parameters and
+    optimizer state equal the uninterrupted run's bit for bit."""
+    ckdir = tmp_path / "ck"
+    d0, d1 = _daemons(ckdir, RRFP_TEST_HOLD_AFTER_STEP="2")
+    try:
+        d0.wait_for("holding after step 2", 180)
+        url = d0.wait_for("serving http://", 5).split("serving ")[1].split(" ")[0]
+        # Node 0's ranks (0 and 1) have run steps, so both have beaten and counted steps.
+        assert _get(url + "/readyz") == (200, "ready\n")
+        status, body = _get(url + "/healthz")
+        assert status == 200 and "rank 0: heartbeat" in body and "rank 1: heartbeat" in body, body
+        status, body = _get(url + "/metrics")
+        assert status == 200 and 'rrfp_steps_total{rank="0"}' in body and 'rrfp_steps_total{rank="1"}' in body
+        assert _get(url + "/nothing")[0] == 404
+        t0 = time.monotonic()
+        d1.p.send_signal(signal.SIGTERM)
+        # Kubernetes' default grace period is the bound.
+        assert d1.finish(30) == 0, d1.output()
+        assert d0.finish(max(1.0, 30 - (time.monotonic() - t0))) == 0, d0.output()
+        print(f"SIGTERM to both daemons' exit: {time.monotonic() - t0:.1f} s")  # for the record (pytest -rP)
+    finally:
+        d0.kill()
+        d1.kill()
+    assert "stopped after step 3 on request" in d0.output()
+    assert "stopped on SIGTERM, all ranks exited 0" in d1.output()
+    assert ck.latest(ckdir) == ck.step_dir(ckdir, 3)
+    assert ck.read_meta(ck.step_dir(ckdir, 3))["step"] == 3
+
+    d0, d1 = _daemons(ckdir, ["--checkpoint-every", "2"], linger=True, **{ck.CRASH_ENV: "1:4"})
+    try:
+        d0.wait_for("rrfp node: done", 300)
+        # Node 0's daemon keeps serving its final values (--metrics-linger) until SIGTERM.
+        url = d0.wait_for("serving http://", 5).split("serving ")[1].split(" ")[0]
+        status, body = _get(url + "/metrics")
+        assert status == 200 and 'rrfp_restarts_total{node="0"} 1.0' in body, body
+        d0.p.send_signal(signal.SIGTERM)
+        rc0, rc1 = d0.finish(30), d1.finish(60)
+    finally:
+        d0.kill()
+        d1.kill()
+    assert (rc0, rc1) == (0, 0), d0.output() + "\n---\n" + d1.output()
+    out = d0.output()
+    assert "rank 1: test hook" in out and "killed while writing the checkpoint of step 4" in out
+    resumed = [ln for ln in out.splitlines() if "resumed from" in ln]
+    assert len(resumed) == 2 and all(ln.endswith(f"{ck.step_dir(ckdir, 3)} at step 3") for ln in resumed), out
+    assert ck.latest(ckdir) == ck.step_dir(ckdir, 6)
+    got, want = _model_state(ck.step_dir(ckdir, 6)), _model_state(reference)
+    assert got.keys() == want.keys() and any(k.startswith("optim.") for k in got)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_export_loads_into_gpt_with_the_pipelined_logits(tmp_path, reference):
+    """``rrfp export`` writes one state dict; GPT loaded from it gives the logits of the four
+    trained stage modules chained (loaded from the same checkpoint's shards), bit for bit."""
+    from rrfp.model.gpt import GPT, GPT_PRESETS, build_stage
+
+    out = tmp_path / "model.pt"
+    proc = Proc([sys.executable, "-m", "rrfp", "export", str(reference), "--out", str(out)], _env())
+    assert proc.finish(120) == 0, proc.output()
+    cfg = dataclasses.replace(GPT_PRESETS["tiny"], max_len=64)
+    model = GPT(cfg)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(torch.load(out))
+    assert any(not torch.equal(init[k], v) for k, v in model.state_dict().items())  # trained weights
+
+    shards = _model_state(reference)
+    stages = [build_stage(cfg, 4, s) for s in range(4)]
+    for s, st in enumerate(stages):
+        st.load_state_dict({n: shards[f"model.stage{s}.{n}"] for n in st.state_dict()})
+    tokens = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(1))
+    x = tokens
+    with torch.no_grad():
+        for st in stages:
+            x = st(x)
+        assert torch.equal(model(tokens), x)
+
+
+def test_latest_skips_uncommitted_and_half_written(tmp_path):
+    def make(name: str, step: int, meta: bool) -> None:
+        d = tmp_path / name
+        d.mkdir()
+        (d / ".metadata").write_bytes(b"x")
+        if meta:
+            (d / ck.META_FILE).write_text(json.dumps({"format": ck.FORMAT, "step": step}))
+
+    make("step-00000002", 2, True)
+    make("step-00000010", 10, True)
+    make("step-00000012", 12, False)  # renamed without a description: not committed
+    make(".tmp-step-00000014-abc", 14, True)  # never renamed
+    (tmp_path / "step-x").mkdir()
+    assert ck.latest(tmp_path) == tmp_path / "step-00000010"
+    assert [p.name for p in ck.committed(tmp_path)] == ["step-00000002", "step-00000010"]
+    assert ck.latest(tmp_path / "absent") is None
+
+
+def test_unwritable_checkpoint_dir_is_one_line_exit_2(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = Proc([sys.executable, "-m", "rrfp", "train", "--checkpoint-dir", str(blocker / "ck")], _env())
+    assert proc.finish(60) == 2
+    lines = proc.output().splitlines()
+    assert len(lines) == 1 and "--checkpoint-dir=" in lines[0] and "not a writable folder" in lines[0], lines
+
+
+def test_node_reads_kubernetes_environment(monkeypatch):
+    """Flags win over Kubeflow Trainer's PET_* variables, which win over a JobSet's."""
+    import argparse
+
+    from rrfp.cli import UsageError
+    from rrfp.node.cli import resolve
+
+    def args(**kw):
+        base = {"nnodes": None, "nproc_per_node": None, "node_rank": None, "master_addr": None, "master_port": None,
+                "max_restarts": 3, "metrics_port": 0, "metrics_linger": 0.0, "metrics_addr": "127.0.0.1",
+                "heartbeat_timeout": 60.0,
+                "extra": ["--", "--steps", "2"]}
+        return argparse.Namespace(**{**base, **kw})
+
+    for k in ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
+              "JOB_COMPLETION_INDEX", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("PET_NNODES", "2")
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
+    monkeypatch.setenv("MASTER_ADDR", "head.svc")
+    monkeypatch.setenv("PET_MASTER_PORT", "29411")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    job = resolve(args())
+    assert (job.nnodes, job.nproc, job.node_rank, job.master_addr, job.port) == (2, 2, 1, "head.svc", 29411)
+    assert job.train_args == ["--steps", "2"]
+    monkeypatch.setenv("PET_NODE_RANK", "0")
+    assert resolve(args()).node_rank == 0
+    assert resolve(args(node_rank=1, master_addr="x")).master_addr == "x"
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    with pytest.raises(UsageError, match=r"--nproc-per-node=3 x 2 nodes != --stages=4"):
+        resolve(args())
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "two")
+    with pytest.raises(UsageError, match="PET_NPROC_PER_NODE='two': expected an integer"):
+        resolve(args())
+    monkeypatch.delenv("PET_NPROC_PER_NODE")
+    job = resolve(args(extra=["--", "--checkpoint-dir", "/tmp/rrfp-node-test-ck"]))
+    assert job.train_args[-2:] == ["--resume", "auto"]  # restarted ranks resume
+
+
+def test_healthz_names_a_silent_rank(tmp_path):
+    """A rank whose heartbeat gauge is older than the threshold makes /healthz fail (simulated
+    clock); the values are written by a real multiprocess-mode process."""
+    from rrfp.node.health import Health
+
+    code = ("from prometheus_client import Gauge\n"
+            "g = Gauge('rrfp_last_heartbeat_timestamp_seconds', 'h', ['rank'], multiprocess_mode='max')\n"
+            "g.labels('0').set(1000.0)\ng.labels('1').set(998.0)\n")
+    subprocess.run([sys.executable, "-c", code], env=_env(PROMETHEUS_MULTIPROC_DIR=str(tmp_path)), check=True, timeout=60)
+    now = [1005.0]
+    h = Health(str(tmp_path), n_local=2, max_age_s=10.0, clock=lambda: now[0])
+    assert h.healthz()[0] == 200 and h.readyz()[0] == 200
+    now[0] = 1009.5  # rank 0 beat 9.5 s ago, rank 1 11.5 s ago
+    status, body = h.healthz()
+    assert status == 503 and "rank(s) 1 silent" in body
+    h.stopping = True
+    assert h.readyz()[0] == 503
+    assert Health(str(tmp_path), n_local=3, max_age_s=10.0).readyz()[0] == 503
+
+
+def test_graceful_stop_agrees_on_one_step(tmp_path, monkeypatch):
+    """Rank 2 is asked to stop during step 3 (its daemon's stop file plus SIGTERM); rank 0
+    learns it from the store at its step end and fixes the last step to 4; rank 2, which
+    finished step 3 before rank 0 decided, stops after step 4 too (the one-step lag of rrfp.train.stop)."""
+    import torch.distributed as dist
+
+    from rrfp.train.stop import STOP_FILE_ENV, GracefulStop
+
+    stop_file = tmp_path / "stop-requested"
+    monkeypatch.setenv(STOP_FILE_ENV, str(stop_file))
+    monkeypatch.delenv("RRFP_TEST_HOLD_AFTER_STEP", raising=False)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        store = dist.HashStore()
+        r0, r2 = GracefulStop(store, 0), GracefulStop(store, 2)
+        assert not r0.after_step(2, 6) and not r2.after_step(2, 6)
+        stop_file.write_text("1")
+        assert not r2.after_step(3, 6)  # sees the file, publishes the request; no decision yet
+        assert not r0.after_step(3, 6)  # decides: the last step is 4
+        assert r0.after_step(4, 6) and r2.after_step(4, 6)
+        assert GracefulStop(store, 1).after_step(4, 6)  # a rank that never saw the file follows
+    finally:
+        signal.signal(signal.SIGTERM, old)
