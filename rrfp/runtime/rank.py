@@ -197,7 +197,8 @@ class RankRuntime:
         if self.last_stage in self.stages and loss_fn is None:
             raise ValueError("the rank holding the last stage needs a loss_fn")
         self.executor = executor if executor is not None else InlineExecutor()
-        self.inbox = Inbox(rank, job, self.stages, spec.n_microbatches)
+        self.inbox = Inbox(rank, job, self.stages, spec.n_microbatches,
+                           rank_of=[spec.placement.rank_of(st) for st in range(spec.n_stages)])
         self.outbox = Outbox(transport, job)
         self.loop = SchedulerLoop(rank, self.inbox, self.executor, watchdog=watchdog, task_delay=task_delay,
                                   record=record)
