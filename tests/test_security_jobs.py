@@ -24,7 +24,7 @@ from rrfp.transport.keys import Direction, MsgKey
 pytestmark = pytest.mark.slow
 
 JOB = "train-local"  # rrfp train's job id without TORCHELASTIC_RUN_ID
-ARGS = ["train", "--stages", "4", "--steps", "12", "--batch-size", "8", "--microbatches", "4", "--max-len", "32",
+ARGS = ["train", "--stages", "4", "--steps", "60", "--batch-size", "8", "--microbatches", "4", "--max-len", "32",
         "--deterministic", "--watchdog", "60"]
 
 
@@ -107,7 +107,7 @@ def test_attacks_on_a_running_job_are_refused_counted_and_change_nothing():
                 p.kill()
     assert [p.returncode for p in job] == [0] * 4, errs
     assert [p.returncode for p in ref] == [0] * 4, ref_errs
-    assert len(_losses(outs[0])) == 12
+    assert len(_losses(outs[0])) == 60
     assert _losses(outs[0]) == _losses(ref_outs[0])
     assert "123.456" not in outs[0]
     expect = {0: 1, 1: 1, 2: 4}  # stats; activation; squat, gradient, oversized, multi-frame
@@ -124,8 +124,9 @@ def test_a_poisoned_step_stops_the_run_naming_step_and_rank():
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 1, p.stderr[-2000:]
     last = p.stderr.strip().splitlines()[-1]
-    assert last == ("rrfp train: error: rank 3 failed (exit code 1): NonFiniteStep: step 2: non-finite loss "
-                    "first on rank 3; ranks 0, 1, 2 stopped too"), p.stderr[-2000:]
+    # Rank 3 exits on its own or is stopped by the launcher first: named either way, with the cause.
+    assert last.startswith("rrfp train: error: rank 3 failed ") and last.endswith(
+        ": NonFiniteStep: step 2: non-finite loss first on rank 3; ranks 0, 1, 2 stopped too"), p.stderr[-2000:]
     assert "step    2/6" not in p.stdout
 
 

@@ -247,6 +247,13 @@ def describe_failures(failures: dict, launcher_signalled: set[int] | None = None
     first = failures.get(rank)
     if first is None:
         what = f"rank {rank} was lost"
+    elif first.exitcode < 0 and launcher_signalled is not None and getattr(first, "pid", None) in launcher_signalled:
+        # Blamed by others, then stopped by the launcher before it could say why itself.
+        said = [f.message for r, f in sorted(failures.items()) if r != rank and isinstance(f.message, str)
+                and ((getattr(f, "error_file_data", None) or {}).get("rrfp") or {}).get("blame") == rank]
+        what = f"rank {rank} failed first (stopped by the launcher before it exited)"
+        if said:
+            what += f": {said[0].split(': error: ', 1)[-1]}"
     elif first.exitcode < 0:
         what = f"rank {rank} died ({_signal.Signals(-first.exitcode).name})"
     else:

@@ -120,6 +120,10 @@ def root_cause(failures: dict[int, Any], launcher_signalled: set[int] | None = N
 
     info = {r: (getattr(f, "error_file_data", None) or {}).get("rrfp") or {} for r, f in failures.items()}
     blame = {r: i["blame"] for r, i in info.items() if isinstance(i.get("blame"), int) and i["blame"] != r}
+    for r, f in failures.items():  # no record read back: the rank's own one-line message
+        m = re.search(r"first on rank (\d+)|\brank (\d+) lost\b", str(getattr(f, "message", "") or ""))
+        if r not in blame and m and int(m.group(1) or m.group(2)) != r:
+            blame[r] = int(m.group(1) or m.group(2))
 
     def follow(r: int) -> int:
         seen = {r}
