@@ -1,5 +1,9 @@
 import sys
 
-from .cli import main
+from ._pdeathsig import die_with_parent
+
+die_with_parent()  # before the CLI imports anything heavy
+
+from .cli import main  # noqa: E402
 
 sys.exit(main())

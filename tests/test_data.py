@@ -238,3 +238,23 @@ def test_batch_sampler_errors():
         BatchSampler([b"ab"] * 4, 0, 0)
     with pytest.raises(ValueError, match="step=-1"):
         BatchSampler([b"ab"] * 4, 2, 0).batch(-1)
+
+
+def test_a_large_file_is_streamed_not_read_whole(tmp_path):
+    import tracemalloc
+
+    from rrfp.data.text import load_samples
+
+    big = tmp_path / "big.txt"
+    para = b"word " * 40 + b"\n\n"
+    with open(big, "wb") as f:
+        for _ in range(32):
+            f.write(para * 4096)  # 32 x 0.8 MiB = 26 MiB of 202-byte paragraphs
+    tracemalloc.start()
+    try:
+        samples = load_samples([big], 64, seed=0, limit=100)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(samples) == 100 and all(s == para[:65] for s in samples)
+    assert peak < 2 * 1024**2, f"peak {peak} bytes while loading 100 samples from a 26 MiB file"

@@ -84,3 +84,17 @@ def test_every_bound_at_once_keeps_the_makespan_finite(capsys, tmp_path) -> None
     for r in runs:
         assert math.isfinite(r["makespan"]) and r["makespan"] > 0
         assert math.isfinite(r["lower_bound"]) and math.isfinite(r["speedup"])
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--ranks", "100000"], "--ranks 100000: expected at most 1024"),
+    (["-m", "10000000"], "--microbatches 10000000: expected at most 65536"),
+    (["--steps", "100000000"], "--steps 100000000: expected at most 10000"),
+    (["--samples-per-mb", "1000000000"], "--samples-per-mb 1000000000: expected at most 4096"),
+    (["--ranks", "1024", "-m", "65536"],
+     "--ranks x --virtual x --microbatches x --steps: 201326592 tasks to simulate, expected at most 2000000"),
+])
+def test_simulator_sizes_are_capped_in_one_line(capsys, argv, msg):
+    rc, out, err = _sim(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert err.strip() == f"rrfp simulate: error: {msg}"

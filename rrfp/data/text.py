@@ -15,7 +15,9 @@ from __future__ import annotations
 import os
 import random
 import sysconfig
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from rrfp.model.gpt import IGNORE_INDEX
 
@@ -84,12 +86,6 @@ def _walk_text_files(folder: Path) -> list[Path]:
     return found
 
 
-def _is_binary(data: bytes) -> bool:
-    # NUL never appears in text of any ASCII-compatible encoding; checking for
-    # it accepts latin-1 or other non-UTF-8 text, which is fine for bytes.
-    return b"\x00" in data
-
-
 def _is_blank(line: bytes) -> bool:
     return not line.strip()
 
@@ -135,12 +131,19 @@ def split_top_level_blocks(source: bytes) -> list[bytes]:
     Returns:
         Blocks in file order; empty for a blank file.
     """
-    blocks: list[bytes] = []
+    return list(_iter_blocks(source.splitlines(keepends=True)))
+
+
+def _iter_blocks(lines: Iterable[bytes], keep: int | None = None) -> Iterator[bytes]:
+    """:func:`split_top_level_blocks` over lines, with bounded memory: with ``keep``, a block
+    holds only its first lines (at least ``keep`` bytes; its boundaries are still found), and
+    a cut block is yielded unstripped, so its first ``keep`` bytes equal the whole block's."""
     current: list[bytes] = []
+    size, more = 0, False
     header_only = False  # current holds only decorators/comments so far
     prev_blank = True
     open_delim: bytes | None = None
-    for line in source.splitlines(keepends=True):
+    for line in lines:
         blank = _is_blank(line)
         if not current and blank:
             continue
@@ -151,18 +154,21 @@ def split_top_level_blocks(source: bytes) -> list[bytes]:
                 header_only = is_header
             elif line[:1] != b"#" or prev_blank:
                 if current:
-                    blocks.append(_finish(current))
-                current = []
+                    yield b"".join(current) if more else _finish(current)
+                current, size, more = [], 0, False
                 header_only = is_header
         elif not blank and open_delim is None:
             header_only = False
-        current.append(line)
+        if keep is None or size < keep:
+            current.append(line)
+            size += len(line)
+        elif not blank:
+            more = True
         prev_blank = blank
         if not blank:
             open_delim = _scan_triple_quotes(line, open_delim)
     if current:
-        blocks.append(_finish(current))
-    return blocks
+        yield b"".join(current) if more else _finish(current)
 
 
 def split_paragraphs(text: bytes) -> list[bytes]:
@@ -174,18 +180,48 @@ def split_paragraphs(text: bytes) -> list[bytes]:
     Returns:
         Paragraphs in file order, each ending with exactly one newline.
     """
-    paragraphs: list[bytes] = []
+    return list(_iter_paragraphs(text.splitlines(keepends=True)))
+
+
+def _iter_paragraphs(lines: Iterable[bytes], keep: int | None = None) -> Iterator[bytes]:
+    """:func:`split_paragraphs` over lines, bounded by ``keep`` as :func:`_iter_blocks` is."""
     current: list[bytes] = []
-    for line in text.splitlines(keepends=True):
+    size, more = 0, False
+    for line in lines:
         if _is_blank(line):
             if current:
-                paragraphs.append(_finish(current))
-                current = []
-        else:
+                yield b"".join(current) if more else _finish(current)
+                current, size, more = [], 0, False
+        elif keep is None or size < keep:
             current.append(line)
+            size += len(line)
+        else:
+            more = True
     if current:
-        paragraphs.append(_finish(current))
-    return paragraphs
+        yield b"".join(current) if more else _finish(current)
+
+
+class _BinaryFile(Exception):
+    pass
+
+
+_LINE_CAP = 1 << 20
+"""Longest line kept whole when streaming a file; the rest of a longer line is skipped."""
+
+
+def _file_lines(f: BinaryIO) -> Iterator[bytes]:
+    """Lines of an open file, read in bounded pieces; raises _BinaryFile at the first NUL."""
+    while line := f.readline(_LINE_CAP):
+        if b"\x00" in line:
+            raise _BinaryFile
+        if len(line) == _LINE_CAP and not line.endswith(b"\n"):
+            while (rest := f.readline(_LINE_CAP)) and not rest.endswith(b"\n"):
+                if b"\x00" in rest:
+                    raise _BinaryFile
+            if b"\x00" in rest:
+                raise _BinaryFile
+            line += b"\n"
+        yield line
 
 
 def _expand(paths: list[str | Path]) -> list[Path]:
@@ -225,16 +261,18 @@ def load_samples(
     Files are read in an order shuffled by ``seed``; each is split into
     top-level blocks (``.py``/``.pyi``/``.pyw``) or paragraphs (everything
     else), every unit is cut to ``max_len + 1`` bytes (``max_len`` input and
-    target positions) and units shorter than 2 bytes are dropped. Reading
-    stops once ``limit`` samples are collected, so a limit keeps loading fast
-    on large corpora. The samples are then shuffled by ``seed``. The result
+    target positions) and units shorter than 2 bytes are dropped. Files are
+    streamed in lines of at most 1 MiB (the rest of a longer line is
+    skipped), never read whole; reading stops after the file that brings
+    ``limit`` samples, and within it at ``2 * limit``, so a limit keeps
+    loading fast and memory near ``2 * limit * max_len`` bytes on any corpus. The samples are then shuffled by ``seed``. The result
     depends only on the file contents, ``max_len``, ``seed`` and ``limit``.
 
     Args:
         paths: files and/or folders; folders are walked recursively for
             files with a suffix in :data:`TEXT_SUFFIXES` (hidden entries and
-            ``__pycache__`` skipped). Files containing NUL bytes are treated
-            as binary and skipped. ``None`` means :func:`default_corpus_paths`.
+            ``__pycache__`` skipped). Files with a NUL byte in the part
+            read are treated as binary and skipped. ``None`` means :func:`default_corpus_paths`.
         max_len: most input positions per sample (samples have at most
             ``max_len + 1`` bytes); normally the model's ``max_len``.
         seed: shuffling seed.
@@ -257,12 +295,24 @@ def load_samples(
     rng = random.Random(seed)
     rng.shuffle(files)
     samples: list[bytes] = []
+    # Streamed: a file is read in bounded lines, never whole, and reading stops after the
+    # file that brings ``limit`` samples (at 2 x limit at most): memory is about
+    # 2 x limit x max_len whatever the file sizes.
+    split = {True: _iter_blocks, False: _iter_paragraphs}
     for f in files:
-        data = f.read_bytes()
-        if _is_binary(data):
+        found: list[bytes] = []
+        try:
+            with open(f, "rb") as fh:
+                for unit in split[f.suffix.lower() in CODE_SUFFIXES](_file_lines(fh), keep=max_len + 1):
+                    if len(cut := unit[: max_len + 1]) >= 2:
+                        found.append(cut)
+                        # The file that crosses the limit is read on (its samples join the
+                        # shuffle, as they always did) up to twice the limit, no further.
+                        if limit is not None and len(samples) + len(found) >= 2 * limit:
+                            break
+        except _BinaryFile:
             continue
-        split = split_top_level_blocks if f.suffix.lower() in CODE_SUFFIXES else split_paragraphs
-        samples.extend(cut for unit in split(data) if len(cut := unit[: max_len + 1]) >= 2)
+        samples.extend(found)
         if limit is not None and len(samples) >= limit:
             break
     if not samples:

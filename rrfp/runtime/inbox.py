@@ -48,11 +48,15 @@ class Inbox:
         wake: set whenever something the scheduler loop waits for happens.
     """
 
-    def __init__(self, rank: int, job: str, stages: Mapping[int, PipelineStage], n_microbatches: int) -> None:
+    def __init__(self, rank: int, job: str, stages: Mapping[int, PipelineStage], n_microbatches: int,
+                 rank_of: Sequence[int] | None = None) -> None:
         self.rank = rank
         self.job = job
         self.stages = stages
         self.n_microbatches = n_microbatches
+        # The rank holding each stage: an activation or gradient is accepted only from the
+        # rank of the stage that produces it (the transport authenticates ``msg.src``).
+        self.rank_of = list(rank_of) if rank_of is not None else None
         # A step brings at most one activation and one gradient per stage and microbatch here.
         self._early_cap = 2 * len(stages) * n_microbatches
         self.act: dict[tuple[int, int], tuple] = {}
@@ -109,6 +113,12 @@ class Inbox:
                 return self.reject(msg, "control message with tensors, or control backlog full")
             self._control.put_nowait(msg)
             return
+        if self.rank_of is not None:
+            sender = key.stage + (1 if key.direction == Direction.GRAD else -1)
+            owner = self.rank_of[sender] if 0 <= sender < len(self.rank_of) else None
+            if owner != msg.src:
+                return self.reject(msg, f"sent by rank {msg.src}, but stage {sender} "
+                                        f"{'does not exist' if owner is None else f'belongs to rank {owner}'}")
         # A peer can be at most one step ahead: it needs this rank's step-k outputs to finish
         # step k. Anything else is a stale, forged or corrupt message.
         current = self.step if self.step is not None else self.last_step + 1

@@ -214,7 +214,8 @@ class RankRuntime:
                 enable_split_backward(st.submod)
         self.last_stage = spec.n_stages - 1
         self.executor = executor if executor is not None else InlineExecutor()
-        self.inbox = Inbox(rank, job, self.stages, spec.n_microbatches)
+        self.inbox = Inbox(rank, job, self.stages, spec.n_microbatches,
+                           rank_of=[spec.placement.rank_of(st) for st in range(spec.n_stages)])
         self.outbox = Outbox(transport, job, getattr(self.executor, "to_host", None),
                              getattr(self.executor, "ready_event", None))
         to_device = getattr(self.executor, "to_device", None)

@@ -160,6 +160,13 @@ _BOUNDED_FLAGS = {
 }
 
 
+_SIZE_CAPS = {"ranks": 1024, "virtual": 64, "microbatches": 65536, "steps": 10000, "samples_per_mb": 4096}
+"""Largest accepted simulator sizes (ranks, microbatches, steps, samples), far above any real
+pipeline: a typo or hostile value is one line, not minutes of work and gigabytes."""
+MAX_TASKS = 2_000_000
+"""Most tasks (F, B/I, W per stage, microbatch and step) one simulation may hold."""
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
     """NaN or infinite values would make the simulation loop forever or print nonsense, and
     huge finite ones would overflow the makespan to inf.
@@ -167,6 +174,15 @@ def _check_numbers(args: argparse.Namespace) -> None:
     Raises:
         UsageError: one line naming the flag, its value and the accepted range.
     """
+    for name, limit in _SIZE_CAPS.items():  # hostile sizes: refused before any allocation
+        v = getattr(args, name, None)
+        if isinstance(v, int) and v > limit:
+            raise UsageError(f"--{name.replace('_', '-')} {v}: expected at most {limit}")
+    mb = getattr(args, "microbatches", None) or 4 * getattr(args, "ranks", 1)
+    n_tasks = 3 * getattr(args, "ranks", 1) * getattr(args, "virtual", 1) * mb * getattr(args, "steps", 1)
+    if n_tasks > MAX_TASKS:
+        raise UsageError(f"--ranks x --virtual x --microbatches x --steps: {n_tasks} tasks to simulate, "
+                         f"expected at most {MAX_TASKS}")
     for name, (limit, unit) in _BOUNDED_FLAGS.items():
         v = getattr(args, name, None)
         flag = f"--{name.replace('_', '-')}"

@@ -83,6 +83,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     from .checkpoint import add_flags as add_checkpoint_flags
 
     add_checkpoint_flags(p)
+    # Security (issue 10): job secret, unauthenticated mode, poisoned steps.
+    p.add_argument("--job-secret-file", metavar="PATH", default=None,
+                   help="file holding the job secret (e.g. a mounted Kubernetes Secret); else RRFP_JOB_SECRET; "
+                   "on one machine rrfp train makes one per run")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow ranks to bind a non-loopback address without a job secret (no authentication)")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a step whose loss or gradient norm is NaN/inf instead of stopping the run")
     p.set_defaults(func=run, _parser=p)
 
 
@@ -257,10 +265,17 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-len={args.max_len}: expected at most 65536 tokens")
     validate_job_flags(args)
     if args.trace is not None:
+        from .guard import check_writable_dir
+
+        if (err := check_writable_dir(args.trace, "--trace")) is not None:
+            raise UsageError(err)
+    if getattr(args, "job_secret_file", None):
+        from ..transport.auth import JobAuth
+
         try:
-            Path(args.trace).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--trace={args.trace!r}: cannot create the folder: {e.strerror or e}") from None
+            JobAuth.from_file(args.job_secret_file)
+        except ValueError as e:
+            raise UsageError(f"--job-secret-file: {e}") from None
     from ..obs.server import check_flags as check_metrics_flags
 
     problem = check_metrics_flags(args, n_ports=args.stages)
@@ -348,15 +363,29 @@ def launch(args: argparse.Namespace) -> int:
          "-m", "rrfp", *argv]
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    from .._pdeathsig import LAUNCHER_PID_ENV
+    from ..transport.auth import ENV_SECRET, JobAuth
+
+    # One secret per run, handed to the ranks only through their environment (never disk
+    # or argv); a --job-secret-file or a secret already in the environment is kept.
+    if not getattr(args, "job_secret_file", None) and not os.environ.get(ENV_SECRET):
+        os.environ[ENV_SECRET] = JobAuth.generate()
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     _quiet_launcher_logs()
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    import logging
+
+    from .guard import LauncherSignals
+
+    signalled = LauncherSignals()
+    logging.getLogger(LauncherSignals.LOGGER).addHandler(signalled)
     try:
         torchrun.run(run_args)
     except ChildFailedError as e:
         if any(f.exitcode == PIPE_CLOSED for f in e.failures.values()):
             return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
-        print(f"rrfp train: error: {describe_failures(e.failures)}", file=sys.stderr)
+        print(f"rrfp train: error: {describe_failures(e.failures, signalled.pids)}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SignalException) as e:
         sig = getattr(e, "sigval", signal.SIGINT)
@@ -387,21 +416,32 @@ def _quiet_launcher_logs() -> None:
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoPipeClosedErrors())
 
 
-def describe_failures(failures: dict) -> str:
-    """One line naming the rank that went first: one killed by a signal other than the
-    launcher's own SIGTERM (a lost rank) before one that exited with an error, then the
-    earliest."""
+def describe_failures(failures: dict, launcher_signalled: set[int] | None = None) -> str:
+    """One line naming the rank that went first (:func:`rrfp.train.guard.root_cause`: the
+    ranks' own blame records, then a signal other than the launcher's SIGTERM, then the
+    earliest failure), with its own message when it left one."""
     import signal as _signal
 
-    def cause(f) -> tuple[int, float]:
-        killed = f.exitcode < 0 and -f.exitcode not in (_signal.SIGTERM, _signal.SIGINT)
-        return (0 if killed else 1, f.timestamp)
+    from .guard import root_cause
 
-    rank, first = min(failures.items(), key=lambda kv: cause(kv[1]))
-    if first.exitcode < 0:
+    rank = root_cause(failures, launcher_signalled)
+    first = failures.get(rank)
+    if first is None:
+        what = f"rank {rank} was lost"
+    elif first.exitcode < 0 and launcher_signalled is not None and getattr(first, "pid", None) in launcher_signalled:
+        # Blamed by others, then stopped by the launcher before it could say why itself.
+        said = [f.message for r, f in sorted(failures.items()) if r != rank and isinstance(f.message, str)
+                and ((getattr(f, "error_file_data", None) or {}).get("rrfp") or {}).get("blame") == rank]
+        what = f"rank {rank} failed first (stopped by the launcher before it exited)"
+        if said:
+            what += f": {said[0].split(': error: ', 1)[-1]}"
+    elif first.exitcode < 0:
         what = f"rank {rank} died ({_signal.Signals(-first.exitcode).name})"
     else:
         what = f"rank {rank} failed (exit code {first.exitcode})"
+        msg = ((getattr(first, "error_file_data", None) or {}).get("rrfp") or {}) and first.message
+        if isinstance(msg, str) and msg:
+            what += f": {msg.removeprefix(f'rrfp train: rank {rank}: error: ')}"
     others = sorted(r for r in failures if r != rank)
     plural = "s" if len(others) > 1 else ""
     tail = f"; rank{plural} {', '.join(map(str, others))} stopped too" if others else ""

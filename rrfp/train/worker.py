@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ from . import device
 from .optim import lr_scheduler
 from .precision import use_autocast
 from .progress import Output
+from .guard import atomic_path, atomic_write_text, check_finite
 
 
 TP_IMPL = "manual"
@@ -66,32 +68,36 @@ class Reporter:
         self.next_step = 0
 
     def add(self, meta: dict, src: int) -> None:
-        """Take one rank's statistics; a malformed message is logged and dropped."""
+        """Take one rank's statistics or evaluation; a malformed one is counted, logged
+        (rate-limited) and dropped.
+
+        Checked: kind, step in the window still open, finite non-negative numbers of the
+        right types, busy <= wall, and that only the rank holding the last stage reports a
+        loss (the sender owns the stage it reports)."""
         if isinstance(meta, dict) and meta.get("kind") == "eval":
             step, loss = meta.get("step"), meta.get("loss")
-            if isinstance(step, int) and isinstance(loss, (int, float)) and 0 <= step <= self.args.steps:
+            if (type(step) is int and type(loss) in (int, float) and math.isfinite(loss)
+                    and 0 <= step <= self.args.steps):
                 self.evals[step] = float(loss)
                 self.out.message(f"eval after step {step:4d}/{self.args.steps}  validation loss {loss:7.4f}")
                 return
-        try:
-            step = meta["step"]
-            ok = (
-                meta.get("kind") == "stats" and isinstance(step, int) and self.next_step <= step < self.args.steps
-                and 0 <= src < self.n_ranks and all(isinstance(meta[k], (int, float)) for k in ("busy", "wall", "peak"))
-                and (meta["loss"] is None or isinstance(meta["loss"], (int, float)))
-            )
-        except (KeyError, TypeError):
-            ok = False
-        if not ok:
-            print(f"rrfp train: rank 0: ignored a malformed statistics message from rank {src}", file=sys.stderr)
+        why = _stats_problem(meta, src, self)
+        if why is not None:
+            self.ignored = getattr(self, "ignored", 0) + 1
+            n = self.ignored
+            if n <= 3 or n & (n - 1) == 0:  # a flood must not flood the log
+                print(f"rrfp train: rank 0: ignored statistics message #{n} from rank {src}: {why}",
+                      file=sys.stderr)
             return
-        self.pending.setdefault(step, {})[src] = meta
+        if meta["step"] in self.pending and src in self.pending[meta["step"]]:
+            return  # a second copy: the first stands
+        self.pending.setdefault(meta["step"], {})[src] = meta
 
     def flush(self) -> None:
         while self.next_step in self.pending and len(self.pending[self.next_step]) == self.n_ranks:
             k = self.next_step
             per_rank = self.pending.pop(k)
-            loss = next(m["loss"] for m in per_rank.values() if m.get("loss") is not None)
+            loss = next((m["loss"] for m in per_rank.values() if m.get("loss") is not None), math.nan)
             bubble = [1.0 - per_rank[r]["busy"] / per_rank[r]["wall"] if per_rank[r]["wall"] > 0 else 0.0 for r in range(self.n_ranks)]
             peak = [per_rank[r]["peak"] for r in range(self.n_ranks)]
             t = self.step_time[k]
@@ -118,23 +124,9 @@ class Reporter:
         self.out.close_bar()
         self.out.message(
             f"done: {len(rows)} steps in {total:.1f} s, {tok_s:.0f} tok/s {which}; "
-            f"loss {first:.4f} -> {last:.4f} ({(last - first) / first * 100:+.1f}%); "
+            f"loss {first:.4f} -> {last:.4f} ({_change(first, last)}); "
             f"per-step mean bubble/rank [{' '.join(f'{b:.2f}' for b in mean_bubble)}]; hint {self.args.hint}{val}"
         )
-
-
-def _die_with_parent() -> None:
-    # If the launcher is killed outright (SIGKILL, OOM), torchrun cannot stop its ranks: ask
-    # the kernel to send them SIGTERM instead of leaving orphans that keep training.
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        PR_SET_PDEATHSIG = 1
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:
-            pass
 
 
 class _QuietAfterReaderLeft:
@@ -146,11 +138,16 @@ class _QuietAfterReaderLeft:
 
 
 def main(args: argparse.Namespace) -> int:
-    _die_with_parent()
+    from .. import _pdeathsig
+
+    _pdeathsig.die_with_parent()  # again: the API entry skips __main__ (already set: a no-op)
     import logging
 
     logging.getLogger("rrfp.transport").addFilter(_QuietAfterReaderLeft())
+    from .guard import configure_auth, write_error_file
+
     try:
+        configure_auth(args)
         return _main(args)
     except BrokenPipeError:
         # `rrfp train | head`: the reader is gone. Stop as Unix tools do, quietly, and tell the
@@ -163,8 +160,11 @@ def main(args: argparse.Namespace) -> int:
         if _reader_gone():
             os._exit(PIPE_CLOSED)
         rank = os.environ.get("RANK", "?")
-        print(f"rrfp train: rank {rank}: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        line = f"rrfp train: rank {rank}: error: {type(e).__name__}: {e}"
+        print(line, file=sys.stderr, flush=True)
         sys.stderr.flush()
+        if rank.isdigit():
+            write_error_file(e, int(rank), line)
         os._exit(1)
 
 
@@ -283,7 +283,17 @@ def _main(args: argparse.Namespace) -> int:
             loss = pipe.last_loss
             if args.clip_grad is not None:
                 clip_grad_norm_(params, args.clip_grad, layout)
-            opt.step()
+            gnorm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])) \
+                if any(p.grad is not None for p in params) else 0.0
+            poisoned = check_finite(k, layout.rank, None if loss is None else float(loss), gnorm)
+            if poisoned is None:
+                opt.step()
+            elif getattr(args, "skip_nonfinite", False):
+                if layout.rank == 0:
+                    print(f"rrfp train: skipped {poisoned}", file=sys.stderr, flush=True)
+                loss = None  # nothing of this step reaches the report
+            else:
+                raise poisoned
             sched.step()
             st = pipe.last_stats
             if args.trace and trace_lo <= k + 1 <= trace_hi:
@@ -294,7 +304,7 @@ def _main(args: argparse.Namespace) -> int:
                     "loss": None if loss is None else float(loss)}
             if metrics is not None:
                 metrics.observe(st, loss=meta["loss"], tokens=sum(mb.n_tokens for mb in mbs) if 0 in stage_ids else 0,
-                                seconds=time.perf_counter() - t_step, transport=pipe.transport.stats,
+                                seconds=time.perf_counter() - t_step, transport=_transport_counts(pipe.transport),
                                 runtime_rejected=pipe.runtime.rejected)
             if reporter is None:
                 if reports(layout):
@@ -339,13 +349,26 @@ def _main(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.stop_heartbeat()
         pipe.close()
-    except BaseException as e:
+    except Exception as e:
         if isinstance(e, BrokenPipeError):
             _mark_reader_gone()  # before abort(): the peers see the connection close next
         if metrics is not None:
             metrics.stop_heartbeat()
+        lost = None if isinstance(e, BrokenPipeError) else _lost_peer(pipe, e, rank)
+        pipe.abort()
+        if lost is not None:
+            raise lost from e  # the root cause, not what it broke (e.g. gloo's reset connection)
+        raise
+    except BaseException:
+        if metrics is not None:
+            metrics.stop_heartbeat()
         pipe.abort()
         raise
+    finally:
+        refused = {k: v for k, v in getattr(pipe.transport, "stats", {}).items() if k.startswith("rejected") and v}
+        if refused:
+            print(f"rrfp train: rank {rank}: refused {', '.join(f'{k}={v}' for k, v in sorted(refused.items()))}",
+                  file=sys.stderr, flush=True)
     if args.trace:
         _write_trace(args, rank, n_ranks, records, out_bytes or {}, step_log)
     dist.destroy_process_group()
@@ -419,6 +442,63 @@ def evaluate(pipe: Pipeline, held_out: list, args: argparse.Namespace, first: bo
     return total / tokens if last and tokens else None
 
 
+def _lost_peer(pipe: Pipeline, exc: BaseException, rank: int):
+    """The first peer the transport lost, when ``exc`` names none (a collective that failed
+    because a peer died): the transport is given up to 3 s to notice, since its loop runs
+    only inside the pipeline's calls."""
+    from .guard import blamed_rank
+
+    wait = getattr(pipe.transport, "wait_lost", None)
+    if wait is None or blamed_rank(exc, rank) != rank:
+        return None
+    try:
+        return pipe.run(wait(3.0))
+    except Exception:
+        return None
+
+
+def _transport_counts(transport) -> dict[str, int]:
+    """The transport's counters for the metrics, with connections refused at the CURVE
+    handshake (counted by the gatekeeper thread apart) among the refused messages."""
+    stats = dict(transport.stats)
+    stats["rejected"] = stats.get("rejected", 0) + stats.get("rejected_handshake", 0)
+    return stats
+
+
+def _change(first: float, last: float) -> str:
+    if first == 0 or not (math.isfinite(first) and math.isfinite(last)):
+        return "change n/a"
+    return f"{(last - first) / first * 100:+.1f}%"
+
+
+def _stats_problem(meta: object, src: int, rep: Reporter) -> str | None:
+    """Why a statistics message is refused, or None."""
+    if not isinstance(meta, dict) or meta.get("kind") != "stats":
+        return "not a statistics message"
+    step = meta.get("step")
+    if type(step) is not int or not rep.next_step <= step < rep.args.steps:
+        return f"step {step!r} outside {rep.next_step}..{rep.args.steps - 1}"
+    if not 0 <= src < rep.n_ranks:
+        return "unknown rank"
+    for k in ("busy", "wall"):
+        v = meta.get(k)
+        if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+            return f"{k}={v!r} is not a finite non-negative number"
+    if meta["busy"] > meta["wall"] * 1.001 + 1e-6:
+        return f"busy {meta['busy']} exceeds wall {meta['wall']}"
+    peak = meta.get("peak")
+    if type(peak) is not int or not 0 <= peak <= rep.args.microbatches * rep.place.n_stages:
+        return f"peak={peak!r} out of range"
+    loss, owns_last = meta.get("loss"), rep.place.n_stages - 1 in rep.place.stages_of(src)
+    if loss is not None and not owns_last:
+        return f"a loss from rank {src}, which does not hold the last stage"
+    if loss is not None and (type(loss) not in (int, float) or not math.isfinite(loss)):
+        return f"loss={loss!r} is not a finite number"
+    if loss is None and owns_last and not getattr(rep.args, "skip_nonfinite", False):
+        return "no loss from the rank holding the last stage"
+    return None
+
+
 def record_output_bytes(stages: list[PipelineStage]) -> dict[int, list[int]]:
     """Record, for every forward of each stage, the bytes of its module's outputs.
 
@@ -451,13 +531,11 @@ def _write_trace(
     out = Path(args.trace)
     out.mkdir(parents=True, exist_ok=True)
     part = out / f"records.rank{rank}.json"
-    tmp = part.with_suffix(".tmp")
-    tmp.write_text(json.dumps({
+    atomic_write_text(part, json.dumps({
         "records": [[r.rank, r.step, str(r.task), r.start, r.end] for r in records],
         "out_bytes": {str(s): v for s, v in out_bytes.items()},
         "steps": step_log or [],
     }))
-    tmp.replace(part)
     dist.barrier()
     if rank != 0:
         return
@@ -474,14 +552,17 @@ def _write_trace(
         sizes.update({int(s): v for s, v in part["out_bytes"].items()})
     t0 = min(r.start for r in merged)
     merged = [dataclasses.replace(r, start=r.start - t0, end=r.end - t0) for r in merged]
-    write_chrome_trace(merged, out / "trace.json")
+    with atomic_path(out / "trace.json") as tmp:
+        write_chrome_trace(merged, tmp)
     shown = timeline_steps(sorted({r.step for r in merged}))
-    write_gantt_png([r for r in merged if r.step in shown], out / "timeline.png", n_ranks=n_ranks,
-                    title=f"rrfp train, hint {args.hint}, step{'s' if len(shown) > 1 else ''} "
-                    f"{min(shown) + 1}-{max(shown) + 1} of {args.steps}")
-    save_profile(profile_from_records(merged, n_ranks * args.virtual_stages, sizes), out / "profile.json",
-                 meta={"source": "rrfp train", "model": args.model, "microbatches": args.microbatches,
-                       "batch_size": args.batch_size, "max_len": args.max_len, "hint": args.hint})
+    with atomic_path(out / "timeline.png") as tmp:
+        write_gantt_png([r for r in merged if r.step in shown], tmp, n_ranks=n_ranks,
+                        title=f"rrfp train, hint {args.hint}, step{'s' if len(shown) > 1 else ''} "
+                        f"{min(shown) + 1}-{max(shown) + 1} of {args.steps}")
+    with atomic_path(out / "profile.json") as tmp:
+        save_profile(profile_from_records(merged, n_ranks * args.virtual_stages, sizes), tmp,
+                     meta={"source": "rrfp train", "model": args.model, "microbatches": args.microbatches,
+                           "batch_size": args.batch_size, "max_len": args.max_len, "hint": args.hint})
     print(f"trace: {out / 'trace.json'} (open in Perfetto), timeline {out / 'timeline.png'}, "
           f"costs {out / 'profile.json'}", flush=True)
 

@@ -49,8 +49,9 @@ MAX_TENSORS = 4096
 """Most tensor entries (None included) in one message."""
 MAX_NDIM = 16
 """Most dimensions of one tensor."""
-DEFAULT_MAX_BYTES = 2 * 1024**3
-"""Default limit on the declared payload of one message (sum of tensor bytes)."""
+DEFAULT_MAX_BYTES = 256 * 1024**2
+"""Default limit on the declared payload of one message (sum of tensor bytes): well under
+the 4 GiB a hostile peer could once make a rank buffer, above any activation of the presets."""
 MAX_META_DEPTH = 8
 """Deepest nesting of lists/maps accepted inside ``meta``."""
 MAX_JOB_LEN = 256

@@ -8,6 +8,17 @@ The ROUTER therefore tags every arrival with the sender's rank.
 Ordering: messages from one sender to one receiver arrive in send order (ZeroMQ
 keeps a pipe FIFO); nothing is promised across senders.
 
+Security: with a job secret (:mod:`.auth`) every socket speaks CURVE: each rank's key pair
+is derived from the secret, a DEALER authenticates the ROUTER it connects to by the key
+derived for that rank, and the ROUTER's ZAP handler (:mod:`.zmq_gate`) admits only keys
+of the job's ranks, tagging each connection with its rank (ZAP User-Id). A message is
+accepted only when its routing id names the rank that authenticated the connection.
+Endpoints in the store are signed; a forged entry is refused, counted and waited past.
+Without a secret a rank binds only a loopback address unless ``insecure`` is set.
+
+Limits before work: a message is refused by routing id and size (frames counted as they
+are read, ZMQ_MAXMSGSIZE per frame) before anything is decoded.
+
 Peer loss: a socket monitor on each DEALER reports EVENT_DISCONNECTED when the
 connection to that peer drops, either because its process exited (the kernel
 closes its sockets) or because ZMTP heartbeats went unanswered for
@@ -18,12 +29,8 @@ then raises :class:`PeerLost`.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import os
-import socket
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -31,11 +38,15 @@ from typing import Any
 import zmq
 import zmq.asyncio
 from torch import Tensor
+from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from . import auth as _auth
 from .base import PeerLost, Transport, TransportClosed
-from .codec import DEFAULT_MAX_BYTES, Frame, encode, frames_nbytes
+from .codec import DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_TENSORS, Frame, encode, frames_nbytes
 from .keys import MsgKey
+from .zmq_gate import Gatekeeper
+from .zmq_rendezvous import LOST_NOTICE, SecureRendezvous, _is_loopback, _tcp_endpoint, default_host
 
 __all__ = ["ZmqTransport", "default_host"]
 
@@ -43,6 +54,10 @@ log = logging.getLogger("rrfp.transport.zmq")
 
 # A msgpack header always starts with a map marker, so this never parses as data.
 _BYE = b"\x00rrfp-bye"
+_FROM_CONFIG: Any = object()
+_LOST_NOTICE_GRACE = 0.2
+"""Seconds a disconnect waits for the peer's lost-rank notice, which travels on another
+connection and can be overtaken by the disconnect itself."""
 ZERO_COPY_MIN = 64 * 1024
 """Frames at least this big are sent without copying (smaller ones copy faster)."""
 # The hot paths call the Cython socket methods with plain int flags: pyzmq's Python
@@ -69,31 +84,7 @@ _HANDSHAKE_FAILED = (
 )
 
 
-def default_host() -> str:
-    """Address to bind: 127.0.0.1 when MASTER_ADDR is unset or loopback, else the
-    local address of the interface that routes to MASTER_ADDR.
-
-    The route is found by connecting a UDP socket, which sends nothing."""
-    addr = os.environ.get("MASTER_ADDR", "")
-    if not addr or addr == "localhost":
-        return "127.0.0.1"
-    try:
-        if ipaddress.ip_address(addr).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        pass  # a host name: resolve it below
-    port = int(os.environ.get("MASTER_PORT", "29500") or 29500)
-    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(sockaddr)
-        return str(s.getsockname()[0])
-
-
-def _tcp_endpoint(host: str) -> str:
-    return f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
-
-
-class ZmqTransport(Transport):
+class ZmqTransport(SecureRendezvous, Transport):
     """Transport over ZeroMQ TCP sockets (``zmq.asyncio``; works under uvloop).
 
     Args:
@@ -108,6 +99,17 @@ class ZmqTransport(Transport):
             dropped (and the peer reported lost).
         max_bytes: largest accepted payload per message.
         close_linger: seconds close() lets queued frames (its BYEs) drain.
+        auth: the job secret's keys; default :func:`rrfp.transport.auth.current`
+            (``RRFP_JOB_SECRET``). None: no encryption, loopback only unless ``insecure``.
+        insecure: allow binding a non-loopback address without a secret.
+
+    Raises (from :meth:`start`):
+        PermissionError: a non-loopback host without a secret and without ``insecure``.
+
+    Counters beyond the base ones: ``rejected_handshake`` (connections that failed the
+    CURVE handshake), ``rejected_identity`` (routing id not the authenticated rank),
+    ``rejected_oversize`` (over ``max_bytes`` or too many frames, dropped undecoded),
+    ``rejected_store`` (forged store entries), ``rejected_unknown_peer``.
     """
 
     def __init__(
@@ -124,8 +126,27 @@ class ZmqTransport(Transport):
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
         close_linger: float = 5.0,
+        auth: _auth.JobAuth | None = _FROM_CONFIG,
+        insecure: bool | None = None,
     ) -> None:
         super().__init__(rank, world_size, job=job, max_bytes=max_bytes)
+        if auth is _FROM_CONFIG or insecure is None:
+            cfg_auth, cfg_insecure = _auth.current()
+            auth = cfg_auth if auth is _FROM_CONFIG else auth
+            insecure = cfg_insecure if insecure is None else insecure
+        self._auth: _auth.JobAuth | None = auth
+        self._insecure = bool(insecure)
+        self._gate: Gatekeeper | None = None
+        for k in ("rejected_handshake", "rejected_identity", "rejected_oversize", "rejected_store",
+                  "rejected_unknown_peer"):
+            self.stats[k] = 0
+        self._forged_seen: set[bytes] = set()
+        # Checked frame by frame as a message is read: routing id + header + tensors.
+        self._max_frames, self._max_wire = MAX_TENSORS + 2, max_bytes + MAX_HEADER_BYTES
+        # Lost-rank notices received: sender -> the rank it says was lost first.
+        self._notices: dict[int, int] = {}
+        self._published: str | None = None
+        self._notice_sent = False
         self._store = store
         self._host = host
         self._hwm = hwm
@@ -183,14 +204,30 @@ class ZmqTransport(Transport):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._connect_timeout
         host = self._host or default_host()
+        if self._auth is None and not self._insecure and not _is_loopback(host):
+            raise PermissionError(
+                f"rank {self.rank}: refusing to bind {host} without a job secret: set RRFP_JOB_SECRET "
+                "or --job-secret-file, or pass --insecure to accept unauthenticated traffic"
+            )
         self._ctx = zmq.asyncio.Context()
+        if self._auth is not None:
+            keys = {z85.decode(self._auth.curve_keypair(self.job, r)[0]): r
+                    for r in range(self.world_size)}
+            self._gate = Gatekeeper(self._ctx, self.rank, keys, self.stats, self.world_size,
+                                    guard=self._guard_own_entry)
         # A plain socket: arrivals are read from an event-loop reader on its FD, not
         # through zmq.asyncio's future per receive.
         router = self._router = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
         self._sockopts(router)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if self.max_bytes < 2**63:
-            router.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
+        # Per frame (libzmq cannot bound a whole message): the header frame may add its own.
+        router.setsockopt(zmq.MAXMSGSIZE, min(self.max_bytes, 2**62) + MAX_HEADER_BYTES)
+        if self._auth is not None:
+            pub, sec = self._auth.curve_keypair(self.job, self.rank)
+            router.curve_publickey, router.curve_secretkey = pub, sec
+            router.curve_server = True
+            router.zap_domain = b"rrfp"
+            self._gate.watch(router)
         if ":" in host:
             router.setsockopt(zmq.IPV6, 1)
         router.bind(_tcp_endpoint(host))
@@ -204,6 +241,11 @@ class ZmqTransport(Transport):
             d = self._ctx.socket(zmq.DEALER)
             self._sockopts(d)
             d.setsockopt(zmq.ROUTING_ID, str(self.rank).encode())
+            if self._auth is not None:
+                d.curve_publickey, d.curve_secretkey = self._auth.curve_keypair(self.job, self.rank)
+                # The server is authenticated by the key derived for that rank, never by
+                # anything read from the store.
+                d.curve_serverkey = self._auth.curve_keypair(self.job, p)[0]
             if ":" in self.peer_endpoints[p].split("//", 1)[1].rsplit(":", 1)[0]:
                 d.setsockopt(zmq.IPV6, 1)
             # Monitor before connect, or the handshake event could be missed.
@@ -244,31 +286,6 @@ class ZmqTransport(Transport):
             raise TransportClosed(f"rank {self.rank}: aborted during start")
         if self._lost:
             raise self._lost[min(self._lost)]
-
-    def _rendezvous(self, endpoint: str) -> dict[int, str]:
-        """Publish our endpoint and collect every peer's (runs in a worker thread).
-
-        Polls ``store.check`` (one round trip for all missing keys) with a growing
-        interval, rather than blocking in ``store.wait``: abort() can then stop it,
-        and no timed-out wait spams C++ warnings.
-        """
-        store = self._store
-        store.set(self._store_key(self.rank), endpoint)
-        keys = {p: self._store_key(p) for p in sorted(self._peers())}
-        deadline = time.monotonic() + self._connect_timeout
-        interval = 0.002
-        while keys and not store.check(list(keys.values())):
-            if self._stop_rendezvous.is_set():
-                raise TransportClosed(f"rank {self.rank}: aborted during rendezvous")
-            if time.monotonic() > deadline:
-                missing = sorted(p for p, k in keys.items() if not store.check([k]))
-                raise TimeoutError(
-                    f"rank {self.rank}: ranks {missing} did not publish endpoints "
-                    f"within {self._connect_timeout} s"
-                )
-            self._stop_rendezvous.wait(interval)
-            interval = min(interval * 1.5, 0.1)
-        return {p: bytes(store.get(k)).decode() for p, k in keys.items()}
 
     def _sockopts(self, s: zmq.Socket) -> None:
         s.setsockopt(zmq.LINGER, 0)
@@ -313,9 +330,21 @@ class ZmqTransport(Transport):
                 except zmq.Again:
                     return
                 parts = [f]
+                size, too_big = 0, False
                 while f.more:  # the rest of a message is there once its first frame is
                     f = _recv(sock, _NOBLOCK, False)
+                    if too_big:
+                        continue  # read off and dropped, never kept
+                    size += len(f)
                     parts.append(f)
+                    if len(parts) > self._max_frames or size > self._max_wire:
+                        too_big = True
+                if too_big:
+                    self.stats["rejected_oversize"] += 1
+                    self._reject(self._rank_of.get(parts[0].bytes, repr(parts[0].bytes[:16])),
+                                 f"message over {len(parts) - 1} frames / {size} bytes "
+                                 f"(limits {self._max_frames - 1} frames, {self._max_wire} bytes): dropped undecoded")
+                    continue
                 self._on_router_message(parts)
                 if self._router_fd is None:  # closed by a callback of the delivery
                     return
@@ -330,11 +359,20 @@ class ZmqTransport(Transport):
         ident = parts[0].bytes
         src = self._rank_of.get(ident)
         if src is None:
+            self.stats["rejected_unknown_peer"] += 1
             self._reject(repr(ident[:16]), "unknown routing id")
+            return
+        if self._auth is not None and parts[0].get("User-Id") != ident.decode():
+            self.stats["rejected_identity"] += 1
+            self._reject(src, f"routing id {ident.decode()!r} sent over the connection of rank "
+                              f"{parts[0].get('User-Id')!r}")
             return
         payload = parts[1:]
         if len(payload) == 1 and len(payload[0]) == len(_BYE) and payload[0].bytes == _BYE:
             self._on_bye(src)
+            return
+        if len(payload) == 2 and len(payload[0]) == len(LOST_NOTICE) and payload[0].bytes == LOST_NOTICE:
+            self._on_lost_notice(src, payload[1].bytes)
             return
         self._deliver_frames(src, payload)
 
@@ -373,6 +411,7 @@ class ZmqTransport(Transport):
                     if not self._connected[p].done():
                         self._connected[p].set_result(None)
                 elif what == zmq.EVENT_DISCONNECTED:
+                    self._drain_router()  # a lost-rank notice may already be waiting
                     self._on_disconnect(
                         p,
                         f"connection to {self.peer_endpoints.get(p)} closed (process "
@@ -395,11 +434,23 @@ class ZmqTransport(Transport):
             return
         if self._closing:
             asyncio.get_running_loop().call_later(self._bye_grace, self._on_peer_lost, p, reason)
-        else:
+        elif self._lost:
             self._on_peer_lost(p, reason)
+        else:
+            # The peer's notice naming the rank it lost first may still be on its way.
+            asyncio.get_running_loop().call_later(_LOST_NOTICE_GRACE, self._on_peer_lost, p, reason)
 
     def _wake_flush(self) -> None:
         self._progress.set()
+
+    def _send_lost_notices(self, lost: int) -> None:
+        for p, d in self._direct.items():
+            if p != lost and p not in self._lost and not d.closed:
+                try:
+                    _send_now(d, [LOST_NOTICE, str(lost).encode()])
+                except zmq.ZMQError:
+                    pass
+        self._notice_sent = True
 
     # -- send side -------------------------------------------------------------
 
@@ -445,7 +496,7 @@ class ZmqTransport(Transport):
     async def flush(self) -> None:
         while True:
             if self._lost:
-                raise self._lost[min(self._lost)]
+                raise self._first_lost()
             if self._mailbox.error is not None:
                 raise self._mailbox.error
             if self._pending == 0:
@@ -492,9 +543,16 @@ class ZmqTransport(Transport):
         for t in self._tasks:
             t.cancel()
         self._stop_receiving()
-        self._close_sockets(linger_ms=0)
+        if self._gate is not None:
+            self._gate.stop()
+        # Lost-rank notices just handed to ZeroMQ get a second to leave; nothing else waits.
+        notice = self._notice_sent
+        self._close_sockets(linger_ms=1000 if notice else 0)
         if self._ctx is not None:
-            self._ctx.destroy(linger=0)
+            if notice:
+                self._ctx.term()
+            else:
+                self._ctx.destroy(linger=0)
         self._mailbox.fail(TransportClosed(f"rank {self.rank}: aborted"))
         self._bye_event.set()
         self._progress.set()
@@ -506,6 +564,8 @@ class ZmqTransport(Transport):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._stop_receiving()
+        if self._gate is not None:
+            self._gate.stop()
         self._close_sockets(linger_ms=self._close_linger_ms if graceful else 0)
         if self._ctx is not None:
             # term() blocks until lingering frames are out: keep the loop free.

@@ -1,0 +1,142 @@
+"""The ZeroMQ transport's gatekeeper thread: ZAP authentication and handshake accounting.
+
+With a job secret every ROUTER is a CURVE server. libzmq asks the ZAP handler of its
+context (RFC 27, ``inproc://zeromq.zap.01``) about each connecting client's public key;
+this thread answers: a key derived for rank r is accepted with User-Id ``r`` (which the
+transport then checks against the routing id of every message), any other key is
+refused. A client that does not complete the CURVE handshake (no secret, NULL mechanism,
+wrong key) never delivers a single frame: it is counted from the ROUTER's monitor as
+``rejected_handshake``. The thread runs outside the event loop, so handshakes proceed
+while a rank's loop is idle between steps.
+
+The same thread keeps the rank's own signed store entry in place (``guard``) until every
+peer has authenticated, so an entry overwritten after publishing is written back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger("rrfp.transport.zmq")
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_ids = itertools.count()
+
+
+class Gatekeeper:
+    """Answers ZAP requests for one context and counts refused handshakes.
+
+    Args:
+        ctx: the transport's context (one ZAP handler per context).
+        rank: the owning rank (for log lines).
+        keys: binary (32-byte) CURVE public key -> rank, of every rank allowed in.
+        stats: the transport's counters; this thread alone writes ``rejected_handshake``.
+        guard: called every ``guard_s`` until it returns False or every peer authenticated.
+        world_size: number of ranks.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        rank: int,
+        keys: dict[bytes, int],
+        stats: dict[str, int],
+        world_size: int,
+        guard: Callable[[], bool] | None = None,
+        guard_s: float = 0.05,
+    ) -> None:
+        self.rank = rank
+        self._keys = keys
+        self._stats = stats
+        self._world = world_size
+        self._guard = guard
+        self._guard_ms = max(1, int(guard_s * 1000))
+        self.authenticated: set[int] = set()
+        self.all_in = threading.Event()
+        self._ctx = ctx
+        # Bound here, before the ROUTER binds: a handshake must never find no handler.
+        self._zap = zmq.Socket(ctx, zmq.REP)
+        self._zap.linger = 0
+        self._zap.bind(ZAP_ENDPOINT)
+        stop_addr = f"inproc://rrfp-gate-stop-{next(_ids)}"
+        self._stop_rx = zmq.Socket(ctx, zmq.PAIR)
+        self._stop_rx.linger = 0
+        self._stop_rx.bind(stop_addr)
+        self._stop_tx = zmq.Socket(ctx, zmq.PAIR)
+        self._stop_tx.linger = 0
+        self._stop_tx.connect(stop_addr)
+        self._mon: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def watch(self, router: zmq.Socket) -> None:
+        """Count the ROUTER's failed handshakes; then start the thread."""
+        addr = f"inproc://rrfp-gate-mon-{next(_ids)}"
+        router.monitor(addr, _FAILED)
+        self._mon = zmq.Socket(self._ctx, zmq.PAIR)
+        self._mon.linger = 0
+        self._mon.connect(addr)
+        self._thread = threading.Thread(target=self._run, name=f"rrfp-gate-{self.rank}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and close its sockets (call before the context terminates)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._stop_tx.send(b"")
+            self._thread.join()
+        for s in (self._zap, self._stop_rx, self._stop_tx, self._mon):
+            if s is not None and not s.closed:
+                s.close(linger=0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._zap, zmq.POLLIN)
+        poller.register(self._stop_rx, zmq.POLLIN)
+        poller.register(self._mon, zmq.POLLIN)
+        guarding = self._guard is not None
+        try:
+            while True:
+                ready = dict(poller.poll(self._guard_ms if guarding else None))
+                if self._stop_rx in ready:
+                    return
+                if self._zap in ready:
+                    self._answer(self._zap.recv_multipart())
+                if self._mon in ready:
+                    ev = parse_monitor_message(self._mon.recv_multipart())
+                    if ev["event"] & _FAILED:
+                        n = self._stats["rejected_handshake"] = self._stats.get("rejected_handshake", 0) + 1
+                        if n <= 10 or n & (n - 1) == 0:
+                            log.warning("rank %d: refused connection #%d from %s: CURVE handshake failed "
+                                        "(%s)", self.rank, n, ev.get("endpoint", b"?").decode("utf-8", "replace"),
+                                        zmq.Event(ev["event"]).name)
+                if guarding:
+                    guarding = not self.all_in.is_set() and bool(self._guard())
+        except zmq.ContextTerminated:
+            return
+        except Exception:  # never silently: a dead gate would stall every handshake
+            log.exception("rank %d: gatekeeper failed", self.rank)
+
+    def _answer(self, msg: list[bytes]) -> None:
+        # ZAP request: version, request id, domain, address, identity, mechanism, credentials.
+        if len(msg) < 6:
+            return
+        version, req = msg[0], msg[1]
+        mechanism, creds = msg[5], msg[6:]
+        rank = self._keys.get(creds[0]) if mechanism == b"CURVE" and creds else None
+        if rank is None:
+            self._zap.send_multipart([version, req, b"400", b"unknown key", b"", b""])
+            return
+        self._zap.send_multipart([version, req, b"200", b"OK", str(rank).encode(), b""])
+        self.authenticated.add(rank)
+        if len(self.authenticated - {self.rank}) >= self._world - 1:
+            self.all_in.set()
