@@ -159,7 +159,7 @@ def local_overhead(n_ranks: int = 4, n_microbatches: int = 64, hints: Sequence[s
     on its worker thread, which the loop thread's CPU time does not see, so compare executors
     by wall time (``min_per_task_us``, ``overhead_wall_us``). On CUDA, every step ends with a
     device synchronisation (in both the pipeline's and the reference's times)."""
-    from rrfp.runtime.pipeline import LocalPipeline
+    from rrfp.runtime.local import LocalPipeline
 
     out = {}
     x = torch.ones(n_microbatches, 1)

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Pipeline": "rrfp.runtime.pipeline",
-    "LocalPipeline": "rrfp.runtime.pipeline",
+    "LocalPipeline": "rrfp.runtime.local",
     "PipelineStage": "rrfp.runtime.stage",
 }
 

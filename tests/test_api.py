@@ -11,7 +11,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from rrfp.runtime.compat import hint_text
-from rrfp.runtime.pipeline import LocalPipeline
+from rrfp.runtime.local import LocalPipeline
 from rrfp.runtime.split import CONV1D, disable_split_backward, enable_split_backward, layout_of, register_split_layer
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -173,7 +173,7 @@ def test_report_renders_again_from_raw_results(tmp_path, capsys):
 def test_overhead_reference_runs_the_pipelines_tasks():
     """The runtime-overhead reference (tasks run by hand) computes what the pipeline computes:
     the same weight gradients on every stage, so it is the same work, minus the runtime."""
-    from rrfp.runtime.pipeline import LocalPipeline
+    from rrfp.runtime.local import LocalPipeline
 
     P, M = 3, 5
     ref, n_tasks, stages = micro.sequential_runner(P, M)

@@ -14,7 +14,8 @@ from torch import nn
 from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
 from rrfp.runtime.cuda import CudaExecutor, no_stream
 from rrfp.runtime.executor import InlineExecutor, ThreadExecutor, make_executor
-from rrfp.runtime.pipeline import LocalPipeline, split_microbatches
+from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.pipeline import split_microbatches
 from rrfp.scheduler.tasks import F, Task
 from rrfp.transport.keys import Direction
 

@@ -10,7 +10,7 @@ import torch
 from rrfp.data.batches import make_microbatches, pad_batch
 from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
 from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
-from rrfp.runtime.pipeline import LocalPipeline
+from rrfp.runtime.local import LocalPipeline
 
 RTOL, ATOL = 1e-5, 1e-6
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)

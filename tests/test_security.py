@@ -179,7 +179,7 @@ def test_root_cause_follows_blame_not_rank_zero():
 
 def test_statistics_are_validated_rate_limited_and_a_zero_loss_does_not_crash(capsys):
     from rrfp.scheduler.tasks import Placement
-    from rrfp.train.worker import Reporter
+    from rrfp.train.report import Reporter
 
     args = SimpleNamespace(steps=2, microbatches=4, quiet=True, hint="bf", skip_nonfinite=False)
     rep = Reporter(args, 4, Placement(4, 1, "loop"))
