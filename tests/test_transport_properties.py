@@ -36,6 +36,12 @@ def width(m: int) -> int:
     return 2 + m % 2
 
 
+def share(m: int, n_mb: int) -> float:
+    """Microbatch ``m``'s loss weight: its share of the batch's samples (rows), as
+    ``torch.distributed.pipelining`` weighs uneven microbatches."""
+    return rows(m) / sum(rows(j) for j in range(n_mb))
+
+
 def mask_of(stage: int, m: int) -> torch.Tensor:
     return (torch.arange(rows(m)) % 2 == m % 2) ^ bool((stage + 1) % 2)
 
@@ -51,7 +57,7 @@ class _Seen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         stage, m, n_mb, log = ctx.info
-        want = torch.full_like(g, (m + 1) / n_mb)
+        want = torch.full_like(g, (m + 1) * share(m, n_mb))
         torch.testing.assert_close(g, want, rtol=0, atol=1e-6, msg=lambda s: f"grad at stage {stage} mb {m}: {s}")
         log.append(("B", stage, m))
         return g, None, None, None, None
@@ -119,11 +125,11 @@ def test_every_hint_completes_and_no_tensor_lands_in_another_buffer(n_ranks, n_v
     assert wire.mismatches == 0 and wire.transfers > 0
     want = {(k, s, m) for k in "FB" for s in range(n_stages) for m in range(n_mb)}
     assert sorted(log) == sorted(want), "every F and B exactly once"
-    ref = sum((code(n_stages - 1, m) * (m + 1)) * rows(m) * width(m) for m in range(n_mb)) / n_mb
+    ref = sum(code(n_stages - 1, m) * (m + 1) * rows(m) * width(m) * share(m, n_mb) for m in range(n_mb))
     assert float(loss) == pytest.approx(ref, rel=1e-6)
     for s, st_ in enumerate(stages):
         # d loss / d w_s = sum over microbatches of grad * x_in, all known in closed form.
-        g = sum((m + 1) / n_mb * code(s - 1, m) * rows(m) * width(m) for m in range(n_mb))
+        g = sum((m + 1) * share(m, n_mb) * code(s - 1, m) * rows(m) * width(m) for m in range(n_mb))
         assert float(st_.w.grad) == pytest.approx(g, rel=1e-5), s
 
 

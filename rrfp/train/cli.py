@@ -118,22 +118,26 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_stages(args: argparse.Namespace) -> None:
-    """``--stages``: the world size inside a torchrun job (an explicit value must agree),
-    else the default.
+    """``--stages``: inside a torchrun job, the world size over ``--dp x --tp`` (an explicit
+    value must agree), else the default.
 
     Raises:
-        UsageError: ``--stages`` that differs from the world size of the job.
+        UsageError: ``--stages`` x ``--dp`` x ``--tp`` that differs from the job's world size,
+            or a world size that ``--dp x --tp`` does not divide.
     """
     from ..runtime.dist import in_launched_worker
 
     if in_launched_worker():
         world = int(os.environ["WORLD_SIZE"])
-        if args.stages is not None and args.stages != world:
+        dp, tp = getattr(args, "dp", 1) or 1, getattr(args, "tp", 1) or 1
+        if args.stages is not None and args.stages * dp * tp != world:
             raise UsageError(
-                f"--stages={args.stages} but this torchrun job has {world} processes (world size): "
-                f"drop --stages or launch {args.stages} processes per pipeline"
+                f"--stages={args.stages} x --dp={dp} x --tp={tp} but this torchrun job has {world} processes "
+                f"(world size): drop --stages or launch {args.stages * dp * tp} processes"
             )
-        args.stages = world
+        if world % (dp * tp):
+            raise UsageError(f"world size {world} is not a multiple of --dp={dp} x --tp={tp}")
+        args.stages = world // (dp * tp)
     elif args.stages is None:
         args.stages = DEFAULTS["stages"]
 
