@@ -280,9 +280,17 @@ def validate(args: argparse.Namespace) -> None:
             JobAuth.from_file(args.job_secret_file)
         except ValueError as e:
             raise UsageError(f"--job-secret-file: {e}") from None
+    else:
+        from ..transport.auth import ENV_SECRET, JobAuth
+
+        if os.environ.get(ENV_SECRET):
+            try:
+                JobAuth(os.environ[ENV_SECRET])
+            except ValueError as e:
+                raise UsageError(f"{ENV_SECRET}: {e}") from None
     from ..obs.server import check_flags as check_metrics_flags
 
-    problem = check_metrics_flags(args, n_ports=args.stages)
+    problem = check_metrics_flags(args, n_ports=args.stages * args.dp * args.tp)
     if problem:
         raise UsageError(problem)
     from .checkpoint import check_flags as check_checkpoint_flags
