@@ -73,7 +73,10 @@ def parse_size(text: str | int) -> int:
         unit = m.group(2).lower() if m else None
         if not m or unit not in _UNITS:
             raise ValueError(f"memory size {text!r}: expected a number of bytes with an optional unit, e.g. 64MiB, 1.5GB")
-        n = int(float(m.group(1)) * _UNITS[unit])
+        x = float(m.group(1)) * _UNITS[unit]
+        if not x <= MAX_BUDGET:  # also inf and nan: int() of them raises a traceback
+            raise ValueError(f"memory size {text!r}: expected 1 byte to 2**62 bytes")
+        n = int(x)
     if not 1 <= n <= MAX_BUDGET:
         raise ValueError(f"memory size {text!r}: expected 1 byte to 2**62 bytes")
     return n

@@ -131,9 +131,10 @@ def resolve_stages(args: argparse.Namespace) -> None:
         world = int(os.environ["WORLD_SIZE"])
         dp, tp = getattr(args, "dp", 1) or 1, getattr(args, "tp", 1) or 1
         if args.stages is not None and args.stages * dp * tp != world:
+            layout = f" x --dp={dp} x --tp={tp}" if dp * tp > 1 else ""
             raise UsageError(
-                f"--stages={args.stages} x --dp={dp} x --tp={tp} but this torchrun job has {world} processes "
-                f"(world size): drop --stages or launch {args.stages * dp * tp} processes"
+                f"--stages={args.stages}{layout} but this torchrun job has {world} processes (world size): "
+                f"drop --stages or launch {args.stages * dp * tp} processes" + ("" if layout else " per pipeline")
             )
         if world % (dp * tp):
             raise UsageError(f"world size {world} is not a multiple of --dp={dp} x --tp={tp}")
@@ -303,6 +304,10 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"--data: data path {path!r} does not exist")
         if not (Path(path).is_file() or Path(path).is_dir()):
             raise UsageError(f"--data: data path {path!r} is not a regular file or folder")
+    from .worker import SAMPLE_POOL
+
+    if args.model != "multimodal" and args.batch_size > SAMPLE_POOL:
+        raise UsageError(f"--batch-size={args.batch_size}: expected at most {SAMPLE_POOL} (the samples a run loads)")
     if args.data:
         # The ranks would load the same samples; finding too few here saves starting them.
         from ..data.text import load_samples

@@ -8,6 +8,7 @@ flag's type (``steps = 100``, ``hint = "bfw"``, ``data = ["a.txt", "docs/"]``,
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,9 +67,9 @@ def _scalar(where: str, value: Any, action: argparse.Action) -> Any:
         raise UsageError(f"{where}: expected a single {getattr(action.type, '__name__', 'value')}, got {value!r}")
     try:
         v = action.type(value) if action.type is not None else str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise UsageError(f"{where}: expected {getattr(action.type, '__name__', 'a value')}, got {value!r}") from None
-    if action.type is int and isinstance(value, float) and value != int(value):
+    if action.type is int and isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
         raise UsageError(f"{where}: expected an integer, got {value!r}")
     if action.choices is not None and v not in action.choices:
         raise UsageError(f"{where}: {v!r} is not one of {', '.join(map(str, action.choices))}")

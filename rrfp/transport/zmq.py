@@ -362,6 +362,10 @@ class ZmqTransport(SecureRendezvous, Transport):
             self.stats["rejected_unknown_peer"] += 1
             self._reject(repr(ident[:16]), "unknown routing id")
             return
+        if src == self.rank:  # loopback sends never touch the socket: this is an impostor
+            self.stats["rejected_identity"] += 1
+            self._reject(src, "routing id of this rank itself")
+            return
         if self._auth is not None and parts[0].get("User-Id") != ident.decode():
             self.stats["rejected_identity"] += 1
             self._reject(src, f"routing id {ident.decode()!r} sent over the connection of rank "
