@@ -41,8 +41,10 @@ def installed(tmp_path_factory):
     site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp).stdout.strip())
     (site / "outer.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     wheel = next(wheels.glob("rrfp-*.whl"))
+    # --ignore-installed: the fresh environment sees this one's editable rrfp through outer.pth,
+    # and pip would otherwise call the wheel "already satisfied" and install nothing.
     p = _run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q",
-              str(wheel)], cwd=tmp)
+              "--ignore-installed", str(wheel)], cwd=tmp)
     assert p.returncode == 0, p.stderr[-2000:]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"

@@ -372,7 +372,6 @@ def run(args: argparse.Namespace) -> int:
 def launch(args: argparse.Namespace) -> int:
     """Start ``args.stages`` local ranks through torch.distributed.run (torchrun)."""
     import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     argv = getattr(args, "argv", None) or ["train"]
     run_args = torchrun.get_args_parser().parse_args(
@@ -385,9 +384,26 @@ def launch(args: argparse.Namespace) -> int:
 
     # One secret per run, handed to the ranks only through their environment (never disk
     # or argv); a --job-secret-file or a secret already in the environment is kept.
-    if not getattr(args, "job_secret_file", None) and not os.environ.get(ENV_SECRET):
+    # The launcher hands its own environment to the ranks, so the secret is set there for this
+    # run only and removed after it: a caller running `rrfp train` in-process (tests, notebooks)
+    # must not be left with a secret that turns on CURVE for its own later transports.
+    made_secret = not getattr(args, "job_secret_file", None) and not os.environ.get(ENV_SECRET)
+    if made_secret:
         os.environ[ENV_SECRET] = JobAuth.generate()
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    try:
+        return _run_launcher(run_args)
+    finally:
+        if made_secret:
+            os.environ.pop(ENV_SECRET, None)
+        os.environ.pop(LAUNCHER_PID_ENV, None)
+
+
+def _run_launcher(run_args) -> int:
+    """torchrun's ``run`` on the prepared arguments; the exit code of ``rrfp train``."""
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     _quiet_launcher_logs()
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
