@@ -100,6 +100,30 @@ def split_inputs(
     return arg_mbs, kwarg_mbs
 
 
+def split_microbatches(args: Sequence[Any], n_microbatches: int, what: str = "input") -> list[tuple]:
+    """Split each tensor of ``args`` along dim 0 into ``n_microbatches`` parts
+    (``torch.tensor_split`` sizes: as equal as possible, earlier parts one larger).
+
+    Returns:
+        one tuple per microbatch, holding that microbatch's slice of every argument.
+
+    Raises:
+        ValueError: when a tensor's batch size is smaller than ``n_microbatches``.
+    """
+    parts = []
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            raise TypeError(f"{what} arguments must be tensors, got {type(a).__name__}")
+        if a.dim() == 0 or a.shape[0] < n_microbatches:
+            size = 0 if a.dim() == 0 else a.shape[0]
+            raise ValueError(
+                f"n_microbatches={n_microbatches} exceeds the {what} batch size {size}: "
+                "each microbatch needs at least one sample"
+            )
+        parts.append(torch.tensor_split(a, n_microbatches, dim=0))
+    return [tuple(p[m] for p in parts) for m in range(n_microbatches)]
+
+
 def split_target(target: Any, n_microbatches: int) -> list:
     """The target's microbatches (dim 0, as PyTorch's schedules split it).
 
@@ -108,13 +132,7 @@ def split_target(target: Any, n_microbatches: int) -> list:
     """
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor, got {type(target).__name__}")
-    if target.dim() == 0 or target.shape[0] < n_microbatches:
-        size = 0 if target.dim() == 0 else target.shape[0]
-        raise ValueError(
-            f"n_microbatches={n_microbatches} exceeds the target batch size {size}: "
-            "each microbatch needs at least one sample"
-        )
-    return list(torch.tensor_split(target, n_microbatches, dim=0))
+    return [mb for (mb,) in split_microbatches((target,), n_microbatches, "target")]
 
 
 def merge_outputs(chunks: Sequence[Any], output_merge_spec=None) -> Any:

@@ -24,6 +24,7 @@ from ..transport.base import Transport
 from .executor import make_executor
 from .compat import StepIO as _StepIO, check_grad_mode as _check_grad_mode, hint_text, merge_outputs, new_job_id
 from .compat import prepare_inputs as _prepare_inputs
+from .compat import split_microbatches  # noqa: F401 - public here, as before
 from .rank import DelayFn, LossFn, RankRuntime, StepStats
 from .split import disable_split_backward
 from .stage import PipelineStage
@@ -37,30 +38,6 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return uvloop.new_event_loop()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
         return asyncio.new_event_loop()
-
-
-def split_microbatches(args: Sequence[Any], n_microbatches: int, what: str = "input") -> list[tuple]:
-    """Split each tensor of ``args`` along dim 0 into ``n_microbatches`` parts
-    (``torch.tensor_split`` sizes: as equal as possible, earlier parts one larger).
-
-    Returns:
-        one tuple per microbatch, holding that microbatch's slice of every argument.
-
-    Raises:
-        ValueError: when a tensor's batch size is smaller than ``n_microbatches``.
-    """
-    parts = []
-    for a in args:
-        if not isinstance(a, torch.Tensor):
-            raise TypeError(f"{what} arguments must be tensors, got {type(a).__name__}")
-        if a.dim() == 0 or a.shape[0] < n_microbatches:
-            size = 0 if a.dim() == 0 else a.shape[0]
-            raise ValueError(
-                f"n_microbatches={n_microbatches} exceeds the {what} batch size {size}: "
-                "each microbatch needs at least one sample"
-            )
-        parts.append(torch.tensor_split(a, n_microbatches, dim=0))
-    return [tuple(p[m] for p in parts) for m in range(n_microbatches)]
 
 
 def _limits(inflight_limit: int | Sequence[int], n_ranks: int) -> list[int]:
