@@ -58,6 +58,9 @@ GOLDEN = {
     "f-priority": "0F0 0F1 0F2 0F3 0F4 0F5 0B0 0B1 0B2 0B3 0B4 0B5",
     # bfw: split backward, B (here I) > F > W: W only when no I or F is ready.
     "bfw": "0F0 0F1 0F2 0I0 0I1 0F3 0F4 0F5 0I2 0I3 0I4 0I5 0W0 0W1 0W2 0W3 0W4 0W5",
+    # bfw-alt: split backward, rounds of one ready I then one ready F (as bf), W only when
+    # neither is ready: I0 F3 I1 F4 where bfw runs I0 I1 F3 F4.
+    "bfw-alt": "0F0 0F1 0F2 0I0 0F3 0I1 0F4 0F5 0I2 0I3 0I4 0I5 0W0 0W1 0W2 0W3 0W4 0W5",
     # An order used as a hint: the earliest ready task of PyTorch's order. 1F1B's rank 0 order
     # is F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5; B0 is not ready after F1, so F2 goes first.
     "1f1b": "0F0 0F1 0F2 0B0 0B1 0F3 0F4 0F5 0B2 0B3 0B4 0B5",

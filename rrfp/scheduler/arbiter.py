@@ -286,21 +286,49 @@ class Arbiter:
                     return self._dispatch(t)
             return None
         mem = self._mem
+        if mem is not None:
+            return self._next_budget(mem)
         if self._admission:
             if self.mb_inflight < self.limit:
-                if not self._policy:
-                    return self._next_in_order(True)
-                rf = self._rf
-                # The heap's top is a first-virtual-stage F whenever there is one (key v first).
-                if mem is None or not rf or rf[0][0] or mem.admits(rf[0][1]):
-                    return self._next_policy(True)
+                return self._next_policy(True) if self._policy else self._next_in_order(True)
             return self._next_policy_admission() if self._policy else self._next_in_order(True, admit=False)
         if self._interleaved and self.inflight >= self.limit:
             return self._next_completion_order()
         if self._policy:
-            rf = self._rf
-            return self._next_policy(self.inflight < self.limit and (mem is None or not rf or mem.admits(rf[0][1])))
+            return self._next_policy(self.inflight < self.limit)
         return self._next_in_order(self.inflight < self.limit)
+
+    def _next_budget(self, mem: MemoryLedger) -> Task | None:
+        # Under a memory budget every forward asks the ledger (the banker's check,
+        # rrfp.scheduler.memory): an admission within the count limit (with virtual stages,
+        # only the next microbatch in order), a later virtual stage's forward for an admitted
+        # microbatch. The hint ranks the granted forwards; B, I and W are never gated.
+        M = self._n_mb
+        rdy = self._rdy[0]
+        if not self._policy:
+            return self._next_in_order(True, budget=True)
+        if self._interleaved:
+            m0 = mem.n_admitted
+            admit = m0 < M and rdy[m0]
+        else:
+            # One stage per rank: the lowest ready microbatch, the policy heap's top.
+            m0 = self._rf[0][1] if self._rf else M
+            admit = m0 < M
+        admit = admit and self.mb_inflight < self.limit and mem.grants(self.stages[0], m0)
+        best = None
+        fs = self._fsign
+        if self._interleaved:
+            # Forwards on later virtual stages: only in-flight microbatches have them ready.
+            stages = self.stages
+            for m in mem.in_flight():
+                for v in range(1, len(stages)):
+                    if rdy[v * M + m]:
+                        e = (v * fs, m, stages[v])
+                        if (best is None or e < best) and mem.grants(e[2], m):
+                            best = e
+        if admit and (best is None or fs > 0):  # F prefers the lower virtual index unless depth-first
+            best = (0, m0, self.stages[0])
+        return self._next_policy(False, best)
 
     def _next_policy(self, f_allowed: bool, f_entry: tuple[int, int, int] | None = None) -> Task | None:
         # The simulator calls this once per task: pops and dispatch are inlined. ``f_entry``:
@@ -335,16 +363,23 @@ class Arbiter:
         self.running = t
         return t
 
-    def _next_in_order(self, f_allowed: bool, admit: bool = True) -> Task | None:
+    def _next_in_order(self, f_allowed: bool, admit: bool = True, budget: bool = False) -> Task | None:
+        # ``budget``: every forward asks the memory ledger, admissions within the count limit.
         order, keys, rdy, done = self._order, self._keys, self._rdy, self._done
         n, M = len(order), self._n_mb
         while self._pos < n and done[keys[self._pos][0]][keys[self._pos][1]]:
             self._pos += 1
-        mem = self._mem
+        if budget:
+            mem, stages, room = self._mem, self.stages, self.mb_inflight < self.limit
+            for j in range(self._pos, n):
+                c, i = keys[j]
+                if rdy[c][i] and (c != 0 or ((room or i >= M) and mem.grants(stages[i // M], i % M))):
+                    return self._dispatch(order[j])
+            return None
         for j in range(self._pos, n):
             c, i = keys[j]
             # Flag index i < M is the first virtual stage: F there admits a new microbatch.
-            if rdy[c][i] and (c != 0 or (f_allowed and (i >= M or (admit and (mem is None or mem.admits(i)))))):
+            if rdy[c][i] and (c != 0 or (f_allowed and (i >= M or admit))):
                 return self._dispatch(order[j])
         return None
 

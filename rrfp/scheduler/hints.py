@@ -40,8 +40,9 @@ POLICIES = {
     "bfw": ("B", False, True),
     "b-priority": ("B", False, False),
     "f-priority": ("F", False, False),
+    "bfw-alt": ("B", True, True),
 }
-DEPTH_FIRST = {"bf-df": "bf", "bfw-df": "bfw"}
+DEPTH_FIRST = {"bf-df": "bf", "bfw-df": "bfw", "bfw-alt-df": "bfw-alt"}
 """Depth-first variants of policies (name -> the policy they vary): among ready forwards they
 prefer the *latest* virtual stage, so a microbatch already admitted moves on to its backward
 (and frees its memory) before a new one is started; critical-path priority across virtual
