@@ -1,4 +1,4 @@
-"""Simulator speed: 128 ranks x 2 virtual stages, 1024 microbatches, BFW (786,432 tasks).
+"""Simulator speed: 128 ranks x 2 virtual stages, 1024 microbatches, the default hint.
 
 Prints wall and CPU seconds per repeat and the best of them (the usual benchmark figure: the
 least disturbed run), tasks per second, and the simulated makespan against the busiest rank's
@@ -17,6 +17,7 @@ import pstats
 import time
 
 from rrfp.scheduler import Placement, resolve_hint
+from rrfp.scheduler.hints import DEFAULT_HINT
 from rrfp.sim.costs import CostModel
 from rrfp.sim.duration import DurationModel
 from rrfp.sim.engine import simulate
@@ -27,7 +28,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=128)
     ap.add_argument("--virtual", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=1024)
-    ap.add_argument("--hint", default="bfw")
+    ap.add_argument("--hint", default=DEFAULT_HINT, help="default: the default hint (rrfp.scheduler.hints.DEFAULT_HINT)")
     ap.add_argument("--limit", type=int, default=32, help="in-flight limit (RRFP default 32)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--record", action="store_true", help="keep a TaskRecord per task")

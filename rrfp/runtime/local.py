@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..scheduler.hints import resolve_hint
+from ..scheduler.hints import DEFAULT_HINT, resolve_hint
 from ..scheduler.tasks import Placement
 from .compat import StepIO as _StepIO, check_grad_mode as _check_grad_mode, hint_text
 from .compat import prepare_inputs as _prepare_inputs
@@ -60,7 +60,7 @@ class LocalPipeline:
         output_merge_spec: Any = None,
         scale_grads: bool = True,
         *,
-        hint: Any = "bf",
+        hint: Any = DEFAULT_HINT,
         inflight_limit: int | Sequence[int] = 32,
         n_virtual: int = 1,
         placement: str = "loop",

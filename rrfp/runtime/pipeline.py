@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..scheduler.hints import resolve_hint
+from ..scheduler.hints import DEFAULT_HINT, resolve_hint
 from .memory import budget_bytes
 from ..scheduler.tasks import Placement
 from ..transport.base import Transport
@@ -79,7 +79,7 @@ class Pipeline:
         output_merge_spec: how the last stage's outputs merge (torch's ``merge_chunks``).
         scale_grads: True (default): microbatch losses weighted by their share of the batch
             (``loss_weight_fn`` overrides); False: summed, as PyTorch's ``scale_grads=False``.
-        hint: ``bf`` (default), ``bfw``, ``fb``, ``b-priority``, ``f-priority``, a schedule
+        hint: the default hint (``rrfp.scheduler.hints.DEFAULT_HINT``, ``bf``), ``bfw``, ``fb``, ``b-priority``, ``f-priority``, a schedule
             name (``1f1b``, ``gpipe``...; PyTorch's names and classes too: ``Interleaved1F1B``,
             ``Schedule1F1B``) used as a hint, or ``strict-<schedule>`` for the fixed-order
             baseline (RRFP §4).
@@ -138,7 +138,7 @@ class Pipeline:
         output_merge_spec: Any = None,
         scale_grads: bool = True,
         *,
-        hint: Any = "bf",
+        hint: Any = DEFAULT_HINT,
         inflight_limit: int | Sequence[int] = 32,
         placement: str = "loop",
         loss_weight_fn: Callable[[Any], float] | None = None,

@@ -49,6 +49,11 @@ prefer the *latest* virtual stage, so a microbatch already admitted moves on to 
 stages. With one stage per rank they equal their base policy."""
 POLICIES.update({k: POLICIES[v] for k, v in DEPTH_FIRST.items()})
 HINT_NAMES = tuple(POLICIES) + tuple(SCHEDULES)
+DEFAULT_HINT = "bf"
+"""The hint ``Pipeline``, ``LocalPipeline``, ``rrfp train`` and ``benchmarks/bench_sim.py`` use
+when none is given (the one definition). RRFP's BF: needs no split backward. ``bfw-alt-df`` is
+the best hint of the scenario suite (``docs/suite.md``) but misses its targets at 1F1B's memory
+(never below 1.00x; median 1.15x), so it is not the default; README says which to use when."""
 
 NOMINAL_DURATIONS = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
 """Task durations (arbitrary units) used to compile a policy into a strict order."""

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..cli import UsageError
-from ..scheduler.hints import HINT_NAMES
+from ..scheduler.hints import DEFAULT_HINT, HINT_NAMES
 
 DEFAULTS = dict(
     stages=4,
@@ -27,7 +27,7 @@ DEFAULTS = dict(
     max_len=128,
     lr=3e-3,
     seed=0,
-    hint="bf",
+    hint=DEFAULT_HINT,
     inflight_limit="32",
 )
 
