@@ -106,3 +106,37 @@ def test_strict_schedules_run_pytorchs_order(hint):
         spec, h, strict = resolve_hint(hint, Placement(2), 4)
         assert strict
         assert " ".join(map(str, h.order[rank])) == STRICT_GOLDEN[hint][rank]
+
+
+def test_depth_first_under_a_budget_runs_the_oldest_first_hand_computed():
+    """bfw-alt-df on rank 0 of 2 with 2 virtual stages (stages 0 and 2), 1 byte per forward,
+    a budget of 3 bytes: the banker's check of rrfp.scheduler.memory, step by step."""
+    spec, h, _ = resolve_hint("bfw-alt-df", Placement(2, 2), 4)
+    arb = Arbiter(spec, 0, h, memory_budget=3, act_bytes=lambda s, m: 1)
+    seen = []
+
+    def run(k: int) -> None:
+        for _ in range(k):
+            t = arb.next()
+            if t is None:
+                return
+            seen.append(str(t))
+            arb.complete(t)
+
+    # mb 0 alone; mb 1 (2 held, 1 free: mb 0 can still take its stage 2, then mb 1 from what
+    # mb 0 frees); not mb 2 (3 held, and mb 0 could not take its stage 2).
+    run(3)
+    assert seen == ["0F0", "0F1"]
+    # mb 1's stage 2 is ready but is not the oldest's: after it, nothing is free for mb 0.
+    arb.mark_input(2, 1, False)
+    run(1)
+    assert seen == ["0F0", "0F1"]
+    # mb 0's stage 2 is the oldest's: granted, and preferred to an admission (depth-first).
+    arb.mark_input(2, 0, False)
+    run(1)
+    arb.mark_input(2, 0, True)
+    # I0 frees a byte; then the F round: mb 1's stage 2 (mb 0 needs nothing now), not mb 2's
+    # admission (2 held + 1 reserved for mb 1 + 2 for mb 2 > 1.5 budgets).
+    run(2)
+    assert seen == ["0F0", "0F1", "2F0", "2I0", "2F1"]
+    assert arb.peak_bytes == 3

@@ -6,7 +6,7 @@ and the estimate the arbiter's memory budget admits by (rrfp issue 13).
 before, an estimate scaled from the stage's last measured forward by the number of elements
 of the microbatch's input on the rank's first virtual stage (so longer sequences or more
 images count more); None until the stage was measured once (the arbiter then admits that
-microbatch only when nothing is reserved, so the budget holds from the first step on).
+microbatch only when nothing is in flight, so the budget holds from the first step on).
 
 Measured: the storages autograd saves for backward during the forward
 (``torch.autograd.graph.saved_tensors_hooks``), each counted once however many saved tensors

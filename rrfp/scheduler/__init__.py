@@ -3,7 +3,7 @@ validation (RRFP §3-5, App. A, App. C). No torch, no asyncio, no I/O (a CSV sch
 the one thing it may read)."""
 
 from .arbiter import Arbiter, SchedulingError
-from .hints import HINT_NAMES, NOMINAL_DURATIONS, POLICIES, Hint, compile_policy, resolve_hint
+from .hints import DEFAULT_HINT, HINT_NAMES, NOMINAL_DURATIONS, POLICIES, Hint, compile_policy, resolve_hint
 from .schedules import (
     SCHEDULES,
     SPLIT_BACKWARD_DEFAULT,
@@ -26,7 +26,7 @@ from .validate import ScheduleError, order_peak_inflight, validate_schedule
 
 __all__ = [
     "Arbiter", "SchedulingError",
-    "HINT_NAMES", "NOMINAL_DURATIONS", "POLICIES", "Hint", "compile_policy", "resolve_hint",
+    "DEFAULT_HINT", "HINT_NAMES", "NOMINAL_DURATIONS", "POLICIES", "Hint", "compile_policy", "resolve_hint",
     "SCHEDULES", "SPLIT_BACKWARD_DEFAULT", "Order", "dump_order_csv", "format_orders", "gpipe",
     "interleaved_1f1b", "load_order_csv", "looped_bfs", "microbatches_per_round", "one_f_one_b",
     "one_f_one_b_limits", "parse_orders", "zb_h1", "zb_v",
