@@ -1,8 +1,8 @@
 """Hints: a rank's ordered preference over its ready tasks (RRFP §4, App. A).
 
-A hint is either a *policy* (``bf``, ``bfw``, ``fb``, ``b-priority``, ``f-priority``), which
-ranks whatever is ready by kind, or a *total order* per rank: compiled from a named schedule
-(:data:`~rrfp.scheduler.schedules.SCHEDULES`: ``gpipe``, ``looped-bfs``, ``1f1b``,
+A hint is either a *policy* (``bf``, ``bfw``, ``bfw-alt``, ``fb``, ``b-priority``,
+``f-priority``, and the depth-first ``-df`` variants), which ranks whatever is ready by kind,
+or a *total order* per rank: compiled from a named schedule (:data:`~rrfp.scheduler.schedules.SCHEDULES`: ``gpipe``, ``looped-bfs``, ``1f1b``,
 ``interleaved-1f1b``, ``zb-h1``, ``zb-v``) or given by the user as text or a CSV file.
 
 Any hint runs in readiness mode (dispatch the best-ranked ready task, skip unready ones) or,
@@ -40,6 +40,10 @@ POLICIES = {
     "bfw": ("B", False, True),
     "b-priority": ("B", False, False),
     "f-priority": ("F", False, False),
+    # bfw-alt: bf's rounds (one ready I, then one ready F) with the split backward, W only
+    # when neither is ready. Under a memory budget the forward a round may run is capped by
+    # the budget, so a ready F goes downstream as soon as memory allows instead of waiting
+    # behind every ready I (bfw): measured on the suite (rrfp issue 13, docs/suite.md).
     "bfw-alt": ("B", True, True),
 }
 DEPTH_FIRST = {"bf-df": "bf", "bfw-df": "bfw", "bfw-alt-df": "bfw-alt"}
