@@ -2,7 +2,8 @@
 
 A hint is either a *policy* (``bf``, ``bfw``, ``bfw-alt``, ``fb``, ``b-priority``,
 ``f-priority``, and the depth-first ``-df`` variants), which ranks whatever is ready by kind,
-or a *total order* per rank: compiled from a named schedule (:data:`~rrfp.scheduler.schedules.SCHEDULES`: ``gpipe``, ``looped-bfs``, ``1f1b``,
+or a *total order* per rank: compiled from a named schedule
+(:data:`~rrfp.scheduler.schedules.SCHEDULES`: ``gpipe``, ``looped-bfs``, ``1f1b``,
 ``interleaved-1f1b``, ``zb-h1``, ``zb-v``) or given by the user as text or a CSV file.
 
 Any hint runs in readiness mode (dispatch the best-ranked ready task, skip unready ones) or,
