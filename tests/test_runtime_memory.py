@@ -29,7 +29,7 @@ def _reference(model, samples):
     return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
 
 
-@pytest.mark.parametrize("hint", ["bf", "bfw-df"])
+@pytest.mark.parametrize("hint", ["bf", "bfw-df", "bfw-alt-df"])
 def test_one_byte_budget_holds_one_microbatch_and_keeps_gradients(hint):
     # A budget below any microbatch's size admits a microbatch only when none is held: every
     # rank then runs one microbatch at a time, and the gradients stay the reference's.
@@ -51,6 +51,41 @@ def test_one_byte_budget_holds_one_microbatch_and_keeps_gradients(hint):
         for name, p in st.named_parameters():
             full = st.stage_param_names[name]
             torch.testing.assert_close(p.grad, ref_grads[full], rtol=RTOL, atol=ATOL)
+
+
+def _peaks_v2(stages, mbs, budget: int, steps: int = 1):
+    with LocalPipeline(stages, 4, lm_loss, hint="bfw-alt-df", n_virtual=2, loss_weight_fn=count_tokens,
+                       delay=(0.0, 0.002), seed=3, memory_budget=budget) as pipe:
+        for _ in range(steps):  # a later step admits by the sizes measured in the one before
+            for st in stages:
+                st.zero_grad(set_to_none=True)
+            loss = pipe.step(microbatches=[(mb.tokens,) for mb in mbs], targets=[mb.targets for mb in mbs])
+        return loss, [s.peak_bytes for s in pipe.last_stats]
+
+
+def test_banker_budget_with_virtual_stages_keeps_gradients_and_bytes():
+    # 2 ranks x 2 virtual stages under bfw-alt-df: every forward asks the banker's check
+    # (rrfp.scheduler.memory). Probes: a budget that admits everything gives each rank's peak
+    # unconstrained; a 1-byte budget runs one microbatch at a time, so its peak is the largest
+    # single microbatch's bytes on the rank. With a budget between the two on rank 0, step 1
+    # (sizes measured in step 0) keeps each rank within max(budget, largest microbatch), and
+    # the gradients stay the reference's.
+    model = GPT(CFG, seed=1)
+    samples = _samples(8)
+    ref_loss, ref_grads = _reference(model, samples)
+    stages = split_gpt(model, 4)
+    mbs = make_microbatches(samples, 4)
+    _, free = _peaks_v2(stages, mbs, 2**40)
+    _, single = _peaks_v2(stages, mbs, 1, steps=2)
+    budget = (single[0] + free[0]) // 2  # binds on rank 0: above its largest microbatch, below its peak
+    assert single[0] < budget < free[0]
+    loss, peaks = _peaks_v2(stages, mbs, budget, steps=2)
+    assert all(p <= max(budget, s) for p, s in zip(peaks, single)), (peaks, budget, single)
+    assert peaks[0] <= budget < free[0]
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    for st in stages:
+        for name, p in st.named_parameters():
+            torch.testing.assert_close(p.grad, ref_grads[st.stage_param_names[name]], rtol=RTOL, atol=ATOL)
 
 
 def test_sizer_measures_saved_activations_and_scales_by_input():
