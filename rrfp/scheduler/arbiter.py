@@ -25,10 +25,12 @@ on the rank (activations held). In readiness mode, once ``D`` reaches the in-fli
   strict interleaved 1F1B.
 
 Memory budget (:mod:`rrfp.scheduler.memory`): with ``act_bytes`` (the bytes each
-``F(stage, mb)`` holds) and ``memory_budget``, a microbatch is admitted (its first-virtual-stage
-forward runs) only if the count limit allows it and its bytes on the rank fit beside the bytes
-already reserved, or nothing is reserved. The bound and deadlock freedom are proved in that
-module's docstring. With ``act_bytes`` alone the arbiter only counts (``peak_bytes``).
+``F(stage, mb)`` holds) and ``memory_budget``, every forward asks the rank's ledger (a banker's
+check: after it, the in-flight microbatches, oldest first, could each still take what its
+remaining forwards need); an admission also needs the count limit and, with virtual stages,
+goes in microbatch order. The hint ranks the granted forwards. The rule, the bound and deadlock
+freedom are in that module's docstring. With ``act_bytes`` alone the arbiter only counts
+(``peak_bytes``).
 
 Strict mode runs exactly the hint's order (the fixed-order baseline) and ignores the limit
 and the memory budget.
