@@ -390,10 +390,13 @@ class Arbiter:
         # ready task as the policy ranks it. The best admissible F is the smallest heap entry
         # with virtual index >= 1 (key != 0); the scan runs only while the limit binds.
         rf = self._rf
-        if self._fsign < 0:
-            # Depth-first: entries with key != 0 sort before every key-0 entry, so the best
-            # admissible F is the heap's (live) top, or there is none: no scan.
-            best = rf[0] if rf and rf[0][0] else None
+        if not rf:
+            best = None
+        elif self._fsign < 0 or rf[0][0]:
+            # Depth-first: entries with key != 0 sort before every key-0 entry; otherwise a
+            # top with key != 0 means there is no key-0 entry. Either way the best admissible
+            # F is the heap's (live) top, or there is none: no scan.
+            best = rf[0] if rf[0][0] else None
         else:
             stale = self._stale[id(rf)]
             best = min((e for e in rf if e[0] and e not in stale), default=None)
