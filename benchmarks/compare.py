@@ -27,19 +27,17 @@ import abc
 
 import copy
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as Fn
 
-from rrfp.data.batches import BatchSampler, make_microbatches, microbatch_sizes, pad_batch
-from rrfp.data.text import PAD_ID, load_samples
-from rrfp.model.gpt import GPT, IGNORE_INDEX, GPTConfig, build_stage, count_tokens, lm_loss
+from rrfp.model.gpt import GPT, GPTConfig, build_stage, count_tokens, lm_loss
 from rrfp.sim.jitter import LEVELS
 
+from .batches import Batch, TokenMeanLoss, make_batch  # noqa: F401 - importable from here, as before
 from .harness import ActivationMeter, BenchError, ComputeTimer, Injector, JitterStage, calibrate
+from .workloads import MultimodalWorkload, TextWorkload, budgets_for
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -48,6 +46,11 @@ RRFP_SYSTEMS: dict[str, dict[str, Any]] = {
     "rrfp bfw": {"hint": "bfw", "limit": 32},
     "rrfp strict-1f1b": {"hint": "strict-1f1b", "limit": 32},
     "rrfp bf, 1F1B limits": {"hint": "bf", "limit": "1f1b"},
+    # The default hint (whatever rrfp.Pipeline defaults to), unlimited and with a memory
+    # budget in bytes: what 1F1B or GPipe would hold on each rank (benchmarks/workloads.py).
+    "rrfp default": {"hint": None, "limit": 32},
+    "rrfp default, 1F1B memory": {"hint": None, "limit": 32, "budget": "1f1b"},
+    "rrfp default, GPipe memory": {"hint": None, "limit": 32, "budget": "gpipe"},
 }
 TORCH_SYSTEMS: dict[str, dict[str, Any]] = {
     "torch GPipe": {"cls": "ScheduleGPipe", "virtual": 1},
@@ -56,61 +59,18 @@ TORCH_SYSTEMS: dict[str, dict[str, Any]] = {
     "torch InterleavedZB": {"cls": "ScheduleInterleavedZeroBubble", "virtual": 2},
 }
 ALL_SYSTEMS = list(RRFP_SYSTEMS) + list(TORCH_SYSTEMS)
+ISSUE13_SYSTEMS = ["rrfp default", "rrfp default, 1F1B memory", "rrfp default, GPipe memory", "rrfp strict-1f1b",
+                   "torch GPipe", "torch 1F1B"]
 
 
-# --------------------------------------------------------------------------- batches
+def default_hint() -> str:
+    """The hint ``rrfp.Pipeline`` uses when none is given (read from its signature, so the
+    benchmark follows whatever the runtime defaults to)."""
+    import inspect
 
+    from rrfp.runtime.pipeline import Pipeline
 
-@dataclass
-class Batch:
-    """One step's data in the forms each system takes.
-
-    ``tokens``/``targets``/``mbid`` are the whole batch padded to the fixed length (what PyTorch's
-    pipelining needs: its receive buffers have static shapes). ``rrfp_mbs``/``rrfp_targets`` are
-    rrfp's per-microbatch inputs: slices of the fixed batch, or, with variable-length
-    microbatches, each microbatch padded only to its own longest sample.
-    """
-
-    tokens: torch.Tensor
-    targets: torch.Tensor
-    mbid: torch.Tensor
-    rrfp_mbs: list[tuple]
-    rrfp_targets: list[torch.Tensor]
-    n_tokens: int
-    lengths: list[int]
-
-
-def _pad_to(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
-    return Fn.pad(t, (0, length - t.shape[1]), value=value)
-
-
-def make_batch(samples: Sequence[bytes], n_microbatches: int, seq_len: int, varlen: bool) -> Batch:
-    tokens, targets = pad_batch(samples)
-    tokens, targets = _pad_to(tokens, seq_len, PAD_ID), _pad_to(targets, seq_len, IGNORE_INDEX)
-    sizes = microbatch_sizes(len(samples), n_microbatches)
-    mbid = torch.repeat_interleave(torch.arange(n_microbatches), torch.tensor(sizes))
-    ids = torch.tensor_split(mbid, n_microbatches)
-    if varlen:
-        mbs = make_microbatches(samples, n_microbatches)
-        rrfp_mbs = [(mb.tokens, i) for mb, i in zip(mbs, ids)]
-        rrfp_targets = [mb.targets for mb in mbs]
-    else:
-        rrfp_mbs = list(zip(torch.tensor_split(tokens, n_microbatches), ids))
-        rrfp_targets = list(torch.tensor_split(targets, n_microbatches))
-    return Batch(tokens, targets, mbid, rrfp_mbs, rrfp_targets, count_tokens(targets), [t.shape[1] for t, _ in rrfp_mbs])
-
-
-class TokenMeanLoss:
-    """PyTorch-side loss: each microbatch's summed cross entropy over the batch's token count,
-    so that the microbatch losses add up to the global per-token mean (``scale_grads=False``).
-    rrfp computes the same with ``lm_loss`` weighted by ``count_tokens``."""
-
-    def __init__(self) -> None:
-        self.total = 1
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        ce = Fn.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
-        return ce / self.total
+    return str(inspect.signature(Pipeline.__init__).parameters["hint"].default)
 
 
 # --------------------------------------------------------------------------- systems
@@ -140,7 +100,8 @@ class System(abc.ABC):
 
 
 class RrfpSystem(System):
-    def __init__(self, name: str, spec: dict, wrappers, inner, stage_ids, n_stages, rank, n_ranks, n_mb, job) -> None:
+    def __init__(self, name: str, spec: dict, wrappers, inner, stage_ids, n_stages, rank, n_ranks, n_mb, job,
+                 budget: int | None = None, hold=None) -> None:
         from rrfp.runtime.pipeline import Pipeline
         from rrfp.runtime.stage import PipelineStage
         from rrfp.scheduler.schedules import one_f_one_b_limits
@@ -149,10 +110,13 @@ class RrfpSystem(System):
         limit = one_f_one_b_limits(n_ranks)[rank] if spec["limit"] == "1f1b" else int(spec["limit"])
         self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
         stages = [PipelineStage(w, s, n_stages) for w, s in zip(wrappers, stage_ids)]
+        hint = {} if spec["hint"] is None else {"hint": spec["hint"]}
+        self.budget = budget
         self.pipe = Pipeline(
-            stages, n_mb, lm_loss, hint=spec["hint"], inflight_limit=limit, loss_weight_fn=count_tokens,
-            rank=rank, n_ranks=n_ranks, job=job, watchdog=120.0,
+            stages, n_mb, lm_loss, inflight_limit=limit, loss_weight_fn=count_tokens,
+            rank=rank, n_ranks=n_ranks, job=job, watchdog=120.0, memory_budget=budget, **hint,
         )
+        self.pipe.runtime.message_delay = hold
 
     def step(self, batch: Batch) -> None:
         self.pipe.step(
@@ -187,7 +151,7 @@ class TorchSystem(System):
 
     def step(self, batch: Batch) -> None:
         self.timer.busy = 0.0
-        args = (batch.tokens, batch.mbid) if self.first else ()
+        args = (batch.torch_args or (batch.tokens, batch.mbid)) if self.first else ()
         kwargs = {"target": batch.targets} if self.last else {}
         self.sched.step(*args, return_outputs=False, **kwargs)
 
@@ -258,31 +222,31 @@ def check_close(got: torch.Tensor, ref: torch.Tensor, what: str, index: GradInde
 def rank_main(cfg: dict) -> dict | None:
     """One rank of a comparison setting: build every system, run the phases, return (on rank 0)
     every round's per-rank measurements."""
+    from .workloads import MessageDelays, rrfp_hold
+
     rank, P = dist.get_rank(), dist.get_world_size()
-    gcfg = GPTConfig(**cfg["model"], max_len=cfg["seq_len"])
-    M, B, T, seed = cfg["n_microbatches"], cfg["batch_size"], cfg["seq_len"], cfg["seed"]
+    M, seed = cfg["n_microbatches"], cfg["seed"]
     names = [s for s in cfg["systems"] if s in ALL_SYSTEMS]
     if len(names) != len(cfg["systems"]):
         raise BenchError(f"unknown systems {sorted(set(cfg['systems']) - set(ALL_SYSTEMS))}")
     any_virtual = any(TORCH_SYSTEMS.get(n, {}).get("virtual", 1) > 1 for n in names)
+    work = (MultimodalWorkload if cfg.get("workload") == "multimodal" else TextWorkload)(cfg, rank, P)
 
     # Base weights: this rank's stage of the one-stage-per-rank split, and its two virtual stages
     # of the interleaved split. Every system deep-copies them: identical initial weights.
-    base = build_stage(gcfg, P, rank, seed)
-    base_v = [build_stage(gcfg, 2 * P, s, seed) for s in (rank, rank + P)] if any_virtual else []
-    ref_model = GPT(gcfg, seed)
+    base = work.stage(P, rank)
+    base_v = [work.stage(2 * P, s) for s in (rank, rank + P)] if any_virtual else []
+    ref_model = work.reference()
     index = GradIndex(ref_model)
-
-    samples = load_samples(cfg.get("data"), T, seed, limit=max(4 * B, cfg.get("sample_limit", 4000)))
-    sampler = BatchSampler(samples, B, seed)
-    b = B // M
-    example = torch.randint(0, 256, (b, T)) if rank == 0 else torch.randn(b, T, gcfg.d_model)
+    example = work.stage_inputs(work.batch(0, False))[0]
     e: dict[str, float] = {}
     for r in range(P):  # one rank at a time: ranks share the machine's cores
         dist.barrier()
         if r == rank:
             e = calibrate(copy.deepcopy(base), example)
     injector = Injector(LEVELS["J0"], seed, rank, e)
+    delays = MessageDelays(LEVELS[cfg["comm"]], injector) if cfg.get("comm") else None
+    budgets = budgets_for(work, base, cfg) if any(RRFP_SYSTEMS.get(n, {}).get("budget") for n in names) else {}
     meter = ActivationMeter()
     loss = TokenMeanLoss()
 
@@ -290,9 +254,13 @@ def rank_main(cfg: dict) -> dict | None:
     for name in names:
         if name in RRFP_SYSTEMS:
             inner = [copy.deepcopy(base)]
-            wrappers = [JitterStage(inner[0], injector, 1.0, meter, last=rank == P - 1)]
-            sysobj: System = RrfpSystem(name, RRFP_SYSTEMS[name], wrappers, inner, [rank], P, rank, P, M,
-                                        job=f"{cfg['run_id']}-{names.index(name)}")
+            wrappers = [JitterStage(inner[0], injector, 1.0, meter, last=rank == P - 1, stage=rank, delays=delays,
+                                    pack=work.pack)]
+            spec = RRFP_SYSTEMS[name]
+            sysobj: System = RrfpSystem(name, spec, wrappers, inner, [rank], P, rank, P, M,
+                                        job=f"{cfg['run_id']}-{names.index(name)}",
+                                        budget=budgets.get(spec.get("budget")),
+                                        hold=rrfp_hold(delays) if delays is not None else None)
         else:
             spec = TORCH_SYSTEMS[name]
             if spec["virtual"] == 1:
@@ -300,7 +268,8 @@ def rank_main(cfg: dict) -> dict | None:
             else:
                 inner, stage_ids, n_stages = [copy.deepcopy(m) for m in base_v], [rank, rank + P], 2 * P
             share = 1.0 / len(inner)
-            wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1) for m, s in zip(inner, stage_ids)]
+            wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1, stage=s, delays=delays,
+                                    pack=work.pack if s == 0 else None) for m, s in zip(inner, stage_ids)]
             sysobj = TorchSystem(name, spec, wrappers, inner, stage_ids, n_stages, M, loss)
         meter.exclude([p for m in sysobj.inner for p in m.parameters()])
         # Every full-model parameter must be held by exactly one rank.
@@ -312,14 +281,16 @@ def rank_main(cfg: dict) -> dict | None:
 
     phases = []
     for pi, ph in enumerate(cfg["phases"]):
-        phases.append(_run_phase(pi, ph, cfg, systems, sampler, injector, meter, loss, index, ref_model))
+        phases.append(_run_phase(pi, ph, cfg, systems, work, injector, meter, loss, index, ref_model))
     for s in systems:
         s.close()
     calibration = _gather_obj(e)
+    budgets_all = _gather_obj(budgets)
     dist.barrier()
     if rank != 0:
         return None
-    return {"config": cfg, "calibration": calibration, "phases": phases}
+    return {"config": cfg, "calibration": calibration, "phases": phases, "budgets": budgets_all,
+            "default_hint": default_hint()}
 
 
 def _gather_obj(obj: Any) -> list:
@@ -328,10 +299,9 @@ def _gather_obj(obj: Any) -> list:
     return out
 
 
-def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], sampler: BatchSampler, injector: Injector,
+def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWorkload, injector: Injector,
                meter: ActivationMeter, loss: TokenMeanLoss, index: GradIndex, ref_model: GPT) -> dict:
     rank, P = dist.get_rank(), dist.get_world_size()
-    M, T = cfg["n_microbatches"], cfg["seq_len"]
     injector.level = LEVELS[ph["level"]]
     rounds = []
     n_rounds = 2 + ph["rounds"]
@@ -339,7 +309,9 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], sampler: Bat
     inj_totals: dict[str, list] = {s.name: [] for s in systems}
     for k in range(n_rounds):
         step_id = 1000 * pi + k
-        batch = make_batch(sampler.batch(step_id), M, T, ph["varlen"])
+        batch = work.batch(step_id, ph["varlen"])
+        if cfg.get("comm"):
+            batch = batch.with_stamps()
         loss.total = batch.n_tokens
         order = systems[k % len(systems):] + systems[:k % len(systems)]
         ref_vec, ref_name = None, None
@@ -363,7 +335,7 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], sampler: Bat
                 ref_vec, ref_name = vec, s.name
                 if k == 0:
                     ref_model.zero_grad(set_to_none=True)
-                    lm_loss(ref_model(batch.tokens), batch.targets).backward()
+                    work.ref_loss(ref_model, batch).backward()
                     want = index.vector([ref_model], "single-process reference")
                     worst = max(worst, check_close(vec, want, f"phase {ph['name']} round {k}: {s.name} vs a single-process reference", index))
             else:
@@ -400,6 +372,7 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], sampler: Bat
 
 # --------------------------------------------------------------------------- driver
 
+LEGACY_SYSTEMS = ["rrfp bf", "rrfp bfw", "rrfp strict-1f1b", "rrfp bf, 1F1B limits", *TORCH_SYSTEMS]
 SETTINGS: dict[str, dict[str, Any]] = {
     "jitter4": {
         "title": "4 ranks, injected jitter dominates compute",
@@ -409,7 +382,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "batch_size": 32,
         "n_microbatches": 16,
         "threads": 1,
-        "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": 12} for lv in ("J0", "J1", "J2", "J3")],
+        "systems": [*ISSUE13_SYSTEMS, "torch Interleaved1F1B"],
+        "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": 10} for lv in ("J0", "J2")],
     },
     "compute2": {
         "title": "2 ranks, real CPU compute only",
@@ -419,11 +393,34 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "batch_size": 16,
         "n_microbatches": 8,
         "threads": 1,
+        "systems": [*ISSUE13_SYSTEMS, "torch Interleaved1F1B"],
         "phases": [
-            {"name": "fixed length", "level": "J0", "varlen": False, "rounds": 8},
-            {"name": "variable length", "level": "J0", "varlen": True, "rounds": 8},
+            {"name": "fixed length", "level": "J0", "varlen": False, "rounds": 6},
+            {"name": "variable length", "level": "J0", "varlen": True, "rounds": 6},
         ],
     },
+}
+# Communication variability: the jitter4 model with steady compute and J2's injected delays on
+# every message (benchmarks/workloads.py: the same keyed delay for every system).
+SETTINGS["comm4"] = {
+    **SETTINGS["jitter4"],
+    "title": "4 ranks, injected message delays (J2 on every activation and gradient)",
+    "comm": "J2",
+    "systems": list(ISSUE13_SYSTEMS),
+    "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 10}],
+}
+# The multimodal model (ViT-style encoder on stage 0, 3 decoder blocks) on digit captions.
+SETTINGS["multimodal4"] = {
+    "title": "4 ranks, multimodal (image encoder on stage 0, 0-6 images per sample)",
+    "workload": "multimodal",
+    "n_ranks": 4,
+    "model": {"n_layer": 3, "n_head": 2, "d_model": 64, "enc_width": 32, "enc_layers": 1},
+    "seq_len": 18,
+    "batch_size": 64,
+    "n_microbatches": 16,
+    "threads": 1,
+    "systems": list(ISSUE13_SYSTEMS),
+    "phases": [{"name": "images 0-6", "level": "J0", "varlen": False, "rounds": 10}],
 }
 # The jitter4 model and microbatch size with 4x the microbatches, J2 only: the simulator's ideal
 # speedup of readiness grows with the number of microbatches (docs in BENCHMARKS.md).
@@ -432,11 +429,16 @@ SETTINGS["jitter4-m64"] = {
     "title": "4 ranks, injected jitter dominates compute, 64 microbatches",
     "batch_size": 128,
     "n_microbatches": 64,
+    "systems": LEGACY_SYSTEMS,
     "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 8}],
 }
+_TINY = {"model": {"n_layer": 8, "n_head": 2, "d_model": 16}, "seq_len": 16, "batch_size": 8, "n_microbatches": 4}
 QUICK: dict[str, dict[str, Any]] = {
-    "jitter4": {"model": {"n_layer": 8, "n_head": 2, "d_model": 16}, "seq_len": 16, "batch_size": 8,
-                "n_microbatches": 8, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 2}]},
+    "jitter4": {**_TINY, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 1}]},
+    "comm4": {**_TINY, "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 1}]},
+    "multimodal4": {"model": {"n_layer": 3, "n_head": 2, "d_model": 16, "enc_width": 8, "enc_layers": 1},
+                    "batch_size": 8, "n_microbatches": 4,
+                    "phases": [{"name": "images 0-6", "level": "J0", "varlen": False, "rounds": 1}]},
     "jitter4-m64": {"model": {"n_layer": 8, "n_head": 2, "d_model": 16}, "seq_len": 16, "batch_size": 32,
                     "n_microbatches": 32, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 2}]},
     "compute2": {"model": {"n_layer": 4, "n_head": 2, "d_model": 32}, "seq_len": 32, "batch_size": 8, "n_microbatches": 4,
@@ -453,7 +455,7 @@ def setting_config(name: str, quick: bool = False, systems: Sequence[str] | None
     if rounds is not None:
         for ph in cfg["phases"]:
             ph["rounds"] = rounds
-    cfg["systems"] = list(systems or ALL_SYSTEMS)
+    cfg["systems"] = list(systems or cfg.get("systems") or LEGACY_SYSTEMS)
     cfg["seed"] = seed
     cfg["setting"] = name
     cfg["run_id"] = f"bench-{name}-{time.time_ns()}"

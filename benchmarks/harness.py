@@ -142,7 +142,21 @@ class ActivationMeter:
         self.peak = self.current
 
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        """Count inside the block. An enclosing pair of saved-tensor hooks (rrfp's own
+        measurement for its memory budget) still sees every tensor: autograd applies only the
+        innermost pair, so these call the enclosing ones."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if outer is None:
+            return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        o_pack, o_unpack = outer
+
+        def pack(t: torch.Tensor) -> Any:
+            return (self._pack(t), o_pack(t))
+
+        def unpack(h: Any) -> torch.Tensor:
+            return o_unpack(h[1])
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
     def _pack(self, t: torch.Tensor) -> Any:
         st = t.untyped_storage()
@@ -177,9 +191,12 @@ class ActivationMeter:
 class JitterStage(nn.Module):
     """A stage module with injected delays and a microbatch id carried alongside.
 
-    ``forward(x, mb)`` returns ``(inner(x), mb)``, or ``inner(x)`` alone on the last stage (the
+    ``forward(*x, mb)`` returns ``(inner(*x), mb)``, or ``inner(*x)`` alone on the last stage (the
     loss function's input). ``mb`` is an int64 tensor holding the microbatch index in every
-    element (shape ``[samples]`` so that splitting a batch along dim 0 splits it too).
+    element (shape ``[samples]`` so that splitting a batch along dim 0 splits it too). With
+    ``delays`` (:class:`benchmarks.workloads.MessageDelays`) a float64 send-time stamp travels
+    after ``mb`` too: ``forward(*x, mb, stamp)`` -> ``(inner(*x), mb, stamp)`` (the module
+    docstring of :mod:`benchmarks.workloads` says how the delays are injected).
 
     Args:
         inner: the stage's module.
@@ -188,31 +205,56 @@ class JitterStage(nn.Module):
             rank's two virtual stages, so the rank's total is the same in every system).
         meter: counts saved activations while active.
         last: this is the pipeline's last stage.
+        stage: the stage's index (message delays are keyed by it).
+        delays: keyed message delays, or None.
+        pack: applied to ``x`` before ``inner`` (the multimodal first stage packs its images).
     """
 
-    def __init__(self, inner: nn.Module, injector: Injector, share: float, meter: ActivationMeter, last: bool) -> None:
+    def __init__(self, inner: nn.Module, injector: Injector, share: float, meter: ActivationMeter, last: bool,
+                 stage: int = 0, delays: Any = None, pack: Callable | None = None) -> None:
         super().__init__()
         self.inner = inner
         self.injector = injector
         self.share = share
         self.meter = meter
         self.last = last
+        self.stage = stage
+        self.delays = delays
+        self.pack = pack
 
-    def forward(self, x: torch.Tensor, mb: torch.Tensor):
+    def forward(self, *inputs: torch.Tensor):
         inj = self.injector
+        comm = self.delays
+        if comm is not None:
+            *x, mb, stamp = inputs
+        else:
+            *x, mb = inputs
         m = int(mb.reshape(-1)[0]) if inj.enabled else 0
+        if comm is not None and self.stage > 0:
+            from .workloads import F, ConsumeStamp
+
+            comm.wait(stamp, self.stage - 1, m, F)
+            x[0] = ConsumeStamp.apply(x[0], stamp)
+        if self.pack is not None:
+            x = self.pack(*x)
         d = inj.delay(m, "F", self.share)
         if d > 0:
             time.sleep(d)
         if self.meter.active:
             with self.meter.hooks():
-                y = self.inner(x)
+                y = self.inner(*x)
         else:
-            y = self.inner(x)
+            y = self.inner(*x)
         d = inj.delay(m, "B", self.share)
         if d > 0:
             y = SleepInBackward.apply(y, d)
-        return y if self.last else (y, mb)
+        if self.last:
+            return y
+        if comm is not None:
+            from .workloads import EmitStamp
+
+            return y, mb, EmitStamp.apply(y, comm, m, self.stage)
+        return y, mb
 
 
 class ComputeTimer:
@@ -234,15 +276,16 @@ class ComputeTimer:
         setattr(obj, name, timed)
 
 
-def calibrate(module: nn.Module, example: torch.Tensor, repeats: int = 15, q: float = 20.0) -> dict[str, float]:
+def calibrate(module: nn.Module, example: torch.Tensor | tuple, repeats: int = 15, q: float = 20.0) -> dict[str, float]:
     """Forward and backward seconds of ``module`` on ``example``: the ``q``-th percentile over
     ``repeats`` runs (the base compute that stands in for the jitter model's running average
     ``e``; a low percentile, because other work on the machine only ever adds time)."""
     tf, tb = [], []
+    examples = example if isinstance(example, tuple) else (example,)
     for i in range(repeats + 2):
-        x = example.detach().requires_grad_(example.is_floating_point())
+        xs = [x.detach().requires_grad_(x.is_floating_point()) for x in examples]
         t0 = time.perf_counter()
-        y = module(x)
+        y = module(*xs)
         t1 = time.perf_counter()
         y.backward(torch.ones_like(y))
         t2 = time.perf_counter()

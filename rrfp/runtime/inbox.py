@@ -73,6 +73,9 @@ class Inbox:
         # How an arrival's tensors reach its stage's device: the stage's own to_device unless
         # an executor copies on its stream (CUDA).
         self.place: Callable[[PipelineStage, Sequence], tuple] | None = None
+        # Injected communication delay (experiments, benchmarks): seconds to hold an arrival
+        # before the arbiter learns of it, as if the wire had delivered it that much later.
+        self.hold: Callable[[Message], float] | None = None
 
     # ------------------------------------------------------------ transport callbacks
     def handle(self, msg: Message) -> None:
@@ -141,7 +144,26 @@ class Inbox:
                         self.rank, self.rejected, msg.src, msg.key, why)
 
     def accept(self, msg: Message) -> None:
-        """Buffer a message of the running step and mark its input on the arbiter."""
+        """Buffer a message of the running step and mark its input on the arbiter (after
+        :attr:`hold` seconds, when a hold is set and returns more than 0)."""
+        if self.hold is not None:
+            wait = self.hold(msg)
+            if wait > 0:
+                # The step cannot end before this input is admitted, so it is still the
+                # running step when the timer fires.
+                asyncio.get_running_loop().call_later(wait, self._release, msg)
+                return
+        self._admit(msg)
+
+    def _release(self, msg: Message) -> None:
+        if self.closed:
+            return
+        try:
+            self._admit(msg)
+        except Exception as e:  # noqa: BLE001 - handed to the scheduler loop
+            self.fail(e)
+
+    def _admit(self, msg: Message) -> None:
         key = msg.key
         stage = self.stages.get(key.stage)
         grad = key.direction == Direction.GRAD

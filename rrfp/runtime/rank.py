@@ -265,6 +265,16 @@ class RankRuntime:
         self.loop.task_delay = fn
 
     @property
+    def message_delay(self) -> Callable[[Message], float] | None:
+        """``fn(message) -> seconds``: each arriving activation or gradient is held that long
+        before the arbiter sees it (injected communication delay; benchmarks). None: none."""
+        return self.inbox.hold
+
+    @message_delay.setter
+    def message_delay(self, fn: Callable[[Message], float] | None) -> None:
+        self.inbox.hold = fn
+
+    @property
     def record(self) -> bool:
         return self.loop.record
 
