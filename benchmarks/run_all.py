@@ -74,6 +74,47 @@ def _simulate(setting: dict, level: str, n_microbatches: int | None = None) -> d
         return None
 
 
+def _sim_speedups(setting: dict, level: str, extra: list[str], hints: str) -> dict | None:
+    cal, cfg = setting["calibration"], setting["config"]
+    out = Path(tempfile.gettempdir()) / f"rrfp-bench-sim-{time.time_ns()}.json"
+    cmd = [sys.executable, "-m", "rrfp", "simulate", "-p", str(cfg["n_ranks"]), "-m", str(cfg["n_microbatches"]),
+           "--cost-f", ",".join(f"{c['F']:.6f}" for c in cal), "--cost-b", ",".join(f"{c['B']:.6f}" for c in cal),
+           "--jitter", level, "--hints", hints, "--baseline", "strict-1f1b", "--steps", "20",
+           "--seed", str(cfg["seed"]), "--json", str(out), *extra]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        data = json.loads(out.read_text())
+        out.unlink()
+        return {r["hint"]: r["speedup"] for r in data["runs"]}
+    except Exception:  # noqa: BLE001 - the simulator is context, not a benchmark
+        return None
+
+
+def ideal(setting: dict) -> dict[str, dict]:
+    """Per phase, the simulator's ideal (the same arbiter on the setting's calibrated costs, no
+    runtime overhead) of the default hint: at 1F1B's memory over strict 1F1B (``1f1b``) and
+    unlimited over strict GPipe (``gpipe``), with the setting's variability (injected compute
+    jitter, message jitter, or image counts), and the ``rrfp simulate`` flags that give it."""
+    cfg = setting["config"]
+    hint = setting.get("default_hint", "bf")
+    extra: list[str] = []
+    if cfg.get("comm"):
+        extra += ["--comm-jitter", cfg["comm"]]
+    if cfg.get("workload") == "multimodal":
+        extra += ["--images", "randint:0,6", "--samples-per-mb", str(cfg["batch_size"] // cfg["n_microbatches"]),
+                  "--encoder-stages", "1"]
+    out = {}
+    for ph in setting["phases"]:
+        a = _sim_speedups(setting, ph["level"], [*extra, "--limit", "1f1b"], f"{hint},strict-1f1b")
+        b = _sim_speedups(setting, ph["level"], extra, f"{hint},strict-gpipe,strict-1f1b")
+        out[ph["name"]] = {
+            "1f1b": a.get(hint) if a else None,
+            "gpipe": b[hint] / b["strict-gpipe"] if b and b.get("strict-gpipe") else None,
+            "flags": " ".join(["--jitter", ph["level"], *extra]),
+        }
+    return out
+
+
 def rerender(args: argparse.Namespace) -> int:
     """Write the report of an earlier run from its raw results (``--from-json``)."""
     try:
@@ -136,11 +177,10 @@ def run(args: argparse.Namespace) -> int:
         _log("micro-benchmarks")
         results["micro"] = attempt("micro-benchmarks", lambda: micro.run_micro(quick=args.quick, timeout=args.timeout))
     if not args.no_sim and not args.quick:
-        results["sim"] = {name: {ph["level"]: _simulate(st, ph["level"]) for ph in st["phases"]}
-                          for name, st in results["compare"].items() if name.startswith("jitter")}
-        if "jitter4" in results["compare"]:
-            st = results["compare"]["jitter4"]
-            results["sim_m_sweep"] = {M: _simulate(st, "J2", M) for M in SWEEP_MICROBATCHES}
+        results["ideal"] = {name: ideal(st) for name, st in results["compare"].items()}
+        if "jitter4-m64" in results["compare"]:
+            st = results["compare"]["jitter4-m64"]
+            results["sim"] = {"jitter4-m64": {"J2": _simulate(st, "J2")}}
     results["machine"]["loadavg_end"] = report.machine_info()["loadavg"]
     results["seconds"] = time.monotonic() - t_start
     results = json.loads(json.dumps(results))  # one form for keys (str), whatever produced them
@@ -148,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return _publish(text, results, args, f"{results['seconds']:.0f} s in all")
+
+
+def _ok(ok: bool) -> str:
+    return "met" if ok else "**missed**"
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -184,8 +228,9 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
         f"- {m['nproc']} CPUs ({m['cpu']}), {m['platform']}",
         f"- Python {m['python']}, torch {m['torch']}, numpy {m['numpy']}, pyzmq {m['pyzmq']}",
         f"- {m['date']}; load average {m['loadavg'][0]:.2f} at the start, "
-        f"{m.get('loadavg_end', m['loadavg'])[0]:.2f} at the end (other work on the machine shows up as noise; "
-        "the alternation below is there to cancel its drift)",
+        f"{m.get('loadavg_end', m['loadavg'])[0]:.2f} at the end. The machine was shared (other engineers' "
+        "builds and test suites ran alongside), so every comparison is a ratio of runs alternated in one "
+        "run and paired round by round, which cancels the machine's drift but not all of its noise.",
         "",
     ]
     if results.get("errors"):
@@ -197,30 +242,40 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
         text, summ = report.render_setting(res)
         summaries[name] = summ
         setting_text.append(text)
-    rows = report.targets(summaries, results.get("micro"))
+    ideal = results.get("ideal") or {}
+    rows = report.targets(summaries, results.get("micro"), ideal)
     all_grads = [ph["worst_grad_ratio"] for res in results["compare"].values() for ph in res["phases"]]
     if all_grads:
         n_checks = sum(len(ph["rounds"]) * len(ph["rounds"][0]["systems"]) for res in results["compare"].values()
                        for ph in res["phases"])
         rows.append(["gradients equal across all systems after every benchmarked step (rtol 1e-5, atol 1e-6)",
-                     f"{n_checks} checks, worst {max(all_grads):.3f} of tolerance", "met"])
+                     f"{n_checks} checks, worst {max(all_grads):.3f} of tolerance", _ok(max(all_grads) <= 1), "-"])
     if rows:
-        lines += ["## Targets", "", report._table(["target", "measured", "verdict"], rows), "", TARGETS_NOTE, ""]
+        lines += ["## Targets", "", report._table(["target", "measured", "verdict", "simulator's ideal"], rows), "",
+                  TARGETS_NOTE, ""]
+    eq = report.equal_memory(summaries, ideal)
+    if eq:
+        lines += ["## The default hint at equal memory", "",
+                  "Speedup of rrfp's default hint with `memory_budget` set to the bytes PyTorch's schedule holds on "
+                  "each rank, over that schedule (median over rounds of the paired ratio, quartiles of the "
+                  "per-round ratios), the peak saved activations both measured on each rank, and the simulator's "
+                  "ideal for the same setting (`rrfp simulate` on the setting's calibrated costs, with "
+                  "`--limit 1f1b` for 1F1B's memory, unlimited over `strict-gpipe` for GPipe's).", ""]
+        lines += [report._table(["setting", "phase", "rows", "speedup", "rrfp peak MiB per rank",
+                                 "torch peak MiB per rank", "simulator's ideal"], eq), ""]
+        flags = [f"- {name}, {ph}: `rrfp simulate -p {results['compare'][name]['config']['n_ranks']} -m "
+                 f"{results['compare'][name]['config']['n_microbatches']} --cost-f ... --cost-b ... {v['flags']} "
+                 f"--steps 20 --hints <default>,strict-1f1b --limit 1f1b`"
+                 for name, by in ideal.items() for ph, v in by.items()]
+        if flags:
+            lines += ["The simulator runs behind the ideal column (costs: each setting's calibration below):", "",
+                      *flags, ""]
     if results.get("sim"):
         lines += ["The simulator's ideal (`rrfp simulate` with each setting's calibrated per-stage costs, no "
                   "runtime overhead, no communication time, 20 steps), speedup over strict 1F1B:", ""]
         sim_rows = [[name, lv, *[f"{v[h]:.2f}x" if v and h in v else "-" for h in ("bf", "bfw", "strict-gpipe")]]
                     for name, by_level in results["sim"].items() for lv, v in by_level.items()]
         lines += [report._table(["setting", "jitter", "bf", "bfw", "strict-gpipe"], sim_rows), ""]
-    if results.get("sim_m_sweep"):
-        lines += ["The same ideal for the 4-rank setting at J2 against the number of microbatches per step "
-                  "(the microbatch stays the same size; in-flight limit 32): readiness gains more room with "
-                  "more microbatches, and the 1.5x target over 1F1B is within the ideal's reach only from "
-                  "about 64 microbatches on.", ""]
-        sim_rows = [[str(M), *[f"{v[h]:.2f}x" if v and h in v else "-" for h in ("bf", "bfw", "strict-gpipe")],
-                     f"{v['bf'] / v['strict-gpipe']:.2f}x" if v and "bf" in v and v.get("strict-gpipe") else "-"]
-                    for M, v in results["sim_m_sweep"].items()]
-        lines += [report._table(["microbatches", "bf", "bfw", "strict-gpipe", "bf over strict-gpipe"], sim_rows), ""]
     reading = report.interpret(summaries, results.get("sim"))
     if reading:
         lines += ["Reading the comparison: the same runtime with and without readiness, and the same fixed "
@@ -244,28 +299,19 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
 TARGETS_NOTE = """\
 How to read the targets:
 
-- They are rrfp's own goals, set in the project's benchmark issue, not figures PyTorch claims.
-- Memory is not in them. `rrfp bf` runs with the default in-flight limit (32), so a rank may
-  hold many more microbatches' activations than 1F1B does (the "peak saved activations" and
-  "peak in-flight" columns below). The row `rrfp bf, 1F1B limits` is bf held to 1F1B's
-  per-rank limits: the memory-matched comparison, read out as "at 1F1B's memory" under
-  "Reading the comparison".
-- The simulator's ideal is the same arbiter on the calibrated task costs with no runtime
-  overhead, no communication and one processor per rank. This machine runs 4 rank processes on
-  2 cores, and sharing cores is itself a source of variability (a task's compute time depends
-  on what the other ranks run at that moment) which readiness absorbs and a fixed order does
-  not. So the measured ratios land above the ideal in some rows (J0, J3) and below it in others.
-  It is the reference for the setting, not an upper bound on this machine.
-- The 4-rank settings are built to isolate run-time variability: tasks of about 1 ms against
-  injected delays with a 10 ms floor. For stages that run like clockwork, read the 2-rank
-  "real CPU compute only" setting.
-- Overhead rows: in one process they are the runtime's CPU time per task (arbitration, buffers,
-  messages through the in-process network, with or without the codec that messages between
-  processes need). Across 2 processes they are a rank's wall time per task minus the same tasks
-  run by hand, so they include waiting for messages over ZeroMQ (a message crosses the sender's
-  I/O thread, the receiver's I/O thread and the receiver's event loop). strict-1f1b waits more
-  than bf there because a fixed order cannot run another ready task while its next message is
-  in flight."""
+- They are issue 13's goals for the real runtime, not figures PyTorch claims. Each compares rrfp's
+  default hint (whatever `rrfp.Pipeline` defaults to) with a PyTorch schedule **at equal memory**:
+  rrfp gets `memory_budget` = the bytes that schedule's order holds on each rank for the setting's
+  microbatches (per-microbatch activation bytes measured on the rank's stage, as rrfp's own budget
+  measures them; `rrfp.scheduler.memory.order_peak_bytes` over the schedule's order). The peak
+  saved activations both systems then measure on each rank are in the tables below.
+- The simulator's ideal is the same arbiter on the setting's calibrated task costs with no runtime
+  overhead, no communication time and one processor per rank. This machine runs 4 rank processes
+  on 2 shared cores, so a task's time depends on what the other ranks run; the ideal is the
+  reference for the setting, not an upper bound here.
+- Overhead: the runtime's CPU time per task in one process (`LocalPipeline`, 4 ranks on one event
+  loop, do-nothing stages, messages through the codec as between processes) minus the same tasks
+  run by hand; the median of 5 runs (each the fastest of 20 steps)."""
 
 
 METHOD = """\
@@ -297,7 +343,29 @@ How these numbers are made (`benchmarks/compare.py`):
   and compared with the round's first system (and in round 0 with a single-process model):
   fp32 `rtol=1e-5, atol=1e-6`, or the benchmark fails naming the system and parameter.
 - Loss: the mean over all tokens of the batch (rrfp: `lm_loss` weighted by `count_tokens`;
-  PyTorch: summed cross entropy over the batch's token count, `scale_grads=False`)."""
+  PyTorch: summed cross entropy over the batch's token count, `scale_grads=False`).
+- Memory-matched rows (`rrfp default, 1F1B memory` / `GPipe memory`): before the first round each
+  rank runs its stage's forward once per distinct microbatch shape of every round under a
+  saved-tensor hook (storages counted once, parameters excluded: what rrfp's budget counts) and
+  takes the most bytes the schedule's order (`one_f_one_b` / `gpipe` of `rrfp.scheduler.schedules`,
+  PyTorch's orders) holds with those sizes: that is the rank's `memory_budget`. The peak columns
+  are measured separately, by the activation meter, for every system alike.
+- Message delays (`comm4`): every activation and gradient message gets a delay keyed by (seed, step,
+  sending stage, microbatch, direction), the draw of `rrfp simulate --comm-jitter J2` (a hit with
+  probability p, then 10 ms x a x (0.5 + U)), and may not be consumed before its send time plus
+  that delay. The send time travels as a float64 stamp tensor beside the activation (the clock
+  when the forward ended) and as that stamp's gradient (the clock when the next stage's backward
+  ended). Both systems run the same stage wrapper, which sleeps until the delivery time before a
+  forward and, first thing in the backward, before a backward: PyTorch's schedules wait on each
+  receive right before the task it feeds, so for them this is the delayed delivery. rrfp's inbox
+  holds each arrival until the same delivery time before the arbiter learns of it
+  (`RankRuntime.message_delay`), so a late input is not ready and other ready tasks run; when the
+  wrapper runs, its sleep is zero. The wrapper sums every delay it draws, and the run fails unless
+  the sums are equal for every system on every rank and round.
+- Multimodal (`multimodal4`): `rrfp/model/multimodal.py` on `rrfp/data/digits.py` captions; every
+  microbatch holds one 6-image sample (so the decoder's shapes are fixed, as PyTorch's receive
+  buffers need) and samples of 0-6 images; the padded images are packed on stage 0 before the
+  encoder, in both systems alike, so encoder work follows the microbatch's image count."""
 
 PROBE_NOTE = """\
 PyTorch's `PipelineStage` infers shapes on the first step and preallocates its receive buffers
