@@ -32,6 +32,7 @@ class Batch:
     n_tokens: int
     lengths: list[int]
     torch_args: tuple = ()  # PyTorch's stage-0 inputs (default: tokens, mbid)
+    step_id: int = -1  # the round's step id (the harness sets it)
 
     def with_stamps(self) -> "Batch":
         """The same batch with a float64 send-time stamp input after the microbatch id (the

@@ -51,6 +51,7 @@ RRFP_SYSTEMS: dict[str, dict[str, Any]] = {
     "rrfp default": {"hint": None, "limit": 32},
     "rrfp default, 1F1B memory": {"hint": None, "limit": 32, "budget": "1f1b"},
     "rrfp default, GPipe memory": {"hint": None, "limit": 32, "budget": "gpipe"},
+    "rrfp default, 1F1B limits": {"hint": None, "limit": "1f1b"},  # the count, not the bytes
 }
 TORCH_SYSTEMS: dict[str, dict[str, Any]] = {
     "torch GPipe": {"cls": "ScheduleGPipe", "virtual": 1},
@@ -101,7 +102,7 @@ class System(abc.ABC):
 
 class RrfpSystem(System):
     def __init__(self, name: str, spec: dict, wrappers, inner, stage_ids, n_stages, rank, n_ranks, n_mb, job,
-                 budget: int | None = None, hold=None) -> None:
+                 budgets: dict[int, int] | None = None, hold=None) -> None:
         from rrfp.runtime.pipeline import Pipeline
         from rrfp.runtime.stage import PipelineStage
         from rrfp.scheduler.schedules import one_f_one_b_limits
@@ -111,14 +112,18 @@ class RrfpSystem(System):
         self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
         stages = [PipelineStage(w, s, n_stages) for w, s in zip(wrappers, stage_ids)]
         hint = {} if spec["hint"] is None else {"hint": spec["hint"]}
-        self.budget = budget
+        # Per step: what the schedule holds for that step's microbatches (set before each step).
+        self.budgets = budgets
         self.pipe = Pipeline(
             stages, n_mb, lm_loss, inflight_limit=limit, loss_weight_fn=count_tokens,
-            rank=rank, n_ranks=n_ranks, job=job, watchdog=120.0, memory_budget=budget, **hint,
+            rank=rank, n_ranks=n_ranks, job=job, watchdog=120.0,
+            memory_budget=max(budgets.values()) if budgets else None, **hint,
         )
         self.pipe.runtime.message_delay = hold
 
     def step(self, batch: Batch) -> None:
+        if self.budgets:
+            self.pipe.runtime.memory_budget = self.budgets[batch.step_id]
         self.pipe.step(
             microbatches=batch.rrfp_mbs if self.first else None,
             targets=batch.rrfp_targets if self.last else None,
@@ -254,12 +259,11 @@ def rank_main(cfg: dict) -> dict | None:
     for name in names:
         if name in RRFP_SYSTEMS:
             inner = [copy.deepcopy(base)]
-            wrappers = [JitterStage(inner[0], injector, 1.0, meter, last=rank == P - 1, stage=rank, delays=delays,
-                                    pack=work.pack)]
+            wrappers = [JitterStage(inner[0], injector, 1.0, meter, last=rank == P - 1, stage=rank, delays=delays)]
             spec = RRFP_SYSTEMS[name]
             sysobj: System = RrfpSystem(name, spec, wrappers, inner, [rank], P, rank, P, M,
                                         job=f"{cfg['run_id']}-{names.index(name)}",
-                                        budget=budgets.get(spec.get("budget")),
+                                        budgets=budgets.get(spec.get("budget")),
                                         hold=rrfp_hold(delays) if delays is not None else None)
         else:
             spec = TORCH_SYSTEMS[name]
@@ -285,7 +289,7 @@ def rank_main(cfg: dict) -> dict | None:
     for s in systems:
         s.close()
     calibration = _gather_obj(e)
-    budgets_all = _gather_obj(budgets)
+    budgets_all = _gather_obj({n: max(v.values()) for n, v in budgets.items()})
     dist.barrier()
     if rank != 0:
         return None
@@ -312,6 +316,7 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
         batch = work.batch(step_id, ph["varlen"])
         if cfg.get("comm"):
             batch = batch.with_stamps()
+        batch.step_id = step_id
         loss.total = batch.n_tokens
         order = systems[k % len(systems):] + systems[:k % len(systems)]
         ref_vec, ref_name = None, None
@@ -382,7 +387,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "batch_size": 32,
         "n_microbatches": 16,
         "threads": 1,
-        "systems": [*ISSUE13_SYSTEMS, "torch Interleaved1F1B"],
+        "systems": [*ISSUE13_SYSTEMS, "rrfp default, 1F1B limits", "torch Interleaved1F1B"],
         "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": 10} for lv in ("J0", "J2")],
     },
     "compute2": {

@@ -83,7 +83,7 @@ def phase_summary(phase: dict) -> dict[str, Any]:
 
 _SHORT = {
     "rrfp default": "default", "rrfp default, 1F1B memory": "default@1F1B-mem",
-    "rrfp default, GPipe memory": "default@GPipe-mem",
+    "rrfp default, GPipe memory": "default@GPipe-mem", "rrfp default, 1F1B limits": "default@1F1B-lim",
     "rrfp bf": "bf", "rrfp bfw": "bfw", "rrfp strict-1f1b": "strict-1f1b", "rrfp bf, 1F1B limits": "bf@1F1B-lim",
     "torch GPipe": "GPipe", "torch 1F1B": "1F1B", "torch Interleaved1F1B": "Int1F1B", "torch InterleavedZB": "IntZB",
 }

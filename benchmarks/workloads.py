@@ -289,22 +289,28 @@ class MultimodalWorkload(TextWorkload):
         t = multimodal_tensors(multimodal_samples(self.labels, B, B // M, cfg["seed"] * 100003 + step_id), self.images)
         mbid = torch.repeat_interleave(torch.arange(M), torch.tensor(microbatch_sizes(B, M)))
         split = [torch.tensor_split(t[k], M) for k in ("images", "counts", "tokens")] + [torch.tensor_split(mbid, M)]
-        return Batch(t["tokens"], t["targets"], mbid, list(zip(*split)), list(torch.tensor_split(t["targets"], M)),
+        # rrfp takes each microbatch's images packed (its inputs may have any shape); PyTorch
+        # the padded batch, packed inside its stage 0 (the same indexing).
+        mbs = [(*pack_images(*x[:3]), x[3]) for x in zip(*split)]
+        return Batch(t["tokens"], t["targets"], mbid, mbs, list(torch.tensor_split(t["targets"], M)),
                      count_tokens(t["targets"]), [int(c.sum()) for c in split[1]],
                      (t["images"], t["counts"], t["tokens"], mbid))
 
     def stage_inputs(self, batch: Batch) -> list[tuple]:
         if self.rank == 0:
-            return [self.pack(*x[:3]) for x in batch.rrfp_mbs]
+            return [tuple(x[:3]) for x in batch.rrfp_mbs]
         L = batch.targets.shape[1]
         return [(torch.randn(x[0].shape[0], L, self.gcfg.d_model, requires_grad=True),) for x in batch.rrfp_mbs]
 
 
-def budgets_for(work: TextWorkload, base, cfg: dict) -> dict[str, int]:
-    """Bytes 1F1B and GPipe would hold on this rank over every round of every phase."""
+def budgets_for(work: TextWorkload, base, cfg: dict) -> dict[str, dict[int, int]]:
+    """Per schedule (``1f1b``, ``gpipe``) and step id, the bytes that schedule holds on this
+    rank for that step's microbatches."""
     from .workloads import saved_bytes, schedule_budget
 
-    sizes, memo = [], {}
+    out: dict[str, dict[int, int]] = {"1f1b": {}, "gpipe": {}}
+    memo: dict = {}
+    P, rank = dist.get_world_size(), dist.get_rank()
     for pi, ph in enumerate(cfg["phases"]):
         for k in range(2 + ph["rounds"]):
             row = []
@@ -313,6 +319,6 @@ def budgets_for(work: TextWorkload, base, cfg: dict) -> dict[str, int]:
                 if shapes not in memo:  # bytes follow shapes
                     memo[shapes] = saved_bytes(base, x)
                 row.append(memo[shapes])
-            sizes.append(row)
-    P, rank = dist.get_world_size(), dist.get_rank()
-    return {n: schedule_budget(n, P, rank, sizes) for n in ("1f1b", "gpipe")}
+            for n in out:
+                out[n][1000 * pi + k] = schedule_budget(n, P, rank, [row])
+    return out
