@@ -129,10 +129,30 @@ def rerender(args: argparse.Namespace) -> int:
     return _publish(text, results, args, f"from {args.from_json}")
 
 
+GENERATED = ("Machine", "Failures", "Targets", "The default hint at equal memory",
+             "rrfp against PyTorch's pipeline schedules", "Micro-benchmarks of the runtime")
+
+
+def kept_sections(old: str) -> str:
+    """The sections of an existing report that this command does not write (engineers'
+    hand-measured sections appended at the end): from the first ``## `` heading, after the
+    generated ones, whose title is not one this command writes."""
+    lines = old.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if line.startswith("## ") and line[3:].strip() not in GENERATED:
+            return "\n" + "".join(lines[i:])
+    return ""
+
+
 def _publish(text: str, results: dict, args: argparse.Namespace, how: str) -> int:
     """Write the report to ``--out`` (or print it); the exit status says whether a part failed."""
     if args.out:
-        Path(args.out).write_text(text)
+        out = Path(args.out)
+        if out.exists():
+            text = text.rstrip() + "\n" + kept_sections(out.read_text())
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
         _log(f"wrote {args.out} ({how})")
     else:
         print(text)

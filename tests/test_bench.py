@@ -309,3 +309,14 @@ def test_issue13_settings_run_at_equal_memory_with_equal_gradients(setting):
     s = phase_summary(ph)
     rows = equal_memory({setting: {ph["name"]: s}}, None)
     assert rows and rows[0][2] == "default@1F1B-mem vs 1F1B"
+
+
+def test_regenerating_the_report_keeps_the_hand_written_sections():
+    """``--out`` over an existing BENCHMARKS.md replaces the generated sections and keeps the
+    sections engineers appended after them (their measurements are not this command's)."""
+    from benchmarks.run_all import kept_sections
+
+    old = ("# Benchmarks\n\n## Machine\n\nold\n\n## Targets\n\nold\n\n## Micro-benchmarks of the runtime\n\n"
+           "### Transports\n\nold\n\n## Data planes\n\nkept 1\n\n### Sub\n\nkept 2\n")
+    assert kept_sections(old) == "\n## Data planes\n\nkept 1\n\n### Sub\n\nkept 2\n"
+    assert kept_sections("# Benchmarks\n\n## Machine\n\nonly generated\n") == ""

@@ -105,3 +105,34 @@ def test_sizer_measures_saved_activations_and_scales_by_input():
 def test_schedule_named_budget_is_refused_in_the_runtime():
     with pytest.raises(ValueError, match="the runtime takes a size in bytes"):
         LocalPipeline(split_gpt(GPT(CFG), 2), 2, lm_loss, memory_budget="1f1b")
+
+
+def test_sizer_reuses_the_bytes_of_measured_shapes_and_remeasures_periodically():
+    """A forward whose input shapes were measured on that stage runs without saved-tensor hooks
+    (they cost a Python call per saved tensor) and takes the measured bytes; new shapes, and
+    every REMEASURE_EVERY-th forward, are measured."""
+    from rrfp.runtime import memory
+
+    hooked: list[bool] = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            hooked.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+            return torch.relu(self.lin(x))
+
+    probe = Probe()
+    sizer = ForwardSizer({0: probe}, 0)
+    shapes = [4, 4, 8, 4] + [4] * (memory.REMEASURE_EVERY - 4)
+    act = {(0, m): (torch.randn(n, 16, requires_grad=True),) for m, n in enumerate(shapes)}
+    sizer.begin_step(act)
+    for m in range(len(shapes)):
+        with sizer.measure(0, m, act[(0, m)]):
+            probe(*act[(0, m)])
+    assert hooked[:4] == [True, False, True, False]
+    assert hooked[4:] == [False] * (memory.REMEASURE_EVERY - 5) + [True]  # the 64th forward
+    assert sizer(0, 1) == sizer(0, 0) == 4 * 16 * 4 * 2  # input and relu output, fp32
+    assert sizer(0, 2) == 2 * sizer(0, 0)
