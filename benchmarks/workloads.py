@@ -299,8 +299,8 @@ class MultimodalWorkload(TextWorkload):
     def stage_inputs(self, batch: Batch) -> list[tuple]:
         if self.rank == 0:
             return [tuple(x[:3]) for x in batch.rrfp_mbs]
-        L = batch.targets.shape[1]
-        return [(torch.randn(x[0].shape[0], L, self.gcfg.d_model, requires_grad=True),) for x in batch.rrfp_mbs]
+        L = batch.targets.shape[1]  # samples: the counts' length (x[0] holds the packed images)
+        return [(torch.randn(x[1].shape[0], L, self.gcfg.d_model, requires_grad=True),) for x in batch.rrfp_mbs]
 
 
 def budgets_for(work: TextWorkload, base, cfg: dict) -> dict[str, dict[int, int]]:
