@@ -102,7 +102,7 @@ class System(abc.ABC):
 
 class RrfpSystem(System):
     def __init__(self, name: str, spec: dict, wrappers, inner, stage_ids, n_stages, rank, n_ranks, n_mb, job,
-                 budgets: dict[int, int] | None = None, hold=None) -> None:
+                 budgets: dict[int, int] | None = None, hold=None, chosen_hint: str | None = None) -> None:
         from rrfp.runtime.pipeline import Pipeline
         from rrfp.runtime.stage import PipelineStage
         from rrfp.scheduler.schedules import one_f_one_b_limits
@@ -112,6 +112,8 @@ class RrfpSystem(System):
         self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
         stages = [PipelineStage(w, s, n_stages) for w, s in zip(wrappers, stage_ids)]
         hint = {} if spec["hint"] is None else {"hint": spec["hint"]}
+        if spec["hint"] is None and chosen_hint:
+            hint = {"hint": chosen_hint}
         # Per step: what the schedule holds for that step's microbatches (set before each step).
         self.budgets = budgets
         self.pipe = Pipeline(
@@ -264,7 +266,8 @@ def rank_main(cfg: dict) -> dict | None:
             sysobj: System = RrfpSystem(name, spec, wrappers, inner, [rank], P, rank, P, M,
                                         job=f"{cfg['run_id']}-{names.index(name)}",
                                         budgets=budgets.get(spec.get("budget")),
-                                        hold=rrfp_hold(delays) if delays is not None else None)
+                                        hold=rrfp_hold(delays) if delays is not None else None,
+                                        chosen_hint=cfg.get("hint"))
         else:
             spec = TORCH_SYSTEMS[name]
             if spec["virtual"] == 1:
@@ -294,7 +297,7 @@ def rank_main(cfg: dict) -> dict | None:
     if rank != 0:
         return None
     return {"config": cfg, "calibration": calibration, "phases": phases, "budgets": budgets_all,
-            "default_hint": default_hint()}
+            "default_hint": cfg.get("hint") or default_hint()}
 
 
 def _gather_obj(obj: Any) -> list:
@@ -452,9 +455,11 @@ QUICK: dict[str, dict[str, Any]] = {
 
 
 def setting_config(name: str, quick: bool = False, systems: Sequence[str] | None = None, seed: int = 0,
-                   rounds: int | None = None) -> dict:
-    """The configuration of one setting (a key of :data:`SETTINGS`), optionally shrunk for CI."""
+                   rounds: int | None = None, hint: str | None = None) -> dict:
+    """The configuration of one setting (a key of :data:`SETTINGS`), optionally shrunk for CI.
+    ``hint``: the hint of the ``rrfp default`` rows (None: ``rrfp.Pipeline``'s default)."""
     cfg = copy.deepcopy(SETTINGS[name])
+    cfg["hint"] = hint
     if quick:
         cfg.update(copy.deepcopy(QUICK[name]))
     if rounds is not None:

@@ -445,13 +445,14 @@ def rank_main(cfg: dict) -> dict | None:
     return {"zmq": zmq_res, "gloo": gloo_res, "overhead_2proc": overhead}
 
 
-def _overhead_reps(reps: int, **kw: Any) -> dict[str, dict[str, Any]]:
+def _overhead_reps(reps: int, hint: str | None = None, **kw: Any) -> dict[str, dict[str, Any]]:
     """:func:`local_overhead` of the default hint and strict 1F1B, ``reps`` times over (the
     machine is shared: each figure is the median of the repetitions, all of them kept under
     ``reps_overhead_cpu_us``)."""
     from .compare import default_hint
 
-    runs = [local_overhead(hints=tuple(dict.fromkeys((default_hint(), "strict-1f1b"))), **kw) for _ in range(reps)]
+    hints = tuple(dict.fromkeys((hint or default_hint(), "strict-1f1b")))
+    runs = [local_overhead(hints=hints, **kw) for _ in range(reps)]
     out = {}
     for name in runs[0]:
         vals = [r[name]["overhead_cpu_us"] for r in runs]
@@ -460,7 +461,7 @@ def _overhead_reps(reps: int, **kw: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run_micro(quick: bool = False, timeout: float = 300.0) -> dict[str, Any]:
+def run_micro(quick: bool = False, timeout: float = 300.0, hint: str | None = None) -> dict[str, Any]:
     """Every micro-benchmark; the 2-process ones in freshly launched ranks."""
     from .harness import launch
 
@@ -473,7 +474,8 @@ def run_micro(quick: bool = False, timeout: float = 300.0) -> dict[str, Any]:
         "arbiter": arbiter_decisions(sizes=(1, 32, 256) if quick else READY_SIZES,
                                      hints=("bf", "1f1b") if quick else ARBITER_HINTS,
                                      cycles=500 if quick else 3000, repeats=2 if quick else 5),
-        "overhead_local": _overhead_reps(1 if quick else 5, n_microbatches=16 if quick else 64, steps=2 if quick else 20),
+        "overhead_local": _overhead_reps(1 if quick else 5, hint, n_microbatches=16 if quick else 64,
+                                         steps=2 if quick else 20),
         "overhead_2proc": res["overhead_2proc"],
         "transport": {"zmq (tcp)": res["zmq"], "fake (in-process)": fake_transport_bench(sizes, budget), "gloo": res["gloo"]},
         "sizes": sizes,

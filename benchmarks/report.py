@@ -110,8 +110,10 @@ def render_setting(res: dict) -> tuple[str, dict[str, dict]]:
         + ("" if mm else f"; interleaved schedules use 2 virtual stages per rank ({2 * cfg['n_ranks']} stages of "
                          f"{m['n_layer'] // (2 * cfg['n_ranks'])} layer(s))")
         + (f"; message delays {cfg['comm']} on every activation and gradient" if cfg.get("comm") else "")
-        + f". Default hint: `{res.get('default_hint', '?')}` (read from `rrfp.Pipeline`'s signature). "
-        f"Run time {res.get('wall_seconds', 0):.0f} s.",
+        + (f". Hint of the `rrfp default` rows: `{cfg['hint']}` (`--hint`; not rrfp.Pipeline's default). "
+           if cfg.get("hint") else f". Default hint: `{res.get('default_hint', '?')}` (read from `rrfp.Pipeline`'s "
+           "signature). ")
+        + f"Run time {res.get('wall_seconds', 0):.0f} s.",
         "",
         "Calibrated base compute per rank (the jitter model's `e`): "
         + ", ".join(f"rank {r}: F {c['F'] * 1e3:.2f} ms, B {c['B'] * 1e3:.2f} ms" for r, c in enumerate(res["calibration"]))

@@ -43,6 +43,14 @@ def options_error(args: argparse.Namespace) -> str | None:
     bad = [s for s in names if s not in compare.SETTINGS]
     if bad or not names:
         return f"--settings {args.settings!r}: expected a comma-separated subset of {', '.join(compare.SETTINGS)}"
+    if args.hint:
+        from rrfp.scheduler.hints import resolve_hint
+        from rrfp.scheduler.tasks import Placement
+
+        try:
+            resolve_hint(args.hint, Placement(4), 16)
+        except ValueError as e:
+            return f"--hint {args.hint!r}: {e}"
     if args.rounds is not None and args.rounds < 1:
         return f"--rounds {args.rounds}: expected at least 1"
     if args.timeout <= 0:
@@ -187,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         _log("probing PyTorch pipelining with a changing sequence length")
         results["probe"] = attempt("probe", compare.probe_static_shapes)
         for name in settings:
-            cfg = compare.setting_config(name, quick=args.quick, seed=args.seed, rounds=args.rounds)
+            cfg = compare.setting_config(name, quick=args.quick, seed=args.seed, rounds=args.rounds, hint=args.hint)
             _log(f"setting {name}: {cfg['title']} ({len(cfg['phases'])} phases, {len(cfg['systems'])} systems)")
             res = attempt(f"setting {name}", lambda: compare.run_setting(cfg, timeout=args.timeout))
             if res is not None:
@@ -195,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
                 _log(f"setting {name} done in {res['wall_seconds']:.0f} s")
     if "micro" in parts:
         _log("micro-benchmarks")
-        results["micro"] = attempt("micro-benchmarks", lambda: micro.run_micro(quick=args.quick, timeout=args.timeout))
+        results["micro"] = attempt("micro-benchmarks", lambda: micro.run_micro(quick=args.quick, timeout=args.timeout,
+                                                                                 hint=args.hint))
     if not args.no_sim and not args.quick:
         results["ideal"] = {name: ideal(st) for name, st in results["compare"].items()}
         if "jitter4-m64" in results["compare"]:
@@ -229,6 +238,8 @@ def _command(args: argparse.Namespace) -> str:
         flags.append(f"--seed {args.seed}")
     if args.no_sim:
         flags.append("--no-sim")
+    if args.hint:
+        flags.append(f"--hint {args.hint}")
     if args.out:
         flags.append(f"--out {args.out}")
     return " ".join(["rrfp bench", *flags])

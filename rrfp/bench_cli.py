@@ -45,6 +45,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes and few rounds (CI smoke test)")
     p.add_argument("--settings", default="jitter4,comm4,multimodal4,compute2",
                    help="comparison settings, comma-separated (jitter4, comm4, multimodal4, compute2, jitter4-m64)")
+    p.add_argument("--hint", default=None,
+                   help="hint of the 'rrfp default' rows (a candidate); without it, rrfp.Pipeline's default")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per phase; without it, each setting's own")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and injected delays")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one multi-process run may take")

@@ -144,6 +144,8 @@ def test_rrfp_bench_bad_input_is_a_usage_error(capsys):
     assert main(["bench", "--settings", "nope"]) == 2
     assert "--settings 'nope'" in capsys.readouterr().err
     assert main(["bench", "--rounds", "0"]) == 2
+    assert main(["bench", "--hint", "nope"]) == 2
+    assert "--hint 'nope': unknown hint" in capsys.readouterr().err
     assert main(["bench", "--out", "/no/such/dir/x.md"]) == 2
     assert main(["bench", "--from-json", "/no/such/results.json"]) == 2
     assert "--from-json /no/such/results.json: no such file" in capsys.readouterr().err
