@@ -86,7 +86,7 @@ class MessageDelays:
         if d > 0:
             self.inj.total += d
             self.inj.count += 1
-            left = float(stamp.reshape(-1)[0]) + d - time.monotonic()
+            left = float(stamp.detach().reshape(-1)[0]) + d - time.monotonic()
             if left > 0:
                 time.sleep(left)
 
