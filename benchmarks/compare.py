@@ -67,11 +67,16 @@ ISSUE13_SYSTEMS = ["rrfp default", "rrfp default, 1F1B memory", "rrfp default, G
 def default_hint() -> str:
     """The hint ``rrfp.Pipeline`` uses when none is given (read from its signature, so the
     benchmark follows whatever the runtime defaults to)."""
-    import inspect
+    try:
+        from rrfp.scheduler.hints import DEFAULT_HINT  # the one default of Pipeline, LocalPipeline, rrfp train
 
-    from rrfp.runtime.pipeline import Pipeline
+        return str(DEFAULT_HINT)
+    except ImportError:  # older trees: the default of Pipeline's signature
+        import inspect
 
-    return str(inspect.signature(Pipeline.__init__).parameters["hint"].default)
+        from rrfp.runtime.pipeline import Pipeline
+
+        return str(inspect.signature(Pipeline.__init__).parameters["hint"].default)
 
 
 # --------------------------------------------------------------------------- systems
