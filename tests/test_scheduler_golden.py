@@ -135,8 +135,9 @@ def test_depth_first_under_a_budget_runs_the_oldest_first_hand_computed():
     arb.mark_input(2, 0, False)
     run(1)
     arb.mark_input(2, 0, True)
-    # I0 frees a byte; then the F round: mb 1's stage 2 (mb 0 needs nothing now), not mb 2's
+    # I0 frees nothing (W0 still reads what F0 saved), so mb 1's stage 2 is not granted and
+    # W0 runs and frees a byte; then mb 1's stage 2 (mb 0 needs nothing now), not mb 2's
     # admission (2 held + 1 reserved for mb 1 + 2 for mb 2 > 1.5 budgets).
-    run(2)
-    assert seen == ["0F0", "0F1", "2F0", "2I0", "2F1"]
+    run(3)
+    assert seen == ["0F0", "0F1", "2F0", "2I0", "2W0", "2F1"]
     assert arb.peak_bytes == 3

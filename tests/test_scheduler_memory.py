@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from rrfp.scheduler import Arbiter, Placement, PipelineSpec, resolve_hint
 from rrfp.scheduler.memory import MemoryLedger, order_peak_bytes, parse_size
-from rrfp.scheduler.tasks import B, F, I, Task
+from rrfp.scheduler.tasks import B, F, I, Task, W
 from rrfp.sim.engine import simulate
 
 EXAMPLES = int(os.environ.get("RRFP_HYPOTHESIS_EXAMPLES", "150"))
@@ -42,7 +42,7 @@ def _peak(records, size, rank: int) -> int:
         if k == F:
             cur += size(r.step, s, m)
             peak = max(peak, cur)
-        elif k in (B, I):
+        elif k in (B, W):  # a split backward frees at W (W reads what F saved)
             cur -= size(r.step, s, m)
     return peak
 

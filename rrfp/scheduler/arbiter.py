@@ -242,7 +242,9 @@ class Arbiter:
         if self.memory is not None:
             if k == F:
                 self.memory.forward_done(s, m, nbytes)
-            elif k != W:
+            elif k != I:
+                # A split backward's W still reads the layer inputs F saved, so the bytes stay
+                # held until W; freeing them at I would let split hints overrun the budget.
                 self.memory.backward_done(s, m)
         if k == F:
             self._done[0][i] = 1

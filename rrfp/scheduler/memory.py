@@ -144,7 +144,8 @@ class MemoryLedger:
             reporting only).
 
     Attributes:
-        held, peak_held: bytes held now / at most (forward done, input backward not).
+        held, peak_held: bytes held now / at most (forward done, its backward not: B, or W
+            when the backward is split, since W reads what F saved).
         reserved, peak_reserved: bytes held plus what the admitted microbatches' remaining
             forwards on the rank will hold, now / at most (what a rank reserving every virtual
             stage at admission would have to set aside).
@@ -280,7 +281,7 @@ class MemoryLedger:
             self.peak_reserved = self.reserved
 
     def backward_done(self, stage: int, mb: int) -> None:
-        """The input backward of ``(stage, mb)`` finished: its bytes are free; the microbatch
+        """The backward of ``(stage, mb)`` finished (B, or W when split): its bytes are free; the microbatch
         leaves the rank with its first virtual stage's."""
         got = self._got.pop((stage, mb), 0)
         self.held -= got
