@@ -6,7 +6,10 @@ this thread answers: a key derived for rank r is accepted with User-Id ``r`` (wh
 transport then checks against the routing id of every message), any other key is
 refused. A client that does not complete the CURVE handshake (no secret, NULL mechanism,
 wrong key) never delivers a single frame: it is counted from the ROUTER's monitor as
-``rejected_handshake``. The thread runs outside the event loop, so handshakes proceed
+``rejected_handshake``. libzmq reports no handshake event at all when it drops a client
+that does not speak ZMTP 3 (garbage, an HTTP request, ZMTP 1.0/2.0: refused because
+ZAP is on); such a connection is told from the others by matching handshake outcomes
+to connections (:class:`OutcomeMatcher`) and counted when it closes. The thread runs outside the event loop, so handshakes proceed
 while a rank's loop is idle between steps.
 
 The same thread keeps the rank's own signed store entry in place (``guard``) until every
@@ -15,6 +18,7 @@ peer has authenticated, so an entry overwritten after publishing is written back
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import threading
@@ -32,6 +36,48 @@ _FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 _ids = itertools.count()
+_WATCHED = _FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+
+
+class OutcomeMatcher:
+    """Finds the accepted connections that closed without any handshake outcome.
+
+    libzmq's monitor (version 1) gives the socket of ``ACCEPTED`` and ``DISCONNECTED``
+    events but not of a handshake's success or failure. Each connection has at most one
+    outcome, between its acceptance and its close, so connections are intervals and
+    outcomes points in the event sequence: matching them greedily as connections close
+    (each takes the earliest free outcome since its acceptance) matches as many as any
+    assignment could, so a connection left without one certainly had none. Free
+    outcomes older than every open connection are forgotten (memory stays bounded by
+    the open connections).
+    """
+
+    def __init__(self) -> None:
+        self._seq = 0
+        self._open: dict[int, int] = {}  # socket -> sequence number of its acceptance
+        self._free: list[int] = []  # sequence numbers of outcomes not matched yet
+
+    def accepted(self, fd: int) -> None:
+        self._seq += 1
+        self._open[fd] = self._seq
+
+    def outcome(self) -> None:
+        self._seq += 1
+        self._free.append(self._seq)
+
+    def closed(self, fd: int) -> bool:
+        """True when the connection on ``fd`` closed without a handshake outcome."""
+        self._seq += 1
+        since = self._open.pop(fd, None)
+        if since is None:
+            return False  # accepted before the monitor started
+        i = bisect.bisect_left(self._free, since)
+        matched = i < len(self._free)
+        if matched:
+            del self._free[i]
+        oldest = min(self._open.values(), default=self._seq)
+        del self._free[:bisect.bisect_left(self._free, oldest)]
+        return not matched
 
 
 class Gatekeeper:
@@ -77,12 +123,13 @@ class Gatekeeper:
         self._stop_tx.linger = 0
         self._stop_tx.connect(stop_addr)
         self._mon: zmq.Socket | None = None
+        self._matcher = OutcomeMatcher()
         self._thread: threading.Thread | None = None
 
     def watch(self, router: zmq.Socket) -> None:
         """Count the ROUTER's failed handshakes; then start the thread."""
         addr = f"inproc://rrfp-gate-mon-{next(_ids)}"
-        router.monitor(addr, _FAILED)
+        router.monitor(addr, _WATCHED)
         self._mon = zmq.Socket(self._ctx, zmq.PAIR)
         self._mon.linger = 0
         self._mon.connect(addr)
@@ -108,23 +155,36 @@ class Gatekeeper:
             while True:
                 ready = dict(poller.poll(self._guard_ms if guarding else None))
                 if self._stop_rx in ready:
+                    while self._mon.poll(0):  # what the monitor already reported still counts
+                        self._on_event(parse_monitor_message(self._mon.recv_multipart()))
                     return
                 if self._zap in ready:
                     self._answer(self._zap.recv_multipart())
                 if self._mon in ready:
-                    ev = parse_monitor_message(self._mon.recv_multipart())
-                    if ev["event"] & _FAILED:
-                        n = self._stats["rejected_handshake"] = self._stats.get("rejected_handshake", 0) + 1
-                        if n <= 10 or n & (n - 1) == 0:
-                            log.warning("rank %d: refused connection #%d from %s: CURVE handshake failed "
-                                        "(%s)", self.rank, n, ev.get("endpoint", b"?").decode("utf-8", "replace"),
-                                        zmq.Event(ev["event"]).name)
+                    self._on_event(parse_monitor_message(self._mon.recv_multipart()))
                 if guarding:
                     guarding = not self.all_in.is_set() and bool(self._guard())
         except zmq.ContextTerminated:
             return
         except Exception:  # never silently: a dead gate would stall every handshake
             log.exception("rank %d: gatekeeper failed", self.rank)
+
+    def _on_event(self, ev: dict) -> None:
+        what = ev["event"]
+        if what == zmq.EVENT_ACCEPTED:
+            self._matcher.accepted(int(ev["value"]))
+        elif what == zmq.EVENT_DISCONNECTED:
+            if self._matcher.closed(int(ev["value"])):
+                self._refused("closed before a ZMTP 3 handshake (not a ZeroMQ CURVE peer)")
+        elif what & (_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED):
+            self._matcher.outcome()
+            if what & _FAILED:
+                self._refused(f"CURVE handshake failed ({zmq.Event(what).name})")
+
+    def _refused(self, why: str) -> None:
+        n = self._stats["rejected_handshake"] = self._stats.get("rejected_handshake", 0) + 1
+        if n <= 10 or n & (n - 1) == 0:  # a flood must not flood the log
+            log.warning("rank %d: refused connection #%d: %s", self.rank, n, why)
 
     def _answer(self, msg: list[bytes]) -> None:
         # ZAP request: version, request id, domain, address, identity, mechanism, credentials.
