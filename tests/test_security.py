@@ -70,6 +70,23 @@ def attack(endpoint: str, frames: list, routing_id: bytes, curve_key: tuple | No
     return ev
 
 
+def raw_attack(endpoint: str, data: bytes) -> bytes:
+    """A client that does not speak ZMTP 3 (no ZeroMQ event on the server for it): send
+    ``data`` and return what came back until the rank closed the connection."""
+    import socket
+
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.sendall(data)
+        got = b""
+        try:
+            while chunk := s.recv(4096):  # the rank closing the connection ends the wait
+                got += chunk
+        except ConnectionResetError:
+            pass  # closed with our bytes unread: a reset, not a FIN
+    return got
+
+
 async def _until(cond, what: str, timeout: float = 20.0) -> None:
     # Waits on a condition the transport's own threads set; bounded, never a fixed sleep.
     loop = asyncio.get_running_loop()
@@ -102,7 +119,10 @@ async def test_outsiders_are_refused_counted_and_traffic_is_intact():
     ]
     for ep, frames, rid, server in forged:
         assert attack(ep, frames, rid, server) != zmq.EVENT_HANDSHAKE_SUCCEEDED
-    await _until(lambda: ts[2].stats["rejected_handshake"] == 4 and ts[1].stats["rejected_handshake"] == 1
+    # Not ZeroMQ at all (libzmq drops these without a handshake event): counted when closed.
+    raw_attack(ts[2].endpoint, b"GET / HTTP/1.0\r\n\r\n")
+    raw_attack(ts[2].endpoint, b"\xff" + b"\0" * 8 + b"\x7f\x01\x00" + b"\0" * 64)  # ZMTP 2.0 greeting
+    await _until(lambda: ts[2].stats["rejected_handshake"] == 6 and ts[1].stats["rejected_handshake"] == 1
                  and ts[0].stats["rejected_handshake"] == 1, "every forged connection counted")
     ts[3].send(2, g, [x])
     m = await ts[2].recv()
@@ -110,6 +130,45 @@ async def test_outsiders_are_refused_counted_and_traffic_is_intact():
     assert torch.equal(m.tensors[0], x)  # the genuine message, not a forged one
     assert ts[2].stats["messages_received"] == 1
     await asyncio.gather(*(t.close() for t in ts))
+
+
+def test_outcome_matcher_counts_only_connections_closed_without_a_handshake_outcome():
+    from rrfp.transport.zmq_gate import OutcomeMatcher
+
+    m = OutcomeMatcher()
+    for fd in (10, 11, 12):  # three genuine peers connect and authenticate
+        m.accepted(fd)
+    m.outcome(), m.outcome(), m.outcome()
+    m.accepted(13)  # garbage: closed with no outcome while the peers stay connected
+    assert m.closed(13)
+    m.accepted(14), m.accepted(15)  # a squatter failing while a peer reconnects and succeeds
+    m.outcome(), m.outcome()
+    assert not m.closed(14)
+    m.accepted(13)  # a reused socket number is a new connection
+    assert m.closed(13)
+    assert [m.closed(fd) for fd in (10, 11, 12, 15)] == [False] * 4
+    assert m._free == [] and m._open == {}
+    assert not m.closed(99)  # accepted before the monitor started: not counted
+
+
+def test_the_launcher_learns_which_ranks_it_stopped_though_their_lines_are_hidden(capsys):
+    import logging
+
+    from rrfp.train.cli import _quiet_launcher_logs
+    from rrfp.train.guard import LauncherSignals
+
+    api = logging.getLogger(LauncherSignals.LOGGER)
+    before = list(api.filters)
+    rec = LauncherSignals()
+    try:
+        _quiet_launcher_logs()  # a previous run in this process left its hiding filter
+        _quiet_launcher_logs(rec)
+        api.warning("Sending process %s closing signal %s", 4321, "SIGTERM")
+    finally:
+        api.removeFilter(rec)
+    assert rec.pids == {4321}
+    assert "closing signal" not in capsys.readouterr().err
+    assert len(api.filters) == max(1, len(before))
 
 
 async def test_no_secret_refuses_a_non_loopback_bind_in_one_line():

@@ -91,6 +91,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allow ranks to bind a non-loopback address without a job secret (no authentication)")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip a step whose loss or gradient norm is NaN/inf instead of stopping the run")
+    p.add_argument("--loss-file", metavar="PATH", default=None,
+                   help="rank 0 writes every step's loss here at the end, one line '<step> <float.hex>' "
+                   "(exact: two runs compare bit for bit)")
     p.set_defaults(func=run, _parser=p)
 
 
@@ -274,6 +277,13 @@ def validate(args: argparse.Namespace) -> None:
 
         if (err := check_writable_dir(args.trace, "--trace")) is not None:
             raise UsageError(err)
+    if getattr(args, "loss_file", None) is not None:
+        from .guard import check_writable_dir
+
+        if Path(args.loss_file).is_dir():
+            raise UsageError(f"--loss-file={args.loss_file!r}: is a folder, expected a file path")
+        if (err := check_writable_dir(str(Path(args.loss_file).resolve().parent), "--loss-file")) is not None:
+            raise UsageError(err)
     if getattr(args, "job_secret_file", None):
         from ..transport.auth import JobAuth
 
@@ -404,7 +414,6 @@ def _run_launcher(run_args) -> int:
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    _quiet_launcher_logs()
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     import logging
@@ -412,7 +421,7 @@ def _run_launcher(run_args) -> int:
     from .guard import LauncherSignals
 
     signalled = LauncherSignals()
-    logging.getLogger(LauncherSignals.LOGGER).addHandler(signalled)
+    _quiet_launcher_logs(signalled)
     try:
         torchrun.run(run_args)
     except ChildFailedError as e:
@@ -424,6 +433,8 @@ def _run_launcher(run_args) -> int:
         sig = getattr(e, "sigval", signal.SIGINT)
         print(f"rrfp train: stopped by {signal.Signals(sig).name}; the ranks were stopped too", file=sys.stderr)
         return 128 + int(sig)
+    finally:
+        logging.getLogger(LauncherSignals.LOGGER).removeFilter(signalled)
     return 0
 
 
@@ -440,13 +451,23 @@ class _NoPipeClosedErrors:
         return f"exitcode: {PIPE_CLOSED})" not in text and "closing signal SIGTERM" not in text
 
 
-def _quiet_launcher_logs() -> None:
+def _quiet_launcher_logs(recorder=None) -> None:
+    """Hide torchrun's agent chatter; ``recorder`` (a :class:`~rrfp.train.guard.LauncherSignals`)
+    is installed first, so it still sees the "closing signal" records that are hidden."""
     import logging
 
     # torchrun's agent logs every rendezvous detail at INFO; users want the job's own lines.
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_NoPipeClosedErrors())
+    api = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    # A logger stops at its first filter that drops a record: the recorder must come before
+    # the filter that hides the agent's "closing signal" lines, or it never learns which
+    # ranks the launcher stopped (and blames rank 0 for an outside SIGTERM).
+    for f in [f for f in api.filters if isinstance(f, _NoPipeClosedErrors)]:
+        api.removeFilter(f)
+    if recorder is not None:
+        api.addFilter(recorder)
+    api.addFilter(_NoPipeClosedErrors())
 
 
 def describe_failures(failures: dict, launcher_signalled: set[int] | None = None) -> str:

@@ -23,7 +23,14 @@ from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["NonFiniteStep", "check_finite", "configure_auth", "root_cause", "write_error_file"]
+__all__ = ["NonFiniteStep", "check_finite", "configure_auth", "pause_for_test", "root_cause", "write_error_file"]
+
+PAUSE_ENV = "RRFP_TEST_PAUSE_AFTER_STEP"
+"""Test hook, a step count ``K`` (never set outside tests): after its ``K``-th step every
+rank sets ``rrfp/test/paused/<rank>`` in the job's store and waits (at most ``--watchdog``
+seconds) until ``rrfp/test/resume`` is set. A test then acts on a running job at a known
+point, and resumes it, through events rather than timers
+(``tests/test_security_jobs.py``)."""
 
 
 class NonFiniteStep(RuntimeError):
@@ -71,6 +78,20 @@ def check_finite(step: int, rank: int, loss: float | None, grad_norm: float) -> 
     if flags[1] >= 0:
         return NonFiniteStep(step, int(flags[1]), "gradient norm")
     return None
+
+
+def pause_for_test(store, done: int, rank: int, timeout_s: float) -> None:
+    """The :data:`PAUSE_ENV` hook: a no-op unless it names ``done``.
+
+    Raises:
+        RuntimeError (torch's store timeout): nobody resumed within ``timeout_s``.
+    """
+    if os.environ.get(PAUSE_ENV) != str(done):
+        return
+    from datetime import timedelta
+
+    store.set(f"rrfp/test/paused/{rank}", "1")
+    store.wait(["rrfp/test/resume"], timedelta(seconds=timeout_s))
 
 
 def blamed_rank(exc: BaseException, rank: int) -> int:
@@ -203,19 +224,25 @@ def check_writable_dir(path: str, flag: str) -> str | None:
     return None
 
 
-class LauncherSignals(logging.Handler):
-    """Collects the pids torchrun's agent sends its closing signal to (it logs each one),
-    so that a rank killed by someone else's SIGTERM is told apart from those it stopped."""
+class LauncherSignals(logging.Filter):
+    """Collects the pids torchrun's agent sends its closing signal to (it logs each one,
+    at WARNING, before it signals), so that a rank killed by someone else's SIGTERM is told
+    apart from those the launcher stopped.
+
+    A logger *filter*, not a handler: it must see the record even when a later filter of the
+    same logger keeps it off the screen (``rrfp train`` hides these lines), and logger filters
+    run before any handler. It never drops a record."""
 
     LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__()
         self.pids: set[int] = set()
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def filter(self, record: logging.LogRecord) -> bool:
         if record.msg == "Sending process %s closing signal %s" and record.args:
             try:
                 self.pids.add(int(record.args[0]))
             except (TypeError, ValueError):
                 pass
+        return True

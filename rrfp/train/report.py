@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from ..scheduler.tasks import Placement
 from .progress import Output
@@ -75,6 +76,8 @@ class Reporter:
 
     def summary(self, total: float) -> None:
         rows = self.rows
+        if getattr(self.args, "loss_file", None):
+            write_loss_file(self.args.loss_file, rows)
         if not rows:
             return
         first, last = rows[0]["loss"], rows[-1]["loss"]
@@ -89,6 +92,18 @@ class Reporter:
             f"loss {first:.4f} -> {last:.4f} ({_change(first, last)}); "
             f"per-step mean bubble/rank [{' '.join(f'{b:.2f}' for b in mean_bubble)}]; hint {self.args.hint}{val}"
         )
+
+
+def write_loss_file(path: str, rows: list[dict]) -> None:
+    """``--loss-file``: one line per step, ``<step (1-based)> <loss as float.hex>``, the
+    exact float64 each step reported (two runs compare bit for bit); written atomically.
+
+    Raises:
+        OSError: naming the file.
+    """
+    from .guard import atomic_write_text
+
+    atomic_write_text(Path(path), "".join(f"{r['step'] + 1} {float(r['loss']).hex()}\n" for r in rows))
 
 
 def _change(first: float, last: float) -> str:

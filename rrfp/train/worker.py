@@ -32,7 +32,7 @@ from .optim import lr_scheduler
 from .precision import use_autocast
 from .progress import Output
 from .report import Reporter
-from .guard import atomic_path, atomic_write_text, check_finite
+from .guard import atomic_path, atomic_write_text, check_finite, pause_for_test
 
 
 TP_IMPL = "manual"
@@ -251,6 +251,7 @@ def _main(args: argparse.Namespace) -> int:
                         pipe.runtime.send_control(0, k, ev)
             # --- checkpoints and graceful stop ---
             end = k + 1
+            pause_for_test(default_store(), end, layout.rank, args.watchdog)  # off unless a test sets its env
             stopping = stop.after_step(end, args.steps)
             if ckpt.root is not None and (stopping or end == args.steps or (
                     args.checkpoint_every and end % args.checkpoint_every == 0)):
