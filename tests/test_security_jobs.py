@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_security import SECRET, attack
+import zmq
+from test_security import SECRET, attack, raw_attack
 
 from rrfp.transport.codec import encode
 from rrfp.transport.keys import Direction, MsgKey
@@ -24,110 +25,123 @@ from rrfp.transport.keys import Direction, MsgKey
 pytestmark = pytest.mark.slow
 
 JOB = "train-local"  # rrfp train's job id without TORCHELASTIC_RUN_ID
-ARGS = ["train", "--stages", "4", "--steps", "60", "--batch-size", "8", "--microbatches", "4", "--max-len", "32",
+STEPS, PAUSE = 8, 3
+ARGS = ["train", "--stages", "4", "--steps", str(STEPS), "--batch-size", "8", "--microbatches", "4", "--max-len", "32",
         "--deterministic", "--watchdog", "60"]
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports: every socket is held until all are bound, so two calls in a
-    row can never hand out the same port (two jobs hosting their store on one port)."""
-    import socket
+class Job:
+    """A 4-rank ``rrfp train`` job whose rendezvous store this test hosts: every rank is a
+    store client (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun's agent), so the store
+    exists before any rank starts and the attacker never races a rank to connect to it.
 
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    Each rank's stderr is read line by line by a thread, so the test can wait for a line
+    (an event) rather than for time to pass."""
 
+    def __init__(self, tmp: Path, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=90))
+        self.loss_file = tmp / f"{name}.losses"
+        self.out = [tmp / f"{name}.rank{r}.out" for r in range(4)]
+        self.err: list[list[str]] = [[] for _ in range(4)]
+        self._said = threading.Condition()
+        self.procs = []
+        for r in range(4):
+            e = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port), "RANK": str(r),
+                 "WORLD_SIZE": "4", "LOCAL_RANK": str(r), "OMP_NUM_THREADS": "1", "RRFP_JOB_SECRET": SECRET,
+                 "TORCHELASTIC_USE_AGENT_STORE": "True", **(env or {})}
+            e.pop("TORCHELASTIC_RUN_ID", None)
+            with open(self.out[r], "w") as out:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "rrfp", *args, "--loss-file", str(self.loss_file)],
+                    stdout=out, stderr=subprocess.PIPE, text=True, env=e))
+        self._readers = [threading.Thread(target=self._read, args=(r,), daemon=True) for r in range(4)]
+        for t in self._readers:
+            t.start()
 
-def _job(port: int, args: list[str]) -> list[subprocess.Popen]:
-    procs = []
-    for r in range(4):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "WORLD_SIZE": "4",
-               "LOCAL_RANK": str(r), "OMP_NUM_THREADS": "1", "RRFP_JOB_SECRET": SECRET}
-        env.pop("TORCHELASTIC_RUN_ID", None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "rrfp", *args], stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, env=env))
-    return procs
+    def _read(self, r: int) -> None:
+        for line in self.procs[r].stderr:
+            with self._said:
+                self.err[r].append(line)
+                self._said.notify_all()
 
+    def key(self, name: str) -> str:
+        return f"default_pg/0//{name}"  # the default process group's prefix on the job's store
 
-def _finish(procs: list[subprocess.Popen], first_out: str = "") -> tuple[list[str], list[str]]:
-    outs, errs = [], []
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        outs.append(out)
-        errs.append(err)
-    outs[0] = first_out + outs[0]
-    return outs, errs
+    def wait_keys(self, names: list[str]) -> None:
+        self.store.wait([self.key(n) for n in names], datetime.timedelta(seconds=90))
 
+    def endpoint(self, rank: int) -> str:
+        self.wait_keys([f"rrfp/{JOB}/zmq/{rank}"])
+        return bytes(self.store.get(self.key(f"rrfp/{JOB}/zmq/{rank}"))).decode().split("\t")[0]
 
-def _losses(out: str) -> list[str]:
-    return re.findall(r"^step +\d+/\d+ +loss +(\S+)", out, re.M)
+    def wait_said(self, rank: int, text: str, n: int) -> None:
+        """Until rank ``rank`` has printed ``n`` lines containing ``text`` (or exited)."""
+        with self._said:
+            ok = self._said.wait_for(lambda: sum(text in ln for ln in self.err[rank]) >= n
+                                     or self.procs[rank].poll() is not None, timeout=90)
+        assert ok and sum(text in ln for ln in self.err[rank]) >= n, "".join(self.err[rank])[-3000:]
 
+    def finish(self) -> tuple[list[int], list[str]]:
+        codes = [p.wait(timeout=120) for p in self.procs]
+        for t in self._readers:
+            t.join(30)
+        return codes, ["".join(e) for e in self.err]
 
-def _entry(client, rank: int) -> str:
-    key = f"default_pg/0//rrfp/{JOB}/zmq/{rank}"
-    client.wait([key], datetime.timedelta(seconds=60))
-    return bytes(client.get(key)).decode().split("\t")[0]
-
-
-# Known flaky on the CI machine (rrfp issue 10 stays open for them): the launcher sometimes
-# names rank 0 for a rank SIGTERMed from outside, and the attacked job's report lost step lines
-# once. They run everywhere else; CI (CI=true) skips them until they are fixed.
-QUARANTINED_IN_CI = pytest.mark.skipif(os.environ.get("CI") == "true",
-                                       reason="quarantined in CI: flaky launcher blame / attack race (issue 10)")
-
-@QUARANTINED_IN_CI
-@pytest.mark.timeout(240)
-def test_attacks_on_a_running_job_are_refused_counted_and_change_nothing():
-    ref_port, port = _free_ports(2)
-    ref = _job(ref_port, ARGS)
-    job = _job(port, ARGS)
-    try:
-        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                               timeout=datetime.timedelta(seconds=60))
-        # Routing-id squatting at start-up: as soon as rank 2 publishes, claim to be rank 1.
-        grad = MsgKey(JOB, 1, 0, 2, Direction.GRAD)
-        squat = threading.Thread(target=lambda: attack(_entry(client, 2), encode(grad, [torch.zeros(4)]), b"1"))
-        squat.start()
-        head = ""
-        while not _losses(head):
-            line = job[0].stdout.readline()
-            assert line, job[0].stderr.read()[-3000:]
-            head += line
-        squat.join(60)
-        ep = {r: _entry(client, r) for r in range(4)}
-        act = MsgKey(JOB, 2, 0, 1, Direction.ACT)
-        attacks = [
-            (ep[2], encode(grad, [torch.full((8, 32, 32), float("nan"))]), b"3"),               # forged gradient
-            (ep[1], encode(act, [torch.full((8, 32, 32), 1.5)]), b"0"),                         # forged activation
-            (ep[0], encode(MsgKey(JOB, 2, 0, 0, Direction.CTL), [], {"kind": "stats", "step": 2, "loss": 123.456,
-                                                                    "busy": 0.0, "wall": 1.0, "peak": 1}), b"3"),
-            (ep[2], [b"\x81", bytearray(300 << 20)], b"3"),                                     # over 256 MiB
-            (ep[2], [b"\x81"] + [b"\0" * (1 << 20)] * 64, b"3"),                                 # multi-frame
-        ]
-        for e, frames, rid in attacks:
-            attack(e, frames, rid)
-        # Store-key overwrite mid-run: a relay's endpoint for rank 1, unsigned.
-        client.set(f"default_pg/0//rrfp/{JOB}/zmq/1", "tcp://127.0.0.1:9\t" + "0" * 64)
-        outs, errs = _finish(job, head)
-        ref_outs, ref_errs = _finish(ref)
-    finally:
-        for p in ref + job:
+    def kill(self) -> None:
+        for p in self.procs:
             if p.poll() is None:
                 p.kill()
-    assert [p.returncode for p in job] == [0] * 4, errs
-    assert [p.returncode for p in ref] == [0] * 4, ref_errs
-    assert len(_losses(outs[0])) == 60
-    assert _losses(outs[0]) == _losses(ref_outs[0])
-    assert "123.456" not in outs[0]
-    expect = {0: 1, 1: 1, 2: 4}  # stats; activation; squat, gradient, oversized, multi-frame
-    for r, n in expect.items():
-        assert f"rank {r}: refused rejected_handshake={n}" in errs[r], errs[r][-2000:]
-    assert "refused" not in errs[3]
+
+
+@pytest.mark.timeout(240)
+def test_attacks_on_a_running_job_are_refused_counted_and_change_nothing(tmp_path):
+    # Forced order, no timers: the attacked job pauses after step PAUSE on every rank
+    # (test hook RRFP_TEST_PAUSE_AFTER_STEP) until the attacks are over and every attacked
+    # rank has logged each refusal; the undisturbed reference runs beside it.
+    ref = Job(tmp_path, "ref", ARGS)
+    job = Job(tmp_path, "attacked", ARGS, {"RRFP_TEST_PAUSE_AFTER_STEP": str(PAUSE)})
+    try:
+        # Routing-id squatting at start-up: as soon as rank 2 publishes, claim to be rank 1.
+        grad = MsgKey(JOB, 1, 0, 2, Direction.GRAD)
+        assert attack(job.endpoint(2), encode(grad, [torch.zeros(4)]), b"1") != zmq.EVENT_HANDSHAKE_SUCCEEDED
+        job.wait_keys([f"rrfp/test/paused/{r}" for r in range(4)])
+        ep = {r: job.endpoint(r) for r in range(4)}
+        act = MsgKey(JOB, PAUSE, 0, 1, Direction.ACT)
+        stats = {"kind": "stats", "step": PAUSE, "loss": 123.456, "busy": 0.0, "wall": 1.0, "peak": 1}
+        attacks = [
+            (ep[2], encode(grad, [torch.full((8, 32, 32), float("nan"))]), b"3"),              # forged gradient
+            (ep[1], encode(act, [torch.full((8, 32, 32), 1.5)]), b"0"),                        # forged activation
+            (ep[0], encode(MsgKey(JOB, PAUSE, 0, 0, Direction.CTL), [], stats), b"3"),          # forged statistics
+            (ep[2], [b"\x81", bytearray(300 << 20)], b"3"),                                    # over 256 MiB
+            (ep[2], [b"\x81"] + [b"\0" * (1 << 20)] * 64, b"3"),                                # multi-frame
+        ]
+        for e, frames, rid in attacks:
+            assert attack(e, frames, rid) != zmq.EVENT_HANDSHAKE_SUCCEEDED
+        raw_attack(ep[3], b"GET /metrics HTTP/1.0\r\n\r\n")  # not ZeroMQ at all
+        # Store-key overwrite mid-run: a relay's endpoint for rank 1, unsigned. The ranks read
+        # endpoints only at start-up, so it must change nothing (the in-process test
+        # test_outsiders_are_refused_counted_and_traffic_is_intact counts one at start-up).
+        job.store.set(job.key(f"rrfp/{JOB}/zmq/1"), "tcp://127.0.0.1:9\t" + "0" * 64)
+        expect = {0: 1, 1: 1, 2: 4, 3: 1}  # stats; activation; squat, gradient, oversized, multi-frame; raw
+        for r, n in expect.items():
+            job.wait_said(r, "refused connection #", n)
+        job.store.set(job.key("rrfp/test/resume"), "1")
+        codes, errs = job.finish()
+        ref_codes, ref_errs = ref.finish()
+    finally:
+        ref.kill()
+        job.kill()
+    assert codes == [0] * 4, errs
+    assert ref_codes == [0] * 4, ref_errs
+    losses = job.loss_file.read_text().splitlines()
+    assert len(losses) == STEPS and [ln.split()[0] for ln in losses] == [str(k) for k in range(1, STEPS + 1)]
+    assert losses == ref.loss_file.read_text().splitlines()  # bit for bit (float.hex)
+    assert "123.456" not in job.out[0].read_text()
+    for r, n in expect.items():  # the transport's counters (the metric's rejected_handshake)
+        assert f"rank {r}: refused rejected_handshake={n}\n" in errs[r], errs[r][-2000:]
+        assert errs[r].count("refused connection #") == n
+    assert "refused" not in "".join(ref_errs)
 
 
 @pytest.mark.timeout(200)
@@ -209,13 +223,16 @@ def test_ranks_die_within_5s_of_a_sigkilled_launcher(point):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the ranks' pids")
-@QUARANTINED_IN_CI
 @pytest.mark.timeout(200)
-def test_launcher_names_the_rank_killed_from_outside_not_rank_0():
+@pytest.mark.parametrize("checkpoints", [False, True], ids=["plain", "checkpoint-dir"])
+def test_launcher_names_the_rank_killed_from_outside_not_rank_0(tmp_path, checkpoints):
     # The issue's case: rank 1 got a SIGTERM from outside; the others leave because it was
-    # lost, and the launcher must blame rank 1, whatever order it notices the exits in.
+    # lost (or the launcher stops them first), and the launcher must blame rank 1, whatever
+    # order it notices the exits in. The launcher knows which ranks it signalled itself
+    # (guard.LauncherSignals); with --checkpoint-dir a rank also has a SIGTERM handler.
+    extra = ["--checkpoint-dir", str(tmp_path / "ckpt")] if checkpoints else []
     launcher = subprocess.Popen([sys.executable, "-m", "rrfp", "train", "--stages", "4", "--steps", "100000",
-                                 "--batch-size", "8", "--microbatches", "4", "--max-len", "32"],
+                                 "--batch-size", "8", "--microbatches", "4", "--max-len", "32", *extra],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert launcher.stdout.readline().startswith("step"), launcher.stderr.read()[-2000:]

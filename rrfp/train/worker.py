@@ -368,15 +368,18 @@ def evaluate(pipe: Pipeline, held_out: list, args: argparse.Namespace, first: bo
 
 def _lost_peer(pipe: Pipeline, exc: BaseException, rank: int):
     """The first peer the transport lost, when ``exc`` names none (a collective that failed
-    because a peer died): the transport is given up to 3 s to notice, since its loop runs
-    only inside the pipeline's calls."""
+    because a peer died): the transport's loop runs only inside the pipeline's calls, so it
+    is run until it notices. When ``exc`` says a peer's connection closed (gloo's "closed by
+    peer"), a peer certainly went: the wait is bounded only by the transport's own worst case
+    (its heartbeat timeout), not by a guess a loaded machine can outlast; otherwise 3 s."""
     from .guard import blamed_rank
 
     wait = getattr(pipe.transport, "wait_lost", None)
     if wait is None or blamed_rank(exc, rank) != rank:
         return None
     try:
-        return pipe.run(wait(3.0))
+        peer_gone = any(w in str(exc) for w in ("closed by peer", "reset by peer", "Broken pipe"))
+        return pipe.run(wait(None if peer_gone else 3.0))
     except Exception:
         return None
 

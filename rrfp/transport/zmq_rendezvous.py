@@ -156,11 +156,16 @@ class SecureRendezvous:
             # coroutines may never run again): they then name the same root cause.
             self._send_lost_notices(next(iter(self._lost)))
 
-    async def wait_lost(self, timeout: float) -> PeerLost | None:
+    async def wait_lost(self, timeout: float | None = None) -> PeerLost | None:
         """The first peer lost, waiting up to ``timeout`` s for one to be noticed.
 
         For a rank whose step failed elsewhere (a collective over another channel whose
-        connection a dying peer reset): the root cause is then named, not the symptom."""
+        connection a dying peer reset): the root cause is then named, not the symptom.
+        ``None``: as long as this transport can take to notice a lost peer at worst (its
+        heartbeat timeout, plus a second for a lost-rank notice), however loaded the
+        machine; a dead process's connections close at once, so it usually returns sooner."""
+        if timeout is None:
+            timeout = self._hb_timeout_ms / 1000 + 1.0
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while not self._lost and not self._closed and (left := end - loop.time()) > 0:
