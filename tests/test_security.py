@@ -281,6 +281,20 @@ def test_outputs_and_secret_file_are_checked_before_any_process_starts(tmp_path,
                                                "job secret too short: 3 bytes, expected at least 16")
     assert main(["train", "--job-secret-file", str(tmp_path / "missing")]) == 2
     assert "No such file or directory" in capsys.readouterr().err
+    assert main(["train", "--loss-file", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == f"rrfp train: error: --loss-file={str(tmp_path)!r}: is a folder, expected a file path"
+    assert main(["train", "--loss-file", str(blocker / "losses")]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"rrfp train: error: --loss-file='{blocker}': cannot ")
+
+
+def test_loss_file_holds_every_step_exactly(tmp_path):
+    from rrfp.train.report import write_loss_file
+
+    rows = [{"step": 0, "loss": 2.5}, {"step": 1, "loss": 1 / 3}]
+    write_loss_file(str(tmp_path / "l"), rows)
+    lines = (tmp_path / "l").read_text().splitlines()
+    assert lines == ["1 0x1.4000000000000p+1", f"2 {(1 / 3).hex()}"]
+    assert float.fromhex(lines[1].split()[1]) == 1 / 3
 
 
 def test_atomic_writes_leave_no_half_file(tmp_path):
