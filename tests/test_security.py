@@ -225,6 +225,15 @@ def test_root_cause_follows_blame_not_rank_zero():
     for r in range(4):
         f[r].pid = 100 + r
     assert root_cause(f, launcher_signalled={100, 102, 103}) == 1
+    # Two ranks failed by themselves, blaming no one (a bad batch on the first and last
+    # stage); the launcher stopped the others in the same second (torch's whole-second
+    # timestamp 100 looks earlier than 100.7): the earliest own record wins, never a rank
+    # the launcher stopped.
+    f = {0: _failure(1, 0, 0, 100.9), 1: _failure(-15, None, 1, 100.0), 2: _failure(-15, None, 2, 100.0),
+         3: _failure(1, 3, 3, 100.7)}
+    for r in range(4):
+        f[r].pid = 100 + r
+    assert root_cause(f, launcher_signalled={101, 102}) == 3
     # No records at all: a signal death first, then the earliest.
     assert root_cause({0: _failure(1, None, 0, 1.0), 3: _failure(-9, None, 3, 2.0)}) == 3
     assert root_cause({0: _failure(1, None, 0, 2.0), 3: _failure(1, None, 3, 1.0)}) == 3

@@ -133,9 +133,11 @@ def root_cause(failures: dict[int, Any], launcher_signalled: set[int] | None = N
 
     Each failed rank's blame (from its error file) is followed to a rank that blames
     itself or left no record (killed by a signal); the rank most chains end at wins.
-    Without blame: a rank killed by a signal the launcher did not send (any signal to a pid
-    not in ``launcher_signalled``; without that set, any but SIGTERM/SIGINT), then the
-    earliest recorded failure time, then the lowest rank.
+    Ties: a rank killed by a signal the launcher did not send (any signal to a pid not in
+    ``launcher_signalled``; without that set, any but SIGTERM/SIGINT), then ranks that
+    failed by themselves, and ranks the launcher stopped last of all; then the earliest
+    failure time (the rank's own record, to the microsecond: torch's ``timestamp`` of a
+    rank without one is only the second the launcher noticed it), then the lowest rank.
     """
     import signal
 
@@ -161,12 +163,14 @@ def root_cause(failures: dict[int, Any], launcher_signalled: set[int] | None = N
     def key(r: int) -> tuple:
         f = failures.get(r)
         code = getattr(f, "exitcode", 0) if f is not None else 0
+        stopped = False  # by the launcher, after something else failed: never first
         if launcher_signalled is not None:
             killed = code < 0 and getattr(f, "pid", None) not in launcher_signalled
+            stopped = code < 0 and not killed and not info.get(r)
         else:
             killed = code < 0 and -code not in (signal.SIGTERM, signal.SIGINT)
         t = info.get(r, {}).get("time", getattr(f, "timestamp", math.inf) if f is not None else math.inf)
-        return (-votes[r] if blame else 0, 0 if killed else 1, t, r)
+        return (-votes[r] if blame else 0, 0 if killed else 2 if stopped else 1, t, r)
 
     return min(votes, key=key)
 
