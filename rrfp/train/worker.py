@@ -84,7 +84,9 @@ def main(args: argparse.Namespace) -> int:
             os._exit(PIPE_CLOSED)
         rank = os.environ.get("RANK", "?")
         line = f"rrfp train: rank {rank}: error: {type(e).__name__}: {e}"
-        print(line, file=sys.stderr, flush=True)
+        # One write for text and newline (print makes two): ranks share the launcher's
+        # stderr, and a line split by another rank's line is a line nobody can parse.
+        sys.stderr.write(line + "\n")
         sys.stderr.flush()
         if rank.isdigit():
             write_error_file(e, int(rank), line)
@@ -291,8 +293,9 @@ def _main(args: argparse.Namespace) -> int:
     finally:
         refused = {k: v for k, v in getattr(pipe.transport, "stats", {}).items() if k.startswith("rejected") and v}
         if refused:
-            print(f"rrfp train: rank {rank}: refused {', '.join(f'{k}={v}' for k, v in sorted(refused.items()))}",
-                  file=sys.stderr, flush=True)
+            sys.stderr.write(f"rrfp train: rank {rank}: refused "
+                             f"{', '.join(f'{k}={v}' for k, v in sorted(refused.items()))}\n")  # one write
+            sys.stderr.flush()
     if args.trace:
         _write_trace(args, rank, n_ranks, records, out_bytes or {}, step_log)
     dist.destroy_process_group()
