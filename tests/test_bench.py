@@ -146,6 +146,11 @@ def test_rrfp_bench_bad_input_is_a_usage_error(capsys):
     assert main(["bench", "--rounds", "0"]) == 2
     assert main(["bench", "--hint", "nope"]) == 2
     assert "--hint 'nope': unknown hint" in capsys.readouterr().err
+    for bad in ("nan", "inf", "-1", "0", "1e300"):
+        capsys.readouterr()
+        assert main(["bench", "--timeout", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"rrfp bench: error: --timeout {float(bad)}: expected a positive number") and err.count("\n") == 1
     assert main(["bench", "--out", "/no/such/dir/x.md"]) == 2
     assert main(["bench", "--from-json", "/no/such/results.json"]) == 2
     assert "--from-json /no/such/results.json: no such file" in capsys.readouterr().err
