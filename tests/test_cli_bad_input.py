@@ -68,3 +68,132 @@ def test_node_run_dir_that_is_a_file(tmp_path, capsys, no_launch):
     assert f.read_text() == "keep me"
     assert main(["node", "--run-dir", str(f / "below"), "--", "--stages", "2"]) == 2
     assert f"--run-dir={str(f / 'below')!r}: cannot write into the folder" in _one_line(capsys, "node")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+SMALL = ["--stages", "2", "--batch-size", "4", "--microbatches", "2", "--max-len", "32", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A real checkpoint (2 ranks, 2 steps, with the digests of its files): its folder."""
+    import os
+    import subprocess
+    import sys
+
+    from rrfp.train import checkpoint as ck
+
+    d = tmp_path_factory.mktemp("ck")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    p = subprocess.run([sys.executable, "-m", "rrfp", "train", *SMALL, "--steps", "2", "--checkpoint-dir", str(d),
+                        "--quiet"], capture_output=True, text=True, timeout=240, env={**env, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert ck.latest(d) == ck.step_dir(d, 2)
+    return d
+
+
+def _copy(checkpoint, tmp_path):
+    import shutil
+
+    return shutil.copytree(checkpoint, tmp_path / "ck")
+
+
+def _resume(capsys, ckdir, *flags) -> tuple[int, str, str]:
+    rc = main(["train", *SMALL, "--checkpoint-dir", str(ckdir), "--resume", "auto", *flags])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.timeout(300)
+def test_damaged_shard_is_one_line_naming_the_file(checkpoint, tmp_path, capsys, no_launch):
+    from rrfp.train import checkpoint as ck
+
+    d = _copy(checkpoint, tmp_path)
+    step = ck.step_dir(d, 2)
+    shard = step / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    n = len(data)
+    data[n // 2] ^= 1  # one bit inside a tensor's bytes: DCP itself would load it without a word
+    shard.write_bytes(bytes(data))
+    rc, out, err = _resume(capsys, d, "--steps", "4")
+    assert (rc, out) == (2, "")
+    assert err == (f"rrfp train: error: checkpoint {str(step)!r}: shard __1_0.distcp differs from the one "
+                   "written with it (damaged after saving)\n")
+    shard.write_bytes(bytes(data[: n // 2]))
+    rc, _, err = _resume(capsys, d, "--steps", "4")
+    assert rc == 2 and err == (f"rrfp train: error: checkpoint {str(step)!r}: shard __1_0.distcp has {n // 2} "
+                               f"bytes, expected {n} (truncated or damaged)\n")
+    shard.unlink()
+    rc, _, err = _resume(capsys, d, "--steps", "4")
+    assert rc == 2 and "shard __1_0.distcp is unreadable (No such file or directory)" in err and err.count("\n") == 1
+    (step / ".metadata").write_bytes(b"not a pickle")
+    rc, _, err = _resume(capsys, d, "--steps", "4")
+    assert rc == 2 and ".metadata differs from the one written with it" in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(300)
+def test_ranks_check_their_share_and_name_the_first_damaged_file(checkpoint, tmp_path):
+    """What each rank runs at load time (Checkpointer._check_files): its share of the files,
+    and for checkpoints without digests the sizes; DCP's own failure becomes one line."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from rrfp.train import checkpoint as ck
+    from rrfp.train.ckpt_verify import METADATA, check_files, first_line, shard_names
+
+    d = _copy(checkpoint, tmp_path)
+    step = ck.step_dir(d, 2)
+    meta = ck.read_meta(step)
+    assert shard_names(meta) == ["__0_0.distcp", "__1_0.distcp"]
+    assert check_files(step, meta) is None
+    shard = step / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert "__0_0.distcp differs" in check_files(step, meta, only=["__0_0.distcp", METADATA])
+    assert check_files(step, meta, only=["__1_0.distcp"]) is None  # rank 1's share is intact
+    shard.write_bytes(bytes(data[:-10]))
+    old = {k: v for k, v in meta.items() if k != "files"}  # a checkpoint from before the digests
+    assert "__0_0.distcp has" in check_files(step, old) and "truncated" in check_files(step, old)
+    try:
+        raise RuntimeError("PytorchStreamReader failed reading zip archive\nmore\nlines")
+    except RuntimeError as e:
+        wrapped = CheckpointException("read", {1: _wrap_exception(e)})
+    assert first_line(wrapped) == "rank 1: RuntimeError: PytorchStreamReader failed reading zip archive"
+
+
+@pytest.mark.timeout(300)
+def test_resume_past_or_at_the_end(checkpoint, capsys, no_launch):
+    from rrfp.train import checkpoint as ck
+
+    step = ck.step_dir(checkpoint, 2)
+    rc, out, err = _resume(capsys, checkpoint, "--steps", "1")
+    assert (rc, out) == (2, "")
+    assert err == (f"rrfp train: error: --resume auto (newest checkpoint {str(step)!r}) is at step 2, past "
+                   "--steps=1: --steps counts every optimizer step of the run, expected at least 2\n")
+    # A finished run started again (a restarted job): nothing to do, said in one line, exit 0.
+    rc, out, err = _resume(capsys, checkpoint, "--steps", "2")
+    assert (rc, err) == (0, "")
+    assert out == (f"rrfp train: nothing to do: checkpoint {step} is at step 2, --steps=2 (--steps counts every "
+                   "optimizer step of the run: raise it to train further)\n")
+    rc, out, err = main(["train", *SMALL, "--resume", str(step), "--steps", "1"]), *capsys.readouterr()
+    assert rc == 2 and f"--resume={str(step)!r} is at step 2, past --steps=1" in err
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags,needle", [
+    (["--stages", "4"], "was written with --stages 2, this run has --stages 4: expected the same"),
+    (["--seed", "3"], "was written with --seed 0, this run has --seed 3"),
+    (["--max-len", "64"], "was written with --max-len 32, this run has --max-len 64"),
+    (["--batch-size", "8"], "was written with --batch-size 4, this run has --batch-size 8"),
+])
+def test_resume_with_other_flags_is_refused_before_any_process_starts(checkpoint, capsys, no_launch, flags, needle):
+    rc, out, err = _resume(capsys, checkpoint, "--steps", "4", *flags)
+    assert (rc, out) == (2, "") and err.count("\n") == 1
+    assert err.startswith("rrfp train: error: --resume auto (newest checkpoint ") and needle in err
+
+
+@pytest.mark.timeout(300)
+def test_node_refuses_a_checkpoint_that_does_not_fit(checkpoint, capsys, no_launch):
+    # rrfp node resumes automatically (--resume auto): checked by the daemon before the agent starts.
+    assert main(["node", "--", *SMALL, "--steps", "4", "--seed", "5", "--checkpoint-dir", str(checkpoint)]) == 2
+    assert "was written with --seed 0, this run has --seed 5" in _one_line(capsys, "node")

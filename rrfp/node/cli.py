@@ -100,6 +100,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     targs, extra = parser.parse_known_args(["train", *train_args])
     if extra:
         raise UsageError(f"unrecognized arguments: {' '.join(extra)} (neither rrfp node's nor rrfp train's)")
+    auto_resume = targs.checkpoint_dir is not None and targs.resume is None
+    if auto_resume:
+        targs.resume = "auto"  # as the ranks will run (below): a checkpoint that does not fit is refused now
     train_cli.validate(targs)
     nnodes = _from_env(args, "nnodes", 1, int)
     if nnodes < 1:
@@ -126,7 +129,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(problem)
     if not args.heartbeat_timeout > 0:
         raise UsageError(f"--heartbeat-timeout={args.heartbeat_timeout}: expected a positive number of seconds")
-    if targs.checkpoint_dir is not None and targs.resume is None:
+    if auto_resume:
         train_args += ["--resume", "auto"]  # a restarted group continues from the last checkpoint
     master_addr = _from_env(args, "master_addr", "127.0.0.1")
     _check_host(master_addr, port, _source(args, "master_addr"))

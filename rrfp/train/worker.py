@@ -189,6 +189,10 @@ def _main(args: argparse.Namespace) -> int:
         first = ckpt.load(resume)
         if rank == 0:
             print(f"rrfp train: resumed from {resume} at step {first}", flush=True)
+            from .checkpoint import nothing_to_do
+
+            if (done := nothing_to_do(args, resume)) is not None:
+                print(done, flush=True)  # under a launcher of one's own (torchrun, rrfp node)
     if reporter is not None:
         reporter.next_step = first
     # --- end checkpoints ---
