@@ -197,3 +197,51 @@ def test_node_refuses_a_checkpoint_that_does_not_fit(checkpoint, capsys, no_laun
     # rrfp node resumes automatically (--resume auto): checked by the daemon before the agent starts.
     assert main(["node", "--", *SMALL, "--steps", "4", "--seed", "5", "--checkpoint-dir", str(checkpoint)]) == 2
     assert "was written with --seed 0, this run has --seed 5" in _one_line(capsys, "node")
+
+
+# ----------------------------------------------------------------------------- progress lines
+def test_notes_print_after_the_step_line_they_follow():
+    """Rank 0 prints step k's line only once every rank's statistics for k are in; an
+    evaluation or a committed checkpoint of step k can be known before that (forced order
+    here: the notes arrive first) and must still come after it."""
+    from types import SimpleNamespace
+
+    from rrfp.scheduler.tasks import Placement
+    from rrfp.train.progress import Output
+    from rrfp.train.report import Reporter
+
+    class Lines:
+        def __init__(self):
+            self.lines = []
+
+        def write(self, text):
+            self.lines += [ln for ln in text.splitlines() if ln]
+
+        def flush(self):
+            pass
+
+    stream = Lines()
+    args = SimpleNamespace(steps=3, microbatches=2, quiet=False, hint="bf", skip_nonfinite=False)
+    rep = Reporter(args, 2, Placement(2, 1, "loop"), Output(3, stream=stream, bar=False))
+
+    def stats(step, src):
+        rep.add({"kind": "stats", "step": step, "busy": 0.5, "wall": 1.0, "peak": 1,
+                 "loss": 2.0 - step / 10 if src == 1 else None}, src)
+
+    for k in range(3):
+        rep.step_time[k], rep.tokens[k] = 1.0, 10
+    stats(0, 0)
+    rep.add({"kind": "eval", "step": 1, "loss": 3.5}, 1)   # evaluated after step 1 ...
+    rep.note(1, "checkpoint after step 1")                  # ... and checkpointed ...
+    assert stream.lines == []                               # ... before rank 1's step-1 statistics
+    stats(0, 1)
+    rep.flush()
+    stats(1, 0)
+    stats(1, 1)
+    rep.flush()
+    rep.note(2, "checkpoint after step 2")                  # its step line is out: at once
+    rep.note(3, "stopped after step 3")
+    rep.flush_notes()                                        # a failing run still tells it
+    assert [ln.split()[0] + " " + ln.split()[1] if ln.startswith("step") else ln for ln in stream.lines] == [
+        "step 1/3", "eval after step    1/3  validation loss  3.5000", "checkpoint after step 1",
+        "step 2/3", "checkpoint after step 2", "stopped after step 3"]
