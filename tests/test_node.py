@@ -276,7 +276,7 @@ def test_unwritable_checkpoint_dir_is_one_line_exit_2(tmp_path):
     assert len(lines) == 1 and "--checkpoint-dir=" in lines[0] and "not a writable folder" in lines[0], lines
 
 
-def test_node_reads_kubernetes_environment(monkeypatch):
+def test_node_reads_kubernetes_environment(monkeypatch, tmp_path):
     """Flags win over Kubeflow Trainer's PET_* variables, which win over a JobSet's."""
     import argparse
 
@@ -311,7 +311,7 @@ def test_node_reads_kubernetes_environment(monkeypatch):
     with pytest.raises(UsageError, match="PET_NPROC_PER_NODE='two': expected an integer"):
         resolve(args())
     monkeypatch.delenv("PET_NPROC_PER_NODE")
-    job = resolve(args(extra=["--", "--checkpoint-dir", "/tmp/rrfp-node-test-ck"]))
+    job = resolve(args(extra=["--", "--checkpoint-dir", str(tmp_path / "ck")]))
     assert job.train_args[-2:] == ["--resume", "auto"]  # restarted ranks resume
 
 
