@@ -96,8 +96,9 @@ def check_files(path: str | os.PathLike, meta: dict, only: list[str] | None = No
             size = f.stat().st_size
         except OSError as e:
             return f"checkpoint {where!r}: shard {name} is unreadable ({e.strerror or e})"
-        want = recorded.get(name, {}).get("bytes", extents[name])
-        if size < extents[name] or size != want:
+        want = recorded.get(name, {}).get("bytes")
+        if size < extents[name] or (want is not None and size != want):
+            want = extents[name] if want is None else want
             return f"checkpoint {where!r}: shard {name} has {size} bytes, expected {want} (truncated or damaged)"
         if hashes and name in recorded:
             try:
