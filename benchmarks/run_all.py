@@ -37,6 +37,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
+MAX_TIMEOUT_S = 86400.0
+"""Longest ``--timeout`` (one day): a bound for a hang, never reached by a healthy run."""
+
+
 def options_error(args: argparse.Namespace) -> str | None:
     """One line naming a bad option, or None."""
     names = [s for s in args.settings.split(",") if s]
@@ -53,8 +57,10 @@ def options_error(args: argparse.Namespace) -> str | None:
             return f"--hint {args.hint!r}: {e}"
     if args.rounds is not None and args.rounds < 1:
         return f"--rounds {args.rounds}: expected at least 1"
-    if args.timeout <= 0:
-        return f"--timeout {args.timeout}: expected a positive number of seconds"
+    # Not `<= 0`: nan compares false with everything and would pass; inf and huge values
+    # overflow the waits (threading and select take at most ~292 years, time.monotonic() + inf).
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:
+        return f"--timeout {args.timeout}: expected a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}"
     return None
 
 

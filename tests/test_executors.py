@@ -51,68 +51,57 @@ class FirstForwardCalls(nn.Module):
         return self.inner(*args)
 
 
-@pytest.mark.parametrize("executor, task_s", [("thread", 2.0), ("inline", 0.2)])
+@pytest.mark.parametrize("executor, task_s", [("thread", 120.0), ("inline", 0.2)])
 def test_a_control_message_is_answered_during_a_long_task_with_the_thread_executor(executor, task_s):
-    """Rank 0's first forward blocks its thread for ``task_s`` (a threading.Event wait that
-    nobody sets). Once it has provably started (the task itself triggers it), rank 1 sends rank 0
-    a control message, which a coroutine on rank 0 answers. With the thread executor the answer
-    goes out while the task still blocks, within 50 ms of the message's arrival on the loop's
-    own clock; inline, only after the task. The step's gradients equal the single-process
-    reference either way."""
+    """Rank 0's first forward blocks its thread until rank 0 has answered a control message
+    (a threading.Event set by the answer), at most ``task_s``. Once the task has provably
+    started (the task itself triggers it), rank 1 sends rank 0 the message, which a coroutine
+    on rank 0 answers. With the thread executor the loop answers while the task still blocks,
+    which ends the task: ``task_s`` is only a deadline for a hang. Inline, the task blocks the
+    loop itself, so the answer can only come after the task gave up waiting for it. No clock
+    decides the outcome (the executor's latency is measured in benchmarks/bench_executor.py).
+    The step's gradients equal the single-process reference either way."""
     cfg = ToyConfig()
     x, y = toy_batch(cfg, 8, seed=1)
     mods = split_toy(ToyModel(cfg, seed=2), 2)
-    never = threading.Event()
+    replied = threading.Event()
     task_over = threading.Event()
-    times: dict[str, float] = {}
     seen: dict[str, bool] = {}
 
     def long_task() -> None:  # on rank 0's task thread (thread) or the loop thread (inline)
         loop.call_soon_threadsafe(ping)
-        seen["timed out"] = not never.wait(task_s)
+        seen["answered during the task"] = replied.wait(task_s)
         task_over.set()
 
     mods[0] = FirstForwardCalls(mods[0], long_task)
-    pipe = LocalPipeline(mods, 4, toy_loss, executor=executor, watchdog=30)
+    pipe = LocalPipeline(mods, 4, toy_loss, executor=executor, watchdog=task_s + 60)
     loop = pipe._loop
     rt0, rt1 = pipe.runtimes
     assert isinstance(rt0.executor, ThreadExecutor if executor == "thread" else InlineExecutor)
-    on_message = rt0.inbox.on_message
-
-    def stamped(msg):  # arrival on rank 0, on the loop's clock
-        if msg.key.direction == Direction.CTL:
-            times["arrival"] = loop.time()
-        on_message(msg)
-
-    rt0.inbox.on_message = stamped
 
     def ping() -> None:
-        times["trigger"] = loop.time()
         rt1.send_control(0, 0, {"ping": 1})
 
     async def answer() -> None:
-        msg = await rt0.control(timeout=20)
+        msg = await rt0.control(timeout=task_s + 60)
         rt0.send_control(1, 0, {"pong": msg.meta["ping"]})
-        times["reply"] = loop.time()
         seen["task running at reply"] = not task_over.is_set()
+        replied.set()
 
     async def main():
         responder = asyncio.ensure_future(answer())
         mbs = split_microbatches(x, 4)
         tgs = [t[0] for t in split_microbatches([y], 4, "target")]
         await asyncio.gather(rt0.run_step(0, mbs, None), rt1.run_step(0, None, tgs), responder)
-        return (await rt1.control(timeout=5)).meta
+        return (await rt1.control(timeout=60)).meta
 
     with pipe:
         pong = loop.run_until_complete(main())
     assert pong == {"pong": 1}
-    assert seen["timed out"]  # the task blocked for its whole task_s
     if executor == "thread":
-        assert seen["task running at reply"]
-        assert times["reply"] - times["arrival"] < 0.05, times
-        assert times["reply"] - times["trigger"] < 0.05, times
-    else:
-        assert not seen["task running at reply"]  # inline: the loop answers after the task
+        assert seen == {"answered during the task": True, "task running at reply": True}
+    else:  # inline: the loop answers after the task
+        assert seen == {"answered during the task": False, "task running at reply": False}
     _assert_grads(mods, _reference(cfg, 2, x, y))
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from handover import host_store, rank_env
 from rrfp.data.batches import make_microbatches, pad_batch
 from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
 
@@ -21,14 +21,8 @@ CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)
 SAMPLES = [b"def f(x):\n    return x + 1\n"[: 5 + 3 * i] for i in range(8)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, hint: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     from rrfp.runtime.pipeline import Pipeline
     from rrfp.runtime.stage import PipelineStage
@@ -50,7 +44,7 @@ def _rank_main(rank: int, world: int, port: int, hint: str, out: str) -> None:
 @pytest.mark.parametrize("hint", ["bf", "strict-1f1b"])
 def test_zmq_processes_match_single_process_reference(tmp_path, hint):
     world = 4
-    port = _free_port()
+    store, port = host_store(world)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, hint, str(tmp_path))) for r in range(world)]
     for p in procs:
@@ -95,11 +89,10 @@ def test_rrfp_train_runs_under_torchrun_launcher():
 @pytest.mark.timeout(400)
 def test_killed_rank_makes_every_other_rank_exit_naming_it(tmp_path):
     world, victim = 4, 2
-    port = _free_port()
+    store, port = host_store(world)
     procs = []
     for r in range(world):
-        env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
-                   LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+        env = dict(rank_env(r, world, port), LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
         procs.append(_rrfp("train", "--stages", "4", "--steps", "100000", "--batch-size", "8", "--microbatches", "4",
                            "--max-len", "64", "--watchdog", "60", env=env))
     # Rank 0 prints a line per step: once two are out, every rank is mid-run.

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,22 +24,17 @@ from rrfp.model.tp import tp_slice
 
 sys.path.insert(0, str(Path(__file__).parent))
 import par_worker as W  # noqa: E402
+from handover import AGENT_STORE, host_store  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("par")
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    store, port = host_store(4)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **AGENT_STORE}
     procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "par_worker.py"), str(r), "4", str(port), str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
     logs = []

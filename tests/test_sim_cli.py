@@ -78,6 +78,24 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, msg) -> None:
     assert msg in err and err.count("\n") == 1 and err.startswith("rrfp simulate: error:")
 
 
+@pytest.mark.parametrize("flag", ["--csv", "--json", "--markdown"])
+def test_an_output_in_a_missing_folder_is_refused_before_running(capsys, tmp_path, flag) -> None:
+    """Like every other output: no folder is created, and the refusal comes before the run."""
+    missing = tmp_path / "absent"
+    rc, out, err = _sim(capsys, "-p", "2", "-m", "4", flag, str(missing / "x"))
+    assert rc == 2 and out == ""
+    assert err == f"rrfp simulate: error: {flag} {missing / 'x'}: its folder {missing} does not exist\n"
+    assert not missing.exists()
+    rc, out, err = _sim(capsys, "-p", "2", "-m", "4", flag, str(tmp_path))
+    assert rc == 2 and "is a folder, expected a file name" in err and err.count("\n") == 1
+
+
+def test_sweep_prefix_in_a_missing_folder_is_refused(capsys, tmp_path) -> None:
+    rc, _, err = _sim(capsys, "--sweep", "--depths", "2", "--mb-per-stage", "1", "--out", str(tmp_path / "no" / "sweep"))
+    assert rc == 2 and f"--out {tmp_path / 'no' / 'sweep'}: its folder" in err
+    assert not (tmp_path / "no").exists()
+
+
 def test_sweep_writes_one_table(capsys, tmp_path) -> None:
     prefix = tmp_path / "sw"
     rc, out, err = _sim(capsys, "--sweep", "--depths", "2,4", "--mb-per-stage", "1,2", "--jitter-levels", "J0,J2",

@@ -7,12 +7,13 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import os
-import socket
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from handover import host_store, rank_env
 
 N_MB, BATCH, D = 4, 8, 16
 
@@ -81,7 +82,7 @@ def _example(PipelineStage, Schedule, rank, world, x, y, **extra):
 
 
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -105,16 +106,11 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_pytorch_canonical_example_matches_pytorch_across_two_processes(tmp_path):
-    world, port = 2, _free_port()
+    world = 2
+    store, port = host_store(world)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(tmp_path))) for r in range(world)]
     for p in procs:

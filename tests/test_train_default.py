@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -14,9 +13,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.timeout(300)
 def test_rrfp_train_defaults_finish_and_loss_drops_30_percent():
-    t0 = time.monotonic()
+    # 290 s is a deadline for a hang, not a speed target (the README's timings are measured).
     p = subprocess.run([sys.executable, "-m", "rrfp", "train"], capture_output=True, text=True, timeout=290)
-    elapsed = time.monotonic() - t0
     assert p.returncode == 0, p.stderr[-3000:]
     steps = [l for l in p.stdout.splitlines() if l.startswith("step")]
     assert len(steps) == 40
@@ -25,4 +23,3 @@ def test_rrfp_train_defaults_finish_and_loss_drops_30_percent():
     assert all(len(b) == 4 and all(0.0 <= float(x) <= 1.0 for x in b) for b in bubbles)
     assert losses[-1] <= 0.7 * losses[0], losses
     assert "done: 40 steps" in p.stdout
-    assert elapsed < 300

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from handover import host_store, rank_env
 from rrfp.cli import main
 
 TEXT = "\n\n".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200))
@@ -126,7 +127,7 @@ def test_lr_schedule_is_warmup_then_cosine():
 
 
 def _clip_rank(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    os.environ.update(rank_env(rank, 2, port))
     import torch.distributed as dist
 
     from rrfp.parallel.clip import clip_grad_norm_
@@ -147,11 +148,8 @@ def _clip_rank(rank: int, port: int, out: str) -> None:
 @pytest.mark.timeout(120)
 def test_clip_grad_norm_is_global_across_stages(tmp_path):
     import multiprocessing as mp
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store, port = host_store(2)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_clip_rank, args=(r, port, str(tmp_path))) for r in range(2)]
     for p in procs:

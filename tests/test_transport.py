@@ -7,7 +7,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
-import time
 import uuid
 import warnings
 from collections.abc import AsyncIterator
@@ -891,10 +890,10 @@ async def test_zmq_hung_peer_detected_by_heartbeat() -> None:
         m = await asyncio.wait_for(ts[1].recv(), 10)  # the relay works
         assert m.src == 0
         proxy.freeze()  # rank 1 now looks hung to rank 0
-        t0 = time.monotonic()
+        # Nothing closes a socket here: only the unanswered heartbeats can end this wait.
         with pytest.raises(PeerLost, match="rank 1 lost") as ei:
             await asyncio.wait_for(ts[0].recv(), 10)
-        assert ei.value.rank == 1 and time.monotonic() - t0 < 10
+        assert ei.value.rank == 1
     finally:
         for t in ts:
             t.abort()
@@ -920,25 +919,24 @@ def _child_main(port: int, job: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 async def test_zmq_child_sigkill_raises_peer_lost() -> None:
     master = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     job = _job()
     proc = mp.get_context("spawn").Process(target=_child_main, args=(master.port, job), daemon=True)
     proc.start()
-    # Default heartbeat timeout (10 s): the kernel closing the dead process's
-    # sockets must be what reveals the death, well within 10 s.
-    t = ZmqTransport(0, 2, master, job)
+    # Heartbeats that would take an hour to give up: the kernel closing the dead process's
+    # sockets must be what reveals the death (the 60 s below only bound a hang).
+    t = ZmqTransport(0, 2, master, job, heartbeat_timeout=3600.0)
     try:
         await asyncio.wait_for(t.start(), 45)  # the child imports torch first
         hello = await asyncio.wait_for(t.recv(), 10)
         assert hello.src == 1 and hello.meta == {"pid": proc.pid}
         assert torch.equal(hello.tensors[0], torch.arange(3))
         os.kill(proc.pid, signal.SIGKILL)
-        t0 = time.monotonic()
         with pytest.raises(PeerLost, match="rank 1 lost") as ei:
-            await asyncio.wait_for(t.recv(), 10)
-        assert ei.value.rank == 1 and time.monotonic() - t0 < 10
+            await asyncio.wait_for(t.recv(), 60)
+        assert ei.value.rank == 1
     finally:
         t.abort()
         if proc.is_alive():

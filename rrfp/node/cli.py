@@ -100,6 +100,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     targs, extra = parser.parse_known_args(["train", *train_args])
     if extra:
         raise UsageError(f"unrecognized arguments: {' '.join(extra)} (neither rrfp node's nor rrfp train's)")
+    auto_resume = targs.checkpoint_dir is not None and targs.resume is None
+    if auto_resume:
+        targs.resume = "auto"  # as the ranks will run (below): a checkpoint that does not fit is refused now
     train_cli.validate(targs)
     nnodes = _from_env(args, "nnodes", 1, int)
     if nnodes < 1:
@@ -126,12 +129,56 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(problem)
     if not args.heartbeat_timeout > 0:
         raise UsageError(f"--heartbeat-timeout={args.heartbeat_timeout}: expected a positive number of seconds")
-    if targs.checkpoint_dir is not None and targs.resume is None:
+    if auto_resume:
         train_args += ["--resume", "auto"]  # a restarted group continues from the last checkpoint
+    master_addr = _from_env(args, "master_addr", "127.0.0.1")
+    _check_host(master_addr, port, _source(args, "master_addr"))
+    if getattr(args, "node_addr", None) is not None:
+        _check_host(args.node_addr, port, "--node-addr")
+    if getattr(args, "run_dir", None) is not None:
+        _check_run_dir(args.run_dir)
     return argparse.Namespace(
         nnodes=nnodes, nproc=nproc, node_rank=node_rank, port=port, train_args=train_args, targs=targs,
-        master_addr=_from_env(args, "master_addr", "127.0.0.1"),
+        master_addr=master_addr,
     )
+
+
+def _source(args: argparse.Namespace, name: str) -> str:
+    """Where a setting of :data:`ENV` came from, for an error line: its flag or the variable."""
+    flag = "--" + name.replace("_", "-")
+    if getattr(args, name) is not None:
+        return flag
+    return next((var for var in ENV[name] if os.environ.get(var)), flag)
+
+
+def _check_host(host: str, port: int, what: str) -> None:
+    """Refuse a host the elastic agent would reject with a traceback, checked by the agent's own
+    parser (torch's ``parse_rendezvous_endpoint``), so both agree on what a host is.
+
+    Raises:
+        UsageError: one line naming the flag (or variable) and the value.
+    """
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    try:
+        parse_rendezvous_endpoint(f"{host}:{port}", default_port=port)
+    except ValueError:
+        raise UsageError(f"{what}={host!r}: expected a host name, an IPv4 address or an IPv6 address") from None
+
+
+def _check_run_dir(path: str) -> None:
+    """``--run-dir`` must be a folder this daemon can write into (made if missing).
+
+    Raises:
+        UsageError: one line naming the path and why.
+    """
+    from ..train.guard import check_writable_dir
+
+    if Path(path).exists() and not Path(path).is_dir():
+        raise UsageError(f"--run-dir={path!r}: is a file, expected a folder")
+    problem = check_writable_dir(path, "--run-dir")
+    if problem is not None:
+        raise UsageError(problem)
 
 
 def _children() -> list[int]:

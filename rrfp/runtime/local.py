@@ -45,6 +45,7 @@ class LocalPipeline:
         deterministic, memory_budget: as :class:`Pipeline`.
         deterministic, device, executor, launch_ahead: as :class:`Pipeline` (every rank on
             the one device; each rank its own executor, so with ``cuda`` its own stream).
+        dw_builders: one per stage (None for none): that stage's ``PipelineStage(dw_builder=)``.
 
     Raises:
         ValueError: as :class:`Pipeline`.
@@ -79,10 +80,13 @@ class LocalPipeline:
         device: torch.device | str | None = None,
         executor: str = "auto",
         launch_ahead: int = 1,
+        dw_builders: Sequence[Callable[[], Callable[[], None]] | None] | None = None,
     ) -> None:
         from ..transport.fake import FakeNetwork
 
         n_stages = len(modules)
+        if dw_builders is not None and len(dw_builders) != n_stages:
+            raise ValueError(f"dw_builders: {len(dw_builders)} given, expected one per stage ({n_stages}, None for none)")
         if n_stages % n_virtual:
             raise ValueError(f"{n_stages} stage modules do not split into ranks of {n_virtual} virtual stages")
         n_ranks = n_stages // n_virtual
@@ -114,7 +118,8 @@ class LocalPipeline:
             return [
                 await _make_runtime(
                     r,
-                    [PipelineStage(modules[s], s, n_stages) for s in place.stages_of(r)],
+                    [PipelineStage(modules[s], s, n_stages, dw_builder=dw_builders[s] if dw_builders else None)
+                     for s in place.stages_of(r)],
                     self.spec, self.hint, self.transports[r], strict=self.strict, inflight_limit=limits[r],
                     job=job, loss_fn=self._io.loss if loss_fn is not None else None,
                     loss_weight_fn=self._io.weight, watchdog=watchdog,

@@ -211,7 +211,8 @@ class RankRuntime:
         self.stages = {s.stage_index: s for s in stages}
         if spec.split_backward:
             for st in stages:
-                enable_split_backward(st.submod)
+                if st.dw_builder is None:  # with one, the user's module defers its own weight gradients
+                    enable_split_backward(st.submod)
         self.last_stage = spec.n_stages - 1
         self.executor = executor if executor is not None else InlineExecutor()
         self.inbox = Inbox(rank, job, self.stages, spec.n_microbatches,
@@ -516,7 +517,19 @@ class RankRuntime:
     def _backward(self, s: int, m: int, split: bool) -> list:
         inputs = self._act.pop((s, m))
         outs, grads = self._grad_pairs(s, m)
-        if split and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+        dw_builder = self.stages[s].dw_builder
+        if dw_builder is not None:
+            # PyTorch's meaning (PipelineStage(dw_builder=)): the module's own backward leaves
+            # out the weight-gradient part, and the callable dw_builder() returns, built right
+            # after that backward, computes it: at W when the backward is split, else at once.
+            with self._capture(s, m, final=not split):
+                if outs:
+                    run_backward(outs, grads, (self.rank, s, m))
+                if not split:
+                    dw_builder()()
+            if split:
+                self._wstate[(s, m)] = ("runner", dw_builder())
+        elif split and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
             # I: input gradients now; the linear layers' weight gradients wait in a store for W.
             store = WeightGradStore()
             with deferring(store, self.stages[s].submod), self._capture(s, m, final=False):
@@ -544,6 +557,8 @@ class RankRuntime:
         with self._capture(s, m):
             if state[0] == "store":
                 state[1].flush()
+            elif state[0] == "runner":
+                state[1]()
             elif state[1]:
                 run_backward(state[1], state[2], (self.rank, s, m))
 

@@ -43,11 +43,17 @@ class PipelineStage:
         device: where the module's parameters and inputs live (default: the module's).
         input_args, output_args, output_grads, input_grads: accepted for signature parity
             with ``torch.distributed.pipelining.PipelineStage``, which uses them to infer
-            message shapes; rrfp's messages carry their shapes, so they are not needed.
+            message shapes; rrfp's messages carry their shapes, so they are ignored (not
+            checked against what arrives either).
         group: the pipeline's process group (default: the world); :class:`Pipeline` takes
             this rank's pipeline index and the rank count from it.
-        dw_builder: accepted for parity; rrfp splits the backward of the layers in its
-            registry (:func:`rrfp.runtime.split.register_split_layer`) instead.
+        dw_builder: as in PyTorch: ``dw_builder()`` returns a callable that computes the
+            weight gradients the module's own backward leaves out. rrfp calls it right after
+            each microbatch's backward on this stage and runs the callable at that
+            microbatch's W (split-backward hints: ``bfw``, ``zb-*``), or at once after a full
+            backward B. Without it, split-backward hints defer the weight gradients of the
+            layers in rrfp's registry (:func:`rrfp.runtime.split.register_split_layer`); with
+            it, rrfp leaves the module's layers alone.
         get_mesh: accepted for parity (DeviceMesh callback), unused.
 
     Raises:

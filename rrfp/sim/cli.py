@@ -378,13 +378,31 @@ def _baseline(args: argparse.Namespace) -> str | None:
 
 def _write(path: str, text: str) -> None:
     try:
-        d = os.path.dirname(path)
-        if d:
-            os.makedirs(d, exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     except OSError as e:
         raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse an output file whose folder does not exist (or is a file), before simulating
+    anything, as ``rrfp train --log-file`` and ``rrfp bench --out`` do: a typo in a path must
+    not create folders, nor cost a finished run its results.
+
+    Raises:
+        UsageError: one line naming the flag, the path and its missing folder.
+    """
+    outputs = [(f"--{k}", getattr(args, k)) for k in ("csv", "json", "markdown")]
+    if args.sweep:
+        outputs.append(("--out", args.out))
+    for flag, path in outputs:
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"{flag} {path}: its folder {folder} does not exist")
+        if os.path.isdir(path):
+            raise UsageError(f"{flag} {path}: is a folder, expected a file name")
 
 
 def _describe(cfg: SimConfig) -> dict[str, Any]:
@@ -406,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
             cannot finish, or an output that cannot be written.
     """
     _check_numbers(args)
+    _check_outputs(args)
     if args.suite:
         from .suite import run_suite_command
 

@@ -85,13 +85,50 @@ def check_flags(args: argparse.Namespace) -> str | None:
         if args.resume == "auto":
             if args.checkpoint_dir is None:
                 return "--resume auto needs --checkpoint-dir DIR (where to look for checkpoints)"
+            path = latest(args.checkpoint_dir)
+            if path is None:
+                return None  # nothing yet: the run starts from step 0
+            what = f"--resume auto (newest checkpoint {os.fspath(path)!r})"
         else:
-            try:
-                meta = read_meta(args.resume)
-            except ValueError as e:
-                return f"--resume={args.resume!r}: {e}"
-            return check_compatible(meta, args, f"--resume={args.resume!r}")
+            path, what = args.resume, f"--resume={args.resume!r}"
+        try:
+            meta = read_meta(path)
+        except ValueError as e:
+            return f"{what}: {e}"
+        problem = check_compatible(meta, args, what)
+        if problem is None and meta["step"] > args.steps:
+            problem = (f"{what} is at step {meta['step']}, past --steps={args.steps}: --steps counts every "
+                       f"optimizer step of the run, expected at least {meta['step']}")
+        from ..runtime.dist import in_launched_worker
+
+        if problem is None and not in_launched_worker():
+            # Before any process starts; the ranks check again, each its share (Checkpointer.load).
+            from .ckpt_verify import check_files
+
+            problem = check_files(path, meta)
+        return problem
     return None
+
+
+def nothing_to_do(args: argparse.Namespace, path: str | os.PathLike | None = None) -> str | None:
+    """The line ``rrfp train`` prints, exiting 0, when ``--resume`` names a checkpoint at
+    ``--steps`` already (a finished run started again, e.g. a restarted job), or None. A
+    checkpoint past ``--steps`` is refused instead (:func:`check_flags`).
+
+    Args:
+        path: the checkpoint resumed from; None: the one ``--resume`` names.
+    """
+    if path is None:
+        if args.resume is None:
+            return None
+        path = latest(args.checkpoint_dir) if args.resume == "auto" else args.resume
+        if path is None:
+            return None
+    step = read_meta(path)["step"]
+    if step < args.steps:
+        return None
+    return (f"rrfp train: nothing to do: checkpoint {os.fspath(path)} is at step {step}, --steps={args.steps} "
+            "(--steps counts every optimizer step of the run: raise it to train further)")
 
 
 def check_writable(path: str | os.PathLike) -> str | None:
@@ -249,11 +286,18 @@ class Checkpointer:
         token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)  # every rank writes into the same folder
         tmp = self.root / f".tmp-step-{step:08d}-{token[0]}"
-        writer = _crashing_writer(tmp, self.rank, step) if _crash_requested(self.rank, step) else dcp.FileSystemWriter(tmp)
+        from .ckpt_verify import METADATA, digest, digesting_writer
+
+        writer = _crashing_writer(tmp, self.rank, step) if _crash_requested(self.rank, step) else digesting_writer(tmp)
         dcp.save(self._state(step), storage_writer=writer)
+        # Every rank hashed the shards it wrote; rank 0 records them all with the checkpoint.
+        digests = [None] * self.n_ranks if self.rank == 0 else None
+        dist.gather_object(getattr(writer, "digests", {}), digests, dst=0)
         final = step_dir(self.root, step)
         if self.rank == 0:
-            _commit(tmp, final, self._meta(step))
+            files = {name: d for part in digests for name, d in (part or {}).items()}
+            files[METADATA] = digest(tmp / METADATA)
+            _commit(tmp, final, {**self._meta(step), "files": files})
             self._prune()
         dist.barrier()  # nobody reports the checkpoint before it is committed
         self.last_saved = step
@@ -302,8 +346,16 @@ class Checkpointer:
                        f"this run has {self.n_samples}: expected the same --data")
         if problem:
             raise ValueError(problem)
+        self._check_files(path, meta)
         state = self._state(0)
-        dcp.load(state, checkpoint_id=os.fspath(path))
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from .ckpt_verify import first_line
+
+        try:
+            dcp.load(state, checkpoint_id=os.fspath(path))
+        except CheckpointException as e:  # a BaseException, whose text is every rank's traceback
+            raise ValueError(f"checkpoint {os.fspath(path)!r}: cannot load its shards: {first_line(e)}") from None
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_options())
         _set_rng_state(state[f"rank{self.rank}"]["rng"])
@@ -312,6 +364,28 @@ class Checkpointer:
             raise ValueError(f"checkpoint {os.fspath(path)!r}: step {step} in the shards, {meta['step']} in {META_FILE}")
         self.last_saved = step
         return step
+
+
+    def _check_files(self, path: str | os.PathLike, meta: dict) -> None:
+        """Every rank hashes its share of the shard files against the digests written with
+        them (rank 0 also ``.metadata``), then all agree on the first problem (collective).
+
+        Raises:
+            ValueError: one line naming the damaged file, on every rank.
+        """
+        import torch.distributed as dist
+
+        from .ckpt_verify import METADATA, check_files, shard_names
+
+        if shard_names(meta):
+            share = shard_names(meta)[self.rank::self.n_ranks] + ([METADATA] if self.rank == 0 else [])
+        else:  # written before the digests: rank 0 checks that every shard is there and long enough
+            share = None if self.rank == 0 else []
+        problems = [None] * self.n_ranks
+        dist.all_gather_object(problems, check_files(path, meta, only=share))
+        problem = next((p for p in problems if p), None)
+        if problem:
+            raise ValueError(problem)
 
 
 def _options():

@@ -376,6 +376,11 @@ def run(args: argparse.Namespace) -> int:
         from .worker import main as worker_main
 
         return worker_main(args)
+    from .checkpoint import nothing_to_do
+
+    if (done := nothing_to_do(args)) is not None:
+        print(done, flush=True)  # the run is complete already: starting ranks would change nothing
+        return 0
     return launch(args)
 
 

@@ -29,6 +29,24 @@ class Reporter:
         self.step_time: dict[int, float] = {}
         self.rows: list[dict] = []
         self.next_step = 0
+        self.notes: dict[int, list[str]] = {}
+
+    def note(self, step: int, line: str) -> None:
+        """Show ``line`` (an evaluation, a committed checkpoint) right after the line of step
+        ``step`` (1-based: the step it follows), at once if that line is out already. Step
+        lines wait for every rank's statistics, so printing the note directly could put it
+        before the step it follows."""
+        if step <= self.next_step:
+            self.out.message(line)
+        else:
+            self.notes.setdefault(step, []).append(line)
+
+    def flush_notes(self) -> None:
+        """Print the notes still waiting for their step lines (the run is failing: those step
+        lines may never come, but a committed checkpoint must still be told)."""
+        for step in sorted(self.notes):
+            for line in self.notes.pop(step):
+                self.out.message(line)
 
     def add(self, meta: dict, src: int) -> None:
         """Take one rank's statistics or evaluation; a malformed one is counted, logged
@@ -42,7 +60,7 @@ class Reporter:
             if (type(step) is int and type(loss) in (int, float) and math.isfinite(loss)
                     and 0 <= step <= self.args.steps):
                 self.evals[step] = float(loss)
-                self.out.message(f"eval after step {step:4d}/{self.args.steps}  validation loss {loss:7.4f}")
+                self.note(step, f"eval after step {step:4d}/{self.args.steps}  validation loss {loss:7.4f}")
                 return
         why = _stats_problem(meta, src, self)
         if why is not None:
@@ -73,6 +91,8 @@ class Reporter:
                 postfix=f"loss {loss:.4f}, {row['tok_s']:.0f} tok/s",
             )
             self.next_step += 1
+            for line in self.notes.pop(self.next_step, []):
+                self.out.message(line)
 
     def summary(self, total: float) -> None:
         rows = self.rows

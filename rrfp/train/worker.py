@@ -191,6 +191,10 @@ def _main(args: argparse.Namespace) -> int:
         first = ckpt.load(resume)
         if rank == 0:
             print(f"rrfp train: resumed from {resume} at step {first}", flush=True)
+            from .checkpoint import nothing_to_do
+
+            if (done := nothing_to_do(args, resume)) is not None:
+                print(done, flush=True)  # under a launcher of one's own (torchrun, rrfp node)
     if reporter is not None:
         reporter.next_step = first
     # --- end checkpoints ---
@@ -259,10 +263,10 @@ def _main(args: argparse.Namespace) -> int:
                     args.checkpoint_every and end % args.checkpoint_every == 0)):
                 path = ckpt.save(end)
                 if rank == 0:
-                    print(f"rrfp train: checkpoint {path} committed after step {end}", flush=True)
+                    _after_step(reporter, end, f"rrfp train: checkpoint {path} committed after step {end}")
             if stopping:
                 if rank == 0:
-                    print(f"rrfp train: stopped after step {end} on request (SIGTERM)", flush=True)
+                    _after_step(reporter, end, f"rrfp train: stopped after step {end} on request (SIGTERM)")
                 break
             # --- end checkpoints ---
         if reporter is not None:
@@ -278,6 +282,8 @@ def _main(args: argparse.Namespace) -> int:
     except Exception as e:
         if isinstance(e, BrokenPipeError):
             _mark_reader_gone()  # before abort(): the peers see the connection close next
+        elif reporter is not None:
+            reporter.flush_notes()
         if metrics is not None:
             metrics.stop_heartbeat()
         lost = None if isinstance(e, BrokenPipeError) else _lost_peer(pipe, e, rank)
@@ -305,6 +311,15 @@ def _main(args: argparse.Namespace) -> int:
         linger(args.metrics_linger)
         metrics_server.close()
     return 0
+
+
+def _after_step(reporter: Reporter | None, step: int, line: str) -> None:
+    """Print ``line`` after the line of step ``step`` (rank 0 prints step lines as the ranks'
+    statistics arrive, which can be later than this rank finishes the step)."""
+    if reporter is not None:
+        reporter.note(step, line)
+    else:
+        print(line, flush=True)
 
 
 def start_metrics(args: argparse.Namespace, rank: int, stage_ids: list[int]):

@@ -1,0 +1,29 @@
+"""The rendezvous store of a multi-process test, bound to port 0 by the test process and
+handed to the ranks it starts, as torchrun's agent does: no port is probed free and then raced
+for by another process on a busy machine.
+
+The ranks join with ``env://`` as usual; :data:`AGENT_STORE` tells torch.distributed that every
+rank, rank 0 included, is a client of a store hosted elsewhere (``TORCHELASTIC_USE_AGENT_STORE``).
+"""
+
+from __future__ import annotations
+
+AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def host_store(world: int):
+    """A TCPStore server on a port the OS picked; keep it referenced while the ranks run.
+
+    Returns:
+        ``(store, port)``.
+    """
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    return store, store.port
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The environment of rank ``rank`` joining the store on ``port``."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            **AGENT_STORE}
