@@ -272,13 +272,16 @@ def run(args: argparse.Namespace) -> int:
         # SIGTERM stays the daemon's own (above): the agent would forward it as "die now".
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
     )
-    _quiet_launcher_logs()
+    from ..train.guard import LauncherSignals
+
+    signalled = LauncherSignals()  # which ranks the agent stopped, so blame skips them
+    _quiet_launcher_logs(signalled)
     code = 0
     try:
         elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
         print("rrfp node: " + ("stopped on SIGTERM, all ranks exited 0" if health.stopping else "done"), flush=True)
     except ChildFailedError as e:
-        print(f"rrfp node: error: {describe_failures(e.failures)}", file=sys.stderr, flush=True)
+        print(f"rrfp node: error: {describe_failures(e.failures, signalled.pids)}", file=sys.stderr, flush=True)
         code = 1
     except SignalException as e:
         print(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", file=sys.stderr)
