@@ -71,27 +71,17 @@ def _log(msg: str) -> None:
 def _simulate(setting: dict, level: str, n_microbatches: int | None = None) -> dict | None:
     """The simulator's ideal speedups (no runtime overhead, no communication) for a setting's
     calibrated costs, through ``rrfp simulate`` (None if it is unavailable)."""
-    cal = setting["calibration"]
-    cfg = setting["config"]
+    return _sim_speedups(setting, level, [], "bf,bfw,strict-1f1b,strict-gpipe", n_microbatches)
+
+
+def _sim_speedups(setting: dict, level: str, extra: list[str], hints: str,
+                  n_microbatches: int | None = None) -> dict | None:
+    """``rrfp simulate``'s speedups of ``hints`` over strict 1F1B for a setting's calibrated
+    costs at jitter ``level`` (``extra``: more flags), or None if it is unavailable."""
+    cal, cfg = setting["calibration"], setting["config"]
     M = n_microbatches or cfg["n_microbatches"]
     out = Path(tempfile.gettempdir()) / f"rrfp-bench-sim-{time.time_ns()}.json"
     cmd = [sys.executable, "-m", "rrfp", "simulate", "-p", str(cfg["n_ranks"]), "-m", str(M),
-           "--cost-f", ",".join(f"{c['F']:.6f}" for c in cal), "--cost-b", ",".join(f"{c['B']:.6f}" for c in cal),
-           "--jitter", level, "--hints", "bf,bfw,strict-1f1b,strict-gpipe", "--steps", "20",
-           "--seed", str(cfg["seed"]), "--json", str(out)]
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-        data = json.loads(out.read_text())
-        out.unlink()
-        return {r["hint"]: r["speedup"] for r in data["runs"]}
-    except Exception:  # noqa: BLE001 - the simulator is context, not a benchmark
-        return None
-
-
-def _sim_speedups(setting: dict, level: str, extra: list[str], hints: str) -> dict | None:
-    cal, cfg = setting["calibration"], setting["config"]
-    out = Path(tempfile.gettempdir()) / f"rrfp-bench-sim-{time.time_ns()}.json"
-    cmd = [sys.executable, "-m", "rrfp", "simulate", "-p", str(cfg["n_ranks"]), "-m", str(cfg["n_microbatches"]),
            "--cost-f", ",".join(f"{c['F']:.6f}" for c in cal), "--cost-b", ",".join(f"{c['B']:.6f}" for c in cal),
            "--jitter", level, "--hints", hints, "--baseline", "strict-1f1b", "--steps", "20",
            "--seed", str(cfg["seed"]), "--json", str(out), *extra]

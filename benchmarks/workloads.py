@@ -148,23 +148,13 @@ class ConsumeStamp(torch.autograd.Function):
 def saved_bytes(module: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> int:
     """Bytes of the storages autograd saves for backward in ``module(*inputs)`` (each once,
     parameters excluded): what rrfp's ``ForwardSizer`` and the benchmarks' meter count."""
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen: set[int] = set()
-    total = 0
+    from rrfp.runtime.memory import SavedBytes
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        st = t.untyped_storage()
-        ptr = st.data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            total += st.nbytes()
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    counter = SavedBytes({p.untyped_storage().data_ptr() for p in module.parameters()})
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         out = module(*inputs)
     del out
-    return total
+    return counter.total
 
 
 def schedule_budget(schedule: str, n_ranks: int, rank: int, sizes: Sequence[Sequence[int]]) -> int:

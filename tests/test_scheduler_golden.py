@@ -16,6 +16,19 @@ from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.tasks import Placement
 
 
+def stepper(arb: Arbiter, seen: list):
+    """``run(k)``: dispatch (and complete) up to ``k`` of ``arb``'s tasks, appending them to
+    ``seen`` as text, stopping early when none is ready."""
+    def run(k: int) -> None:
+        for _ in range(k):
+            t = arb.next()
+            if t is None:
+                return
+            seen.append(str(t))
+            arb.complete(t)
+    return run
+
+
 def dispatch(hint: str, script, n_ranks: int = 2, M: int = 6, rank: int = 0, limit: int = 32) -> str:
     """Run the arbiter of ``rank`` through ``script``: an int ``k`` dispatches (and completes)
     up to ``k`` tasks, stopping early when none is ready; a list of ``(stage, mb, grad)``
@@ -25,13 +38,7 @@ def dispatch(hint: str, script, n_ranks: int = 2, M: int = 6, rank: int = 0, lim
     arb = Arbiter(spec, rank, h, strict=strict, inflight_limit=limit)
     seen = []
 
-    def run(k: int) -> None:
-        for _ in range(k):
-            t = arb.next()
-            if t is None:
-                return
-            seen.append(str(t))
-            arb.complete(t)
+    run = stepper(arb, seen)
 
     for item in script:
         if isinstance(item, int):
@@ -115,13 +122,7 @@ def test_depth_first_under_a_budget_runs_the_oldest_first_hand_computed():
     arb = Arbiter(spec, 0, h, memory_budget=3, act_bytes=lambda s, m: 1)
     seen = []
 
-    def run(k: int) -> None:
-        for _ in range(k):
-            t = arb.next()
-            if t is None:
-                return
-            seen.append(str(t))
-            arb.complete(t)
+    run = stepper(arb, seen)
 
     # mb 0 alone; mb 1 (2 held, 1 free: mb 0 can still take its stage 2, then mb 1 from what
     # mb 0 frees); not mb 2 (3 held, and mb 0 could not take its stage 2).

@@ -58,6 +58,33 @@ def _numel(inputs: Any) -> int:
     return sum(t.numel() for t in inputs if isinstance(t, torch.Tensor))
 
 
+class SavedBytes:
+    """Counts the bytes of the storages autograd saves for backward, each storage once and
+    parameters (``params``: their storages' ``data_ptr()``) excluded: what a forward leaves
+    held until its backward. Install ``pack`` with ``torch.autograd.graph.saved_tensors_hooks``
+    (and ``unpack``); ``total`` is in bytes. The one measuring rule for the runtime's
+    memory budget and the benchmarks' budgets."""
+
+    __slots__ = ("params", "seen", "total")
+
+    def __init__(self, params: set[int]) -> None:
+        self.params = params
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.total += st.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
 class ForwardSizer:
     """Measures and estimates one rank's activation bytes per ``(stage, microbatch)``.
 
@@ -109,21 +136,10 @@ class ForwardSizer:
             yield
             self._measured[(stage, mb)] = known
             return
-        seen: set[int] = set()
-        total = 0
-        params = self._params
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if ptr not in params and ptr not in seen:
-                seen.add(ptr)
-                total += st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        counter = SavedBytes(self._params)
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
             yield
+        total = counter.total
         self._measured[(stage, mb)] = self._by_shape[key] = total
         n = self._inputs.get(mb)
         if n:
