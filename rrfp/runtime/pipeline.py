@@ -300,13 +300,18 @@ class Pipeline:
             self.runtime, self._step, mbs, kwarg_mbs, targets, mb_losses, outputs,
             forward_only or self.loss_fn is None, self.scale_grads,
         ))
+        self._end_step(stats, mb_losses, losses)
+        return _result(outputs, self.n_microbatches, self.output_merge_spec, presplit) if keep else None
+
+    def _end_step(self, stats: StepStats, mb_losses: list | None, losses: list | None) -> None:
+        """Book a finished step: its stats, its loss, and ``losses`` filled with one entry per
+        microbatch (on the last stage's rank, where ``mb_losses`` is a list)."""
         self._step += 1
         self.last_stats = stats
         self.last_loss = None if stats.loss is None else torch.tensor(stats.loss)
-        if losses is not None and has_last:
+        if losses is not None and mb_losses is not None:
             losses.clear()
             losses.extend(mb_losses)
-        return _result(outputs, self.n_microbatches, self.output_merge_spec, presplit) if keep else None
 
     async def astep(self, *args, target=None, losses=None, microbatches=None, targets=None, **kwargs):
         """Coroutine form of :meth:`step` (for callers that run their own event loop);
@@ -319,12 +324,7 @@ class Pipeline:
         mb_losses: list | None = [] if has_last else None
         stats = await _run_step(self.runtime, self._step, mbs, kwarg_mbs, targets, mb_losses, None,
                                 self.loss_fn is None, self.scale_grads)
-        self._step += 1
-        self.last_stats = stats
-        self.last_loss = None if stats.loss is None else torch.tensor(stats.loss)
-        if losses is not None and has_last:
-            losses.clear()
-            losses.extend(mb_losses)
+        self._end_step(stats, mb_losses, losses)
         return self.last_loss
 
     def run(self, coro):
