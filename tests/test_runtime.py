@@ -159,50 +159,99 @@ def test_forged_messages_are_rejected_and_the_step_still_matches():
     _assert_grads_match(stages, ref_grads)
 
 
-def _toy_pipe(delay, watchdog: float, n_microbatches: int = 4,
-              inflight_limit: int = 32) -> tuple[LocalPipeline, list, tuple, torch.Tensor]:
+def _toy_pipe(delay, watchdog: float, n_microbatches: int = 4, inflight_limit: int = 32,
+              loop=None) -> tuple[LocalPipeline, list, tuple, torch.Tensor]:
+    """A 2-rank toy pipeline; with ``loop`` (a VirtualTimeLoop) its ranks run on simulated time."""
+    import contextlib
+    from unittest import mock
+
     torch.manual_seed(0)
     cfg = ToyConfig()
     mods = split_toy(ToyModel(cfg), 2)
     x, y = toy_batch(cfg, 8, seed=1)
-    pipe = LocalPipeline(mods, n_microbatches, toy_loss, delay=delay, watchdog=watchdog, inflight_limit=inflight_limit)
+    with mock.patch("rrfp.runtime.local.new_event_loop", lambda: loop) if loop is not None else contextlib.nullcontext():
+        pipe = LocalPipeline(mods, n_microbatches, toy_loss, delay=delay, watchdog=watchdog,
+                             inflight_limit=inflight_limit)
     return pipe, mods, x, y
+
+
+def _held(extra: float, stage: int = 1, microbatch: int = 0, base: float = 0.1):
+    """Every message takes ``base`` s; the activation of ``microbatch`` for ``stage`` takes
+    ``extra`` s more. Not for ever: the closing BYE queues behind it, as on a FIFO link."""
+    from rrfp.transport.keys import Direction
+
+    def delay(src, dst, key, rng):
+        held = key is not None and key.stage == stage and key.microbatch == microbatch and key.direction == Direction.ACT
+        return base + (extra if held else 0.0)
+
+    return delay
 
 
 def test_watchdog_names_the_missing_message():
     """A message that does not come within the watchdog period fails the step with a
-    WatchdogTimeout that names what the waiting rank waits for, instead of hanging."""
+    WatchdogTimeout that names what the waiting rank waits for, instead of hanging. Simulated
+    time, every message 0.1 s: rank 1 runs microbatches 1-3 at 0.1 s, then gives up one period
+    later (the held activation is due at 10.1 s, which closing the pipeline waits for)."""
     from rrfp.runtime.rank import WatchdogTimeout
-    from rrfp.transport.keys import Direction
 
-    def delay(src, dst, key, rng):
-        # The activation of microbatch 0 for stage 1 is held 12x the watchdog period, so
-        # only the watchdog can end the step unless the loop stalls for over 5 s. Not for
-        # ever: the closing BYE queues behind it, as on a FIFO link.
-        held = key is not None and key.stage == 1 and key.microbatch == 0 and key.direction == Direction.ACT
-        return 6.0 if held else 0.0
+    from virtual_time import VirtualTimeLoop
 
-    pipe, _, x, y = _toy_pipe(delay, watchdog=0.5)
+    loop = VirtualTimeLoop()
+    pipe, _, x, y = _toy_pipe(_held(10.0), watchdog=0.5, loop=loop)
     with pipe:
+        t0 = loop.now
         with pytest.raises(WatchdogTimeout, match=r"rank 1 .*no progress for 0.5 s.*activation for .*stage 0"):
             pipe.step(*x, target=y)
+        assert loop.now - t0 == pytest.approx(0.1 + 0.5)
 
 
-def test_watchdog_counts_from_the_last_progress_not_the_step_start():
-    """A step longer than the watchdog period, whose every wait is shorter, completes: the
-    watchdog re-arms on progress. The gradients still match a run without delays."""
-    # In-flight limit 1: eight round trips of two ~0.1 s messages one after the other.
-    pipe, mods, x, y = _toy_pipe((0.08, 0.12), watchdog=0.5, n_microbatches=8, inflight_limit=1)
+def _round_trips(loop, extra: float, microbatch: int = 4):
+    """Simulated time: 2 ranks, in-flight limit 1, 8 microbatches, every message 0.1 s and
+    compute free, so rank 1 (the last stage) makes progress at 0.1 + 0.2 k s (F and B of
+    microbatch k) and the step lasts 1.6 s; the activation of ``microbatch`` comes ``extra``
+    s late, so rank 1 goes 0.2 + ``extra`` s without progress once."""
+    pipe, mods, x, y = _toy_pipe(_held(extra, microbatch=microbatch), watchdog=0.5, n_microbatches=8,
+                                 inflight_limit=1, loop=loop)
+    return pipe, mods, x, y
+
+
+@pytest.mark.parametrize("extra", [0.0, 0.25], ids=["gaps-0.2s", "one-gap-0.45s"])
+def test_watchdog_counts_from_the_last_progress_not_the_step_start(extra):
+    """A step longer than the watchdog period (1.6 s and more, simulated), whose every wait
+    is shorter than it (0.45 s at most), completes: the watchdog re-arms on progress. The
+    gradients still match a run without delays."""
+    from virtual_time import VirtualTimeLoop
+
+    loop = VirtualTimeLoop()
+    pipe, mods, x, y = _round_trips(loop, extra)
     with pipe:
+        t0 = loop.now
         pipe.step(*x, target=y)
-        walls = [s.wall for s in pipe.last_stats]
-    assert max(walls) > 0.5, "the step must outlast the watchdog period for this test to mean anything"
+        assert loop.now - t0 >= 1.6 + extra > 3 * 0.5, "the step must outlast the watchdog period"
     ref, ref_mods, x2, y2 = _toy_pipe((0.0, 0.0), watchdog=60, n_microbatches=8)  # the reference: no watchdog in play
     with ref:
         ref.step(*x2, target=y2)
     for a, b in zip(mods, ref_mods):
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_watchdog_fires_one_period_after_the_last_progress():
+    """The same step with one gap of 0.55 s (> 0.5 s) after rank 1's progress at 0.7 s (F and
+    B of microbatch 3): rank 1 gives up at 0.7 + 0.5 s, waiting for microbatch 4's activation,
+    not at 0.5 s (the step's start) nor when the late activation comes (1.25 s)."""
+    from rrfp.runtime.rank import WatchdogTimeout
+
+    from virtual_time import VirtualTimeLoop
+
+    loop = VirtualTimeLoop()
+    pipe, _, x, y = _round_trips(loop, 0.35)
+    with pipe:
+        t0 = loop.now
+        with pytest.raises(WatchdogTimeout, match=r"rank 1 .*no progress for 0.5 s in step 0: waiting for "
+                                                  r"activation for 1F4 from stage 0"):
+            pipe.step(*x, target=y)
+        assert loop.now - t0 == pytest.approx(0.7 + 0.5)
 
 
 def _forge_sends(pipe: LocalPipeline, rank: int, direction, change) -> None:
@@ -250,7 +299,10 @@ def test_closing_a_rank_during_its_step_fails_that_step_at_once():
     from rrfp.runtime.pipeline import split_microbatches
     from rrfp.runtime.rank import PipelineError
 
-    pipe, _, _, y = _toy_pipe((0.0, 0.0), watchdog=60)
+    from virtual_time import VirtualTimeLoop
+
+    # Simulated time: the 5 s bounds below expire only if the rank really waits (for nothing).
+    pipe, _, _, y = _toy_pipe((0.0, 0.0), watchdog=60, loop=VirtualTimeLoop())
     tgs = [t[0] for t in split_microbatches([y], 4, "target")]
     rt1 = pipe.runtimes[1]
 
@@ -296,10 +348,17 @@ def test_a_rank_killed_mid_step_fails_the_others_naming_it(delay):
     from rrfp.runtime.pipeline import split_microbatches
     from rrfp.transport.base import PeerLost
 
+    from unittest import mock
+
+    from virtual_time import VirtualTimeLoop
+
     torch.manual_seed(0)
     cfg = ToyConfig()
     x, y = toy_batch(cfg, 8, seed=1)
-    pipe = LocalPipeline(split_toy(ToyModel(cfg), 3), 4, toy_loss, delay=delay, watchdog=60)
+    # Simulated time: the 10 s bound below expires only if the ranks really wait (for the
+    # watchdog, 60 s), however loaded the machine is.
+    with mock.patch("rrfp.runtime.local.new_event_loop", VirtualTimeLoop):
+        pipe = LocalPipeline(split_toy(ToyModel(cfg), 3), 4, toy_loss, delay=delay, watchdog=60)
 
     def kill_after_rank0_f1(step, rank, task):  # mid-step, at a point fixed by the schedule
         if rank == 0 and task.stage == 0 and task.mb == 1:

@@ -6,6 +6,10 @@ launch-ahead window has room and the arbiter has no task running, asks the arbit
 next task and launches it. With nothing to do it waits for the inbox's ``wake`` event: an
 arrival, an executor's completion, an error, or the watchdog.
 
+The watchdog's clock is the event loop's own (``loop.time()``), the clock its timer runs on
+and the one the fake transport's message delays are drawn on: a test that runs the loop on
+simulated time (tests/virtual_time.py) decides every watchdog outcome without real delays.
+
 The arbiter runs one task at a time (``Arbiter.running``): an executor whose tasks complete on
 the host at launch (CUDA: the kernels are queued on the rank's stream, in order) may run up to
 ``executor.window`` tasks ahead of the device; a worker-thread executor is told complete when
@@ -59,7 +63,8 @@ class SchedulerLoop:
         self._watch: asyncio.TimerHandle | None = None  # the watchdog's timer, armed while waiting
         self._waiting = False  # the loop waits for an event
         self._timed_out: WatchdogTimeout | None = None
-        self._progress = time.perf_counter()  # the watchdog's clock: last task's end
+        self._clock: Callable[[], float] = time.monotonic  # the watchdog's: run() binds the loop's
+        self._progress = 0.0  # the watchdog's clock at the last task's end (or the step's start)
         self._last_end = 0.0
         self.agree = None  # TP agreement's exchange (RankRuntime.set_tp_agreement), None: no TP
         self.agreement: TPAgreement | None = None
@@ -74,7 +79,8 @@ class SchedulerLoop:
             WatchdogTimeout.
         """
         self._arb, self._step = arb, step
-        self._progress = time.perf_counter()
+        self._clock = asyncio.get_running_loop().time
+        self._progress = self._clock()
         self._last_end = 0.0
         self._timed_out = None
         running = self._running
@@ -159,7 +165,8 @@ class SchedulerLoop:
         stats.n_tasks += 1
         if self.record:
             stats.records.append(TaskRecord(self.rank, step, p.task, p.t0, t1))
-        self._progress = self._last_end = t1
+        self._last_end = t1
+        self._progress = self._clock()
         self.executor.release(p)
         if hooks is not None:
             hooks.task_done(p.task)
@@ -173,7 +180,7 @@ class SchedulerLoop:
         # One timer per watchdog period, not asyncio.wait_for per wait: wait_for wraps each
         # wait in a task and a timeout handle, most of what a short wait costs.
         if self._watch is None:
-            self._arm_watchdog(self._progress + self.watchdog - time.perf_counter())
+            self._arm_watchdog(self._progress + self.watchdog - self._clock())
         self._waiting = True
         try:
             await wake.wait()
@@ -193,7 +200,7 @@ class SchedulerLoop:
 
     def _watchdog_fired(self) -> None:
         self._watch = None
-        left = self._progress + self.watchdog - time.perf_counter()
+        left = self._progress + self.watchdog - self._clock()
         if left > 0:  # progress since arming
             self._arm_watchdog(left)
             return
