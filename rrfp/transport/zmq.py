@@ -17,7 +17,9 @@ Endpoints in the store are signed; a forged entry is refused, counted and waited
 Without a secret a rank binds only a loopback address unless ``insecure`` is set.
 
 Limits before work: a message is refused by routing id and size (frames counted as they
-are read, ZMQ_MAXMSGSIZE per frame) before anything is decoded.
+are read, ZMQ_MAXMSGSIZE per frame) before anything is decoded (:mod:`.zmq_receive`, the
+receive half; :mod:`.zmq_rendezvous` the rendezvous, :mod:`.zmq_gate` the ZAP handler,
+:mod:`.zmq_wire` the control frames and raw socket calls both halves share).
 
 Peer loss: a socket monitor on each DEALER reports EVENT_DISCONNECTED when the
 connection to that peer drops, either because its process exited (the kernel
@@ -46,30 +48,18 @@ from .base import PeerLost, Transport, TransportClosed
 from .codec import DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_TENSORS, Frame, encode, frames_nbytes
 from .keys import MsgKey
 from .zmq_gate import Gatekeeper
+from .zmq_receive import RouterReceiver
 from .zmq_rendezvous import LOST_NOTICE, SecureRendezvous, _is_loopback, _tcp_endpoint, default_host
+from .zmq_wire import BYE, ZERO_COPY_MIN, send_now
 
 __all__ = ["ZmqTransport", "default_host"]
 
 log = logging.getLogger("rrfp.transport.zmq")
 
-# A msgpack header always starts with a map marker, so this never parses as data.
-_BYE = b"\x00rrfp-bye"
 _FROM_CONFIG: Any = object()
 _LOST_NOTICE_GRACE = 0.2
 """Seconds a disconnect waits for the peer's lost-rank notice, which travels on another
 connection and can be overtaken by the disconnect itself."""
-ZERO_COPY_MIN = 64 * 1024
-"""Frames at least this big are sent without copying (smaller ones copy faster)."""
-# The hot paths call the Cython socket methods with plain int flags: pyzmq's Python
-# layer (send_multipart, recv_multipart) adds argument checks, a RCVMORE getsockopt
-# per frame and enum flag arithmetic, which together cost more than ZeroMQ itself
-# for a small message.
-_send = zmq.backend.Socket.send
-_recv = zmq.backend.Socket.recv
-_NOBLOCK = int(zmq.NOBLOCK)
-_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
-_DRAIN_BUDGET = 256
-"""Most arrivals handled per event-loop callback before other callbacks get a turn."""
 _MONITOR_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
     | zmq.EVENT_DISCONNECTED
@@ -84,7 +74,7 @@ _HANDSHAKE_FAILED = (
 )
 
 
-class ZmqTransport(SecureRendezvous, Transport):
+class ZmqTransport(RouterReceiver, SecureRendezvous, Transport):
     """Transport over ZeroMQ TCP sockets (``zmq.asyncio``; works under uvloop).
 
     Args:
@@ -299,87 +289,6 @@ class ZmqTransport(SecureRendezvous, Transport):
 
     # -- coroutines ------------------------------------------------------------
 
-    def _start_receiving(self, loop: asyncio.AbstractEventLoop) -> None:
-        assert self._router is not None
-        self._loop = loop
-        self._router_fd = self._router.getsockopt(zmq.FD)
-        loop.add_reader(self._router_fd, self._drain_router)
-        # ZMQ_FD signals edges: anything that arrived before the reader was added
-        # raises none, so look once now.
-        loop.call_soon(self._drain_router)
-
-    def _stop_receiving(self) -> None:
-        # Before the socket closes: the loop must not watch a descriptor ZeroMQ frees.
-        fd, self._router_fd = self._router_fd, None
-        if fd is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(fd)
-
-    def _drain_router(self) -> None:
-        """Reader callback: hand every complete message on the ROUTER to the mailbox.
-
-        Receives until EAGAIN, because ZMQ_FD only signals again once the socket's
-        state changes after that; after _DRAIN_BUDGET messages it reschedules itself
-        instead, so that a flood cannot starve other callbacks."""
-        if self._router_fd is None:
-            return
-        sock = self._router
-        try:
-            for _ in range(_DRAIN_BUDGET):
-                try:
-                    f = _recv(sock, _NOBLOCK, False)
-                except zmq.Again:
-                    return
-                parts = [f]
-                size, too_big = 0, False
-                while f.more:  # the rest of a message is there once its first frame is
-                    f = _recv(sock, _NOBLOCK, False)
-                    if too_big:
-                        continue  # read off and dropped, never kept
-                    size += len(f)
-                    parts.append(f)
-                    if len(parts) > self._max_frames or size > self._max_wire:
-                        too_big = True
-                if too_big:
-                    self.stats["rejected_oversize"] += 1
-                    self._reject(self._rank_of.get(parts[0].bytes, repr(parts[0].bytes[:16])),
-                                 f"message over {len(parts) - 1} frames / {size} bytes "
-                                 f"(limits {self._max_frames - 1} frames, {self._max_wire} bytes): dropped undecoded")
-                    continue
-                self._on_router_message(parts)
-                if self._router_fd is None:  # closed by a callback of the delivery
-                    return
-            asyncio.get_running_loop().call_soon(self._drain_router)
-        except Exception as e:  # never die silently: the runtime would hang
-            if not self._closed:
-                log.exception("rank %d: receiver failed", self.rank)
-                self._stop_receiving()
-                self._mailbox.fail(TransportClosed(f"rank {self.rank}: receiver failed: {e!r}"))
-
-    def _on_router_message(self, parts: list) -> None:
-        ident = parts[0].bytes
-        src = self._rank_of.get(ident)
-        if src is None:
-            self.stats["rejected_unknown_peer"] += 1
-            self._reject(repr(ident[:16]), "unknown routing id")
-            return
-        if src == self.rank:  # loopback sends never touch the socket: this is an impostor
-            self.stats["rejected_identity"] += 1
-            self._reject(src, "routing id of this rank itself")
-            return
-        if self._auth is not None and parts[0].get("User-Id") != ident.decode():
-            self.stats["rejected_identity"] += 1
-            self._reject(src, f"routing id {ident.decode()!r} sent over the connection of rank "
-                              f"{parts[0].get('User-Id')!r}")
-            return
-        payload = parts[1:]
-        if len(payload) == 1 and len(payload[0]) == len(_BYE) and payload[0].bytes == _BYE:
-            self._on_bye(src)
-            return
-        if len(payload) == 2 and len(payload[0]) == len(LOST_NOTICE) and payload[0].bytes == LOST_NOTICE:
-            self._on_lost_notice(src, payload[1].bytes)
-            return
-        self._deliver_frames(src, payload)
-
     async def _sender(self, p: int, sock: zmq.asyncio.Socket) -> None:
         q, ready = self._outq[p], self._out_ready[p]
         try:
@@ -389,7 +298,7 @@ class ZmqTransport(SecureRendezvous, Transport):
                     # copy=False + copy_threshold: only frames >= 64 KiB go zero-copy.
                     await sock.send_multipart(frames, copy=False)
                     q.popleft()
-                    if frames[0] is not _BYE:
+                    if frames[0] is not BYE:
                         self.stats["messages_sent"] += 1
                         self.stats["bytes_sent"] += frames_nbytes(frames)
                     self._pending -= 1
@@ -451,7 +360,7 @@ class ZmqTransport(SecureRendezvous, Transport):
         for p, d in self._direct.items():
             if p != lost and p not in self._lost and not d.closed:
                 try:
-                    _send_now(d, [LOST_NOTICE, str(lost).encode()])
+                    send_now(d, [LOST_NOTICE, str(lost).encode()])
                 except zmq.ZMQError:
                     pass
         self._notice_sent = True
@@ -485,11 +394,11 @@ class ZmqTransport(SecureRendezvous, Transport):
             # per-peer order. Nothing waits on a direct send (flush and close wait for
             # the queues), so no progress event is set.
             try:
-                _send_now(direct, frames)
+                send_now(direct, frames)
             except zmq.Again:
                 pass  # peer's pipe full (or not connected yet): queue behind it
             else:
-                if frames[0] is not _BYE:
+                if frames[0] is not BYE:
                     self.stats["messages_sent"] += 1
                     self.stats["bytes_sent"] += frames_nbytes(frames)
                 return
@@ -528,7 +437,7 @@ class ZmqTransport(SecureRendezvous, Transport):
         deadline = loop.time() + timeout
         self._closing = True
         for p in self._peers():
-            self._enqueue(p, [_BYE])
+            self._enqueue(p, [BYE])
         missing = await self._await_byes(timeout)
         try:
             # Our BYEs must be in ZeroMQ's queues before the sockets close; a lost
@@ -592,15 +501,3 @@ class ZmqTransport(SecureRendezvous, Transport):
         if self._router is not None:
             self._router.close(linger=0)
 
-
-def _send_now(sock: zmq.Socket, frames: list[Frame]) -> None:
-    """Hand one message to ZeroMQ without blocking; raises zmq.Again if it cannot take
-    it now, in which case nothing was sent.
-
-    Only the first frame can meet a full pipe: ZeroMQ counts the high-water mark in
-    whole messages, so the later frames of an accepted first one go through. Frames
-    under ZERO_COPY_MIN are copied, which for them is cheaper than pinning the buffer.
-    """
-    last = len(frames) - 1
-    for i, f in enumerate(frames):
-        _send(sock, f, _NOBLOCK if i == last else _MORE_NOBLOCK, len(f) < ZERO_COPY_MIN)
