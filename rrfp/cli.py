@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         return code
     except UsageError as e:
-        print(f"rrfp {args.command}: error: {e}", file=sys.stderr)
+        from .train.lines import say
+
+        say(f"rrfp {args.command}: error: {e}", sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (`rrfp simulate ... | head`): stop quietly, as Unix tools do.

@@ -213,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     from ..obs.metrics import clear_multiprocess_dir
     from ..obs.server import linger, serve_node
     from ..train.cli import _quiet_launcher_logs, describe_failures
+    from ..train.lines import say
     from ..train.stop import STOP_FILE_ENV
     from .health import Health
 
@@ -242,9 +243,9 @@ def run(args: argparse.Namespace) -> int:
     watching = threading.Event()
     threading.Thread(target=_count_restarts, args=(node_metrics.restarts.labels(str(job.node_rank)).inc, watching),
                      name="rrfp-node-restarts", daemon=True).start()
-    print(f"rrfp node: node {job.node_rank} of {job.nnodes}, {job.nproc} ranks, rendezvous "
-          f"{job.master_addr}:{job.port} ({args.job_id}); serving http://{endpoint.addr}:{endpoint.port} "
-          "(/metrics /healthz /readyz)", flush=True)
+    say(f"rrfp node: node {job.node_rank} of {job.nnodes}, {job.nproc} ranks, rendezvous "
+        f"{job.master_addr}:{job.port} ({args.job_id}); serving http://{endpoint.addr}:{endpoint.port} "
+        "(/metrics /healthz /readyz)")
 
     def on_sigterm(signum, frame) -> None:
         # The ranks stop after their current step and checkpoint (rrfp/train/stop.py); the
@@ -256,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
             raise SignalException(f"rrfp node {os.getpid()} got SIGTERM", sigval=signal.SIGTERM)
         health.stopping = True
         stop_file.write_text(str(os.getpid()))
-        print("rrfp node: SIGTERM: asking the ranks to finish their step, checkpoint and exit", flush=True)
+        say("rrfp node: SIGTERM: asking the ranks to finish their step, checkpoint and exit")
         for pid in ranks:
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -279,15 +280,15 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     try:
         elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
-        print("rrfp node: " + ("stopped on SIGTERM, all ranks exited 0" if health.stopping else "done"), flush=True)
+        say("rrfp node: " + ("stopped on SIGTERM, all ranks exited 0" if health.stopping else "done"))
     except ChildFailedError as e:
-        print(f"rrfp node: error: {describe_failures(e.failures, signalled.pids)}", file=sys.stderr, flush=True)
+        say(f"rrfp node: error: {describe_failures(e.failures, signalled.pids)}", sys.stderr)
         code = 1
     except SignalException as e:
-        print(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", file=sys.stderr)
+        say(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", sys.stderr)
         code = 128 + int(e.sigval)
     except (RendezvousError, RuntimeError, OSError) as e:  # a rendezvous timeout and the like: one line
-        print(f"rrfp node: error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        say(f"rrfp node: error: {type(e).__name__}: {e}", sys.stderr)
         code = 1
     finally:
         watching.set()

@@ -430,6 +430,8 @@ def _crashing_writer(path, rank: int, step: int):
 
     import torch.distributed.checkpoint as dcp
 
+    from .lines import say
+
     class CrashingWriter(dcp.FileSystemWriter):
         """DCP's file writer that SIGKILLs its process once its shard is written (:data:`CRASH_ENV`)."""
 
@@ -440,8 +442,8 @@ def _crashing_writer(path, rank: int, step: int):
         def write_data(self, plan, planner):
             fut = super().write_data(plan, planner)
             fut.wait()
-            print(f"rrfp train: rank {self._what[0]}: test hook {CRASH_ENV}: killed while writing the checkpoint "
-                  f"of step {self._what[1]}", file=sys.stderr, flush=True)
+            say(f"rrfp train: rank {self._what[0]}: test hook {CRASH_ENV}: killed while writing the checkpoint "
+                f"of step {self._what[1]}", sys.stderr)
             os.kill(os.getpid(), signal.SIGKILL)
             return fut
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..cli import UsageError
 from ..scheduler.hints import DEFAULT_HINT, HINT_NAMES
+from .lines import say
 
 DEFAULTS = dict(
     stages=4,
@@ -379,7 +380,7 @@ def run(args: argparse.Namespace) -> int:
     from .checkpoint import nothing_to_do
 
     if (done := nothing_to_do(args)) is not None:
-        print(done, flush=True)  # the run is complete already: starting ranks would change nothing
+        say(done)  # the run is complete already: starting ranks would change nothing
         return 0
     return launch(args)
 
@@ -432,11 +433,11 @@ def _run_launcher(run_args) -> int:
     except ChildFailedError as e:
         if any(f.exitcode == PIPE_CLOSED for f in e.failures.values()):
             return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
-        print(f"rrfp train: error: {describe_failures(e.failures, signalled.pids)}", file=sys.stderr)
+        say(f"rrfp train: error: {describe_failures(e.failures, signalled.pids)}", sys.stderr)
         return 1
     except (KeyboardInterrupt, SignalException) as e:
         sig = getattr(e, "sigval", signal.SIGINT)
-        print(f"rrfp train: stopped by {signal.Signals(sig).name}; the ranks were stopped too", file=sys.stderr)
+        say(f"rrfp train: stopped by {signal.Signals(sig).name}; the ranks were stopped too", sys.stderr)
         return 128 + int(sig)
     finally:
         logging.getLogger(LauncherSignals.LOGGER).removeFilter(signalled)

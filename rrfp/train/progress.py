@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from typing import IO
 
+from .lines import say
+
 
 class Output:
     """Rank 0's output.
@@ -43,15 +45,15 @@ class Output:
                 self.bar.set_postfix_str(postfix, refresh=False)
             self.bar.update(1)
         elif not self.quiet:
-            print(line, file=self.stream, flush=True)
+            say(line, self.stream)
 
     def message(self, line: str) -> None:
         """A line shown whatever the mode (evaluations, the summary), above the bar."""
         self._log(line)
         if self.bar is not None:
-            self.bar.write(line, file=self.stream)
+            self.bar.write(line + "\n", file=self.stream, end="")  # one write (rrfp.train.lines)
         else:
-            print(line, file=self.stream, flush=True)
+            say(line, self.stream)
 
     def _log(self, line: str) -> None:
         if self.log is not None:

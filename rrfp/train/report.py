@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..scheduler.tasks import Placement
 from .progress import Output
+from .lines import say
 
 
 class Reporter:
@@ -67,8 +68,7 @@ class Reporter:
             self.ignored = getattr(self, "ignored", 0) + 1
             n = self.ignored
             if n <= 3 or n & (n - 1) == 0:  # a flood must not flood the log
-                print(f"rrfp train: rank 0: ignored statistics message #{n} from rank {src}: {why}",
-                      file=sys.stderr)
+                say(f"rrfp train: rank 0: ignored statistics message #{n} from rank {src}: {why}", sys.stderr)
             return
         if meta["step"] in self.pending and src in self.pending[meta["step"]]:
             return  # a second copy: the first stands

@@ -24,6 +24,8 @@ import sys
 import threading
 from datetime import timedelta
 
+from .lines import say
+
 STOP_FILE_ENV = "RRFP_NODE_STOP_FILE"
 """Set by ``rrfp node`` in its ranks' environment: the file it creates on SIGTERM."""
 
@@ -65,8 +67,7 @@ class GracefulStop:
             return
         if not self.requested:
             self.requested = True
-            print(f"rrfp train: rank {self.rank}: SIGTERM: finishing the current step, then a checkpoint",
-                  file=sys.stderr, flush=True)
+            say(f"rrfp train: rank {self.rank}: SIGTERM: finishing the current step, then a checkpoint", sys.stderr)
             # A thread: the main thread may be inside a step, waiting on a peer.
             threading.Thread(target=self._publish, name="rrfp-stop", daemon=True).start()
 
@@ -99,6 +100,6 @@ class GracefulStop:
     def _hold(self, done: int) -> None:
         if os.environ.get(HOLD_ENV) != str(done) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return
-        print(f"rrfp train: rank 0: test hook {HOLD_ENV}: holding after step {done} until a stop is requested",
-              file=sys.stderr, flush=True)
+        say(f"rrfp train: rank 0: test hook {HOLD_ENV}: holding after step {done} until a stop is requested",
+            sys.stderr)
         self.store.wait([REQUEST_KEY], timedelta(seconds=self.timeout_s))

@@ -25,6 +25,7 @@ from ..parallel.train import replica_samples, reports, train_layout
 from ..runtime.dist import init_distributed
 from ..runtime.pipeline import Pipeline
 from ..runtime.stage import PipelineStage
+from .lines import say
 from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
 from . import device
@@ -77,17 +78,14 @@ def main(args: argparse.Namespace) -> int:
         # other ranks (through the launcher's store) that this is no failure to report.
         _stop_quietly()
     except KeyboardInterrupt:
-        print(f"rrfp train: rank {os.environ.get('RANK', '?')}: interrupted", file=sys.stderr, flush=True)
+        say(f"rrfp train: rank {os.environ.get('RANK', '?')}: interrupted", sys.stderr)
         os._exit(130)
     except Exception as e:  # one line per rank, then a non-zero exit the launcher reports
         if _reader_gone():
             os._exit(PIPE_CLOSED)
         rank = os.environ.get("RANK", "?")
         line = f"rrfp train: rank {rank}: error: {type(e).__name__}: {e}"
-        # One write for text and newline (print makes two): ranks share the launcher's
-        # stderr, and a line split by another rank's line is a line nobody can parse.
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
+        say(line, sys.stderr)  # ranks share the launcher's stderr: one write (rrfp.train.lines)
         if rank.isdigit():
             write_error_file(e, int(rank), line)
         os._exit(1)
@@ -190,11 +188,11 @@ def _main(args: argparse.Namespace) -> int:
     if resume is not None:
         first = ckpt.load(resume)
         if rank == 0:
-            print(f"rrfp train: resumed from {resume} at step {first}", flush=True)
+            say(f"rrfp train: resumed from {resume} at step {first}")
             from .checkpoint import nothing_to_do
 
             if (done := nothing_to_do(args, resume)) is not None:
-                print(done, flush=True)  # under a launcher of one's own (torchrun, rrfp node)
+                say(done)  # under a launcher of one's own (torchrun, rrfp node)
     if reporter is not None:
         reporter.next_step = first
     # --- end checkpoints ---
@@ -219,7 +217,7 @@ def _main(args: argparse.Namespace) -> int:
                 opt.step()
             elif getattr(args, "skip_nonfinite", False):
                 if layout.rank == 0:
-                    print(f"rrfp train: skipped {poisoned}", file=sys.stderr, flush=True)
+                    say(f"rrfp train: skipped {poisoned}", sys.stderr)
                 loss = None  # nothing of this step reaches the report
             else:
                 raise poisoned
@@ -299,9 +297,8 @@ def _main(args: argparse.Namespace) -> int:
     finally:
         refused = {k: v for k, v in getattr(pipe.transport, "stats", {}).items() if k.startswith("rejected") and v}
         if refused:
-            sys.stderr.write(f"rrfp train: rank {rank}: refused "
-                             f"{', '.join(f'{k}={v}' for k, v in sorted(refused.items()))}\n")  # one write
-            sys.stderr.flush()
+            say(f"rrfp train: rank {rank}: refused {', '.join(f'{k}={v}' for k, v in sorted(refused.items()))}",
+                sys.stderr)
     if args.trace:
         _write_trace(args, rank, n_ranks, records, out_bytes or {}, step_log)
     dist.destroy_process_group()
@@ -319,7 +316,7 @@ def _after_step(reporter: Reporter | None, step: int, line: str) -> None:
     if reporter is not None:
         reporter.note(step, line)
     else:
-        print(line, flush=True)
+        say(line)
 
 
 def start_metrics(args: argparse.Namespace, rank: int, stage_ids: list[int]):
@@ -474,8 +471,8 @@ def _write_trace(
         save_profile(profile_from_records(merged, n_ranks * args.virtual_stages, sizes), tmp,
                      meta={"source": "rrfp train", "model": args.model, "microbatches": args.microbatches,
                            "batch_size": args.batch_size, "max_len": args.max_len, "hint": args.hint})
-    print(f"trace: {out / 'trace.json'} (open in Perfetto), timeline {out / 'timeline.png'}, "
-          f"costs {out / 'profile.json'}", flush=True)
+    say(f"trace: {out / 'trace.json'} (open in Perfetto), timeline {out / 'timeline.png'}, "
+        f"costs {out / 'profile.json'}")
 
 
 TIMELINE_STEPS = 3
