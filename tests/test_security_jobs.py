@@ -4,6 +4,7 @@ SIGKILLed during start-up."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import signal
@@ -192,34 +193,59 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("point", ["first-rank-forked", "all-ranks-forked", "training"])
-def test_ranks_die_within_5s_of_a_sigkilled_launcher(point):
-    launcher = subprocess.Popen([sys.executable, "-m", "rrfp", "train", "--stages", "2", "--steps", "100000",
-                                 "--batch-size", "4", "--microbatches", "2", "--max-len", "32"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def test_ranks_die_with_a_sigkilled_launcher(point):
+    """A rank dies by the kernel's signal the moment its launcher dies (PR_SET_PDEATHSIG):
+    SIGKILL, or exit 128 + SIGKILL where the launcher died before the rank set it up. How
+    each rank died is asserted, not how fast (a loaded machine decides that): the launcher
+    runs under tests/reaper.py, a child subreaper that waits for the orphaned ranks. A rank
+    that outlived its launcher would end otherwise (its watchdog's error, exit 1) or never
+    (the run has 100000 steps)."""
+    reaper = subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), sys.executable, "-m",
+                               "rrfp", "train", "--stages", "2", "--steps", "100000", "--batch-size", "4",
+                               "--microbatches", "2", "--max-len", "32"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    ranks: set[int] = set()
     try:
-        ranks: set[int] = set()
+        launcher = int(reaper.stdout.readline().split()[1])  # "launched PID"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            ranks |= {k for k in _children(launcher.pid) if "rrfp" in Path(f"/proc/{k}/cmdline").read_text()}
+            ranks |= {k for k in _children(launcher) if "rrfp" in _cmdline(k)}
             if (point == "first-rank-forked" and ranks) or (point == "all-ranks-forked" and len(ranks) == 2):
                 break
             if point == "training":
-                assert launcher.stdout.readline(), "launcher ended before training"
+                assert reaper.stdout.readline(), "launcher ended before training"
                 if len(ranks) == 2:
                     break
         assert ranks, "no rank started"
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(10)
+        reaper.stdin.write(",".join(map(str, sorted(ranks))) + "\n")
+        reaper.stdin.flush()
         t_kill = time.monotonic()
-        while any(_alive(r) for r in ranks) and time.monotonic() - t_kill < 30:
-            time.sleep(0.05)  # observing only: the ranks' exit is what is timed
-        lived = time.monotonic() - t_kill
-        survivors = [r for r in ranks if _alive(r)]
+        os.kill(launcher, signal.SIGKILL)
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(next(ln for ln in reaper.stdout if ln.startswith("reaped "))),
+                                  daemon=True)
+        reader.start()
+        reader.join(60)  # a hang bound only (SIGKILL is immediate): a rank left alive trains on for ever
+        assert got, f"ranks {sorted(r for r in ranks if _alive(r))} still alive 60 s after their launcher's SIGKILL"
+        print(f"ranks reaped {time.monotonic() - t_kill:.2f} s after the launcher's SIGKILL")  # for the record
+        reaper.wait(30)
     finally:
         for r in ranks:
             if _alive(r):
                 os.kill(r, signal.SIGKILL)
-    assert not survivors and lived < 5.0, f"ranks {survivors} outlived the launcher by {lived:.1f} s at {point}"
+        if reaper.poll() is None:
+            reaper.kill()
+            reaper.wait()
+    how = json.loads(got[0].split(" ", 1)[1])
+    assert set(how.values()) <= {f"signal {int(signal.SIGKILL)}", f"exit {128 + int(signal.SIGKILL)}"}, (point, how)
+    assert len(how) == len(ranks)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return ""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the ranks' pids")
