@@ -60,6 +60,14 @@ def test_node_bad_node_addr(capsys, no_launch):
     assert "--node-addr='no such host': expected a host name" in _one_line(capsys, "node")
 
 
+def test_node_master_port_0_only_on_node_0(capsys, no_launch):
+    """Port 0 (any free port) is node 0's to pick and tell; another node must be told it."""
+    assert main(["node", "--nnodes", "2", "--node-rank", "1", "--master-port", "0", "--", "--stages", "2"]) == 2
+    assert "--master-port=0: expected a port in 1..65535 (0, any free port, on node 0 only)" in _one_line(capsys, "node")
+    assert main(["node", "--master-port", "65536", "--", "--stages", "2"]) == 2
+    assert "--master-port=65536: expected a port in 1..65535" in _one_line(capsys, "node")
+
+
 def test_node_run_dir_that_is_a_file(tmp_path, capsys, no_launch):
     f = tmp_path / "file"
     f.write_text("keep me")

@@ -106,25 +106,29 @@ class Proc:
             self.p.wait()
 
 
-def _free_port(addr: str) -> int:
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
 def _daemons(ckdir: Path, extra_train: list[str] = (), linger: bool = False, **env: str) -> list[Proc]:
-    port = _free_port(ADDRS[0])
+    """Two daemons of one job. Node 0 hosts the rendezvous on a port the OS picks
+    (``--master-port 0``) and says which in its first line; node 1 starts with that port, so
+    no port is probed free and then raced for."""
     procs = []
+    port = 0
     for node, addr in enumerate(ADDRS):
         argv = [sys.executable, "-m", "rrfp", "node", "--nnodes", "2", "--nproc-per-node", "2",
                 "--master-addr", ADDRS[0], "--master-port", str(port), "--node-addr", addr,
-                "--metrics-addr", addr, "--metrics-port", "0", "--job-id", f"test{port}", "--max-restarts", "1"]
+                "--metrics-addr", addr, "--metrics-port", "0", "--job-id", f"test{os.getpid()}", "--max-restarts", "1"]
         train = [*TRAIN, "--checkpoint-dir", str(ckdir), *extra_train]
         # Node 0 takes its node rank from Kubeflow Trainer's variable, node 1 from the flag,
         # and node 1 passes the train flags without "--".
         if node == 0:
             argv += ["--metrics-linger", "120"] if linger else []
             procs.append(Proc(argv + ["--", *train], _env(PET_NODE_RANK="0", **env)))
+            try:
+                line = procs[0].wait_for(", rendezvous ", 120)
+            except BaseException:
+                procs[0].kill()
+                raise
+            port = int(line.split(", rendezvous ")[1].split(" ")[0].rsplit(":", 1)[1])
+            assert port > 0, line
         else:
             procs.append(Proc(argv + ["--node-rank", "1", *train], _env(**env)))
     return procs

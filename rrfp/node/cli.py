@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--master-addr", default=None,
                    help="host of node 0, the rendezvous endpoint (env PET_MASTER_ADDR, MASTER_ADDR; default 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=None,
-                   help=f"rendezvous port on node 0 (env PET_MASTER_PORT, MASTER_PORT; default {DEFAULT_RDZV_PORT})")
+                   help=f"rendezvous port on node 0 (env PET_MASTER_PORT, MASTER_PORT; default {DEFAULT_RDZV_PORT}); "
+                   "0 on node 0: any free port, printed in its first line for the other nodes")
     p.add_argument("--node-addr", default=None, help="this node's address in the rendezvous (default: found by torch)")
     p.add_argument("--job-id", default=os.environ.get("RRFP_JOB_ID", "rrfp"),
                    help="rendezvous id shared by every node of the job (env RRFP_JOB_ID; default %(default)s)")
@@ -117,8 +118,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if not 0 <= node_rank < nnodes:
         raise UsageError(f"--node-rank={node_rank}: expected 0..{nnodes - 1}")
     port = _from_env(args, "master_port", DEFAULT_RDZV_PORT, int)
-    if not 1 <= port <= 65535:
-        raise UsageError(f"--master-port={port}: expected a port in 1..65535")
+    if not (0 if node_rank == 0 else 1) <= port <= 65535:
+        raise UsageError(f"--master-port={port}: expected a port in 1..65535 (0, any free port, on node 0 only)")
     for name in ("max_restarts",):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)}: expected 0 or more")
@@ -164,6 +165,16 @@ def _check_host(host: str, port: int, what: str) -> None:
         parse_rendezvous_endpoint(f"{host}:{port}", default_port=port)
     except ValueError:
         raise UsageError(f"{what}={host!r}: expected a host name, an IPv4 address or an IPv6 address") from None
+
+
+def _host_rendezvous_store(addr: str):
+    """``(store, port)``: a TCPStore server for the c10d rendezvous on a port the OS picks
+    (``--master-port 0`` on node 0), as the agent would host it on a fixed port; it lives as
+    long as the daemon keeps the reference. No port is probed free and then raced for."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(addr, 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+    return store, store.port
 
 
 def _check_run_dir(path: str) -> None:
@@ -237,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
                               routes={"/healthz": health.healthz, "/readyz": health.readyz})
     except OSError as e:
         raise UsageError(f"--metrics-addr/--metrics-port: {e}") from None
+    rdzv_port, rdzv_store = job.port, None
+    if job.port == 0:  # node 0 only (resolve): the OS picks the port, and this line tells it
+        rdzv_store, rdzv_port = _host_rendezvous_store(job.master_addr)
     from ..obs.metrics import NodeMetrics
 
     node_metrics = NodeMetrics(job.node_rank, endpoint.registry)
@@ -244,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     threading.Thread(target=_count_restarts, args=(node_metrics.restarts.labels(str(job.node_rank)).inc, watching),
                      name="rrfp-node-restarts", daemon=True).start()
     say(f"rrfp node: node {job.node_rank} of {job.nnodes}, {job.nproc} ranks, rendezvous "
-        f"{job.master_addr}:{job.port} ({args.job_id}); serving http://{endpoint.addr}:{endpoint.port} "
+        f"{job.master_addr}:{rdzv_port} ({args.job_id}); serving http://{endpoint.addr}:{endpoint.port} "
         "(/metrics /healthz /readyz)")
 
     def on_sigterm(signum, frame) -> None:
@@ -267,8 +281,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     config = LaunchConfig(
         min_nodes=job.nnodes, max_nodes=job.nnodes, nproc_per_node=job.nproc, run_id=args.job_id,
-        rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{job.port}",
-        rdzv_configs={"is_host": job.node_rank == 0}, max_restarts=args.max_restarts, monitor_interval=0.5,
+        rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
+        # With rdzv_store this daemon already hosts the store: its agent joins it as a client.
+        rdzv_configs={"is_host": job.node_rank == 0 and rdzv_store is None}, max_restarts=args.max_restarts, monitor_interval=0.5,
         local_addr=args.node_addr,
         # SIGTERM stays the daemon's own (above): the agent would forward it as "die now".
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
