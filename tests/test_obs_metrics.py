@@ -173,6 +173,7 @@ def test_the_daemon_may_ask_for_any_free_port() -> None:
     add_flags(p, "port", port_default=9400)
     assert p.parse_args([]).metrics_port == 9400
     assert check_flags(p.parse_args(["--metrics-port", "0"]), allow_any_port=True) is None
+    assert check_flags(p.parse_args(["--metrics-port", "0"]), n_ports=4, allow_any_port=True) is None  # rrfp train
     assert check_flags(p.parse_args(["--metrics-port", "0"])) == "--metrics-port=0: expected a port in 1..65535"
 
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -69,21 +71,39 @@ def wait_for(cond, proc: subprocess.Popen, what: str, deadline: float):
         if got is not None:
             return got
         if proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout else ""
+            out = "\n".join(proc.lines)
             pytest.fail(f"run ended (exit {proc.returncode}) before {what}:\n{out[-3000:]}")
         time.sleep(0.02)  # a polling interval, not a synchronisation: the condition decides
     pytest.fail(f"timed out waiting for {what}")
 
 
-def start_run(tmp_path: Path, port: int) -> subprocess.Popen:
+def start_run(tmp_path: Path) -> subprocess.Popen:
+    """``rrfp train`` with each rank's metrics on a port the OS picks (``--metrics-port 0``);
+    ``proc.lines`` collects its output as it comes, see :func:`metrics_ports`."""
     data = tmp_path / "text.txt"
     data.write_text("\n\n".join(f"paragraph {i} " + "lorem ipsum dolor sit amet " * 3 for i in range(60)))
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "rrfp", "train", "--stages", str(RANKS), "--steps", str(STEPS), "--batch-size", "4",
          "--microbatches", "4", "--max-len", "16", "--data", str(data), "--quiet", "--trace", str(tmp_path / "tr"),
-         "--metrics-port", str(port), "--metrics-linger", "300"],
+         "--metrics-port", "0", "--metrics-linger", "300"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
+    proc.lines = []
+    threading.Thread(target=lambda: proc.lines.extend(ln.rstrip("\n") for ln in proc.stdout), daemon=True).start()
+    return proc
+
+
+def metrics_ports(proc: subprocess.Popen, deadline: float) -> list[int]:
+    """Each rank's metrics port, from its line ``rrfp train: rank R: metrics on http://...:P/metrics``."""
+    def ports():
+        found = {}
+        for ln in list(proc.lines):
+            m = re.fullmatch(r"rrfp train: rank (\d+): metrics on http://127\.0\.0\.1:(\d+)/metrics", ln)
+            if m:
+                found[int(m[1])] = int(m[2])
+        return [found[r] for r in range(RANKS)] if len(found) == RANKS else None
+
+    return wait_for(ports, proc, "every rank's metrics line", deadline)
 
 
 def stop_run(proc: subprocess.Popen) -> None:
@@ -111,15 +131,15 @@ def runtime_bubble(tmp_path: Path, rank: int, from_step: int) -> tuple[float, fl
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scraped_counters_give_the_runtimes_bubble(tmp_path) -> None:
-    port = free_port_block(RANKS)
-    proc = start_run(tmp_path, port)
+    proc = start_run(tmp_path)
     deadline = time.monotonic() + DEADLINE
     try:
+        ports = metrics_ports(proc, deadline)
         # First scrape: as soon as each endpoint answers, before the first step if the run
         # gives the chance; a later first scrape only narrows the window below (a scrape
         # never sees half a step, so the window is whole steps either way).
-        first = [wait_for(lambda r=r: scrape(port + r), proc, f"rank {r}'s endpoint", deadline) for r in range(RANKS)]
-        last = [wait_for(lambda r=r: (s := scrape(port + r)) and total(s, "rrfp_steps_total") == STEPS and s or None,
+        first = [wait_for(lambda r=r: scrape(ports[r]), proc, f"rank {r}'s endpoint", deadline) for r in range(RANKS)]
+        last = [wait_for(lambda r=r: (s := scrape(ports[r])) and total(s, "rrfp_steps_total") == STEPS and s or None,
                          proc, f"rank {r}'s last step", deadline) for r in range(RANKS)]
         wait_for(lambda: (tmp_path / "tr" / "profile.json").exists() or None, proc, "the trace", deadline)
         for r in range(RANKS):
@@ -147,22 +167,26 @@ def test_scraped_counters_give_the_runtimes_bubble(tmp_path) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary on PATH")
 def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_path) -> None:
-    port = free_port_block(RANKS)
-    prom_port = free_port_block(1)
+    proc = start_run(tmp_path)
+    deadline = time.monotonic() + DEADLINE
+    try:
+        ports = metrics_ports(proc, deadline)
+    except BaseException:
+        stop_run(proc)
+        raise
+    prom_port = free_port_block(1)  # Prometheus's own port is still probed free (no hand-over from it here)
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(
         "global: {scrape_interval: 1s}\n"
         "scrape_configs:\n"
         "  - job_name: rrfp\n"
-        f"    static_configs: [{{targets: [{', '.join(repr(f'127.0.0.1:{port + r}') for r in range(RANKS))}]}}]\n"
+        f"    static_configs: [{{targets: [{', '.join(repr(f'127.0.0.1:{p}') for p in ports)}]}}]\n"
     )
     prom = subprocess.Popen(
         ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
          f"--web.listen-address=127.0.0.1:{prom_port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
-    proc = start_run(tmp_path, port)
-    deadline = time.monotonic() + DEADLINE
 
     def query(q: str) -> dict[str, float] | None:
         url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": q})

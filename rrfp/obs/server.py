@@ -42,10 +42,11 @@ def check_flags(args: argparse.Namespace, n_ports: int = 1, allow_any_port: bool
     """The first problem with the ``--metrics-*`` flags, as a one-line message, or None.
 
     ``n_ports``: consecutive ports used from ``--metrics-port`` (one per rank in standalone
-    mode). ``allow_any_port``: port 0 (any free port) is accepted (one endpoint only).
+    mode). ``allow_any_port``: port 0 is accepted (each endpoint on a port the OS picks, which
+    the caller must tell).
     """
     top = 65535 - (n_ports - 1)
-    low = 0 if allow_any_port and n_ports == 1 else 1
+    low = 0 if allow_any_port else 1
     if args.metrics_port is not None and not low <= args.metrics_port <= top:
         per = f" (ranks serve on port + rank, for {n_ports} ranks)" if n_ports > 1 else ""
         return f"--metrics-port={args.metrics_port}: expected a port in {low}..{top}{per}"

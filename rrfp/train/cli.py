@@ -72,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--watchdog", type=float, default=60.0, help="seconds without progress before a rank fails with what it waits for")
     from ..obs.server import add_flags as add_metrics_flags
 
-    add_metrics_flags(p, "serve Prometheus metrics on this port + rank (each rank its own endpoint, /metrics)")
+    add_metrics_flags(p, "serve Prometheus metrics on this port + rank (each rank its own endpoint, /metrics; "
+                      "0: each rank on a port the OS picks, printed)")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
     # Parallel layout (rrfp/parallel): one pipeline per (dp, tp) coordinate.
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree: pipelines that each take 1/dp of the batch")
@@ -302,7 +303,7 @@ def validate(args: argparse.Namespace) -> None:
                 raise UsageError(f"{ENV_SECRET}: {e}") from None
     from ..obs.server import check_flags as check_metrics_flags
 
-    problem = check_metrics_flags(args, n_ports=args.stages * args.dp * args.tp)
+    problem = check_metrics_flags(args, n_ports=args.stages * args.dp * args.tp, allow_any_port=True)
     if problem:
         raise UsageError(problem)
     from .checkpoint import check_flags as check_checkpoint_flags

@@ -321,7 +321,8 @@ def _after_step(reporter: Reporter | None, step: int, line: str) -> None:
 
 def start_metrics(args: argparse.Namespace, rank: int, stage_ids: list[int]):
     """This rank's :class:`~rrfp.obs.metrics.RankMetrics` and, in standalone mode
-    (``--metrics-port``), its server on port + rank; in multiprocess mode (the daemon set
+    (``--metrics-port``), its server on port + rank (port 0: on a port the OS picks, printed
+    as ``rrfp train: rank R: metrics on http://ADDR:PORT/metrics``); in multiprocess mode (the daemon set
     ``PROMETHEUS_MULTIPROC_DIR``) the daemon serves, so no server. ``(None, None)`` when
     neither asks for metrics."""
     from ..obs.metrics import multiprocess_dir
@@ -335,9 +336,13 @@ def start_metrics(args: argparse.Namespace, rank: int, stage_ids: list[int]):
     if metrics.registry is None or args.metrics_port is None:
         return metrics, None
     try:
-        server = MetricsServer(metrics.registry, args.metrics_addr, args.metrics_port + rank, lock=metrics.lock)
+        server = MetricsServer(metrics.registry, args.metrics_addr, args.metrics_port and args.metrics_port + rank,
+                               lock=metrics.lock)
     except OSError as e:
         raise OSError(f"rank {rank}: {e}") from None
+    if args.metrics_port == 0:
+        host = f"[{server.addr}]" if ":" in server.addr else server.addr
+        say(f"rrfp train: rank {rank}: metrics on http://{host}:{server.port}/metrics")
     return metrics, server
 
 
