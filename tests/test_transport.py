@@ -390,18 +390,21 @@ async def _arrival_order(seed: int, n: int = 40) -> list[int]:
     return order
 
 
+@pytest.mark.virtual_time  # the 5 s bounds expire only if nothing is left to deliver
 async def test_fake_reorders_and_delivers_exactly_once() -> None:
     order = await _arrival_order(seed=1)
     assert sorted(order) == list(range(40))  # every message, exactly once
     assert order != sorted(order)  # some message overtook an earlier one
 
 
+@pytest.mark.virtual_time  # the 5 s bounds expire only if nothing is left to deliver
 async def test_fake_is_deterministic_per_seed() -> None:
     first = await _arrival_order(seed=7)
     assert await _arrival_order(seed=7) == first
     assert await _arrival_order(seed=8) != first
 
 
+@pytest.mark.virtual_time  # the 5 s bounds expire only if nothing is left to deliver
 async def test_fake_all_to_all_exactly_once_and_fresh_tensors() -> None:
     net = FakeNetwork(3, seed=3, delay=(0.0, 0.005))
     ts = [net.transport(r) for r in range(3)]
@@ -431,6 +434,7 @@ async def test_fake_all_to_all_exactly_once_and_fresh_tensors() -> None:
     await asyncio.gather(*(t.close() for t in ts))
 
 
+@pytest.mark.virtual_time  # the 5 s bounds expire only if nothing is left to deliver
 async def test_fake_callable_delay_and_no_encode() -> None:
     calls = []
 
@@ -451,6 +455,7 @@ async def test_fake_callable_delay_and_no_encode() -> None:
     assert [c[2].microbatch for c in calls] == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.virtual_time  # the 5 s bounds expire only if nothing is left to deliver
 async def test_fake_kill_raises_peer_lost_naming_rank() -> None:
     net = FakeNetwork(3, seed=0, delay=(0.0, 0.001))
     ts = [net.transport(r) for r in range(3)]
@@ -472,6 +477,7 @@ async def test_fake_kill_raises_peer_lost_naming_rank() -> None:
     assert ts[0].stats["peers_lost"] == 1
 
 
+@pytest.mark.virtual_time  # the 5 s bounds expire only if nothing is left to deliver
 async def test_fake_graceful_close_then_abort_is_not_an_error() -> None:
     net = FakeNetwork(3, seed=5, delay=(0.0, 0.003))
     ts = [net.transport(r) for r in range(3)]
@@ -490,6 +496,7 @@ async def test_fake_graceful_close_then_abort_is_not_an_error() -> None:
             t.send(0, k(0), [])
 
 
+@pytest.mark.virtual_time  # the 5 s bounds expire only if nothing is left to deliver
 async def test_fake_close_times_out_naming_silent_rank() -> None:
     net = FakeNetwork(2)
     a, b = net.transport(0), net.transport(1)
@@ -499,6 +506,7 @@ async def test_fake_close_times_out_naming_silent_rank() -> None:
         await a.close(timeout=0.05)
 
 
+@pytest.mark.virtual_time  # the 5 s bounds expire only if nothing is left to deliver
 async def test_fake_abort_is_seen_as_peer_lost() -> None:
     net = FakeNetwork(2)
     a, b = net.transport(0), net.transport(1)
@@ -509,6 +517,7 @@ async def test_fake_abort_is_seen_as_peer_lost() -> None:
         await a.recv()
 
 
+@pytest.mark.virtual_time  # the 5 s bounds expire only if nothing is left to deliver
 async def test_fake_rejects_malformed_and_keeps_receiving() -> None:
     net = FakeNetwork(2)
     a, b = net.transport(0), net.transport(1)
@@ -520,6 +529,7 @@ async def test_fake_rejects_malformed_and_keeps_receiving() -> None:
     assert m.key == k(1) and b.stats["rejected"] == 1
 
 
+@pytest.mark.virtual_time  # the 5 s bounds expire only if nothing is left to deliver
 async def test_recv_cancel_does_not_lose_message() -> None:
     net = FakeNetwork(2)
     b = net.transport(1)
