@@ -93,7 +93,7 @@ def start_run(tmp_path: Path) -> subprocess.Popen:
     return proc
 
 
-def metrics_ports(proc: subprocess.Popen, deadline: float) -> list[int]:
+def metrics_ports(proc, deadline: float) -> list[int]:
     """Each rank's metrics port, from its line ``rrfp train: rank R: metrics on http://...:P/metrics``."""
     def ports():
         found = {}
@@ -128,28 +128,85 @@ def runtime_bubble(tmp_path: Path, rank: int, from_step: int) -> tuple[float, fl
     return 1.0 - busy / wall, rec_busy
 
 
+class Ranks:
+    """The ``RANKS`` ranks of one ``rrfp train --metrics-port 0`` job, started by this test on
+    a rendezvous store it hosts (tests/handover.py), so it reaches the job's test hooks through
+    the store: with ``pause`` every rank waits after that step until :meth:`resume`.
+    ``lines`` collects their output as it comes; ``poll()`` and ``returncode`` are the first
+    rank's to have exited, as :func:`wait_for` wants."""
+
+    def __init__(self, tmp_path: Path, pause: int) -> None:
+        from handover import host_store, rank_env
+
+        data = tmp_path / "text.txt"
+        data.write_text("\n\n".join(f"paragraph {i} " + "lorem ipsum dolor sit amet " * 3 for i in range(60)))
+        self.store, port = host_store(RANKS)
+        self.lines: list[str] = []
+        self.procs = []
+        for r in range(RANKS):
+            env = {**os.environ, **rank_env(r, RANKS, port), "LOCAL_RANK": str(r), "OMP_NUM_THREADS": "1",
+                   "RRFP_TEST_PAUSE_AFTER_STEP": str(pause)}
+            env.pop("TORCHELASTIC_RUN_ID", None)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "rrfp", "train", "--stages", str(RANKS), "--steps", str(STEPS), "--batch-size",
+                 "4", "--microbatches", "4", "--max-len", "16", "--data", str(data), "--quiet", "--trace",
+                 str(tmp_path / "tr"), "--metrics-port", "0", "--metrics-linger", "300"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            threading.Thread(target=lambda p=proc: self.lines.extend(ln.rstrip("\n") for ln in p.stdout),
+                             daemon=True).start()
+            self.procs.append(proc)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        self.returncode = next((c for c in (p.poll() for p in self.procs) if c is not None), None)
+        return self.returncode
+
+    def wait_paused(self) -> None:
+        """Until every rank waits in the pause (the default process group's keys on the store)."""
+        import datetime
+
+        self.store.wait([f"default_pg/0//rrfp/test/paused/{r}" for r in range(RANKS)], datetime.timedelta(seconds=150))
+
+    def resume(self) -> None:
+        self.store.set("default_pg/0//rrfp/test/resume", "1")
+
+    def stop(self) -> None:
+        """SIGTERM ends each rank's linger (or its run, after a failure)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scraped_counters_give_the_runtimes_bubble(tmp_path) -> None:
-    proc = start_run(tmp_path)
+    """Forced order, no race with the run: every rank pauses after step ``PAUSE`` (test hook
+    RRFP_TEST_PAUSE_AFTER_STEP) while the first scrape is taken, so the window of the rate
+    below is exactly steps PAUSE..STEPS-1."""
+    pause = 2
+    run = Ranks(tmp_path, pause)
     deadline = time.monotonic() + DEADLINE
     try:
-        ports = metrics_ports(proc, deadline)
-        # First scrape: as soon as each endpoint answers, before the first step if the run
-        # gives the chance; a later first scrape only narrows the window below (a scrape
-        # never sees half a step, so the window is whole steps either way).
-        first = [wait_for(lambda r=r: scrape(ports[r]), proc, f"rank {r}'s endpoint", deadline) for r in range(RANKS)]
+        ports = metrics_ports(run, deadline)
+        run.wait_paused()
+        first = [scrape(ports[r]) for r in range(RANKS)]
+        run.resume()
         last = [wait_for(lambda r=r: (s := scrape(ports[r])) and total(s, "rrfp_steps_total") == STEPS and s or None,
-                         proc, f"rank {r}'s last step", deadline) for r in range(RANKS)]
-        wait_for(lambda: (tmp_path / "tr" / "profile.json").exists() or None, proc, "the trace", deadline)
+                         run, f"rank {r}'s last step", deadline) for r in range(RANKS)]
+        wait_for(lambda: (tmp_path / "tr" / "profile.json").exists() or None, run, "the trace", deadline)
         for r in range(RANKS):
-            k0 = int(total(first[r], "rrfp_steps_total"))
-            assert k0 < STEPS, f"rank {r}: the first scrape came after the last step"
+            assert total(first[r], "rrfp_steps_total") == pause, f"rank {r}: the scrape during the pause"
             d_busy = total(last[r], "rrfp_busy_seconds_total") - total(first[r], "rrfp_busy_seconds_total")
             d_idle = total(last[r], "rrfp_idle_seconds_total") - total(first[r], "rrfp_idle_seconds_total")
             # rate(busy) / (rate(busy) + rate(idle)) over the window: the scrape interval cancels.
             scraped = d_idle / (d_busy + d_idle)
-            ref, rec_busy = runtime_bubble(tmp_path, r, k0)
+            ref, rec_busy = runtime_bubble(tmp_path, r, pause)
             assert scraped == pytest.approx(ref, rel=0.02), f"rank {r}"
             assert d_busy == pytest.approx(rec_busy, rel=0.02), f"rank {r}: busy vs the task records"
             assert 0.0 < ref < 1.0
@@ -159,8 +216,8 @@ def test_scraped_counters_give_the_runtimes_bubble(tmp_path) -> None:
         assert total(last[0], "rrfp_tokens_total") > 0 and total(last[1], "rrfp_tokens_total") == 0
         assert ("rrfp_loss", frozenset({("rank", str(RANKS - 1))})) in last[RANKS - 1]
     finally:
-        stop_run(proc)
-    assert proc.returncode is not None
+        run.stop()
+    assert all(p.returncode is not None for p in run.procs)
 
 
 @pytest.mark.slow
