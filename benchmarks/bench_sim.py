@@ -23,6 +23,18 @@ from rrfp.sim.duration import DurationModel
 from rrfp.sim.engine import simulate
 
 
+def simulate_once(ranks: int, virtual: int, microbatches: int, hint: str = DEFAULT_HINT, limit: int = 32,
+                  record: bool = False):
+    """One simulation of the benchmark's workload (``F = 10 ms``, ``B = 20 ms``, ``I = W = 10 ms``)
+    under ``hint`` with in-flight limit ``limit``; returns the :class:`~rrfp.sim.engine.SimResult`.
+
+    Raises:
+        ValueError: a hint or size that does not fit (from ``resolve_hint``)."""
+    spec, h, strict = resolve_hint(hint, Placement(ranks, virtual), microbatches)
+    costs = CostModel.uniform(spec.n_stages, F=0.010, B=0.020)
+    return simulate(spec, h, DurationModel(costs), strict=strict, inflight_limit=limit, record=record)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=128)
@@ -35,14 +47,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
 
-    spec, hint, strict = resolve_hint(a.hint, Placement(a.ranks, a.virtual), a.microbatches)
-    costs = CostModel.uniform(spec.n_stages, F=0.010, B=0.020)  # I = W = 10 ms
+    spec, _, _ = resolve_hint(a.hint, Placement(a.ranks, a.virtual), a.microbatches)
     n_tasks = len(spec.all_tasks())
     print(f"{a.ranks} ranks x {a.virtual} virtual stages, {a.microbatches} microbatches, hint {a.hint}, "
           f"limit {a.limit}: {n_tasks} tasks")
 
     def once():
-        return simulate(spec, hint, DurationModel(costs), strict=strict, inflight_limit=a.limit, record=a.record)
+        return simulate_once(a.ranks, a.virtual, a.microbatches, a.hint, a.limit, a.record)
 
     if a.profile:
         prof = cProfile.Profile()

@@ -24,10 +24,10 @@ from typing import Any, Sequence
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import compare, micro, report  # noqa: E402
+from benchmarks import compare, micro, report, sim_targets  # noqa: E402
 from rrfp.bench_cli import add_options  # noqa: E402
 
-PARTS = ("compare", "micro")
+PARTS = ("compare", "micro", "sim_targets")
 SWEEP_MICROBATCHES = (8, 16, 32, 64, 128)
 
 
@@ -134,7 +134,7 @@ def rerender(args: argparse.Namespace) -> int:
 
 
 GENERATED = ("Machine", "Failures", "Targets", "The default hint at equal memory",
-             "rrfp against PyTorch's pipeline schedules", "Micro-benchmarks of the runtime")
+             "rrfp against PyTorch's pipeline schedules", "Micro-benchmarks of the runtime", sim_targets.TITLE)
 
 
 def kept_sections(old: str) -> str:
@@ -201,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
         _log("micro-benchmarks")
         results["micro"] = attempt("micro-benchmarks", lambda: micro.run_micro(quick=args.quick, timeout=args.timeout,
                                                                                  hint=args.hint))
+    if "sim_targets" in parts:
+        # After the timed parts: the suite keeps one core busy for about a minute.
+        _log("simulator and training targets")
+        results["sim_targets"] = sim_targets.run(args.quick, args.timeout, attempt)
     if not args.no_sim and not args.quick:
         results["ideal"] = {name: ideal(st) for name, st in results["compare"].items()}
         if "jitter4-m64" in results["compare"]:
@@ -222,7 +226,7 @@ def _ok(ok: bool) -> str:
 def _command(args: argparse.Namespace) -> str:
     """The flags that shaped this run, as ``rrfp bench`` takes them (``benchmarks/run_all.py``
     takes the same)."""
-    flags = [f"--{p}" for p in PARTS if getattr(args, p, False) and not getattr(args, "all", False)]
+    flags = [f"--{p.replace('_', '-')}" for p in PARTS if getattr(args, p, False) and not getattr(args, "all", False)]
     if args.quick:
         flags.append("--quick")
     default_settings = build_parser().get_default("settings")
@@ -277,6 +281,8 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
                        for ph in res["phases"])
         rows.append(["gradients equal across all systems after every benchmarked step (rtol 1e-5, atol 1e-6)",
                      f"{n_checks} checks, worst {max(all_grads):.3f} of tolerance", _ok(max(all_grads) <= 1), "-"])
+    if results.get("sim_targets"):
+        rows += [[t, f, v, "-"] for t, f, v in sim_targets.target_rows(results["sim_targets"])]
     if rows:
         lines += ["## Targets", "", report._table(["target", "measured", "verdict", "simulator's ideal"], rows), "",
                   TARGETS_NOTE, ""]
@@ -320,6 +326,8 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
             lines += ["", PROBE_NOTE, ""]
     if results.get("micro"):
         lines += ["## Micro-benchmarks of the runtime", "", report.render_micro(results["micro"])]
+    if results.get("sim_targets"):
+        lines += ["", *sim_targets.render(results["sim_targets"])]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -42,6 +42,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true", help="run every part (the default when no part is named)")
     p.add_argument("--compare", action="store_true", help="rrfp against PyTorch's pipeline schedules")
     p.add_argument("--micro", action="store_true", help="arbiter, runtime overhead and transport micro-benchmarks")
+    p.add_argument("--sim-targets", action="store_true",
+                   help="issue 13's simulator targets: the scenario suite, the simulator's speed, and the "
+                   "`rrfp train --model multimodal` run")
     p.add_argument("--quick", action="store_true", help="small sizes and few rounds (CI smoke test)")
     p.add_argument("--settings", default="jitter4,comm4,multimodal4,compute2",
                    help="comparison settings, comma-separated (jitter4, comm4, multimodal4, compute2, jitter4-m64)")
