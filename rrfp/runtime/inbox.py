@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable, Mapping, Sequence
 
 from ..scheduler.arbiter import Arbiter, SchedulingError
@@ -20,6 +21,7 @@ from ..transport.base import Message
 from ..transport.keys import Direction
 from .errors import PipelineError
 from .stage import PipelineStage
+from .timer import DeadlineTimers
 
 log = logging.getLogger("rrfp.runtime")
 
@@ -76,6 +78,7 @@ class Inbox:
         # Injected communication delay (experiments, benchmarks): seconds to hold an arrival
         # before the arbiter learns of it, as if the wire had delivered it that much later.
         self.hold: Callable[[Message], float] | None = None
+        self._timers: DeadlineTimers | None = None  # the holds' release times (made on first use)
 
     # ------------------------------------------------------------ transport callbacks
     def handle(self, msg: Message) -> None:
@@ -101,6 +104,8 @@ class Inbox:
     def close(self) -> None:
         """Admit nothing more; the running step (and any later one) fails at once."""
         self.closed = True
+        if self._timers is not None:
+            self._timers.close()
         self.fail(PipelineError(f"rank {self.rank}: closed"))
 
     # ------------------------------------------------------------ routing
@@ -150,8 +155,14 @@ class Inbox:
             wait = self.hold(msg)
             if wait > 0:
                 # The step cannot end before this input is admitted, so it is still the
-                # running step when the timer fires.
-                asyncio.get_running_loop().call_later(wait, self._release, msg)
+                # running step when the timer fires. A kernel timer, not call_later: the
+                # release must not be a millisecond late (rrfp.runtime.timer).
+                timers = self._timers
+                if timers is None or timers.loop is not asyncio.get_running_loop():
+                    if timers is not None:
+                        timers.close()
+                    timers = self._timers = DeadlineTimers(asyncio.get_running_loop())
+                timers.call_at(time.monotonic() + wait, self._release, msg)
                 return
         self._admit(msg)
 

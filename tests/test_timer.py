@@ -1,0 +1,108 @@
+"""rrfp.runtime.timer.DeadlineTimers: the inbox's hold releases (deadline order, never early)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import pytest
+
+from rrfp.runtime.pipeline import new_event_loop
+from rrfp.runtime.timer import DeadlineTimers
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _run(coro_fn):
+    loop = new_event_loop()  # uvloop where installed: the loop the runtime uses
+    try:
+        return loop.run_until_complete(coro_fn())
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("precise", [True, False], ids=["kernel-timer", "call_later"])
+def test_callbacks_run_in_deadline_order_and_never_early(precise):
+    async def go():
+        loop = asyncio.get_running_loop()
+        timers = DeadlineTimers(loop, precise=precise)
+        if precise and sys.platform.startswith("linux"):
+            assert timers.precise
+        done = loop.create_future()
+        got: list[tuple[str, float, float]] = []
+        t0 = time.monotonic()
+        # Added out of order, two with one deadline, one already past.
+        plan = [("c", t0 + 0.006), ("a", t0 + 0.002), ("past", t0 - 1.0), ("b1", t0 + 0.004), ("b2", t0 + 0.004)]
+
+        def fire(name: str, when: float) -> None:
+            got.append((name, when, time.monotonic()))
+            if len(got) == len(plan):
+                done.set_result(None)
+
+        for name, when in plan:
+            timers.call_at(when, fire, name, when)
+        assert len(timers) == len(plan)
+        await asyncio.wait_for(done, 10)
+        timers.close()
+        return got
+
+    got = _run(go)
+    assert [n for n, _, _ in got] == ["past", "a", "b1", "b2", "c"]
+    assert all(at >= when for _, when, at in got), got
+
+
+def test_close_drops_pending_callbacks_and_frees_the_timer():
+    async def go():
+        loop = asyncio.get_running_loop()
+        timers = DeadlineTimers(loop)
+        fd = timers._tfd.fd if timers._tfd is not None else None
+        fired = []
+        timers.call_at(time.monotonic() + 0.001, fired.append, 1)
+        timers.close()
+        timers.close()  # idempotent
+        with pytest.raises(RuntimeError, match="after close"):
+            timers.call_at(time.monotonic(), fired.append, 2)
+        # Still nothing once the deadline has passed and the loop has turned.
+        later = DeadlineTimers(loop)
+        seen = loop.create_future()
+        later.call_at(time.monotonic() + 0.003, seen.set_result, None)
+        await asyncio.wait_for(seen, 10)
+        later.close()
+        return fired, fd
+
+    fired, fd = _run(go)
+    assert fired == []
+    if fd is not None:
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed (nothing else opened it in between: one thread)
+
+
+def test_a_callback_may_add_an_earlier_deadline():
+    """A release that adds another (the inbox admitting an early message) re-arms the timer."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        timers = DeadlineTimers(loop)
+        done = loop.create_future()
+        order = []
+
+        def first() -> None:
+            order.append("first")
+            timers.call_at(time.monotonic() - 0.5, second)  # already due
+
+        def second() -> None:
+            order.append("second")
+
+        def last() -> None:
+            order.append("last")
+            done.set_result(None)
+
+        now = time.monotonic()
+        timers.call_at(now + 0.001, first)
+        timers.call_at(now + 0.004, last)
+        await asyncio.wait_for(done, 10)
+        timers.close()
+        return order
+
+    assert _run(go) == ["first", "second", "last"]
