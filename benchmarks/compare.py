@@ -60,6 +60,13 @@ TORCH_SYSTEMS: dict[str, dict[str, Any]] = {
     "torch InterleavedZB": {"cls": "ScheduleInterleavedZeroBubble", "virtual": 2},
 }
 ALL_SYSTEMS = list(RRFP_SYSTEMS) + list(TORCH_SYSTEMS)
+MEMORY_ROWS = {"1f1b": "1F1B memory", "gpipe": "GPipe memory"}
+
+
+def candidate_systems(hints: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Rows of candidate hints (``--candidates``), run beside the default hint in the same
+    rounds at both memory budgets: ``rrfp <hint>, 1F1B memory`` and ``rrfp <hint>, GPipe memory``."""
+    return {f"rrfp {h}, {label}": {"hint": h, "limit": 32, "budget": b} for h in hints for b, label in MEMORY_ROWS.items()}
 ISSUE13_SYSTEMS = ["rrfp default", "rrfp default, 1F1B memory", "rrfp default, GPipe memory", "rrfp strict-1f1b",
                    "torch GPipe", "torch 1F1B"]
 
@@ -238,9 +245,11 @@ def rank_main(cfg: dict) -> dict | None:
 
     rank, P = dist.get_rank(), dist.get_world_size()
     M, seed = cfg["n_microbatches"], cfg["seed"]
-    names = [s for s in cfg["systems"] if s in ALL_SYSTEMS]
+    rrfp_systems = {**RRFP_SYSTEMS, **candidate_systems(cfg.get("candidates") or [])}
+    known = [*rrfp_systems, *TORCH_SYSTEMS]
+    names = [s for s in cfg["systems"] if s in known]
     if len(names) != len(cfg["systems"]):
-        raise BenchError(f"unknown systems {sorted(set(cfg['systems']) - set(ALL_SYSTEMS))}")
+        raise BenchError(f"unknown systems {sorted(set(cfg['systems']) - set(known))}")
     any_virtual = any(TORCH_SYSTEMS.get(n, {}).get("virtual", 1) > 1 for n in names)
     work = (MultimodalWorkload if cfg.get("workload") == "multimodal" else TextWorkload)(cfg, rank, P)
 
@@ -258,16 +267,16 @@ def rank_main(cfg: dict) -> dict | None:
             e = calibrate(copy.deepcopy(base), example)
     injector = Injector(LEVELS["J0"], seed, rank, e)
     delays = MessageDelays(LEVELS[cfg["comm"]], injector) if cfg.get("comm") else None
-    budgets = budgets_for(work, base, cfg) if any(RRFP_SYSTEMS.get(n, {}).get("budget") for n in names) else {}
+    budgets = budgets_for(work, base, cfg) if any(rrfp_systems.get(n, {}).get("budget") for n in names) else {}
     meter = ActivationMeter()
     loss = TokenMeanLoss()
 
     systems: list[System] = []
     for name in names:
-        if name in RRFP_SYSTEMS:
+        if name in rrfp_systems:
             inner = [copy.deepcopy(base)]
             wrappers = [JitterStage(inner[0], injector, 1.0, meter, last=rank == P - 1, stage=rank, delays=delays)]
-            spec = RRFP_SYSTEMS[name]
+            spec = rrfp_systems[name]
             sysobj: System = RrfpSystem(name, spec, wrappers, inner, [rank], P, rank, P, M,
                                         job=f"{cfg['run_id']}-{names.index(name)}",
                                         budgets=budgets.get(spec.get("budget")),
@@ -460,17 +469,20 @@ QUICK: dict[str, dict[str, Any]] = {
 
 
 def setting_config(name: str, quick: bool = False, systems: Sequence[str] | None = None, seed: int = 0,
-                   rounds: int | None = None, hint: str | None = None) -> dict:
+                   rounds: int | None = None, hint: str | None = None, candidates: Sequence[str] = ()) -> dict:
     """The configuration of one setting (a key of :data:`SETTINGS`), optionally shrunk for CI.
-    ``hint``: the hint of the ``rrfp default`` rows (None: ``rrfp.Pipeline``'s default)."""
+    ``hint``: the hint of the ``rrfp default`` rows (None: ``rrfp.Pipeline``'s default);
+    ``candidates``: more hints, each run at 1F1B's and GPipe's memory in the same rounds
+    (:func:`candidate_systems`)."""
     cfg = copy.deepcopy(SETTINGS[name])
     cfg["hint"] = hint
+    cfg["candidates"] = list(candidates)
     if quick:
         cfg.update(copy.deepcopy(QUICK[name]))
     if rounds is not None:
         for ph in cfg["phases"]:
             ph["rounds"] = rounds
-    cfg["systems"] = list(systems or cfg.get("systems") or LEGACY_SYSTEMS)
+    cfg["systems"] = list(systems or cfg.get("systems") or LEGACY_SYSTEMS) + list(candidate_systems(candidates))
     cfg["seed"] = seed
     cfg["setting"] = name
     cfg["run_id"] = f"bench-{name}-{time.time_ns()}"

@@ -305,6 +305,25 @@ def equal_memory(compare: dict[str, dict], ideal: dict | None) -> list[list[str]
     return rows
 
 
+def candidates(compare: dict[str, dict], results: dict) -> list[list[str]]:
+    """One row per setting, phase, memory budget and candidate hint (``--candidates``): the
+    default hint and the candidate against the PyTorch schedule of that memory, and the
+    candidate against the default hint, all paired per round."""
+    rows = []
+    for setting, phases in compare.items():
+        cfg = results["compare"][setting]["config"]
+        default = cfg.get("hint") or results["compare"][setting].get("default_hint", "default")
+        for name, s in phases.items():
+            for h in cfg.get("candidates") or []:
+                for label, dflt, torch_row in (("1F1B", R1, T1), ("GPipe", RG, TG)):
+                    c = f"rrfp {h}, {label} memory"
+                    if not {c, dflt, torch_row} <= set(s["names"]):
+                        continue
+                    rows.append([setting, name, label, f"`{h}`", f"`{default}` " + _ratio(s, dflt, torch_row),
+                                 _ratio(s, c, torch_row), _ratio(s, c, dflt)])
+    return rows
+
+
 def interpret(summaries: dict[str, dict], sim: dict | None) -> list[str]:
     """Bullet lines that read the comparison tables: readiness gain (same runtime, readiness
     against fixed order), runtime parity (same schedule, rrfp against PyTorch), memory-matched

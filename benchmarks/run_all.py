@@ -47,14 +47,15 @@ def options_error(args: argparse.Namespace) -> str | None:
     bad = [s for s in names if s not in compare.SETTINGS]
     if bad or not names:
         return f"--settings {args.settings!r}: expected a comma-separated subset of {', '.join(compare.SETTINGS)}"
-    if args.hint:
-        from rrfp.scheduler.hints import resolve_hint
-        from rrfp.scheduler.tasks import Placement
+    from rrfp.scheduler.hints import resolve_hint
+    from rrfp.scheduler.tasks import Placement
 
-        try:
-            resolve_hint(args.hint, Placement(4), 16)
-        except ValueError as e:
-            return f"--hint {args.hint!r}: {e}"
+    for flag, hints in (("--hint", [args.hint] if args.hint else []), ("--candidates", _candidates(args))):
+        for h in hints:
+            try:
+                resolve_hint(h, Placement(4), 16)
+            except ValueError as e:
+                return f"{flag} {h!r}: {e}"
     if args.rounds is not None and args.rounds < 1:
         return f"--rounds {args.rounds}: expected at least 1"
     # Not `<= 0`: nan compares false with everything and would pass; inf and huge values
@@ -62,6 +63,10 @@ def options_error(args: argparse.Namespace) -> str | None:
     if not 0 < args.timeout <= MAX_TIMEOUT_S:
         return f"--timeout {args.timeout}: expected a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}"
     return None
+
+
+def _candidates(args: argparse.Namespace) -> list[str]:
+    return [h for h in (getattr(args, "candidates", "") or "").split(",") if h]
 
 
 def _log(msg: str) -> None:
@@ -191,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         _log("probing PyTorch pipelining with a changing sequence length")
         results["probe"] = attempt("probe", compare.probe_static_shapes)
         for name in settings:
-            cfg = compare.setting_config(name, quick=args.quick, seed=args.seed, rounds=args.rounds, hint=args.hint)
+            cfg = compare.setting_config(name, quick=args.quick, seed=args.seed, rounds=args.rounds, hint=args.hint,
+                                         candidates=_candidates(args))
             _log(f"setting {name}: {cfg['title']} ({len(cfg['phases'])} phases, {len(cfg['systems'])} systems)")
             res = attempt(f"setting {name}", lambda: compare.run_setting(cfg, timeout=args.timeout))
             if res is not None:
@@ -240,6 +246,8 @@ def _command(args: argparse.Namespace) -> str:
         flags.append("--no-sim")
     if args.hint:
         flags.append(f"--hint {args.hint}")
+    if _candidates(args):
+        flags.append(f"--candidates {','.join(_candidates(args))}")
     if args.out:
         flags.append(f"--out {args.out}")
     return " ".join(["rrfp bench", *flags])
@@ -303,6 +311,15 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
         if flags:
             lines += ["The simulator runs behind the ideal column (costs: each setting's calibration below):", "",
                       *flags, ""]
+    cand = report.candidates(summaries, results)
+    if cand:
+        lines += ["## Candidate hints at equal memory (`--candidates`)", "",
+                  "Each candidate hint ran at 1F1B's and GPipe's memory budgets beside the default hint, in the "
+                  "same rounds (same batches, delays and rotation): speedups are medians of the per-round paired "
+                  f"ratios, with their quartiles and n. Load average {m['loadavg'][0]:.2f} at the start, "
+                  f"{m.get('loadavg_end', m['loadavg'])[0]:.2f} at the end.", "",
+                  report._table(["setting", "phase", "memory", "candidate", "default vs torch", "candidate vs torch",
+                                 "candidate vs default"], cand), ""]
     if results.get("sim"):
         lines += ["The simulator's ideal (`rrfp simulate` with each setting's calibrated per-stage costs, no "
                   "runtime overhead, no communication time, 20 steps), speedup over strict 1F1B:", ""]

@@ -50,6 +50,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="comparison settings, comma-separated (jitter4, comm4, multimodal4, compute2, jitter4-m64)")
     p.add_argument("--hint", default=None,
                    help="hint of the 'rrfp default' rows (a candidate); without it, rrfp.Pipeline's default")
+    p.add_argument("--candidates", default="",
+                   help="more hints, comma-separated, each run at 1F1B's and GPipe's memory beside the default hint "
+                        "in the same rounds (paired), e.g. bfw-alt-df,bfw-alt")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per phase; without it, each setting's own")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and injected delays")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one multi-process run may take")

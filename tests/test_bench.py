@@ -144,6 +144,8 @@ def test_rrfp_bench_bad_input_is_a_usage_error(capsys):
     assert main(["bench", "--rounds", "0"]) == 2
     assert main(["bench", "--hint", "nope"]) == 2
     assert "--hint 'nope': unknown hint" in capsys.readouterr().err
+    assert main(["bench", "--candidates", "bfw-alt-df,nope"]) == 2
+    assert "--candidates 'nope': unknown hint" in capsys.readouterr().err
     for bad in ("nan", "inf", "-1", "0", "1e300"):
         capsys.readouterr()
         assert main(["bench", "--timeout", bad]) == 2
@@ -300,7 +302,10 @@ def test_issue13_settings_run_at_equal_memory_with_equal_gradients(setting):
     (checked inside the run), the injected totals are equal, and the default hint held to 1F1B's
     bytes holds no more than PyTorch's Schedule1F1B on any rank (sizes here are exact)."""
     systems = ["rrfp default, 1F1B memory", "rrfp strict-1f1b", "torch 1F1B"]
-    cfg = compare.setting_config(setting, quick=True, systems=systems)
+    # comm4 also runs a candidate hint (--candidates) at both budgets, paired in the same rounds.
+    cand = ["bfw-alt-df"] if setting == "comm4" else []
+    cfg = compare.setting_config(setting, quick=True, systems=systems, candidates=cand)
+    assert cfg["systems"] == systems + [f"rrfp {h}, {m} memory" for h in cand for m in ("1F1B", "GPipe")]
     res = compare.run_setting(cfg, timeout=100)
     assert res["default_hint"] == compare.default_hint()
     ph = res["phases"][0]
@@ -316,6 +321,15 @@ def test_issue13_settings_run_at_equal_memory_with_equal_gradients(setting):
     s = phase_summary(ph)
     rows = equal_memory({setting: {ph["name"]: s}}, None)
     assert rows and rows[0][2] == "default@1F1B-mem vs 1F1B"
+    for h in cand:  # the candidate at 1F1B's bytes holds what the default hint may, and no more
+        for r, (mine, b) in enumerate(zip(mem[f"rrfp {h}, 1F1B memory"]["peak_bytes"], budgets)):
+            assert 0 < mine <= b, (h, r, mine, b)
+        from benchmarks.report import candidates
+
+        got = candidates({setting: {ph["name"]: s}}, {"compare": {setting: res}})
+        # Only the 1F1B row: this run has no torch GPipe to pair the GPipe-memory row with.
+        assert [row[:4] for row in got] == [[setting, ph["name"], "1F1B", f"`{h}`"]]
+        assert got[0][4].startswith(f"`{res['default_hint']}` ") and "n=1" in got[0][6]
 
 
 def test_regenerating_the_report_keeps_the_hand_written_sections():
