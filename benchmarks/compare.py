@@ -36,7 +36,7 @@ from rrfp.model.gpt import GPT, GPTConfig, build_stage, count_tokens, lm_loss
 from rrfp.sim.jitter import LEVELS
 
 from .batches import Batch, TokenMeanLoss, make_batch  # noqa: F401 - importable from here, as before
-from .harness import ActivationMeter, BenchError, ComputeTimer, Injector, JitterStage, calibrate
+from .harness import ActivationMeter, BenchError, ComputeTimer, Injector, JitterStage, calibrate, round_order
 from .workloads import MultimodalWorkload, TextWorkload, budgets_for
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -69,6 +69,15 @@ def candidate_systems(hints: Sequence[str]) -> dict[str, dict[str, Any]]:
     return {f"rrfp {h}, {label}": {"hint": h, "limit": 32, "budget": b} for h in hints for b, label in MEMORY_ROWS.items()}
 ISSUE13_SYSTEMS = ["rrfp default", "rrfp default, 1F1B memory", "rrfp default, GPipe memory", "rrfp strict-1f1b",
                    "torch GPipe", "torch 1F1B"]
+
+
+def target_groups(names: Sequence[str]) -> list[list[str]]:
+    """The rows each equal-memory target compares, which :func:`~benchmarks.harness.round_order`
+    runs side by side: the default hint at a schedule's memory, that PyTorch schedule, and the
+    candidate hints at that memory."""
+    return [[f"rrfp default, {label}", torch_row, *[n for n in names if n.endswith(f", {label}")
+                                                    and n != f"rrfp default, {label}"]]
+            for label, torch_row in (("1F1B memory", "torch 1F1B"), ("GPipe memory", "torch GPipe"))]
 
 
 def default_hint() -> str:
@@ -335,7 +344,8 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
             batch = batch.with_stamps()
         batch.step_id = step_id
         loss.total = batch.n_tokens
-        order = systems[k % len(systems):] + systems[:k % len(systems)]
+        by_name = {s.name: s for s in systems}
+        order = [by_name[n] for n in round_order(list(by_name), k, target_groups(list(by_name)))]
         ref_vec, ref_name = None, None
         per_sys: dict[str, list[float]] = {}
         for s in order:
@@ -405,7 +415,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "n_microbatches": 16,
         "threads": 1,
         "systems": [*ISSUE13_SYSTEMS, "rrfp default, 1F1B limits", "torch Interleaved1F1B"],
-        "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": 10} for lv in ("J0", "J2")],
+        # J2 carries two targets: twice the rounds (the median's spread falls as 1/sqrt(rounds)).
+        "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": n} for lv, n in (("J0", 10), ("J2", 20))],
     },
     "compute2": {
         "title": "2 ranks, real CPU compute only",
@@ -429,7 +440,7 @@ SETTINGS["comm4"] = {
     "title": "4 ranks, injected message delays (J2 on every activation and gradient)",
     "comm": "J2",
     "systems": list(ISSUE13_SYSTEMS),
-    "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 10}],
+    "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 20}],
 }
 # The multimodal model (ViT-style encoder on stage 0, 3 decoder blocks) on digit captions.
 SETTINGS["multimodal4"] = {
@@ -442,7 +453,7 @@ SETTINGS["multimodal4"] = {
     "n_microbatches": 16,
     "threads": 1,
     "systems": list(ISSUE13_SYSTEMS),
-    "phases": [{"name": "images 0-6", "level": "J0", "varlen": False, "rounds": 10}],
+    "phases": [{"name": "images 0-6", "level": "J0", "varlen": False, "rounds": 20}],
 }
 # The jitter4 model and microbatch size with 4x the microbatches, J2 only: the simulator's ideal
 # speedup of readiness grows with the number of microbatches (docs in BENCHMARKS.md).

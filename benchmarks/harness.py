@@ -308,6 +308,43 @@ def summarize(xs: Sequence[float]) -> dict[str, float]:
     return {"median": float(med), "p25": float(p25), "p75": float(p75), "min": float(a.min()), "max": float(a.max()), "n": int(a.size)}
 
 
+def round_order(names: Sequence[str], k: int, pairs: Sequence[Sequence[str]] = ()) -> list[str]:
+    """The order the systems run in round ``k``.
+
+    Each group of ``pairs`` (a target's rows: e.g. the default hint at 1F1B's memory, PyTorch's
+    1F1B, candidate hints at that memory) is laid out side by side, so the rows a target
+    compares run back to back, seconds closer than across the whole round (on a shared
+    machine the per-round ratio of two systems gets noisier the further apart they run: in a
+    jitter4 J2 run at load 6-8, the spread of log per-round ratios was 0.19-0.23 for neighbours
+    and 0.26-0.35 for systems 4-11 places apart). The layout rotates so every system takes
+    every place, and odd rounds run it backwards, so within a group each system runs first in
+    half of the rounds (an order effect cancels instead of favouring one side).
+    """
+    base: list[str] = []
+    for group in pairs:
+        base += [n for n in group if n in names and n not in base]
+    base += [n for n in names if n not in base]
+    # Rounds 2i and 2i + 1: the layout rotated by i, forwards then backwards (so over 2n rounds
+    # every system takes each of the n places twice, whatever the parity of n).
+    r = (k // 2) % len(base) if base else 0
+    out = base[r:] + base[:r]
+    return out[::-1] if k % 2 else out
+
+
+def median_ci(ratios: Sequence[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:
+    """A percentile-bootstrap confidence interval of the median of ``ratios`` (per-round paired
+    ratios), seeded so a report renders the same every time. It says how far the median of this
+    many rounds moves from run to run on the same machine, i.e. whether a verdict near its
+    threshold is decided by noise."""
+    a = np.asarray(ratios, dtype=float)
+    if a.size == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(0)
+    meds = np.median(a[rng.integers(0, a.size, size=(resamples, a.size))], axis=1)
+    lo, hi = np.percentile(meds, [50 * (1 - level), 50 * (1 + level)])
+    return float(lo), float(hi)
+
+
 def paired_speedup(a: Sequence[float], b: Sequence[float]) -> float:
     """Speedup of system A over system B from paired runs: the median over rounds of
     ``t_B / t_A`` (> 1: A is faster)."""

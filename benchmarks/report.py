@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .harness import paired_speedup, summarize
+from .harness import median_ci, paired_speedup, summarize
 
 
 def machine_info() -> dict[str, Any]:
@@ -233,7 +233,9 @@ def _ratio(s: dict, a: str, b: str) -> str:
     """Paired speedup of ``a`` over ``b`` with the quartiles of the per-round ratios."""
     r = np.asarray(s["steps"][b]) / np.asarray(s["steps"][a])
     q1, q3 = np.percentile(r, [25, 75])
-    return f"{s['speedup'][a][b]:.2f}x (per-round ratios: quartiles {q1:.2f}-{q3:.2f}, n={r.size})"
+    lo, hi = median_ci(r)
+    return (f"{s['speedup'][a][b]:.2f}x (per-round ratios: quartiles {q1:.2f}-{q3:.2f}, n={r.size}; "
+            f"95% CI of the median {lo:.2f}-{hi:.2f})")
 
 
 R1, RG = "rrfp default, 1F1B memory", "rrfp default, GPipe memory"

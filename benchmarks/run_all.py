@@ -373,10 +373,16 @@ How these numbers are made (`benchmarks/compare.py`):
   through the same store) holds every system side by side, each with its own copy of the same
   initial weights. Each round gives every system the same batch, microbatches, step id and
   injected delays; the systems' order rotates from round to round, so the machine's drift
-  cancels out of the paired ratios. Round 0 warms up (PyTorch infers its shapes), round 1
+  cancels out of the paired ratios. The rows a target compares (the default hint at a
+  schedule's memory, that PyTorch schedule, candidate hints) run side by side, and every other
+  round runs the order backwards, so each runs first in half the rounds
+  (`benchmarks.harness.round_order`). Round 0 warms up (PyTorch infers its shapes), round 1
   measures activation memory, later rounds are timed. The optimizer never steps.
 - Step time: each rank's time from a barrier to the end of its `step()`; a round's step time is
-  the slowest rank's. Speedup of A over B: the median over rounds of `t_B / t_A`.
+  the slowest rank's. Speedup of A over B: the median over rounds of `t_B / t_A`, with the
+  quartiles of those per-round ratios and a 95% percentile-bootstrap interval of their median
+  (how far the median of this many rounds moves between runs: a verdict whose interval holds
+  the threshold is decided by noise).
 - Injected jitter: the paper's J0-J3 model (`rrfp.sim.jitter`) keyed by (seed, step, stage,
   microbatch, kind), injected by a wrapper around each stage module: a sleep before the forward,
   and a custom autograd Function whose backward sleeps. The wrapper reads the microbatch from an

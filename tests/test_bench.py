@@ -341,3 +341,48 @@ def test_regenerating_the_report_keeps_the_hand_written_sections():
            "### Transports\n\nold\n\n## Data planes\n\nkept 1\n\n### Sub\n\nkept 2\n")
     assert kept_sections(old) == "\n## Data planes\n\nkept 1\n\n### Sub\n\nkept 2\n"
     assert kept_sections("# Benchmarks\n\n## Machine\n\nonly generated\n") == ""
+
+
+def test_round_order_runs_target_rows_side_by_side_and_balances_who_goes_first():
+    from benchmarks.harness import round_order
+
+    seven = ["rrfp default", "rrfp default, 1F1B memory", "rrfp default, GPipe memory", "rrfp strict-1f1b",
+             "torch GPipe", "torch 1F1B", "rrfp bfw-alt, 1F1B memory"]
+    assert compare.target_groups(seven)[0] == ["rrfp default, 1F1B memory", "torch 1F1B", "rrfp bfw-alt, 1F1B memory"]
+    for names in (seven, seven[:6]):  # an odd and an even number of systems
+        _check_round_order(names, round_order)
+    assert round_order(["a", "b", "c"], 0) == ["a", "b", "c"] and round_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    assert round_order(["a", "b", "c"], 2) == ["b", "c", "a"]
+
+
+def _check_round_order(names, round_order):
+    groups = compare.target_groups(names)
+    n = len(names)
+    first = {"rrfp default, 1F1B memory": 0, "torch 1F1B": 0}
+    places = {name: set() for name in names}
+    for k in range(2 * n):
+        order = round_order(names, k, groups)
+        assert sorted(order) == sorted(names)
+        for i, name in enumerate(order):
+            places[name].add(i)
+        a, b = order.index("rrfp default, 1F1B memory"), order.index("torch 1F1B")
+        # Neighbours, except the one rotation that splits the group across the round's ends.
+        assert abs(a - b) in (1, n - 1), (k, order)
+        if abs(a - b) == 1:
+            first[order[min(a, b)]] += 1
+    assert first["rrfp default, 1F1B memory"] == first["torch 1F1B"]  # each runs first as often
+    assert all(p == set(range(n)) for p in places.values())  # every system takes every place
+
+
+def test_median_confidence_interval_holds_the_median_and_narrows_with_rounds():
+    import numpy as np
+
+    from benchmarks.harness import median_ci
+
+    rng = np.random.default_rng(1)
+    few, many = rng.lognormal(0.1, 0.2, 10), rng.lognormal(0.1, 0.2, 160)
+    lo, hi = median_ci(few)
+    assert lo <= float(np.median(few)) <= hi and median_ci(few) == (lo, hi)  # seeded: renders the same
+    lo2, hi2 = median_ci(many)
+    assert lo2 <= float(np.median(many)) <= hi2 and hi2 - lo2 < (hi - lo) / 2  # 16x the rounds: ~1/4 the width
+    assert median_ci([1.25] * 5) == (1.25, 1.25)
