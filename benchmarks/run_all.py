@@ -28,6 +28,7 @@ from benchmarks import compare, micro, report, sim_targets  # noqa: E402
 from rrfp.bench_cli import add_options  # noqa: E402
 
 PARTS = ("compare", "micro", "sim_targets")
+CANDIDATES_TITLE = "Candidate hints at equal memory (`--candidates`)"
 SWEEP_MICROBATCHES = (8, 16, 32, 64, 128)
 
 
@@ -138,7 +139,7 @@ def rerender(args: argparse.Namespace) -> int:
     return _publish(text, results, args, f"from {args.from_json}")
 
 
-GENERATED = ("Machine", "Failures", "Targets", "The default hint at equal memory",
+GENERATED = ("Machine", "Failures", "Targets", "The default hint at equal memory", CANDIDATES_TITLE,
              "rrfp against PyTorch's pipeline schedules", "Micro-benchmarks of the runtime", sim_targets.TITLE)
 
 
@@ -313,7 +314,7 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
                       *flags, ""]
     cand = report.candidates(summaries, results)
     if cand:
-        lines += ["## Candidate hints at equal memory (`--candidates`)", "",
+        lines += [f"## {CANDIDATES_TITLE}", "",
                   "Each candidate hint ran at 1F1B's and GPipe's memory budgets beside the default hint, in the "
                   "same rounds (same batches, delays and rotation): speedups are medians of the per-round paired "
                   f"ratios, with their quartiles and n. Load average {m['loadavg'][0]:.2f} at the start, "

@@ -341,6 +341,8 @@ def test_regenerating_the_report_keeps_the_hand_written_sections():
            "### Transports\n\nold\n\n## Data planes\n\nkept 1\n\n### Sub\n\nkept 2\n")
     assert kept_sections(old) == "\n## Data planes\n\nkept 1\n\n### Sub\n\nkept 2\n"
     assert kept_sections("# Benchmarks\n\n## Machine\n\nonly generated\n") == ""
+    # The candidates' section is generated too (rrfp bench --candidates), never kept as hand-written.
+    assert kept_sections("# Benchmarks\n\n## Candidate hints at equal memory (`--candidates`)\n\nold\n") == ""
 
 
 def test_round_order_runs_target_rows_side_by_side_and_balances_who_goes_first():
