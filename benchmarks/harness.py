@@ -16,8 +16,14 @@ Everything here runs inside one rank process; :func:`launch` starts those proces
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a rank process: die with the launcher, before torch's seconds of import
+    from rrfp._pdeathsig import die_with_parent
+
+    die_with_parent()
+
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rrfp._pdeathsig import LAUNCHER_PID_ENV
 from rrfp.sim.jitter import JitterLevel, injected_delay
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -409,10 +416,12 @@ def launch(target: str, world: int, config: dict, timeout: float, threads: int =
                 "OMP_NUM_THREADS": str(threads),
                 "PYTHONPATH": pythonpath,
             }
+            prof = os.environ.get("RRFP_BENCH_PYSPY")
+            if not prof:  # under py-spy the rank's parent is py-spy, not this launcher
+                env[LAUNCHER_PID_ENV] = str(os.getpid())
             log = tmp / f"rank{r}.log"
             logs.append(log)
             cmd = [sys.executable, "-m", "benchmarks.harness", target, str(cfg_path)]
-            prof = os.environ.get("RRFP_BENCH_PYSPY")
             if prof:  # sample every rank with py-spy: collapsed stacks in $RRFP_BENCH_PYSPY/<target>.rank<r>.txt
                 Path(prof).mkdir(parents=True, exist_ok=True)
                 out = Path(prof) / f"{target.replace(':', '.')}.rank{r}.txt"
@@ -424,6 +433,7 @@ def launch(target: str, world: int, config: dict, timeout: float, threads: int =
                         env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT), start_new_session=True,
                     )
                 )
+        _announce_ranks(procs)
         while True:
             codes = [p.poll() for p in procs]
             bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
@@ -450,12 +460,28 @@ def launch(target: str, world: int, config: dict, timeout: float, threads: int =
             except subprocess.TimeoutExpired:
                 pass
         del store
-    texts = {r: log.read_text() if log.exists() else "" for r, log in enumerate(logs)}
+        # Read what the ranks left, then remove their folder (logs, config, result) on every path.
+        texts = {r: log.read_text() if log.exists() else "" for r, log in enumerate(logs)}
+        result_text = result_path.read_text() if result_path.exists() else None
+        shutil.rmtree(tmp, ignore_errors=True)
     if failed:
         raise BenchError(failed, texts)
-    if not result_path.exists():
+    if result_text is None:
         raise BenchError(f"{target}: rank 0 wrote no result; its log:\n{_tail(texts.get(0, ''))}")
-    return LaunchResult(json.loads(result_path.read_text()), time.monotonic() - t0, texts)
+    return LaunchResult(json.loads(result_text), time.monotonic() - t0, texts)
+
+
+LAUNCHED_ENV = "RRFP_TEST_BENCH_LAUNCHED"
+"""Test hook (never set outside tests): a path (a FIFO) to which :func:`launch` writes its
+ranks' pids, comma-separated, once every rank is started, so a test can signal the launcher
+at that point without a timer (``tests/test_bench_cli.py``)."""
+
+
+def _announce_ranks(procs: Sequence[subprocess.Popen]) -> None:
+    path = os.environ.get(LAUNCHED_ENV)
+    if path:
+        with open(path, "w") as fh:  # a FIFO: blocks until the test reads
+            fh.write(",".join(str(p.pid) for p in procs) + "\n")
 
 
 def _worker_main(argv: list[str]) -> None:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ._paths import output_file_problem
 from .cli import UsageError
 
 def _run_all():
@@ -77,13 +78,43 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) while ``rrfp bench`` runs: unwinds like Ctrl-C, so the launcher's
+    ``finally`` stops the rank processes and removes their folder. ``signum``: the signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    import signal
+
+    # Once: a second signal must not interrupt the cleanup the first one started.
+    signal.signal(signum, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
 def run(args: argparse.Namespace) -> int:
+    import signal
+
     run_all = _run_all()
     err = run_all.options_error(args)
     if err:
         raise UsageError(err)
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        raise UsageError(f"--out {args.out}: its folder does not exist")
+    for flag, path in (("--out", args.out), ("--json", args.json)):
+        if path is not None and (problem := output_file_problem(path)):
+            raise UsageError(f"{flag} {path}: {problem}")
     if args.from_json and not Path(args.from_json).is_file():
-        raise UsageError(f"--from-json {args.from_json}: no such file")
-    return run_all.run(args)
+        what = "is a folder, expected a file" if Path(args.from_json).is_dir() else "no such file"
+        raise UsageError(f"--from-json {args.from_json}: {what}")
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return run_all.run(args)
+    except KeyboardInterrupt as e:
+        sig = signal.Signals(getattr(e, "signum", signal.SIGINT))
+        print(f"rrfp bench: stopped by {sig.name}; its rank processes were stopped too", file=sys.stderr)
+        return 128 + int(sig)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
