@@ -57,6 +57,8 @@ def options_error(args: argparse.Namespace) -> str | None:
                 resolve_hint(h, Placement(4), 16)
             except ValueError as e:
                 return f"{flag} {h!r}: {e}"
+            except OSError as e:  # a CSV hint's file: missing, a folder, unreadable
+                return f"{flag} {h!r}: cannot read {e.filename or h}: {e.strerror or e}"
     if args.rounds is not None and args.rounds < 1:
         return f"--rounds {args.rounds}: expected at least 1"
     # Not `<= 0`: nan compares false with everything and would pass; inf and huge values
