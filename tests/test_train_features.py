@@ -40,11 +40,15 @@ def _no_launch(monkeypatch, seen=None):
     (["--trace", "TRACE", "--trace-steps", "5:3"], "--trace-steps='5:3': expected 1 <= A <= B <= --steps=40"),
     (["--trace", "TRACE", "--trace-steps", "x"], "--trace-steps='x': expected A:B"),
     (["--log-file", "/no/such/dir/x.log"], "--log-file='/no/such/dir/x.log'"),
+    (["--log-file", "TMPDIR"], "--log-file='TMPDIR': is a folder, expected a file path"),
+    (["--log-file", "/dev/full"], "--log-file='/dev/full': is not a regular file, expected a file path"),
     (["--precision", "fp8"], "invalid choice: 'fp8'"),
 ])
 def test_bad_job_flags_are_one_line_and_exit_2(argv, needle, capsys, monkeypatch, tmp_path):
     _no_launch(monkeypatch)
     argv = [str(tmp_path / "tr") if a == "TRACE" else a for a in argv]
+    argv = [str(tmp_path) if a == "TMPDIR" else a for a in argv]
+    needle = needle.replace("TMPDIR", str(tmp_path))
     with pytest.raises(SystemExit) if "invalid choice" in needle else _nullcontext() as exc:
         code = main(["train", *argv])
     code = exc.value.code if exc is not None and hasattr(exc, "value") else code

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from .._paths import output_file_problem
 from ..cli import UsageError
 from ..scheduler.hints import DEFAULT_HINT, HINT_NAMES
 from .lines import say
@@ -188,10 +189,10 @@ def validate_job_flags(args: argparse.Namespace) -> None:
     if args.trace_steps is not None and args.trace is None:
         raise UsageError(f"--trace-steps={args.trace_steps!r} needs --trace DIR")
     args.trace_range = parse_trace_steps(args.trace_steps, args.steps)
-    if args.log_file is not None:
-        parent = Path(args.log_file).resolve().parent
-        if not parent.is_dir():
-            raise UsageError(f"--log-file={args.log_file!r}: its folder {str(parent)!r} does not exist")
+    for flag in ("--log-file", "--loss-file"):  # rank 0 writes both: check them before any rank starts
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if path is not None and (problem := output_file_problem(path)):
+            raise UsageError(f"{flag}={path!r}: {problem}")
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -278,13 +279,6 @@ def validate(args: argparse.Namespace) -> None:
         from .guard import check_writable_dir
 
         if (err := check_writable_dir(args.trace, "--trace")) is not None:
-            raise UsageError(err)
-    if getattr(args, "loss_file", None) is not None:
-        from .guard import check_writable_dir
-
-        if Path(args.loss_file).is_dir():
-            raise UsageError(f"--loss-file={args.loss_file!r}: is a folder, expected a file path")
-        if (err := check_writable_dir(str(Path(args.loss_file).resolve().parent), "--loss-file")) is not None:
             raise UsageError(err)
     if getattr(args, "job_secret_file", None):
         from ..transport.auth import JobAuth
