@@ -405,6 +405,49 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} {path}: is a folder, expected a file name")
 
 
+SUITE_FLAGS = {"suite", "suite_ranks", "suite_scenarios", "hint", "hints", "seed", "markdown"}
+"""What ``--suite`` reads; its scenarios fix every other setting (docs/suite.md)."""
+
+
+def _check_suite_flags(args: argparse.Namespace) -> None:
+    """Refuse a flag ``--suite`` would ignore (``--costs``, ``--jitter``, ``-p``...): the
+    suite's scenarios have fixed costs, sizes and variability, so a given flag would
+    silently change nothing.
+
+    Raises:
+        UsageError: one line naming the ignored flags.
+    """
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    sim = parser.parse_args(["simulate"])
+    flag = {a.dest: a.option_strings[-1] for a in parser._subparsers._group_actions[0].choices["simulate"]._actions}
+    ignored = [flag[d] for d, default in vars(sim).items()
+               if d not in SUITE_FLAGS and d in flag and getattr(args, d, default) != default]
+    if ignored:
+        costs = any(f.startswith(("--cost", "--act-bytes", "--msg-bytes")) for f in ignored)
+        why = "its scenarios have fixed costs" if costs else "its scenarios fix every other setting"
+        raise UsageError(f"--suite does not take {', '.join(ignored)}: {why} (docs/suite.md); "
+                         "it reads --hint/--hints, --suite-ranks, --suite-scenarios, --seed and --markdown")
+
+
+def _check_hint_files(cfg: SimConfig, hints: list[str]) -> None:
+    """Read every hint that names a CSV file (``x.csv``, ``strict-x.csv``, ``csv:x``) before
+    simulating, so an unreadable one is named as the hint's file, not blamed on ``--trace``.
+
+    Raises:
+        UsageError: one line naming the hint and its file.
+    """
+    from ..scheduler.hints import resolve_hint
+
+    for h in hints:
+        try:
+            resolve_hint(h, cfg.make_placement(), cfg.n_microbatches)
+        except OSError as e:
+            raise UsageError(f"hint {h!r}: cannot read {e.filename or h}: {e.strerror or e}") from None
+        except ValueError:
+            pass  # reported by the run itself, with its limits
+
+
 def _describe(cfg: SimConfig) -> dict[str, Any]:
     d = asdict(cfg)
     d["costs"] = [asdict(c) for c in cfg.cost_model().stages] if cfg.costs is not None else "default"
@@ -426,6 +469,7 @@ def run(args: argparse.Namespace) -> int:
     _check_numbers(args)
     _check_outputs(args)
     if args.suite:
+        _check_suite_flags(args)
         from .suite import run_suite_command
 
         return run_suite_command(args, _hints_or(args, None), _ints(args.suite_ranks, "suite-ranks"), _write)
@@ -446,12 +490,13 @@ def run(args: argparse.Namespace) -> int:
         mode = "strict order" if summary.extra.get("strict") else f"in-flight limit {cfg.limit}"
         write_gantt_png(res.records, stem + ".png", title=f"{name} ({mode})", n_ranks=cfg.n_ranks)
 
+    _check_hint_files(cfg, [*hints, *([baseline] if baseline else [])])
     try:
         rows = compare(cfg, hints, baseline, on_result=on_result)
     except (ValueError, DeadlockError) as e:
         raise UsageError(str(e)) from None
     except OSError as e:
-        raise UsageError(f"cannot write the trace: {e}") from None
+        raise UsageError(f"--trace {args.trace}: cannot write the trace: {e.strerror or e}") from None
     header, cells = table_rows(rows)
     jit = cfg.jitter.name if cfg.jitter else "J0"
     print(f"# {cfg.n_ranks} ranks x {cfg.n_virtual} virtual stages ({cfg.placement}), "

@@ -238,10 +238,11 @@ def run_suite_command(args: Any, hints: Sequence[str] | None, ranks: Sequence[in
     from .metrics import format_text
 
     hints = list(hints or SUITE_HINTS)
-    scen = [s.strip() for s in args.suite_scenarios.split(",") if s.strip()] if args.suite_scenarios else list(SCENARIOS)
+    given = args.suite_scenarios
+    scen = [s.strip() for s in given.split(",") if s.strip()] if given is not None else list(SCENARIOS)
     bad = [s for s in scen if s not in SCENARIOS]
-    if bad:
-        raise UsageError(f"--suite-scenarios {bad[0]!r}: expected some of {', '.join(SCENARIOS)}")
+    if bad or not scen:  # an empty list is a mistake, not "all"
+        raise UsageError(f"--suite-scenarios {bad[0] if bad else given!r}: expected some of {', '.join(SCENARIOS)}")
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         rows = run_suite(hints, scenarios=scen, ranks=ranks, seed=args.seed,

@@ -34,6 +34,8 @@ def load_config(path: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
         raw = tomllib.loads(Path(path).read_text())
     except OSError as e:
         raise UsageError(f"--config={path!r}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--config={path!r}: not UTF-8 text (byte {e.start}), expected a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config={path!r}: not valid TOML: {e}") from None
     actions = {a.dest: a for a in parser._actions if a.dest not in NOT_FROM_FILE and a.option_strings}

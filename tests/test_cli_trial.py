@@ -1,0 +1,57 @@
+"""A new user's trial of ``rrfp simulate`` and ``rrfp train``: each bad value is one line
+naming it and what was expected, exit code 2, before anything runs (no rank, no simulation)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rrfp.cli import main
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a process was launched")
+
+    monkeypatch.setattr("rrfp.train.cli.launch", refuse)
+
+
+def _line(capsys, cmd: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"rrfp {cmd}: error: "), err
+    return err[0][len(f"rrfp {cmd}: error: "):]
+
+
+@pytest.mark.parametrize("form", ["{}", "strict-{}", "csv:{}"])
+def test_simulate_names_an_unreadable_hint_file_not_the_trace(form, tmp_path, capsys):
+    missing = str(tmp_path / "no_such.csv")
+    hint = form.format(missing)
+    assert main(["simulate", "--hint", hint]) == 2
+    assert _line(capsys, "simulate") == f"hint {hint!r}: cannot read {missing}: No such file or directory"
+    assert main(["simulate", "--hint", f"csv:{tmp_path}"]) == 2
+    assert _line(capsys, "simulate") == f"hint 'csv:{tmp_path}': cannot read {tmp_path}: Is a directory"
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--costs", "/no/such.json"], "--costs"),
+    (["--cost-f", "0.1"], "--cost-f"),
+    (["-p", "8", "--jitter", "J2"], "--ranks, --jitter"),
+])
+def test_suite_refuses_the_flags_it_would_ignore(flags, named, capsys):
+    assert main(["simulate", "--suite", "--suite-ranks", "4", *flags]) == 2
+    line = _line(capsys, "simulate")
+    assert line.startswith(f"--suite does not take {named}: its scenarios ")
+    assert ("fixed costs" in line) == named.startswith("--cost")
+
+
+@pytest.mark.parametrize("given", ["", ","])
+def test_an_empty_suite_scenario_list_is_an_error(given, capsys):
+    assert main(["simulate", "--suite", "--suite-scenarios", given]) == 2
+    assert _line(capsys, "simulate").startswith(f"--suite-scenarios {given!r}: expected some of J0, ")
+
+
+def test_train_config_that_is_not_utf8_is_one_line(tmp_path, capsys, no_launch):
+    cfg = tmp_path / "c.toml"
+    cfg.write_bytes(b"steps = 3\n\xff\xfe\n")
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert _line(capsys, "train") == f"--config={str(cfg)!r}: not UTF-8 text (byte 10), expected a TOML file"
