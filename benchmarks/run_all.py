@@ -88,7 +88,8 @@ def _sim_speedups(setting: dict, level: str, extra: list[str], hints: str,
     costs at jitter ``level`` (``extra``: more flags), or None if it is unavailable."""
     cal, cfg = setting["calibration"], setting["config"]
     M = n_microbatches or cfg["n_microbatches"]
-    out = Path(tempfile.gettempdir()) / f"rrfp-bench-sim-{time.time_ns()}.json"
+    tmp = tempfile.TemporaryDirectory(prefix="rrfp-bench-sim-")  # removed on every path, a failure's too
+    out = Path(tmp.name) / "sim.json"
     cmd = [sys.executable, "-m", "rrfp", "simulate", "-p", str(cfg["n_ranks"]), "-m", str(M),
            "--cost-f", ",".join(f"{c['F']:.6f}" for c in cal), "--cost-b", ",".join(f"{c['B']:.6f}" for c in cal),
            "--jitter", level, "--hints", hints, "--baseline", "strict-1f1b", "--steps", "20",
@@ -96,10 +97,11 @@ def _sim_speedups(setting: dict, level: str, extra: list[str], hints: str,
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         data = json.loads(out.read_text())
-        out.unlink()
         return {r["hint"]: r["speedup"] for r in data["runs"]}
     except Exception:  # noqa: BLE001 - the simulator is context, not a benchmark
         return None
+    finally:
+        tmp.cleanup()
 
 
 def ideal(setting: dict) -> dict[str, dict]:
