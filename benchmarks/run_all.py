@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import compare, micro, report, sim_targets  # noqa: E402
+from rrfp import _json as strict_json  # noqa: E402
 from rrfp.bench_cli import add_options  # noqa: E402
 
 PARTS = ("compare", "micro", "sim_targets")
@@ -133,7 +134,7 @@ def ideal(setting: dict) -> dict[str, dict]:
 def rerender(args: argparse.Namespace) -> int:
     """Write the report of an earlier run from its raw results (``--from-json``)."""
     try:
-        results = json.loads(Path(args.from_json).read_text())
+        results = strict_json.restore(json.loads(Path(args.from_json).read_text()))
         if not isinstance(results, dict):
             raise TypeError(f"a JSON {type(results).__name__}, expected an object")
         text = render(results, args, command=results.get("command"))
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
             return None
         finally:
             if args.json:  # keep what ran so far
-                Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+                Path(args.json).write_text(strict_json.dumps(results, indent=1, default=str))
 
     if "compare" in parts:
         _log("probing PyTorch pipelining with a changing sequence length")
@@ -227,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     results = json.loads(json.dumps(results))  # one form for keys (str), whatever produced them
     text = render(results, args)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(strict_json.dumps(results, indent=1))
     return _publish(text, results, args, f"{results['seconds']:.0f} s in all")
 
 

@@ -55,3 +55,29 @@ def test_train_config_that_is_not_utf8_is_one_line(tmp_path, capsys, no_launch):
     cfg.write_bytes(b"steps = 3\n\xff\xfe\n")
     assert main(["train", "--config", str(cfg)]) == 2
     assert _line(capsys, "train") == f"--config={str(cfg)!r}: not UTF-8 text (byte 10), expected a TOML file"
+
+
+def _strict(path) -> dict:
+    import json
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_simulate_json_is_strict_json(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["simulate", "-p", "2", "-m", "2", "--json", str(out)]) == 0
+    assert _strict(out)["config"]["bandwidth"] == "inf"  # the default: free messages
+
+
+def test_nonfinite_floats_round_trip_through_strict_json():
+    import math
+
+    from rrfp import _json
+
+    text = _json.dumps({"a": [math.inf, -math.inf, 1.5, "x"], "b": {"c": math.nan}})
+    assert "Infinity" not in text and "NaN" not in text
+    back = _json.restore(__import__("json").loads(text))
+    assert back["a"][:3] == [math.inf, -math.inf, 1.5] and back["a"][3] == "x" and math.isnan(back["b"]["c"])

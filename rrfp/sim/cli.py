@@ -13,7 +13,6 @@ The guide is docs/simulator.md. No torch is imported.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -21,6 +20,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from .. import _json as strict_json
 from ..cli import UsageError
 from ..resources import doc_path
 from .compare import SimConfig, compare, default_baseline, sweep, sweep_table
@@ -540,6 +540,6 @@ def _run_sweep(args: argparse.Namespace, cfg: SimConfig) -> int:
     if args.json:
         detail = [{**{k: v for k, v in vars(pt).items() if k != "runs"},
                    "runs": {h: r.to_dict() for h, r in pt.runs.items()}} for pt in points]
-        _write(args.json, json.dumps({"config": _describe(cfg), "points": detail}, indent=1, default=str) + "\n")
+        _write(args.json, strict_json.dumps({"config": _describe(cfg), "points": detail}, indent=1, default=str) + "\n")
     print(f"# wrote {args.out}.csv and {args.out}.md", file=sys.stderr)
     return 0

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+from .. import _json as strict_json
 from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task
 from .engine import SimResult, TaskRecord
 
@@ -261,4 +261,5 @@ def format_csv(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
 
 def to_json(rows: Sequence[RunSummary], config: dict[str, Any]) -> str:
     """JSON text: ``{"config": ..., "runs": [RunSummary as a dict, ...]}``."""
-    return json.dumps({"config": config, "runs": [r.to_dict() for r in rows]}, indent=1, default=str)
+    # Strict JSON: an infinite bandwidth is "inf", not Infinity.
+    return strict_json.dumps({"config": config, "runs": [r.to_dict() for r in rows]}, indent=1, default=str)
