@@ -81,3 +81,27 @@ def test_nonfinite_floats_round_trip_through_strict_json():
     assert "Infinity" not in text and "NaN" not in text
     back = _json.restore(__import__("json").loads(text))
     assert back["a"][:3] == [math.inf, -math.inf, 1.5] and back["a"][3] == "x" and math.isnan(back["b"]["c"])
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--memory-budget", "-5", "--act-bytes", "100"],
+     "memory size '-5': expected a positive size with an optional unit, e.g. 64MiB, 1.5GB"),
+    (["--hints", "bf,,bfw"], "--hints 'bf,,bfw': expected comma-separated hint names, none empty"),
+    (["--hints", ""], "--hints '': expected comma-separated hint names, none empty"),
+    (["--csv", ""], "--csv '': expected a file name"),
+    (["--trace", ""], "--trace '': expected a folder name"),
+    (["--samples-per-mb", "0"], "--samples-per-mb 0: expected at least 1 sample per microbatch"),
+    (["--encoder-stages", "-1"], "--encoder-stages -1: expected a number of stages >= 0"),
+    (["--act-bytes", "1XB"], "--act-bytes '1XB': expected a size (4096, 64MiB, 1.5GB), or one per stage separated by commas"),
+])
+def test_simulate_papercuts_are_one_line(flags, line, capsys):
+    assert main(["simulate", *flags]) == 2
+    assert _line(capsys, "simulate") == line
+
+
+def test_act_bytes_takes_the_size_units_of_memory_budget(capsys):
+    """``--act-bytes 1MiB`` is 1048576 bytes, as ``--memory-budget`` reads it: four of them in
+    flight on rank 0 of a 4-rank strict 1F1B are 4.0 MiB."""
+    assert main(["simulate", "-p", "4", "--hints", "strict-1f1b", "--act-bytes", "1MiB"]) == 0
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("strict-1f1b"))
+    assert row.split()[-1] == "4.0"

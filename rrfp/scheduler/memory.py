@@ -108,7 +108,8 @@ def parse_size(text: str | int) -> int:
         m = _SIZE_RE.match(str(text))
         unit = m.group(2).lower() if m else None
         if not m or unit not in _UNITS:
-            raise ValueError(f"memory size {text!r}: expected a number of bytes with an optional unit, e.g. 64MiB, 1.5GB")
+            what = "a positive size" if str(text).strip().startswith("-") else "a number of bytes"
+            raise ValueError(f"memory size {text!r}: expected {what} with an optional unit, e.g. 64MiB, 1.5GB")
         x = float(m.group(1)) * _UNITS[unit]
         if not x <= MAX_BUDGET:  # also inf and nan: int() of them raises a traceback
             raise ValueError(f"memory size {text!r}: expected 1 byte to 2**62 bytes")

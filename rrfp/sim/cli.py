@@ -190,6 +190,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} {short(v)}: expected a finite number >= 0")
         if v is not None and v > limit:
             raise UsageError(f"{flag} {short(v)}: expected {unit} <= {short(limit)}")
+    if getattr(args, "samples_per_mb", 1) < 1:
+        raise UsageError(f"--samples-per-mb {args.samples_per_mb}: expected at least 1 sample per microbatch")
+    if getattr(args, "encoder_stages", 0) < 0:
+        raise UsageError(f"--encoder-stages {args.encoder_stages}: expected a number of stages >= 0")
     bw = getattr(args, "bandwidth", None)
     if bw is not None and not bw > 0:
         raise UsageError(f"--bandwidth={bw}: expected a positive number of bytes per second (inf: free)")
@@ -241,8 +245,11 @@ def _hints(args: argparse.Namespace) -> list[str]:
 
 def _hints_or(args: argparse.Namespace, default: Any) -> Any:
     hints = list(args.hint)
-    if args.hints:
-        hints += [h.strip() for h in args.hints.split(",") if h.strip()]
+    if args.hints is not None:
+        items = [h.strip() for h in args.hints.split(",")]
+        if not all(items):  # `bf,,bfw` or '': a typo, not "the default hints"
+            raise UsageError(f"--hints {args.hints!r}: expected comma-separated hint names, none empty")
+        hints += items
     return list(dict.fromkeys(hints)) or default
 
 
@@ -269,12 +276,13 @@ def _cost_list(text: str | None, flag: str, kind: type = float) -> list | None:
     """
     if text is None:
         return None
+    expected = "a size (4096, 64MiB, 1.5GB)" if kind is int else "a number"
     try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
+        vals = [_number(x, kind) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise UsageError(f"{flag} {text!r}: expected a number, or one per stage separated by commas") from None
+        raise UsageError(f"{flag} {text!r}: expected {expected}, or one per stage separated by commas") from None
     if not vals:
-        raise UsageError(f"{flag} {text!r}: expected a number, or one per stage separated by commas")
+        raise UsageError(f"{flag} {text!r}: expected {expected}, or one per stage separated by commas")
     unit, limit, shown = ("bytes", MAX_BYTES, "2**53") if kind is int else ("seconds", MAX_SECONDS, short(MAX_SECONDS))
     for v in vals:
         if not (math.isfinite(v) and v >= 0):
@@ -282,6 +290,19 @@ def _cost_list(text: str | None, flag: str, kind: type = float) -> list | None:
         if v > limit:
             raise UsageError(f"{flag} {text}: expected {unit} <= {shown}")
     return [kind(v) for v in vals]
+
+
+def _number(text: str, kind: type) -> float:
+    """A number; for bytes (``kind`` int) also a size with a unit, read as ``--memory-budget``
+    reads it (:func:`rrfp.scheduler.memory.parse_size`). Raises ValueError."""
+    try:
+        return float(text)
+    except ValueError:
+        if kind is not int:
+            raise
+        from ..scheduler.memory import parse_size
+
+        return float(parse_size(text.strip()))
 
 
 def _costs(args: argparse.Namespace) -> CostModel | None:
@@ -395,8 +416,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
     outputs = [(f"--{k}", getattr(args, k)) for k in ("csv", "json", "markdown")]
     if args.sweep:
         outputs.append(("--out", args.out))
+    outputs.append(("--trace", args.trace))
     for flag, path in outputs:
-        if path is None:
+        if path == "":
+            raise UsageError(f"{flag} '': expected a {'folder' if flag == '--trace' else 'file'} name")
+        if path is None or flag == "--trace":
             continue
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
