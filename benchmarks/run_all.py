@@ -306,6 +306,8 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
         setting_text.append(text)
     ideal = results.get("ideal") or {}
     rows = report.targets(summaries, results.get("micro"), ideal)
+    if results.get("quick"):  # one timed round at small sizes decides nothing (as sim_targets.target_rows)
+        rows = [[t, f, "- (quick)", i] for t, f, _, i in rows]
     all_grads = [ph["worst_grad_ratio"] for res in results["compare"].values() for ph in res["phases"]]
     if all_grads:
         n_checks = sum(len(ph["rounds"]) * len(ph["rounds"][0]["systems"]) for res in results["compare"].values()
