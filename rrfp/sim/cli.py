@@ -69,8 +69,8 @@ def register(subparsers: Any) -> None:
     g.add_argument("--cost-b", default=None, help="full backward; one value, or one per stage (a,b,...); without it, I + W if both are given, else 0.020")
     g.add_argument("--cost-i", default=None, help="split backward, input gradient; one value, or one per stage (a,b,...); without it, B - W, or B/2")
     g.add_argument("--cost-w", default=None, help="split backward, weight gradient; one value, or one per stage (a,b,...); without it, B - I, or B/2")
-    g.add_argument("--act-bytes", default=None, help="activation bytes one microbatch holds on a stage (or one per stage)")
-    g.add_argument("--msg-bytes", default=None, help="bytes of a stage's output message (or one per stage); without it, --act-bytes")
+    g.add_argument("--act-bytes", default=None, help="activation bytes one microbatch holds on a stage, a size (4096, 64MiB, 1.5GB), or one per stage")
+    g.add_argument("--msg-bytes", default=None, help="bytes of a stage's output message, a size, or one per stage; without it, --act-bytes")
 
     g = p.add_argument_group("variability (all seeded)")
     g.add_argument("--seed", type=int, default=0)
