@@ -461,12 +461,15 @@ exactly that: what a user of each would run, same samples, same gradients."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from rrfp.bench_cli import run as bench_run  # the same checks and stop (SIGTERM, Ctrl-C) as rrfp bench
+    from rrfp.cli import UsageError
+
     args = build_parser().parse_args(argv)
-    err = options_error(args)
-    if err:
-        print(f"run_all.py: error: {err}", file=sys.stderr)
+    try:
+        return bench_run(args)
+    except UsageError as e:
+        print(f"run_all.py: error: {e}", file=sys.stderr)
         return 2
-    return run(args)
 
 
 if __name__ == "__main__":
