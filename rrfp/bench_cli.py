@@ -90,8 +90,9 @@ class Stopped(KeyboardInterrupt):
 def _on_signal(signum: int, frame: Any) -> None:
     import signal
 
-    # Once: a second signal must not interrupt the cleanup the first one started.
-    signal.signal(signum, signal.SIG_IGN)
+    # Once: a second signal (either) must not interrupt the cleanup the first one started.
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
     raise Stopped(signum)
 
 
