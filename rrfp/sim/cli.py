@@ -442,9 +442,10 @@ def _check_suite_flags(args: argparse.Namespace) -> None:
         UsageError: one line naming the ignored flags.
     """
     parser = argparse.ArgumentParser()
-    register(parser.add_subparsers())
+    sub = parser.add_subparsers()
+    register(sub)
     sim = parser.parse_args(["simulate"])
-    flag = {a.dest: a.option_strings[-1] for a in parser._subparsers._group_actions[0].choices["simulate"]._actions}
+    flag = {a.dest: a.option_strings[-1] for a in sub.choices["simulate"]._actions if a.option_strings}
     ignored = [flag[d] for d, default in vars(sim).items()
                if d not in SUITE_FLAGS and d in flag and getattr(args, d, default) != default]
     if ignored:
