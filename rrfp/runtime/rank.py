@@ -582,5 +582,12 @@ class RankRuntime:
 
         Nothing is received afterwards, so a step still running, and any later one, fails at
         once with a PipelineError instead of waiting for the watchdog."""
+        self.stop()
+
+    def stop(self) -> None:
+        """:meth:`close` without a running loop (the error path, ``Pipeline.abort``): stop
+        receiving and free what the inbox and executor own (the hold's kernel timer, worker
+        threads). Call it before the event loop closes, so the timer leaves the loop's watch
+        list; after, it still frees the timer. Idempotent."""
         self.inbox.close()
         self.executor.close()
