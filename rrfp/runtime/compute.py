@@ -1,4 +1,5 @@
-"""The tasks of one rank: F, B, I and W on its stage modules (RRFP §3), and ``run_backward``.
+"""The tasks of one rank: F, B, I and W on its stage modules (RRFP, "Execution model"), and
+``run_backward``.
 
 :class:`TaskCompute` is what the :class:`~rrfp.runtime.rank.RankRuntime`'s executor runs for a
 task: a forward on the stage module (the loss on the last stage), a full backward (B), its
