@@ -125,7 +125,8 @@ def test_abort_frees_the_hold_timer_of_a_pipeline():
     """``Pipeline.abort`` (the error path) frees what the inbox owns: two ranks over ZeroMQ on
     loopback, rank 1's arrivals held (so its inbox makes a kernel timer), one step, then both
     aborted. A first round opens what stays open for the process (ZeroMQ's context); after
-    two more rounds the process has no more descriptors than before them, and no timerfd."""
+    two more rounds the process has no more descriptors than before them, and no more timerfds
+    (without the fix: four more, one per aborted rank)."""
     import threading
 
     import torch.distributed as dist
