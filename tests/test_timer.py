@@ -106,3 +106,76 @@ def test_a_callback_may_add_an_earlier_deadline():
         return order
 
     assert _run(go) == ["first", "second", "last"]
+
+
+def _open_fds() -> list[str]:
+    """What this process's open file descriptors point at (``anon_inode:[timerfd]``...)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd (Linux)")
+@pytest.mark.timeout(120)
+def test_abort_frees_the_hold_timer_of_a_pipeline():
+    """``Pipeline.abort`` (the error path) frees what the inbox owns: two ranks over ZeroMQ on
+    loopback, rank 1's arrivals held (so its inbox makes a kernel timer), one step, then both
+    aborted. A first round opens what stays open for the process (ZeroMQ's context); after
+    two more rounds the process has no more descriptors than before them, and no more timerfds
+    (without the fix: four more, one per aborted rank)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
+    from rrfp.runtime.pipeline import Pipeline
+    from rrfp.runtime.stage import PipelineStage
+    from rrfp.transport.zmq import ZmqTransport
+
+    cfg = ToyConfig()
+    x, y = toy_batch(cfg, 8, seed=1)
+
+    def round_(job: str) -> int:
+        mods = split_toy(ToyModel(cfg, seed=2), 2)
+        store = dist.HashStore()
+        pipes: list = [None, None]
+        errors: list = []
+        held: list = []
+
+        def make(r: int) -> Pipeline:
+            t = ZmqTransport(r, 2, store, job, host="127.0.0.1", auth=None, insecure=True)
+            return Pipeline(PipelineStage(mods[r], r, 2), 4, toy_loss, rank=r, n_ranks=2, transport=t, job=job,
+                            watchdog=60)
+
+        def rank0() -> None:
+            try:
+                pipes[0] = make(0)
+                pipes[0].step(x)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+                errors.append(e)
+
+        th = threading.Thread(target=rank0)
+        th.start()
+        try:
+            pipes[1] = make(1)
+            pipes[1].runtime.message_delay = lambda msg: held.append(msg.key) or 1e-4
+            pipes[1].step(target=y)
+        finally:
+            th.join(60)
+            for p in pipes:
+                if p is not None:
+                    p.abort()
+        assert not errors, errors
+        assert len(held) == 4  # one held activation per microbatch: the inbox made its timer
+        return pipes[1].runtime.inbox.rejected
+
+    assert round_("warm") == 0
+    before = _open_fds()
+    assert round_("a") == 0 and round_("b") == 0
+    after = _open_fds()
+    assert after.count("anon_inode:[timerfd]") == before.count("anon_inode:[timerfd]")
+    assert len(after) <= len(before), sorted(set(after) - set(before))

@@ -357,6 +357,7 @@ class Pipeline:
     def abort(self) -> None:
         """Close at once without waiting for peers (error path)."""
         self.transport.abort()
+        self.runtime.stop()  # the inbox's timer fd, the executor's threads: before the loop closes
         if not self._loop.is_closed():
             self._loop.close()
         _unpatch(self.stages)

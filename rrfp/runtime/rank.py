@@ -1,6 +1,6 @@
 """One rank's asyncio program: inbox -> ready set -> arbiter -> executor -> outbox.
 
-:class:`RankRuntime` wires the parts together and holds what a task computes with:
+:class:`RankRuntime` wires the parts together and runs the steps:
 
 - :mod:`~rrfp.runtime.inbox`: the transport's delivery callback routes arrivals by key into
   the step's input buffers and marks readiness (step admission, early-message cap, refusals);
@@ -11,15 +11,15 @@
   keeps receiving in its own I/O thread while Python computes, and an inline dispatch costs
   microseconds where a hop to a worker thread and back costs about 90 us on a 2-core machine);
 - :mod:`~rrfp.runtime.outbox`: sends, which never block compute;
-- :mod:`~rrfp.runtime.hooks`: step hooks (a stage's gradients are final; the step ends).
+- :mod:`~rrfp.runtime.hooks`: step hooks (a stage's gradients are final; the step ends);
+- :mod:`~rrfp.runtime.compute`: the tasks themselves (F, B, I, W on the stage modules) and
+  ``run_backward``.
 
-This module keeps the tasks themselves (F, B, I, W on the stage modules), ``run_backward``,
-the errors and :class:`StepStats`.
+This module keeps :meth:`RankRuntime.run_step`, the errors (re-exported) and :class:`StepStats`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -28,9 +28,9 @@ import torch
 
 from ..scheduler.arbiter import Arbiter
 from ..scheduler.hints import Hint
-from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task, TaskRecord
+from ..scheduler.tasks import B, W, PipelineSpec, TaskRecord
 from ..transport.base import Message, Transport
-from ..transport.keys import Direction
+from .compute import LossFn, TaskCompute, run_backward
 from .errors import PipelineError, WatchdogTimeout
 from .executor import Executor, InlineExecutor
 from .forward import ForwardArbiter
@@ -39,76 +39,13 @@ from .inbox import MAX_CONTROL_BACKLOG, Inbox
 from .loop import DelayFn, SchedulerLoop
 from .ordered import _OrderedGrads  # noqa: F401 - importable from here, as before the split
 from .outbox import Outbox
-from .split import WeightGradStore, deferring, enable_split_backward
-from .stage import PipelineStage, as_tuple, detach_for_next
+from .split import enable_split_backward
+from .stage import PipelineStage, as_tuple
 
 __all__ = [
     "RankRuntime", "StepStats", "run_backward", "PipelineError", "WatchdogTimeout", "LossFn", "DelayFn",
     "MAX_CONTROL_BACKLOG", "TaskRecord", "StepHooks",
 ]
-
-try:  # the C++ engine call that torch.autograd.backward ends in (torch >= 2.4)
-    from torch.autograd.graph import _engine_run_backward
-except ImportError:  # pragma: no cover - older or newer torch without it: the public path
-    _engine_run_backward = None
-
-
-def run_backward(outs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor] | None,
-                 where: tuple[int, int, int] | None = None) -> None:
-    """``torch.autograd.backward(outs, grads)`` without its Python argument handling.
-
-    ``torch.autograd.backward`` spends about 45 us per call in Python (``_make_grads``
-    re-checks every gradient's shape through symbolic-shape helpers) before the engine runs;
-    on small stages that is as much as the backward itself (``benchmarks/micro.py``). Here the
-    one check that matters for a pipeline, shapes, is a tuple comparison, and the engine is
-    called directly. Tensor subclasses (``__torch_function__``, e.g. DTensor) take the public
-    path so that their overrides still apply.
-
-    Args:
-        outs: a stage's outputs that require grad (or its scalar loss).
-        grads: one gradient per output, the same shape; ``None`` for a scalar loss (ones).
-        where: ``(rank, stage, microbatch)``, to name the task in errors.
-
-    Raises:
-        PipelineError: a gradient whose shape or dtype differs from its output's.
-    """
-    outs = tuple(outs)
-    plain = _engine_run_backward is not None
-    if grads is None:
-        grads = tuple(torch.ones_like(o) for o in outs)
-    else:
-        grads = tuple(grads)
-        for o, g in zip(outs, grads):
-            if o.shape != g.shape or o.dtype != g.dtype:
-                # A correct pipeline sends an output's gradient in that output's shape and
-                # dtype; the engine would cast another dtype silently, or fail deep inside.
-                r, st, mb = where or ("?", "?", "?")
-                what = (f"shape {tuple(g.shape)} for an output of shape {tuple(o.shape)}" if o.shape != g.shape
-                        else f"dtype {g.dtype} for an output of dtype {o.dtype}")
-                raise PipelineError(f"rank {r} stage {st} microbatch {mb}: gradient of {what}")
-            if type(g) is not torch.Tensor:
-                plain = False
-    for o in outs:
-        if type(o) is not torch.Tensor:
-            plain = False
-    if not plain:
-        torch.autograd.backward(outs, grads)
-        return
-    _engine_run_backward(outs, grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-
-
-def _detached(x: Any) -> Any:
-    """An output (tensor, or tuple/list/dict of them) without its autograd graph."""
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detached(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _detached(v) for k, v in x.items()}
-    return x
-
 
 @dataclass
 class StepStats:
@@ -170,8 +107,8 @@ class RankRuntime:
             by each forward's measured size (:mod:`rrfp.runtime.memory`).
 
     Attributes:
-        inbox, loop (the SchedulerLoop, not an asyncio loop), outbox, executor: the parts (see the
-            module docstring).
+        inbox, loop (the SchedulerLoop, not an asyncio loop), outbox, executor, compute (the
+            :class:`~rrfp.runtime.compute.TaskCompute`): the parts (see the module docstring).
     """
 
     def __init__(
@@ -202,7 +139,6 @@ class RankRuntime:
         self.inflight_limit = inflight_limit
         self.transport = transport
         self.job = job
-        self.loss_fn = loss_fn
         self.loss_weight_fn = loss_weight_fn
         want = spec.placement.stages_of(rank)
         got = [s.stage_index for s in stages]
@@ -227,18 +163,8 @@ class RankRuntime:
         self._loss_total = self._loss_global = None
         self.hooks = HookRunner(self.stages, spec.n_microbatches, W if spec.split_backward else B)
         self._receiving = False
-        # Step state: the inbox buffers arrivals (inputs); these are what tasks produce.
+        # The inbox buffers arrivals (the tasks' inputs); the tasks keep what they produce.
         self._act = self.inbox.act
-        self._grad = self.inbox.grad
-        self._out: dict[tuple[int, int], tuple] = {}
-        self._wstate: dict[tuple[int, int], Any] = {}
-        self._seed: dict[int, float] = {}  # last stage: microbatch -> loss weight
-        self._targets: Sequence[Any] | None = None
-        self._weights: list[float] | None = None
-        self._mb_losses: list[torch.Tensor | None] = []
-        self._kwargs: Sequence[dict] | None = None  # per microbatch: keyword inputs of this rank's stages
-        self._outputs: dict[int, Any] | None = None  # last stage: microbatch -> output (detached)
-        self._forward_only = False
         self._rank_of = [spec.placement.rank_of(st) for st in range(spec.n_stages)]
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self.memory_budget = memory_budget
@@ -247,6 +173,17 @@ class RankRuntime:
             from .memory import ForwardSizer
 
             self._sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()}, got[0])
+        self.compute = TaskCompute(rank, self.stages, self.last_stage, loss_fn, self.inbox.act, self.inbox.grad,
+                                   self._ordered, self._sizer)
+
+    @property
+    def loss_fn(self) -> LossFn | None:
+        """``loss_fn(output, target) -> scalar`` on the last stage (the tasks' own)."""
+        return self.compute.loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, fn: LossFn | None) -> None:
+        self.compute.loss_fn = fn
 
     # The loop owns these; they stay settable here (tests and experiments change them).
     @property
@@ -387,29 +324,29 @@ class RankRuntime:
                           memory_budget=self.memory_budget, act_bytes=self._sizer)
             if self._sizer is not None:
                 self._sizer.begin_step(self._act)
-        self._kwargs, self._outputs, self._forward_only = kwargs, outputs, forward_only
-        self._out.clear(), self._wstate.clear(), self._seed.clear()
+        compute = self.compute
+        compute.begin_step(kwargs, outputs, forward_only)
         self.executor.begin_step()
         inbox.begin_step(step, arb)  # clears the input buffers, then admits early arrivals
         if 0 in self.stages:
             first = self.stages[0]
             for m, x in enumerate(inputs):
                 self._act[(0, m)] = inbox.place_on(first, as_tuple(x))
-        self._targets = targets
+        compute.targets = targets
         weights = None
         if targets is not None:
             weights = [1.0] * M if sum_losses else self._loss_weights(targets)
-        self._weights = weights
-        self._mb_losses = mb_losses = [None] * M
+        compute.weights = weights
+        compute.mb_losses = mb_losses = [None] * M
         hooks = self.hooks if self.hooks.hooks and not forward_only else None
         if hooks is not None:
             hooks.begin_step()
         stats = StepStats(step, 0.0, 0.0, 0)
         t_start = time.perf_counter()
         try:
-            await self.loop.run(arb, step, stats, self._run_task, self._emit, hooks)
+            await self.loop.run(arb, step, stats, compute.run, self._emit, hooks)
         finally:
-            self._kwargs, self._outputs, self._forward_only = None, None, False
+            compute.end_step()
         self.executor.end_step()
         if self._ordered is not None and not forward_only:
             for acc in self._ordered.values():
@@ -428,7 +365,7 @@ class RankRuntime:
             stats.loss = float(flat.dot(torch.tensor(weights, dtype=torch.float64)))
             if self._loss_global is not None:
                 stats.loss = self._loss_global(stats.loss)
-        self._targets = self._weights = None
+        compute.targets = compute.weights = None
         await self.outbox.flush()
         inbox.end_step(step)
         return stats
@@ -447,126 +384,6 @@ class RankRuntime:
         return [r / total for r in raw]
 
     # ------------------------------------------------------------ executing
-    def _run_task(self, task: Task) -> list:
-        """A task's compute (on the executor's thread); returns its outputs for :meth:`_emit`."""
-        s, kind, m = task
-        if kind == F:
-            return self._forward(s, m)
-        if kind == B:
-            return self._backward(s, m, split=False)
-        if kind == I:
-            return self._backward(s, m, split=True)
-        self._weight(s, m)
-        return []
-
-    def _forward(self, s: int, m: int) -> list:
-        stage = self.stages[s]
-        if self._forward_only:
-            # No backward follows: no graph, and the inputs go at once.
-            with torch.no_grad():
-                out = self._forward_graph(stage, s, m, self._act.pop((s, m)))
-            return [] if out is None else [(s + 1, m, Direction.ACT, list(as_tuple(out)))]
-        inputs = self._act[(s, m)]
-        if self._sizer is not None:
-            with self._sizer.measure(s, m, inputs), torch.enable_grad():
-                out = self._forward_graph(stage, s, m, inputs)
-        elif torch.is_grad_enabled():  # entering enable_grad() costs more than the check
-            out = self._forward_graph(stage, s, m, inputs)
-        else:
-            with torch.enable_grad():
-                out = self._forward_graph(stage, s, m, inputs)
-        if out is None:
-            return []
-        outs = out if type(out) is tuple else as_tuple(out)
-        self._out[(s, m)] = outs
-        return [(s + 1, m, Direction.ACT, [detach_for_next(o) for o in outs])]
-
-    def _forward_graph(self, stage, s: int, m: int, inputs):
-        kw = self._kwargs
-        out = stage.submod(*inputs, **kw[m]) if kw is not None and kw[m] else stage.submod(*inputs)
-        if s != self.last_stage:
-            return out
-        if self._outputs is not None:
-            self._outputs[m] = _detached(out)
-        if self._targets is None:  # forward-only without a target or a loss_fn
-            return None
-        loss = self.loss_fn(out, self._targets[m])
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise PipelineError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-        self._mb_losses[m] = loss.detach()
-        if self._forward_only:
-            return None
-        # The microbatch's weight enters as the backward's seed gradient, d(w L) = w dL: the
-        # same values as backpropagating through ``loss * w``, without that extra node.
-        self._out[(s, m)] = (loss,)
-        self._seed[m] = self._weights[m]
-        return None
-
-    def _grad_pairs(self, s: int, m: int) -> tuple[list, list | None]:
-        outs = self._out.pop((s, m))
-        if s == self.last_stage:
-            return list(outs), [torch.full_like(outs[0], self._seed.pop(m))]
-        grads = self._grad.pop((s, m))
-        if len(grads) != len(outs):
-            raise PipelineError(
-                f"rank {self.rank}: stage {s} microbatch {m} got {len(grads)} gradients for {len(outs)} outputs"
-            )
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs]
-
-    def _backward(self, s: int, m: int, split: bool) -> list:
-        inputs = self._act.pop((s, m))
-        outs, grads = self._grad_pairs(s, m)
-        dw_builder = self.stages[s].dw_builder
-        if dw_builder is not None:
-            # PyTorch's meaning (PipelineStage(dw_builder=)): the module's own backward leaves
-            # out the weight-gradient part, and the callable dw_builder() returns, built right
-            # after that backward, computes it: at W when the backward is split, else at once.
-            with self._capture(s, m, final=not split):
-                if outs:
-                    run_backward(outs, grads, (self.rank, s, m))
-                if not split:
-                    dw_builder()()
-            if split:
-                self._wstate[(s, m)] = ("runner", dw_builder())
-        elif split and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
-            # I: input gradients now; the linear layers' weight gradients wait in a store for W.
-            store = WeightGradStore()
-            with deferring(store, self.stages[s].submod), self._capture(s, m, final=False):
-                if outs:
-                    run_backward(outs, grads, (self.rank, s, m))
-            self._wstate[(s, m)] = ("store", store)
-        elif split:
-            # No input needs a gradient (stage 0): nothing is on the critical path, so the
-            # whole backward moves to W, as PyTorch's zero-bubble schedules do.
-            self._wstate[(s, m)] = ("full", outs, grads)
-        elif self._ordered is None:
-            if outs:
-                run_backward(outs, grads, (self.rank, s, m))
-        else:
-            with self._capture(s, m):
-                if outs:
-                    run_backward(outs, grads, (self.rank, s, m))
-        if s == 0:
-            return []
-        in_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-        return [(s - 1, m, Direction.GRAD, in_grads)]
-
-    def _weight(self, s: int, m: int) -> None:
-        state = self._wstate.pop((s, m))
-        with self._capture(s, m):
-            if state[0] == "store":
-                state[1].flush()
-            elif state[0] == "runner":
-                state[1]()
-            elif state[1]:
-                run_backward(state[1], state[2], (self.rank, s, m))
-
-    def _capture(self, s: int, m: int, final: bool = True):
-        if self._ordered is None:
-            return contextlib.nullcontext()
-        return self._ordered[s].capture(m, final)
-
     def _emit(self, outputs: list) -> None:
         """Hand a finished task's outputs on (loop thread): to a same-rank virtual stage
         directly, else through the outbox."""
@@ -582,5 +399,12 @@ class RankRuntime:
 
         Nothing is received afterwards, so a step still running, and any later one, fails at
         once with a PipelineError instead of waiting for the watchdog."""
+        self.stop()
+
+    def stop(self) -> None:
+        """:meth:`close` without a running loop (the error path, ``Pipeline.abort``): stop
+        receiving and free what the inbox and executor own (the hold's kernel timer, worker
+        threads). Call it before the event loop closes, so the timer leaves the loop's watch
+        list; after, it still frees the timer. Idempotent."""
         self.inbox.close()
         self.executor.close()
