@@ -17,6 +17,7 @@ from typing import Any
 
 from ._paths import output_file_problem
 from .cli import UsageError
+from .train.lines import say
 
 def _run_all():
     import os
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         return run_all.run(args)
     except KeyboardInterrupt as e:
         sig = signal.Signals(getattr(e, "signum", signal.SIGINT))
-        print(f"rrfp bench: stopped by {sig.name}; its rank processes were stopped too", file=sys.stderr)
+        say(f"rrfp bench: stopped by {sig.name}; its rank processes were stopped too", sys.stderr)
         return 128 + int(sig)
     finally:
         for s, handler in previous.items():
