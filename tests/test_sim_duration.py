@@ -101,6 +101,56 @@ def test_running_average_is_per_stage_and_order_defined() -> None:
     assert j.running_average(0) is None
 
 
+def test_split_backward_gets_the_full_backwards_injected_delay() -> None:
+    # Independent reference: the paper's formula by hand, a * max(b, e) * (0.5 + U), with the
+    # full backward's key (kind B) and the e the stage had before it.
+    lv = JitterLevel("always", 1.0, 0.004, 1.5)
+    full, split = InjectedJitter(lv, seed=11), InjectedJitter(lv, seed=11)
+    for j in (full, split):
+        j(0, 2, 0, "F", 0.010)  # e = 0.010 before the backward
+    d_b = full(0, 2, 0, "B", 0.030)
+    d_i, d_w = split.split_backward(0, 2, 0, 0.010, 0.020)
+    u = keyed_uniform(11, 0, 2, 0, "B", 1 + 1)  # STREAM_INJECT_SIZE
+    assert d_b == pytest.approx(1.5 * 0.010 * (0.5 + u), rel=1e-12)
+    assert d_i + d_w == pytest.approx(d_b, rel=1e-12)
+    assert d_i == pytest.approx(d_b / 3, rel=1e-12) and d_w == pytest.approx(2 * d_b / 3, rel=1e-12)
+    # e folds once, with c_I + c_W: it does not depend on whether the backward is split.
+    assert split.running_average(2) == full.running_average(2) == pytest.approx(0.9 * 0.010 + 0.1 * 0.030)
+    # A draw that misses misses for both halves.
+    miss = InjectedJitter(JitterLevel("never", 0.0, 0.004, 1.5), seed=11)
+    assert miss.split_backward(0, 2, 0, 0.01, 0.01) == (0.0, 0.0)
+
+
+def test_duration_model_gives_split_and_full_backwards_equal_injected_work() -> None:
+    costs = CostModel([StageCost(0.01, 0.03, 0.012, 0.018)] * 2)
+    kw = dict(seed=3, jitter=LEVELS["J3"], noise=0.2)
+    full, split = DurationModel(costs, **kw), DurationModel(costs, **kw)
+    tot_full = tot_split = 0.0
+    for m in range(200):
+        for s in (0, 1):
+            full(0, 0, Task(s, "F", m)), split(0, 0, Task(s, "F", m))
+            b = full(0, 0, Task(s, "B", m)) - full.compute(0, 0, Task(s, "B", m))
+            # W first (PyTorch's zero-bubble runs stage 0's whole backward in W): same draw.
+            order = ("W", "I") if m % 2 else ("I", "W")
+            extra = {k: split(0, 0, Task(s, k, m)) - split.compute(0, 0, Task(s, k, m)) for k in order}
+            c_i, c_w = (split.compute(0, 0, Task(s, k, m)) for k in "IW")
+            # With noise c_I + c_W differs from c_B, so e (and the draw's scale) may differ by
+            # the noise's share; the hit and its U are the same, and the split follows c_I : c_W.
+            assert (b > 0) == (extra["I"] > 0) == (extra["W"] > 0)
+            if b > 0:
+                assert extra["I"] / (extra["I"] + extra["W"]) == pytest.approx(c_i / (c_i + c_w), rel=1e-9)
+            tot_full += b
+            tot_split += extra["I"] + extra["W"]
+    assert tot_split == pytest.approx(tot_full, rel=0.05)
+    # Without noise c_I + c_W = c_B: identical delays, task by task.
+    full, split = DurationModel(costs, seed=3, jitter=LEVELS["J3"]), DurationModel(costs, seed=3, jitter=LEVELS["J3"])
+    for m in range(50):
+        assert full(0, 0, Task(0, "F", m)) == split(0, 0, Task(0, "F", m))  # the same e before each F
+        d_b = full(0, 0, Task(0, "B", m)) - 0.03
+        d_iw = split(0, 0, Task(0, "I", m)) - 0.012 + split(0, 0, Task(0, "W", m)) - 0.018
+        assert d_iw == pytest.approx(d_b, abs=1e-15)
+
+
 # ------------------------------------------------------------------------- costs
 def test_stage_cost_derives_the_split_backward() -> None:
     c = StageCost.from_mapping({"F": 1.0, "B": 3.0})

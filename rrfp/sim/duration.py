@@ -15,6 +15,10 @@ A task's duration, for stage ``s`` and microbatch ``m`` in step ``k``::
         * lognormal(k, s, m, kind)        (compute noise, mean 1)
     duration = c + injected(k, s, m, kind, e_s)   (RRFP §7 jitter, e_s the stage's running mean of c)
 
+A split backward's ``I`` and ``W`` share one injected draw, the full backward's (keyed ``B``),
+in proportion to their ``c`` (:meth:`rrfp.sim.jitter.InjectedJitter.split_backward`), so every
+hint gets the same injected work per microbatch whether or not it splits the backward.
+
 A message from the task that produced it (``F`` of stage ``s``: ``msg_bytes[s]``; ``B``/``I`` of
 stage ``s``: ``msg_bytes[s - 1]``, the gradient of that stage's output)::
 
@@ -33,7 +37,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Mapping
 
-from ..scheduler.tasks import F, Task
+from ..scheduler.tasks import F, I, W, Task
 from .costs import CostModel
 from .jitter import (
     STREAM_COMM_HIT,
@@ -142,9 +146,10 @@ class DurationModel:
     """``duration(step, rank, task) -> seconds`` (formula in the module docstring).
 
     Stateful only through the injected jitter's per-stage running average, which advances
-    once per call: call it once per task, when the task starts, in each rank's dispatch order
-    (what :func:`rrfp.sim.engine.simulate` does). Build a fresh model (or :meth:`reset`) for
-    each run being compared.
+    once per F and once per backward (at the first of a split backward's ``I`` and ``W``, which
+    also fixes the other's share): call it once per task, when the task starts, in each rank's
+    dispatch order (what :func:`rrfp.sim.engine.simulate` does). Build a fresh model (or
+    :meth:`reset`) for each run being compared.
 
     Args:
         costs: per-stage costs, one entry per stage of the pipeline.
@@ -204,6 +209,7 @@ class DurationModel:
             self._tab[s] = {k: v * encoder_scale for k, v in self._tab[s].items()}
         self._inject = InjectedJitter(self.jitter, seed) if self.jitter else None
         self._plain = self.jitter is None and noise == 0 and seqlen is None and images is None and not stragglers
+        self._pending: dict[tuple[int, int, int], float] = {}  # (step, stage, mb) -> the other half's delay
         self._mb_scale: dict[tuple[int, int], float] = {}
         self._img_scale: dict[tuple[int, int], float] = {}
 
@@ -211,6 +217,7 @@ class DurationModel:
         """Forget the injected jitter's running averages (start of a new run)."""
         if self._inject is not None:
             self._inject.reset()
+        self._pending.clear()
 
     def seqlen_ratio(self, step: int, microbatch: int) -> float:
         """Microbatch ``microbatch``'s sequence-length ratio in step ``step`` (1 without a
@@ -279,8 +286,26 @@ class DurationModel:
             return self._tab[task[0]][task[1]]
         c = self.compute(step, rank, task)
         if self._inject is not None:
-            c += self._inject(step, task[0], task[2], task[1], c)
+            s, kind, m = task
+            if kind == I or kind == W:
+                c += self._split_share(step, rank, s, m, kind, c)
+            else:
+                c += self._inject(step, s, m, kind, c)
         return c
+
+    def _split_share(self, step: int, rank: int, stage: int, mb: int, kind: str, c: float) -> float:
+        # One draw per split backward (InjectedJitter.split_backward), taken when the first of
+        # its I and W starts (I, in any order the arbiter allows); the other's share waits here.
+        key = (step, stage, mb)
+        d = self._pending.pop(key, None)
+        if d is not None:
+            return d
+        other = self.compute(step, rank, Task(stage, W if kind == I else I, mb))
+        c_i, c_w = (c, other) if kind == I else (other, c)
+        d_i, d_w = self._inject.split_backward(step, stage, mb, c_i, c_w)  # type: ignore[union-attr]
+        mine, theirs = (d_i, d_w) if kind == I else (d_w, d_i)
+        self._pending[key] = theirs
+        return mine
 
 
 class CommModel:

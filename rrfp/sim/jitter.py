@@ -19,10 +19,18 @@ lines in any language (a C++ backend can reproduce it bit for bit)::
 Integers enter modulo 2^64 (two's complement for negatives); kind codes are
 :data:`KIND_CODE`.
 
-Injected jitter (the paper's model): each task, with probability ``p``, gets an extra delay
-``d = a * max(b, e) * (0.5 + U(0, 1))``, ``e`` being its stage's running average compute time,
-``e <- 0.9 e + 0.1 c``. Levels: J0 (p = 0), J1 (0.1, 5 ms, 0.5), J2 (0.2, 10 ms, 1.0),
-J3 (0.3, 15 ms, 1.5).
+Injected jitter (the paper's model): each F and each backward, with probability ``p``, gets an
+extra delay ``d = a * max(b, e) * (0.5 + U(0, 1))``, ``e`` being its stage's running average
+compute time, ``e <- 0.9 e + 0.1 c``. Levels: J0 (p = 0), J1 (0.1, 5 ms, 0.5), J2 (0.2, 10 ms,
+1.0), J3 (0.3, 15 ms, 1.5).
+
+A split backward is one backward (:meth:`InjectedJitter.split_backward`): one draw keyed on kind
+``B`` with the same ``e`` as the full backward, shared between ``I`` and ``W`` in proportion to
+their compute times (``d_I = d * c_I / (c_I + c_W)``, ``d_W = d - d_I``), and folded into ``e``
+once, with ``c = c_I + c_W``. So a split-backward schedule gets the injected work of the
+unsplit one on each microbatch (not two draws, each with the floor ``b``), and ``e`` does not
+depend on whether the backward is split. The benchmark harness does the same
+(``benchmarks/harness.py``: ``JitterHarness.delay(mb, "B", share)``).
 
 Pure module: no torch, no numpy, no I/O.
 """
@@ -184,7 +192,8 @@ def injected_delay(
 class InjectedJitter:
     """The paper's injected jitter with its per-stage running average (RRFP §7).
 
-    Call it once per task, in the order the stage dispatches its tasks, with the task's compute
+    Call it once per F and once per backward (a split backward through
+    :meth:`split_backward`), in the order the stage dispatches its tasks, with the task's compute
     time ``c`` (seconds, without the injected delay: the average tracks the work, not the
     injected noise, so it cannot feed on itself). It returns the extra delay, drawn with
     ``e`` = the average over the stage's earlier tasks (the first task's own ``c`` when there
@@ -216,3 +225,16 @@ class InjectedJitter:
         d = injected_delay(self.level, self.seed, step, stage, microbatch, kind, e)
         self._avg[stage] = 0.9 * e + 0.1 * compute
         return d
+
+    def split_backward(self, step: int, stage: int, microbatch: int, c_i: float, c_w: float) -> tuple[float, float]:
+        """The injected delays ``(d_I, d_W)`` (seconds) of a split backward whose ``I`` and
+        ``W`` compute ``c_i`` and ``c_w`` seconds: the full backward's draw (kind ``B``, this
+        stage's ``e``), shared in proportion to ``c_i : c_w`` (half each when both are 0),
+        and ``c_i + c_w`` folded into ``e`` once, as a full backward would. Call it once per
+        split backward, where the stage's full backward would have been called."""
+        c = c_i + c_w
+        d = self(step, stage, microbatch, "B", c)
+        if d == 0.0:
+            return 0.0, 0.0
+        d_i = d * (c_i / c if c > 0 else 0.5)
+        return d_i, d - d_i
