@@ -154,8 +154,8 @@ def suite_targets(rows: Sequence[SuiteRow], hint: str) -> list[tuple[str, str, b
     med_b = statistics.median(unl) if unl else math.nan
     ideal = [r.makespan[r.baseline] / min(r.bound.values()) for r in eq if r.scenario in VARIABLE]
     med_ideal = statistics.median(ideal) if ideal else math.nan
-    # The hint's own ideal: the baseline over the hint's own lower bound (a split backward
-    # runs more tasks, each drawing its own injected jitter, so its bound can be higher).
+    # The hint's own ideal: the baseline over the hint's own lower bound (durations depend on
+    # the dispatch order through the jitter's running average, so bounds differ a little).
     own = [r.makespan[r.baseline] / r.bound[hint] for r in eq if r.scenario in VARIABLE]
     med_own = statistics.median(own) if own else math.nan
     worst_row = min(eq, key=lambda r: r.speedup(hint)) if eq else None
@@ -206,8 +206,9 @@ def suite_markdown(rows: Sequence[SuiteRow], hints: Sequence[str], wall_s: float
         "1F1B with 2 virtual stages) on the same workload and seed. At `1f1b` memory every rank's",
         "byte budget is what the baseline holds there (the memory rule: `rrfp/scheduler/memory.py`);",
         "`unlimited` has no budget. MiB columns are the most activation bytes any rank held. The",
-        "baseline runs the full backward (B); split-backward hints (`bfw*`) run I and W, and each of",
-        "their tasks draws its own injected jitter, so at J3 their busiest stage has more work.",
+        "baseline runs the full backward (B); split-backward hints (`bfw*`) run I and W, which share",
+        "the full backward's injected-jitter draw (`rrfp/sim/jitter.py`), so every hint gets the same",
+        "injected work per microbatch.",
         "",
         "## Targets (rrfp issue 13)",
         "",
