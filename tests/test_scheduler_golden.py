@@ -142,3 +142,35 @@ def test_depth_first_under_a_budget_runs_the_oldest_first_hand_computed():
     run(3)
     assert seen == ["0F0", "0F1", "2F0", "2I0", "2W0", "2F1"]
     assert arb.peak_bytes == 3
+
+
+def _budget_dispatch(hint: str) -> str:
+    """Rank 0 of 2, one stage per rank, 4 microbatches of 1 byte, a budget of 2 bytes (a split
+    backward frees its byte at W): two dispatches, then the gradients of microbatches 0 and 1,
+    four dispatches, then the other gradients, then the step drains."""
+    spec, h, _ = resolve_hint(hint, Placement(2), 4)
+    arb = Arbiter(spec, 0, h, memory_budget=2, act_bytes=lambda s, m: 1)
+    seen: list = []
+    run = stepper(arb, seen)
+    run(2)
+    arb.mark_input(0, 0, True)
+    arb.mark_input(0, 1, True)
+    run(4)
+    for m in (2, 3):
+        arb.mark_input(0, m, True)
+    run(100)
+    assert arb.finished and arb.peak_bytes == 2
+    return " ".join(seen)
+
+
+def test_memory_aware_w_first_when_the_budget_refuses_a_forward_hand_computed():
+    # After F0 F1 the budget is full and F2 is refused. bfw-alt-df runs every ready I before
+    # the W that frees a byte: I0 I1 W0 F2; after F2 the budget is full again, so I2 (ready
+    # since its gradient came) goes before W1, then F3 I3 W2 W3.
+    assert _budget_dispatch("bfw-alt-df") == "0F0 0F1 0I0 0I1 0W0 0F2 0I2 0W1 0F3 0I3 0W2 0W3"
+    # bfw-mem: F2 is refused and W0 is not ready until I0 ran, so I0; then W0 at once (frees a
+    # byte), F2 (the round's F), I1 (F3 refused, no W ready); then W1 before I2, F3, and the
+    # rest as bfw-alt-df (I2 I3 rounds with no F left, then W2 W3).
+    assert _budget_dispatch("bfw-mem") == "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0F3 0I2 0I3 0W2 0W3"
+    # Without a budget bfw-mem is bfw-alt-df (and with one stage per rank, bfw-alt).
+    assert dispatch("bfw-mem", SCRIPT) == dispatch("bfw-alt-df", SCRIPT) == GOLDEN["bfw-alt"]

@@ -50,6 +50,7 @@ def _peak(records, size, rank: int) -> int:
 @SETTINGS
 @given(
     hint=st.sampled_from(["bf", "bfw", "fb", "b-priority", "f-priority", "bf-df", "bfw-df", "bfw-alt", "bfw-alt-df",
+                          "bfw-mem",
                           "1f1b", "gpipe", "interleaved-1f1b"]),
     p=st.integers(1, 5),
     v=st.sampled_from([1, 2]),
@@ -100,7 +101,7 @@ def test_byte_budget_bound_and_completion(hint, p, v, vplace, m, limit, budget_f
 
 @SETTINGS
 @given(
-    hint=st.sampled_from(["bf", "bfw-df", "bfw-alt-df", "interleaved-1f1b"]),
+    hint=st.sampled_from(["bf", "bfw-df", "bfw-alt-df", "bfw-mem", "interleaved-1f1b"]),
     p=st.integers(1, 4),
     v=st.sampled_from([1, 2]),
     m=st.integers(1, 10),

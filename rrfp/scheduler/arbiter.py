@@ -5,32 +5,9 @@ when an input arrives (:meth:`Arbiter.mark_input`) and when a task finishes
 (:meth:`Arbiter.complete`), and asks it for the next task whenever compute is free
 (:meth:`Arbiter.next`). ``None`` means nothing may run now: wait for the next event.
 
-Backpressure: ``D`` is the number of forwards minus input backwards finished so far this step
-on the rank (activations held). In readiness mode, once ``D`` reaches the in-flight limit:
-
-- one stage per rank: forwards are disabled; ready backwards (and ``W`` fillers) still run;
-- ``V > 1`` virtual stages, ``admission`` backpressure (the default): the limit counts the
-  microbatches in flight on the rank (its first virtual stage's F done, that stage's backward
-  not). At the limit the rank admits no new microbatch, so no F runs on its first virtual stage,
-  but every other ready task runs as the hint ranks it. The rank holds at most ``limit``
-  microbatches, that is at most ``limit * V`` activations. It cannot deadlock: only
-  first-stage forwards ever wait, and a microbatch already admitted needs no first-stage
-  forward of this rank to finish.
-- ``V > 1``, ``completion-order`` backpressure (RRFP App. C.2, selectable through
-  ``Hint.backpressure``): while ``D`` is at the limit, the rank follows the deterministic
-  microbatch-by-microbatch completion order (``m = 0..M-1``, each ``F_0..F_{V-1},
-  B_{V-1}..B_0``). It waits for its next task there instead of skipping it, until ``D`` drops
-  below the limit. The bound is ``limit + V``. It serialises deep interleaved pipelines once
-  the limit binds: simulated, 16 ranks x 2 virtual stages, 128 microbatches, limit 32 took 10x
-  strict interleaved 1F1B.
-
-Memory budget (:mod:`rrfp.scheduler.memory`): with ``act_bytes`` (the bytes each
-``F(stage, mb)`` holds) and ``memory_budget``, every forward asks the rank's ledger (a banker's
-check: after it, the in-flight microbatches, oldest first, could each still take what its
-remaining forwards need); an admission also needs the count limit and, with virtual stages,
-goes in microbatch order. The hint ranks the granted forwards. The rule, the bound and deadlock
-freedom are in that module's docstring. With ``act_bytes`` alone the arbiter only counts
-(``peak_bytes``).
+What runs when the in-flight limit or the memory budget binds (the backpressure rules, their
+bounds and why they cannot deadlock) is in :mod:`rrfp.scheduler.backpressure`; the arbiter
+inherits those decisions from its :class:`~rrfp.scheduler.backpressure.Backpressure` base.
 
 Strict mode runs exactly the hint's order (the fixed-order baseline) and ignores the limit
 and the memory budget.
@@ -43,12 +20,10 @@ from __future__ import annotations
 import heapq
 
 from .hints import Hint
+from .backpressure import Backpressure, _new
 from .memory import MemoryLedger, SizeFn
 from .tasks import F, I, W, PipelineSpec, Task
 
-# Task(...) runs a Python-level __new__; the arbiter builds a task per event, so its hot paths
-# build the tuple directly (same object, about half the cost).
-_new = tuple.__new__
 
 
 class SchedulingError(RuntimeError):
@@ -78,7 +53,7 @@ def validate_rank_order(spec: PipelineSpec, rank: int, order: list[Task]) -> Non
         raise ValueError(f"rank {rank}: action {missing[0]} is missing from the order")
 
 
-class Arbiter:
+class Arbiter(Backpressure):
     """Chooses what one rank runs next.
 
     Args:
@@ -157,6 +132,7 @@ class Arbiter:
         # F prefers the lower virtual index, or the higher one for a depth-first hint: entries
         # hold virtual index * _fsign, so a first-virtual-stage F has key 0 either way.
         self._fsign = -1 if hint.depth_first else 1
+        self._free_first = hint.free_first  # W first when the budget refuses an F (backpressure.py)
         self._rf: list[tuple[int, int, int]] = []  # (virtual index * _fsign, mb, stage)
         self._rb: list[tuple[int, int, int]] = []  # (-virtual index, mb, stage): B prefers higher
         self._rw: list[tuple[int, int, int]] = []  # (mb, -virtual index, stage)
@@ -302,38 +278,6 @@ class Arbiter:
             return self._next_policy(self.inflight < self.limit)
         return self._next_in_order(self.inflight < self.limit)
 
-    def _next_budget(self, mem: MemoryLedger) -> Task | None:
-        # Under a memory budget every forward asks the ledger (the banker's check,
-        # rrfp.scheduler.memory): an admission within the count limit (with virtual stages,
-        # only the next microbatch in order), a later virtual stage's forward for an admitted
-        # microbatch. The hint ranks the granted forwards; B, I and W are never gated.
-        M = self._n_mb
-        rdy = self._rdy[0]
-        if not self._policy:
-            return self._next_in_order(True, budget=True)
-        if self._interleaved:
-            m0 = mem.n_admitted
-            admit = m0 < M and rdy[m0]
-        else:
-            # One stage per rank: the lowest ready microbatch, the policy heap's top.
-            m0 = self._rf[0][1] if self._rf else M
-            admit = m0 < M
-        admit = admit and self.mb_inflight < self.limit and mem.grants(self.stages[0], m0)
-        best = None
-        fs = self._fsign
-        if self._interleaved:
-            # Forwards on later virtual stages: only in-flight microbatches have them ready.
-            stages = self.stages
-            for m in mem.in_flight():
-                for v in range(1, len(stages)):
-                    if rdy[v * M + m]:
-                        e = (v * fs, m, stages[v])
-                        if (best is None or e < best) and mem.grants(e[2], m):
-                            best = e
-        if admit and (best is None or fs > 0):  # F prefers the lower virtual index unless depth-first
-            best = (0, m0, self.stages[0])
-        return self._next_policy(False, best)
-
     def _next_policy(self, f_allowed: bool, f_entry: tuple[int, int, int] | None = None) -> Task | None:
         # The simulator calls this once per task: pops and dispatch are inlined. ``f_entry``:
         # the one F heap entry admission backpressure allows (any, when None and f_allowed).
@@ -385,64 +329,6 @@ class Arbiter:
             # Flag index i < M is the first virtual stage: F there admits a new microbatch.
             if rdy[c][i] and (c != 0 or (f_allowed and (i >= M or admit))):
                 return self._dispatch(order[j])
-        return None
-
-    def _next_policy_admission(self) -> Task | None:
-        # At the limit with virtual stages: no forward on the first virtual stage, every other
-        # ready task as the policy ranks it. The best admissible F is the smallest heap entry
-        # with virtual index >= 1 (key != 0); the scan runs only while the limit binds.
-        rf = self._rf
-        if not rf:
-            best = None
-        elif self._fsign < 0 or rf[0][0]:
-            # Depth-first: entries with key != 0 sort before every key-0 entry; otherwise a
-            # top with key != 0 means there is no key-0 entry. Either way the best admissible
-            # F is the heap's (live) top, or there is none: no scan.
-            best = rf[0] if rf[0][0] else None
-        else:
-            stale = self._stale[id(rf)]
-            best = min((e for e in rf if e[0] and e not in stale), default=None)
-        return self._next_policy(False, best)
-
-    def _next_completion_order(self) -> Task | None:
-        # Position pos of the completion order is microbatch pos // 2V; within it, F on
-        # virtual stages 0..V-1, then the backward on V-1..0. Computed, not stored; the flag
-        # of the current position is cached because a waiting rank asks again and again.
-        done, n = self._done, self._canon_len
-        pos = self._canon_pos
-        c, i = self._canon_flag
-        if pos < n and done[c][i]:
-            M, nv = self._n_mb, len(self.stages)
-            while pos < n and done[c][i]:
-                pos += 1
-                m, j = divmod(pos, 2 * nv)
-                c, i = (0, j * M + m) if j < nv else (1, (2 * nv - 1 - j) * M + m)
-            self._canon_pos = pos
-            self._canon_flag = (c, i)
-        if pos < n and self._rdy[c][i]:
-            self._rdy[c][i] = 0
-            m, j = divmod(pos, 2 * len(self.stages))
-            if c == 0:
-                s = self.stages[j]
-                t = _new(Task, (s, F, m))
-                if self._policy:
-                    self._remove_from_heap(self._rf, (j * self._fsign, m, s))
-            else:
-                v = 2 * len(self.stages) - 1 - j
-                s = self.stages[v]
-                t = _new(Task, (s, self._bk, m))
-                if self._policy:
-                    self._remove_from_heap(self._rb, (-v, m, s))
-            self.running = t
-            return t
-        # W never changes D, so it may fill the wait without weakening the bound.
-        if self._policy:
-            return self._dispatch(self._pop(self._rw, W)) if self._rw else None
-        rdy = self._rdy[2]
-        for j in range(self._pos, len(self._order)):
-            c, i = self._keys[j]
-            if c == 2 and rdy[i]:
-                return self._dispatch(self._order[j])
         return None
 
     # ------------------------------------------------- propose / commit (TP agreement)

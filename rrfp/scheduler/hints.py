@@ -1,7 +1,8 @@
 """Hints: a rank's ordered preference over its ready tasks (RRFP §4, App. A).
 
 A hint is either a *policy* (``bf``, ``bfw``, ``bfw-alt``, ``fb``, ``b-priority``,
-``f-priority``, and the depth-first ``-df`` variants), which ranks whatever is ready by kind,
+``f-priority``, the depth-first ``-df`` variants and the memory-aware ``bfw-mem``), which ranks
+whatever is ready by kind,
 or a *total order* per rank: compiled from a named schedule
 (:data:`~rrfp.scheduler.schedules.SCHEDULES`: ``gpipe``, ``looped-bfs``, ``1f1b``,
 ``interleaved-1f1b``, ``zb-h1``, ``zb-v``) or given by the user as text or a CSV file.
@@ -53,7 +54,20 @@ prefer the *latest* virtual stage, so a microbatch already admitted moves on to 
 (and frees its memory) before a new one is started; critical-path priority across virtual
 stages. With one stage per rank they equal their base policy."""
 POLICIES.update({k: POLICIES[v] for k, v in DEPTH_FIRST.items()})
+FREE_FIRST = {"bfw-mem": "bfw-alt-df"}
+"""Memory-aware variants (name -> the policy they vary): under a memory budget, with one stage
+per rank, when the ledger refuses a ready forward a ready ``W`` runs first (it frees the bytes
+the forward waits for; :mod:`rrfp.scheduler.backpressure`); otherwise, and with virtual stages,
+they equal their base policy. Measured on the suite at 1F1B's memory (rrfp issue 13,
+``docs/suite.md``): ``bfw-alt-df`` runs the refused forward's ``I``s first and stalls the next
+rank's forward; with virtual stages the rule was mixed (J3 -2%, J1 +2%), so it is not applied
+there."""
+POLICIES.update({k: POLICIES[v] for k, v in FREE_FIRST.items()})
 HINT_NAMES = tuple(POLICIES) + tuple(SCHEDULES)
+
+
+def _depth_first(name: str) -> bool:
+    return name in DEPTH_FIRST or FREE_FIRST.get(name) in DEPTH_FIRST
 DEFAULT_HINT = "bf"
 """The hint ``Pipeline``, ``LocalPipeline``, ``rrfp train`` and ``benchmarks/bench_sim.py`` use
 when none is given (the one definition). RRFP's BF: needs no split backward. ``bfw-alt-df`` is
@@ -84,6 +98,8 @@ class Hint:
         backpressure: what readiness mode does at the in-flight limit with virtual stages
             (:data:`BACKPRESSURE`); one stage per rank always disables forwards.
         depth_first: for a policy, prefer forwards on later virtual stages (:data:`DEPTH_FIRST`).
+        free_first: for a policy under a memory budget, run a ready ``W`` first when the
+            budget refuses a ready forward (:data:`FREE_FIRST`).
     """
 
     name: str
@@ -92,6 +108,7 @@ class Hint:
     order: Order | None = field(default=None, compare=False)
     backpressure: str = "admission"
     depth_first: bool = False
+    free_first: bool = False
 
     @property
     def is_policy(self) -> bool:
@@ -131,7 +148,7 @@ def compile_policy(
     if len(limits) != P:
         raise ValueError(f"{len(limits)} in-flight limits given for {P} ranks")
     dur = NOMINAL_DURATIONS if durations is None else durations
-    policy = Hint(hint.name, hint.first, hint.alternate, depth_first=hint.depth_first)
+    policy = Hint(hint.name, hint.first, hint.alternate, depth_first=hint.depth_first, free_first=hint.free_first)
     arbs = [Arbiter(spec, r, policy, inflight_limit=limits[r]) for r in range(P)]
     orders: Order = [[] for _ in range(P)]
     events: list[tuple[float, int, int]] = []  # (end time, seq, rank)
@@ -225,7 +242,8 @@ def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, ba
     if name in POLICIES:
         first, alternate, split = POLICIES[name]
         spec = PipelineSpec(placement, n_microbatches, split if split_backward is None else split_backward)
-        hint = Hint(name, first, alternate, backpressure=backpressure, depth_first=name in DEPTH_FIRST)
+        hint = Hint(name, first, alternate, backpressure=backpressure, depth_first=_depth_first(name),
+                    free_first=name in FREE_FIRST)
         if strict:
             hint = Hint(name, first, alternate, order=compile_policy(spec, hint, inflight_limit))
         return spec, hint, strict
