@@ -58,21 +58,25 @@ FREE_FIRST = {"bfw-mem": "bfw-alt-df"}
 """Memory-aware variants (name -> the policy they vary): under a memory budget, with one stage
 per rank, when the ledger refuses a ready forward a ready ``W`` runs first (it frees the bytes
 the forward waits for; :mod:`rrfp.scheduler.backpressure`); otherwise, and with virtual stages,
-they equal their base policy. Measured on the suite at 1F1B's memory (rrfp issue 13,
-``docs/suite.md``): ``bfw-alt-df`` runs the refused forward's ``I``s first and stalls the next
-rank's forward; with virtual stages the rule was mixed (J3 -2%, J1 +2%), so it is not applied
-there."""
+they equal their base policy. ``bfw-alt-df`` runs every ready ``I`` before the ``W`` that frees
+the refused forward's bytes, which holds back the forward the next rank waits for. Measured on
+the suite at 1F1B's memory (rrfp issue 13, ``docs/suite.md``): median speedup 1.085x -> 1.098x
+(one stage per rank: 1.124x -> 1.132x), min 1.005x both; with virtual stages the rule was mixed
+(J3 down to -2%, J1 up to +2%), so it is not applied there."""
 POLICIES.update({k: POLICIES[v] for k, v in FREE_FIRST.items()})
 HINT_NAMES = tuple(POLICIES) + tuple(SCHEDULES)
 
 
-def _depth_first(name: str) -> bool:
-    return name in DEPTH_FIRST or FREE_FIRST.get(name) in DEPTH_FIRST
 DEFAULT_HINT = "bf"
 """The hint ``Pipeline``, ``LocalPipeline``, ``rrfp train`` and ``benchmarks/bench_sim.py`` use
-when none is given (the one definition). RRFP's BF: needs no split backward. ``bfw-alt-df`` is
-the best hint of the scenario suite (``docs/suite.md``) but misses its targets at 1F1B's memory
-(never below 1.00x; median 1.15x), so it is not the default; README says which to use when."""
+when none is given (the one definition). RRFP's BF: needs no split backward. ``bfw-mem`` is the
+best hint of the scenario suite (``docs/suite.md``): never below 1.00x at 1F1B's memory, but
+short of the 1.15x median there; README says which hint to use when."""
+
+
+def _depth_first(name: str) -> bool:
+    return name in DEPTH_FIRST or FREE_FIRST.get(name) in DEPTH_FIRST
+
 
 NOMINAL_DURATIONS = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
 """Task durations (arbitrary units) used to compile a policy into a strict order."""
