@@ -194,3 +194,35 @@ def test_bad_inflight_limits_are_one_line_errors():
         LocalPipeline(stages, 2, lm_loss, inflight_limit="1f1b")
     with pytest.raises(ValueError, match="expected 2 integers >= 1, one per rank"):
         LocalPipeline(stages, 2, lm_loss, inflight_limit=[1, 2, 3])
+
+
+def test_split_backward_under_bf16_autocast_matches_autocasts_own_backward():
+    """A split backward (I now, W deferred) of a layer run under bf16 autocast: the gradients
+    equal autocast's own backward of the same layer (float32 parameters, bf16 matmuls)."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from rrfp.runtime.split import WeightGradStore, deferring, enable_split_backward
+
+    torch.manual_seed(0)
+    # No bias on the first layer: its output stays bf16 (a bias add would promote it to
+    # float32), so the second layer saves a bf16 input and gets a bf16 gradient.
+    ref = nn.Sequential(nn.Linear(8, 16, bias=False), nn.GELU(), nn.Linear(16, 4, bias=False))
+    lay = copy.deepcopy(ref)
+    x = torch.randn(5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ref(x)
+    y.float().square().sum().backward()
+    assert enable_split_backward(lay) == 2
+    store = WeightGradStore()
+    with deferring(store, lay):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y2 = lay(x)
+        y2.float().square().sum().backward()
+    assert len(store) == 2 and all(p.grad is None for p in lay.parameters() if p.dim() == 2)
+    store.flush()
+    for (n, p), q in zip(ref.named_parameters(), lay.parameters()):
+        assert q.grad.dtype == torch.float32, n
+        torch.testing.assert_close(q.grad, p.grad, rtol=2e-2, atol=2e-2, msg=n)

@@ -139,6 +139,8 @@ def _weight_grads(x: torch.Tensor, dy: torch.Tensor, has_bias: bool, in_out: boo
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    if g.dtype != p.dtype:  # computed in autocast's dtype (bf16); parameters keep theirs
+        g = g.to(p.dtype)
     if p.grad is None:
         p.grad = g
     else:
@@ -161,6 +163,13 @@ class _DeferredAffine(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         w_param, b_param = ctx.params
         in_out = ctx.in_out
+        # Under autocast the forward's matmul ran in autocast's dtype (dy's) but saved the
+        # uncast operands, and backward runs outside autocast: compute in dy's dtype, as
+        # autograd's own matmul backward would (autograd casts dx back to x's dtype).
+        if weight.dtype != dy.dtype:
+            weight = weight.to(dy.dtype)
+        if x.dtype != dy.dtype:
+            x = x.to(dy.dtype)
         dx = None
         if ctx.needs_input_grad[0]:
             dx = dy.matmul(weight.t()) if in_out else dy.matmul(weight)
