@@ -290,9 +290,9 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
         f"- {m['nproc']} CPUs ({m['cpu']}), {m['platform']}",
         f"- Python {m['python']}, torch {m['torch']}, numpy {m['numpy']}, pyzmq {m['pyzmq']}",
         f"- {m['date']}; load average {m['loadavg'][0]:.2f} at the start, "
-        f"{m.get('loadavg_end', m['loadavg'])[0]:.2f} at the end. The machine was shared (other engineers' "
-        "builds and test suites ran alongside), so every comparison is a ratio of runs alternated in one "
-        "run and paired round by round, which cancels the machine's drift but not all of its noise.",
+        f"{m.get('loadavg_end', m['loadavg'])[0]:.2f} at the end. Every comparison is a ratio of runs "
+        "alternated in one run and paired round by round, which cancels the machine's drift but not all of "
+        "its noise.",
         "",
     ]
     if results.get("errors"):

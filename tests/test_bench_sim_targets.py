@@ -83,3 +83,20 @@ def test_training_run_reads_the_loss_file_and_names_a_failure(tmp_path, monkeypa
 def test_command_line_names_the_part():
     args = run_all.build_parser().parse_args(["--sim-targets", "--quick"])
     assert run_all._command(args) == "rrfp bench --sim-targets --quick"
+
+
+@pytest.mark.parametrize("measured,ideal,verdict", [
+    (1.02, 1.02, "**missed** (out of reach of the ideal, 1.02x)"),  # the ideal is below the goal
+    (1.10, 1.20, "**missed**"),                                      # the ideal reaches the goal
+    (1.16, 1.02, "met"),
+])
+def test_a_real_target_beyond_the_ideal_says_so(measured, ideal, verdict):
+    """Issue 13: where a target is out of reach of the simulator's ideal, the report says so."""
+    from benchmarks import report
+
+    steps_torch = [1.0 * measured] * 4
+    s = {"names": [report.R1, report.T1], "speedup": {report.R1: {report.T1: measured}},
+         "steps": {report.R1: [1.0] * 4, report.T1: steps_torch}}
+    rows = report.targets({"jitter4": {"J2": s}}, None, {"jitter4": {"J2": {"1f1b": ideal}}})
+    assert rows[0][0].startswith("4 ranks, J2, at 1F1B's memory") and rows[0][2] == verdict
+    assert rows[0][3] == f"{ideal:.2f}x"
