@@ -83,10 +83,15 @@ class Inbox:
     # ------------------------------------------------------------ transport callbacks
     def handle(self, msg: Message) -> None:
         """The transport's delivery callback (``Transport.set_handler``); never raises."""
+        self._safely(self.on_message, msg)
+
+    def _safely(self, fn: Callable[[Message], None], msg: Message) -> None:
+        # Callbacks from outside the scheduler loop (the transport, the hold's timer): an
+        # error is handed to the loop, never raised into the caller.
         if self.closed:
             return
         try:
-            self.on_message(msg)
+            fn(msg)
         except Exception as e:  # noqa: BLE001 - handed to the scheduler loop
             self.fail(e)
 
@@ -167,12 +172,7 @@ class Inbox:
         self._admit(msg)
 
     def _release(self, msg: Message) -> None:
-        if self.closed:
-            return
-        try:
-            self._admit(msg)
-        except Exception as e:  # noqa: BLE001 - handed to the scheduler loop
-            self.fail(e)
+        self._safely(self._admit, msg)
 
     def _admit(self, msg: Message) -> None:
         key = msg.key
