@@ -278,9 +278,13 @@ class ComputeTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.busy += time.perf_counter() - t0
+                self.record(name, t0, time.perf_counter())
 
         setattr(obj, name, timed)
+
+    def record(self, name: str, t0: float, t1: float) -> None:
+        """One call of wrapped method ``name`` from ``t0`` to ``t1`` (``perf_counter`` seconds)."""
+        self.busy += t1 - t0
 
 
 def calibrate(module: nn.Module, example: torch.Tensor | tuple, repeats: int = 15, q: float = 20.0) -> dict[str, float]:

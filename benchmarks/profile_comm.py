@@ -97,22 +97,12 @@ def rank_main(cfg: dict) -> dict | None:
             log.append(("twait", now["system"], now["step"], send_stage, mb, kind, t0, self.draw(send_stage, mb, kind),
                         float(stamp.detach().reshape(-1)[0]), time.monotonic()))
 
-    def wrap(self, obj, meth, _wrap=harness.ComputeTimer.wrap):
-        fn = getattr(obj, meth)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                t1 = time.perf_counter()
-                self.busy += t1 - t0
-                log.append(("tcall", now["system"], now["step"], meth, t0, t1))
-
-        setattr(obj, meth, timed)
+    def record(self, meth, t0, t1, _record=harness.ComputeTimer.record):
+        _record(self, meth, t0, t1)
+        log.append(("tcall", now["system"], now["step"], meth, t0, t1))
 
     compare.RrfpSystem.__init__, compare.RrfpSystem.step = init, rrfp_step
-    compare.TorchSystem.step, workloads.MessageDelays.wait, harness.ComputeTimer.wrap = torch_step, wait, wrap
+    compare.TorchSystem.step, workloads.MessageDelays.wait, harness.ComputeTimer.record = torch_step, wait, record
     out = compare.rank_main(cfg)
     Path(cfg["prof_dir"], f"rank{dist.get_rank()}.json").write_text(json.dumps(log))
     return out
