@@ -15,12 +15,15 @@ import argparse
 import cProfile
 import pstats
 import time
+from typing import Callable, TypeVar
 
 from rrfp.scheduler import Placement, resolve_hint
 from rrfp.scheduler.hints import DEFAULT_HINT
 from rrfp.sim.costs import CostModel
 from rrfp.sim.duration import DurationModel
 from rrfp.sim.engine import simulate
+
+T = TypeVar("T")
 
 
 def simulate_once(ranks: int, virtual: int, microbatches: int, hint: str = DEFAULT_HINT, limit: int = 32,
@@ -33,6 +36,13 @@ def simulate_once(ranks: int, virtual: int, microbatches: int, hint: str = DEFAU
     spec, h, strict = resolve_hint(hint, Placement(ranks, virtual), microbatches)
     costs = CostModel.uniform(spec.n_stages, F=0.010, B=0.020)
     return simulate(spec, h, DurationModel(costs), strict=strict, inflight_limit=limit, record=record)
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float, float]:
+    """``(fn(), wall seconds, CPU seconds of this process)``."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    res = fn()
+    return res, time.perf_counter() - w0, time.process_time() - c0
 
 
 def main() -> None:
@@ -62,9 +72,7 @@ def main() -> None:
         return
     walls = []
     for i in range(a.repeat):
-        w0, c0 = time.perf_counter(), time.process_time()
-        res = once()
-        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        res, wall, cpu = timed(once)
         walls.append(wall)
         print(f"  run {i + 1}: wall {wall:.2f} s, cpu {cpu:.2f} s")
     best = min(walls)

@@ -11,9 +11,7 @@ issue's (they are marked so).
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,17 +32,12 @@ def run_suite_part(quick: bool) -> dict[str, Any]:
     from rrfp.scheduler.hints import DEFAULT_HINT
     from rrfp.sim import suite
 
+    from benchmarks.bench_sim import timed
+
     hints = list(dict.fromkeys([DEFAULT_HINT, *suite.SUITE_HINTS]))
     kw: dict[str, Any] = {"scenarios": ("J0", "J2"), "ranks": (4,)} if quick else {}
-    t0, c0 = time.perf_counter(), time.process_time()
-    rows = suite.run_suite(hints, **kw)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-
-    def med_1f1b(h: str) -> float:
-        sp = [r.speedup(h) for r in rows if r.memory == "1f1b" and r.scenario in suite.VARIABLE]
-        return statistics.median(sp) if sp else math.nan
-
-    best = max(hints, key=med_1f1b)
+    rows, wall, cpu = timed(lambda: suite.run_suite(hints, **kw))
+    best = max(hints, key=lambda h: suite.variable_median(rows, h))
     return {
         "default": DEFAULT_HINT,
         "best": best,
@@ -60,16 +53,12 @@ def run_sim_speed(quick: bool, repeat: int = 3) -> dict[str, Any]:
     """The simulator's time on 128 ranks x 2 virtual stages x 1024 microbatches under the
     default hint (``benchmarks/bench_sim.py``'s configuration): best wall and CPU seconds of
     ``repeat`` runs."""
-    from benchmarks.bench_sim import simulate_once
+    from benchmarks.bench_sim import simulate_once, timed
     from rrfp.scheduler.hints import DEFAULT_HINT
 
     ranks, virtual, mbs = (16, 2, 64) if quick else (128, 2, 1024)
-    walls, cpus = [], []
-    for _ in range(repeat):
-        w0, c0 = time.perf_counter(), time.process_time()
-        simulate_once(ranks, virtual, mbs, DEFAULT_HINT)
-        walls.append(time.perf_counter() - w0)
-        cpus.append(time.process_time() - c0)
+    runs = [timed(lambda: simulate_once(ranks, virtual, mbs, DEFAULT_HINT)) for _ in range(repeat)]
+    walls, cpus = [w for _, w, _ in runs], [c for _, _, c in runs]
     return {"ranks": ranks, "virtual": virtual, "microbatches": mbs, "hint": DEFAULT_HINT,
             "wall_s": min(walls), "cpu_s": min(cpus), "walls": walls, "loadavg": os.getloadavg()[0]}
 

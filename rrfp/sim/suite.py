@@ -145,6 +145,13 @@ def suite_table(rows: Sequence[SuiteRow], hints: Sequence[str]) -> tuple[list[st
     return header, cells
 
 
+def variable_median(rows: Sequence[SuiteRow], hint: str) -> float:
+    """``hint``'s median speedup at 1F1B's memory over the scenarios with variability
+    (:data:`VARIABLE`): the figure of the issue's median target (nan without such points)."""
+    var = [r.speedup(hint) for r in rows if r.memory == "1f1b" and r.scenario in VARIABLE]
+    return statistics.median(var) if var else math.nan
+
+
 def suite_targets(rows: Sequence[SuiteRow], hint: str) -> list[tuple[str, str, bool]]:
     """The issue's simulator targets for ``hint``: (target, figure, met). Each figure has the
     ideal beside it: the baseline over the point's lower bound (at any memory: the bound knows
@@ -152,8 +159,7 @@ def suite_targets(rows: Sequence[SuiteRow], hint: str) -> list[tuple[str, str, b
     eq = [r for r in rows if r.memory == "1f1b"]
     worst = min((r.speedup(hint) for r in eq), default=math.nan)
     ideal_min = min((r.makespan[r.baseline] / min(r.bound.values()) for r in eq), default=math.nan)
-    var = [r.speedup(hint) for r in eq if r.scenario in VARIABLE]
-    med = statistics.median(var) if var else math.nan
+    med = variable_median(rows, hint)
     unl = [r.makespan[hint] / min(r.bound.values()) for r in rows if r.memory == "unlimited"]
     med_b = statistics.median(unl) if unl else math.nan
     ideal = [r.makespan[r.baseline] / min(r.bound.values()) for r in eq if r.scenario in VARIABLE]
