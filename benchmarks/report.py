@@ -246,8 +246,12 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
+def _ideal_value(ideal: dict | None, phase: str, which: str) -> float | None:
+    return ((ideal or {}).get(phase) or {}).get(which)
+
+
 def _ideal_text(ideal: dict | None, phase: str, which: str) -> str:
-    v = ((ideal or {}).get(phase) or {}).get(which)
+    v = _ideal_value(ideal, phase, which)
     return f"{v:.2f}x" if v else "-"
 
 
@@ -262,7 +266,7 @@ def targets(compare: dict[str, dict], micro: dict | None, ideal: dict | None = N
             return
         v = s["speedup"][a][b]
         verdict = _verdict(v >= goal)
-        best = ((ideal.get(setting) or {}).get(phase) or {}).get(which)
+        best = _ideal_value(ideal.get(setting), phase, which)
         if v < goal and best and best < goal:
             # The issue: "where a target is out of reach of the simulator's zero-overhead ideal
             # for its setting, show the ideal and say so".
