@@ -498,6 +498,10 @@ def _worker_main(argv: list[str]) -> None:
     cfg = json.loads(Path(cfg_path).read_text())
     torch.set_num_threads(int(cfg.get("threads", 1)))
     dist.init_process_group("gloo", timeout=timedelta(seconds=float(cfg.get("pg_timeout", 180))))
+    # Every rank through gloo's connection handshake before any may exit: a target that returns
+    # at once (a rank with nothing to do) closed its sockets while a slower peer was still in
+    # init_process_group, and that peer failed with "connectFullMesh ... closed by peer".
+    dist.barrier()
     mod_name, fn_name = target.split(":")
     try:
         fn: Callable[[dict], Any] = getattr(importlib.import_module(mod_name), fn_name)
