@@ -182,6 +182,23 @@ def _children(pid: int) -> set[int]:
     return kids
 
 
+def _ranks(launcher: int) -> dict[int, int]:
+    """``{rank: pid}`` of the launcher's children that are ranks: their environment holds
+    torchrun's ``RANK``. Not their command line: a rank runs ``python -m rrfp train`` like its
+    launcher, and so does a child the launcher has forked and not yet exec'ed (a subprocess
+    of torch or ctypes), which then exits: such a pid once made the ranks look like three."""
+    found = {}
+    for pid in _children(launcher):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone already
+            continue
+        rank = next((e[5:].decode() for e in env if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            found[int(rank)] = pid
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -209,7 +226,7 @@ def test_ranks_die_with_a_sigkilled_launcher(point):
         launcher = int(reaper.stdout.readline().split()[1])  # "launched PID"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            ranks |= {k for k in _children(launcher) if "rrfp" in _cmdline(k)}
+            ranks |= set(_ranks(launcher).values())
             if (point == "first-rank-forked" and ranks) or (point == "all-ranks-forked" and len(ranks) == 2):
                 break
             if point == "training":
@@ -241,13 +258,6 @@ def test_ranks_die_with_a_sigkilled_launcher(point):
     assert len(how) == len(ranks)
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return ""
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the ranks' pids")
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("checkpoints", [False, True], ids=["plain", "checkpoint-dir"])
@@ -262,12 +272,7 @@ def test_launcher_names_the_rank_killed_from_outside_not_rank_0(tmp_path, checkp
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert launcher.stdout.readline().startswith("step"), launcher.stderr.read()[-2000:]
-        by_rank = {}
-        for pid in _children(launcher.pid):
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank = next((e[5:].decode() for e in env if e.startswith(b"RANK=")), None)
-            if rank is not None:
-                by_rank[int(rank)] = pid
+        by_rank = _ranks(launcher.pid)
         assert sorted(by_rank) == [0, 1, 2, 3]
         os.kill(by_rank[1], signal.SIGTERM)
         _, err = launcher.communicate(timeout=120)
