@@ -59,7 +59,7 @@ def _draw_shape(draw, max_ranks: int, max_microbatches: int) -> tuple[str, int, 
     kind = "loop"
     if name in ("1f1b", "zb-h1"):
         v = 1
-    elif name == "zb-v":
+    elif name in ("zb-v", "dualpipev"):
         v, kind = 2, "v"
     else:
         v = draw(st.integers(1, 4))
@@ -227,7 +227,7 @@ def test_compiled_policy_respects_the_bound_and_matches_the_simulator(p, v, kind
 def _largest(name: str) -> tuple[Placement, int]:
     if name in ("1f1b", "zb-h1"):
         return Placement(8), 32
-    if name == "zb-v":
+    if name in ("zb-v", "dualpipev"):
         return Placement(8, 2, "v"), 32
     if name == "interleaved-1f1b":
         return Placement(8, 4), 32

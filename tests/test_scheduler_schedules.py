@@ -184,8 +184,8 @@ def test_torch_csv_files_load_as_our_orders(tmp_path):
 def _shapes():
     for name in SCHEDULES:
         for p in (1, 2, 3, 5, 8):
-            for v in {"1f1b": [1], "zb-h1": [1], "zb-v": [2]}.get(name, [1, 2, 3, 4]):
-                kinds = ["v"] if name == "zb-v" else ["loop"] if name == "interleaved-1f1b" else ["loop", "v"]
+            for v in {"1f1b": [1], "zb-h1": [1], "zb-v": [2], "dualpipev": [2]}.get(name, [1, 2, 3, 4]):
+                kinds = ["v"] if name in ("zb-v", "dualpipev") else ["loop"] if name == "interleaved-1f1b" else ["loop", "v"]
                 for kind in kinds:
                     for m in (1, 2, 3, 5, 8, 13, 32):
                         yield name, Placement(p, v, kind), m
@@ -287,7 +287,7 @@ def test_csv_special_cells():
 # --------------------------------------------------------------- hint resolution
 def test_every_hint_name_resolves_in_both_modes():
     for name in HINT_NAMES:
-        place = Placement(3, 2, "v") if name == "zb-v" else Placement(3)
+        place = Placement(3, 2, "v") if name in ("zb-v", "dualpipev") else Placement(3)
         for strict in (False, True):
             spec, hint, s = resolve_hint(("strict-" if strict else "") + name, place, 6)
             assert s is strict and hint.name == name

@@ -24,6 +24,7 @@ TORCH_SCHEDULE_HINTS = {
     "loopedbfs": "looped-bfs",
     "interleavedzerobubble": "zb-h1",
     "zbvzerobubble": "zb-v",
+    "dualpipev": "dualpipev",
 }
 
 

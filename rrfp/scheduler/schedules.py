@@ -15,6 +15,7 @@ name                          placement                   PyTorch class (compute
 ``interleaved-1f1b``          ``loop``, any V             ``ScheduleInterleaved1F1B``
 ``zb-h1``                     V = 1, split backward       ``ScheduleInterleavedZeroBubble`` (V = 1)
 ``zb-v``                      ``v``, V = 2, split         ``ScheduleZBVZeroBubble``
+``dualpipev``                 ``v``, V = 2, split         ``ScheduleDualPipeV`` (full ``B`` as ``I W``)
 ============================  ==========================  ==========================================
 
 Text forms: one rank's order is PyTorch's action grammar separated by spaces (``"0F0 0F1 0B0"``);
@@ -417,3 +418,91 @@ def dump_order_csv(orders: Sequence[Sequence[Task]]) -> str:
     for o in orders:
         writer.writerow([str(t) for t in o])
     return buf.getvalue()
+
+
+# ----------------------------------------------------------------- DualPipeV
+def dualpipev(spec: PipelineSpec) -> Order:
+    """DualPipeV (DeepSeek-V3, arXiv 2412.19437 §3.2.1, in its "cut-in-half" V form) as
+    ``torch.distributed.pipelining.ScheduleDualPipeV`` orders it: two virtual stages per rank
+    in the ``v`` placement (rank ``r`` holds stages ``r`` and ``2p - 1 - r``). Rank ``r`` runs
+    ``2(p - r - 1)`` forwards of its first stage, ``r + 1`` pairs of forwards on both, then
+    zero-bubble ``I``/``W``/``F`` on its second stage, then the main phase of a forward on one
+    stage beside a backward on the other (PyTorch's ``OVERLAP_F_B``: here the forward, then the
+    backward), and drains with full backwards turning into ``I`` (weight gradients deferred to
+    the end) halfway through.
+
+    PyTorch mixes full backwards ``B`` and split ``I``/``W`` in one rank's list; an rrfp order
+    has one form, so with a split backward (the default) each full ``B`` becomes ``I`` followed
+    at once by ``W`` (the same work in the same place), and without it each ``I`` becomes ``B``
+    and ``W`` is dropped. PyTorch refuses fewer microbatches than stages (``M < 2p``); here the
+    order is built for ``max(M, 2p)`` and the extra microbatches are dropped, as :func:`zb_v`
+    does (removing whole microbatches keeps a strict order deadlock-free).
+
+    Returns:
+        ``Order``: per rank, ``6 M`` tasks with a split backward, ``4 M`` without.
+
+    Raises:
+        ValueError: unless the placement is ``v`` with exactly 2 virtual stages per rank.
+    """
+    pl = spec.placement
+    if pl.n_virtual != 2 or (pl.kind != "v" and pl.n_ranks > 1):
+        raise ValueError(
+            f"dualpipev needs 2 virtual stages per rank in the v placement (got {pl.n_virtual} virtual "
+            f"stage{'s' if pl.n_virtual != 1 else ''}, {pl.kind} placement)"
+        )
+    p, M = pl.n_ranks, spec.n_microbatches
+    n = max(M, 2 * p)
+    orders = []
+    for r in range(p):
+        s0, s1 = r, 2 * p - 1 - r
+        o: list[Task] = []
+        nxt: dict[tuple[int, str], int] = {}  # (stage, F or backward) -> next microbatch
+        weights: list[Task] = []  # W of each I so far, oldest first
+
+        def add(stage: int, kind: str) -> None:
+            key = (stage, F if kind == F else B)
+            m = nxt.get(key, 0)
+            nxt[key] = m + 1
+            o.append(Task(stage, kind, m))
+            if kind == I:
+                weights.append(Task(stage, W, m))
+
+        def add_w() -> None:
+            if weights:
+                o.append(weights.pop(0))
+
+        for _ in range(2 * (p - r - 1)):
+            add(s0, F)
+        for _ in range(r + 1):
+            add(s0, F); add(s1, F)
+        for _ in range(p - r - 1):
+            add(s1, I); add_w(); add(s1, F)
+        for i in range(n - 2 * p + r + 1):
+            # The last rank's first pair runs unoverlapped in PyTorch; the order is the same.
+            add(s0, F); add(s1, B)
+            add(s1, F); add(s0, B)
+        for _ in range(p - r - 1):
+            add(s1, B)
+            add(s1, F); add(s0, B)
+        split = False
+        for i in range(r + 1):
+            if i == (r + 1) // 2 and r % 2 == 1:
+                split = True
+            add(s1, I if split else B)
+            if i == (r + 1) // 2 and r % 2 == 0:
+                split = True
+            add(s0, I if split else B)
+        for _ in range(p - r - 1):
+            add_w()
+            add(s0, I if split else B)
+        for _ in range(r + 1):
+            add_w()
+        kept = [t for t in o if t.mb < M]
+        if spec.split_backward:
+            kept = [x for t in kept for x in ([Task(t.stage, I, t.mb), Task(t.stage, W, t.mb)] if t.kind == B else [t])]
+        orders.append(_merge_backward(spec, kept))
+    return orders
+
+
+SCHEDULES["dualpipev"] = dualpipev
+SPLIT_BACKWARD_DEFAULT["dualpipev"] = True
