@@ -37,62 +37,15 @@ from rrfp.sim.jitter import LEVELS
 
 from .batches import Batch, TokenMeanLoss, make_batch  # noqa: F401 - importable from here, as before
 from .harness import ActivationMeter, BenchError, ComputeTimer, Injector, JitterStage, calibrate, round_order
-from .workloads import MultimodalWorkload, TextWorkload, budgets_for
+from .workloads import MultimodalWorkload, TextWorkload, budgets_for, virtual_stage_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
 
-RRFP_SYSTEMS: dict[str, dict[str, Any]] = {
-    "rrfp bf": {"hint": "bf", "limit": 32},
-    "rrfp bfw": {"hint": "bfw", "limit": 32},
-    "rrfp strict-1f1b": {"hint": "strict-1f1b", "limit": 32},
-    "rrfp bf, 1F1B limits": {"hint": "bf", "limit": "1f1b"},
-    # The default hint (whatever rrfp.Pipeline defaults to), unlimited and with a memory
-    # budget in bytes: what 1F1B or GPipe would hold on each rank (benchmarks/workloads.py).
-    "rrfp default": {"hint": None, "limit": 32},
-    "rrfp default, 1F1B memory": {"hint": None, "limit": 32, "budget": "1f1b"},
-    "rrfp default, GPipe memory": {"hint": None, "limit": 32, "budget": "gpipe"},
-    "rrfp default, 1F1B limits": {"hint": None, "limit": "1f1b"},  # the count, not the bytes
-}
-TORCH_SYSTEMS: dict[str, dict[str, Any]] = {
-    "torch GPipe": {"cls": "ScheduleGPipe", "virtual": 1},
-    "torch 1F1B": {"cls": "Schedule1F1B", "virtual": 1},
-    "torch Interleaved1F1B": {"cls": "ScheduleInterleaved1F1B", "virtual": 2},
-    "torch InterleavedZB": {"cls": "ScheduleInterleavedZeroBubble", "virtual": 2},
-}
-ALL_SYSTEMS = list(RRFP_SYSTEMS) + list(TORCH_SYSTEMS)
-MEMORY_ROWS = {"1f1b": "1F1B memory", "gpipe": "GPipe memory"}
-
-
-def candidate_systems(hints: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Rows of candidate hints (``--candidates``), run beside the default hint in the same
-    rounds at both memory budgets: ``rrfp <hint>, 1F1B memory`` and ``rrfp <hint>, GPipe memory``."""
-    return {f"rrfp {h}, {label}": {"hint": h, "limit": 32, "budget": b} for h in hints for b, label in MEMORY_ROWS.items()}
-ISSUE13_SYSTEMS = ["rrfp default", "rrfp default, 1F1B memory", "rrfp default, GPipe memory", "rrfp strict-1f1b",
-                   "torch GPipe", "torch 1F1B"]
-
-
-def target_groups(names: Sequence[str]) -> list[list[str]]:
-    """The rows each equal-memory target compares, which :func:`~benchmarks.harness.round_order`
-    runs side by side: the default hint at a schedule's memory, that PyTorch schedule, and the
-    candidate hints at that memory."""
-    return [[f"rrfp default, {label}", torch_row, *[n for n in names if n.endswith(f", {label}")
-                                                    and n != f"rrfp default, {label}"]]
-            for label, torch_row in (("1F1B memory", "torch 1F1B"), ("GPipe memory", "torch GPipe"))]
-
-
-def default_hint() -> str:
-    """The hint ``rrfp.Pipeline`` uses when none is given (read from its signature, so the
-    benchmark follows whatever the runtime defaults to)."""
-    try:
-        from rrfp.scheduler.hints import DEFAULT_HINT  # the one default of Pipeline, LocalPipeline, rrfp train
-
-        return str(DEFAULT_HINT)
-    except ImportError:  # older trees: the default of Pipeline's signature
-        import inspect
-
-        from rrfp.runtime.pipeline import Pipeline
-
-        return str(inspect.signature(Pipeline.__init__).parameters["hint"].default)
+from .settings import LEGACY_SYSTEMS, QUICK, SETTINGS, setting_config  # noqa: F401 - importable from here
+from .systems import (  # noqa: F401 - importable from here, as before
+    ALL_SYSTEMS, ISSUE13_SYSTEMS, MEMORY_ROWS, RRFP_SYSTEMS, TORCH_SYSTEMS, candidate_systems, default_hint,
+    target_groups, virtual_stage_ids,
+)
 
 
 # --------------------------------------------------------------------------- systems
@@ -128,21 +81,31 @@ class RrfpSystem(System):
         from rrfp.runtime.stage import PipelineStage
         from rrfp.scheduler.schedules import one_f_one_b_limits
 
+        from .systems import torch_order_hint
+
         self.name, self.inner = name, inner
         limit = one_f_one_b_limits(n_ranks)[rank] if spec["limit"] == "1f1b" else int(spec["limit"])
         self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
         stages = [PipelineStage(w, s, n_stages) for w, s in zip(wrappers, stage_ids)]
-        hint = {} if spec["hint"] is None else {"hint": spec["hint"]}
+        hint = {} if spec["hint"] is None else {"hint": torch_order_hint(spec["hint"], n_ranks, n_mb)}
         if spec["hint"] is None and chosen_hint:
             hint = {"hint": chosen_hint}
         # Per step: what the schedule holds for that step's microbatches (set before each step).
         self.budgets = budgets
+        # A budget measured from another system (budget_from) is set by set_budget after that
+        # system's memory round; until then (the warm-up) the ledger runs with no real limit.
+        self.budget_from = spec.get("budget_from")
+        budget = max(budgets.values()) if budgets else 2**62 if self.budget_from else None
         self.pipe = Pipeline(
             stages, n_mb, lm_loss, inflight_limit=limit, loss_weight_fn=count_tokens,
-            rank=rank, n_ranks=n_ranks, job=job, watchdog=120.0,
-            memory_budget=max(budgets.values()) if budgets else None, **hint,
+            rank=rank, n_ranks=n_ranks, job=job, watchdog=120.0, placement=spec.get("placement", "loop"),
+            memory_budget=budget, **hint,
         )
         self.pipe.runtime.message_delay = hold
+
+    def set_budget(self, nbytes: int) -> None:
+        """This rank's ``memory_budget`` from now on (the bytes ``budget_from`` measured here)."""
+        self.pipe.runtime.memory_budget = max(1, int(nbytes))
 
     def step(self, batch: Batch) -> None:
         if self.budgets:
@@ -259,13 +222,15 @@ def rank_main(cfg: dict) -> dict | None:
     names = [s for s in cfg["systems"] if s in known]
     if len(names) != len(cfg["systems"]):
         raise BenchError(f"unknown systems {sorted(set(cfg['systems']) - set(known))}")
-    any_virtual = any(TORCH_SYSTEMS.get(n, {}).get("virtual", 1) > 1 for n in names)
     work = (MultimodalWorkload if cfg.get("workload") == "multimodal" else TextWorkload)(cfg, rank, P)
+    specs = {n: rrfp_systems.get(n) or TORCH_SYSTEMS[n] for n in names}
 
     # Base weights: this rank's stage of the one-stage-per-rank split, and its two virtual stages
-    # of the interleaved split. Every system deep-copies them: identical initial weights.
+    # of the loop or V split. Every system deep-copies them: identical initial weights.
     base = work.stage(P, rank)
-    base_v = [work.stage(2 * P, s) for s in (rank, rank + P)] if any_virtual else []
+    base_v = {pl: [work.stage(2 * P, s) for s in ids] for pl, ids in
+              {sp.get("placement", "loop"): virtual_stage_ids(sp.get("placement", "loop"), rank, P)
+               for sp in specs.values() if sp.get("virtual", 1) > 1}.items()}
     ref_model = work.reference()
     index = GradIndex(ref_model)
     example = work.stage_inputs(work.batch(0, False))[0]
@@ -274,30 +239,32 @@ def rank_main(cfg: dict) -> dict | None:
         dist.barrier()
         if r == rank:
             e = calibrate(copy.deepcopy(base), example)
-    injector = Injector(LEVELS["J0"], seed, rank, e)
+    sleep = cfg.get("sleep")  # tasks that sleep for their compute: the costs stand in for e
+    injector = Injector(LEVELS["J0"], seed, rank, dict(sleep) if sleep else e, base=sleep)
     delays = MessageDelays(LEVELS[cfg["comm"]], injector) if cfg.get("comm") else None
     budgets = budgets_for(work, base, cfg) if any(rrfp_systems.get(n, {}).get("budget") for n in names) else {}
+    vbytes = {pl: virtual_stage_bytes(work, mods, virtual_stage_ids(pl, rank, P), example) for pl, mods in base_v.items()}
     meter = ActivationMeter()
     loss = TokenMeanLoss()
 
     systems: list[System] = []
     for name in names:
+        spec = specs[name]
+        if spec.get("virtual", 1) == 1:
+            inner, stage_ids, n_stages = [copy.deepcopy(base)], [rank], P
+        else:
+            pl = spec.get("placement", "loop")
+            inner, stage_ids, n_stages = [copy.deepcopy(m) for m in base_v[pl]], virtual_stage_ids(pl, rank, P), 2 * P
+        share = 1.0 / len(inner)
         if name in rrfp_systems:
-            inner = [copy.deepcopy(base)]
-            wrappers = [JitterStage(inner[0], injector, 1.0, meter, last=rank == P - 1, stage=rank, delays=delays)]
-            spec = rrfp_systems[name]
-            sysobj: System = RrfpSystem(name, spec, wrappers, inner, [rank], P, rank, P, M,
+            wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1, stage=s, delays=delays)
+                        for m, s in zip(inner, stage_ids)]
+            sysobj: System = RrfpSystem(name, spec, wrappers, inner, stage_ids, n_stages, rank, P, M,
                                         job=f"{cfg['run_id']}-{names.index(name)}",
                                         budgets=budgets.get(spec.get("budget")),
                                         hold=rrfp_hold(delays) if delays is not None else None,
                                         chosen_hint=cfg.get("hint"))
         else:
-            spec = TORCH_SYSTEMS[name]
-            if spec["virtual"] == 1:
-                inner, stage_ids, n_stages = [copy.deepcopy(base)], [rank], P
-            else:
-                inner, stage_ids, n_stages = [copy.deepcopy(m) for m in base_v], [rank, rank + P], 2 * P
-            share = 1.0 / len(inner)
             wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1, stage=s, delays=delays,
                                     pack=work.pack if s == 0 else None) for m, s in zip(inner, stage_ids)]
             sysobj = TorchSystem(name, spec, wrappers, inner, stage_ids, n_stages, M, loss)
@@ -316,11 +283,12 @@ def rank_main(cfg: dict) -> dict | None:
         s.close()
     calibration = _gather_obj(e)
     budgets_all = _gather_obj({n: max(v.values()) for n, v in budgets.items()})
+    vbytes_all = _gather_obj(vbytes)
     dist.barrier()
     if rank != 0:
         return None
     return {"config": cfg, "calibration": calibration, "phases": phases, "budgets": budgets_all,
-            "default_hint": cfg.get("hint") or default_hint()}
+            "virtual_stage_bytes": vbytes_all, "default_hint": cfg.get("hint") or default_hint()}
 
 
 def _gather_obj(obj: Any) -> list:
@@ -346,6 +314,9 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
         loss.total = batch.n_tokens
         by_name = {s.name: s for s in systems}
         order = [by_name[n] for n in round_order(list(by_name), k, target_groups(list(by_name)))]
+        if k == 1:  # the memory round: a system whose budget another measures runs after it
+            order = [x for x in order if not getattr(x, "budget_from", None)] + \
+                    [x for x in order if getattr(x, "budget_from", None)]
         ref_vec, ref_name = None, None
         per_sys: dict[str, list[float]] = {}
         for s in order:
@@ -372,6 +343,10 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
                     worst = max(worst, check_close(vec, want, f"phase {ph['name']} round {k}: {s.name} vs a single-process reference", index))
             else:
                 worst = max(worst, check_close(vec, ref_vec, f"phase {ph['name']} round {k}: {s.name} vs {ref_name}", index))
+            if k == 1:
+                for x in systems:
+                    if getattr(x, "budget_from", None) == s.name:
+                        x.set_budget(meter.peak - held_before)
             per_sys[s.name] = [elapsed, s.busy(), float(meter.peak - held_before if k == 1 else -1), float(s.peak_inflight()),
                                injector.total, float(injector.count)]
             if k >= 1:
@@ -403,102 +378,6 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
 
 
 # --------------------------------------------------------------------------- driver
-
-LEGACY_SYSTEMS = ["rrfp bf", "rrfp bfw", "rrfp strict-1f1b", "rrfp bf, 1F1B limits", *TORCH_SYSTEMS]
-SETTINGS: dict[str, dict[str, Any]] = {
-    "jitter4": {
-        "title": "4 ranks, injected jitter dominates compute",
-        "n_ranks": 4,
-        "model": {"n_layer": 8, "n_head": 2, "d_model": 32},
-        "seq_len": 32,
-        "batch_size": 32,
-        "n_microbatches": 16,
-        "threads": 1,
-        "systems": [*ISSUE13_SYSTEMS, "rrfp default, 1F1B limits", "torch Interleaved1F1B"],
-        # J2 carries two targets: twice the rounds (the median's spread falls as 1/sqrt(rounds)).
-        "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": n} for lv, n in (("J0", 10), ("J2", 20))],
-    },
-    "compute2": {
-        "title": "2 ranks, real CPU compute only",
-        "n_ranks": 2,
-        "model": {"n_layer": 8, "n_head": 4, "d_model": 128},
-        "seq_len": 128,
-        "batch_size": 16,
-        "n_microbatches": 8,
-        "threads": 1,
-        "systems": [*ISSUE13_SYSTEMS, "torch Interleaved1F1B"],
-        "phases": [
-            {"name": "fixed length", "level": "J0", "varlen": False, "rounds": 6},
-            {"name": "variable length", "level": "J0", "varlen": True, "rounds": 6},
-        ],
-    },
-}
-# Communication variability: the jitter4 model with steady compute and J2's injected delays on
-# every message (benchmarks/workloads.py: the same keyed delay for every system).
-SETTINGS["comm4"] = {
-    **SETTINGS["jitter4"],
-    "title": "4 ranks, injected message delays (J2 on every activation and gradient)",
-    "comm": "J2",
-    "systems": list(ISSUE13_SYSTEMS),
-    "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 20}],
-}
-# The multimodal model (ViT-style encoder on stage 0, 3 decoder blocks) on digit captions.
-SETTINGS["multimodal4"] = {
-    "title": "4 ranks, multimodal (image encoder on stage 0, 0-6 images per sample)",
-    "workload": "multimodal",
-    "n_ranks": 4,
-    "model": {"n_layer": 3, "n_head": 2, "d_model": 64, "enc_width": 32, "enc_layers": 1},
-    "seq_len": 18,
-    "batch_size": 64,
-    "n_microbatches": 16,
-    "threads": 1,
-    "systems": list(ISSUE13_SYSTEMS),
-    "phases": [{"name": "images 0-6", "level": "J0", "varlen": False, "rounds": 20}],
-}
-# The jitter4 model and microbatch size with 4x the microbatches, J2 only: the simulator's ideal
-# speedup of readiness grows with the number of microbatches (docs in BENCHMARKS.md).
-SETTINGS["jitter4-m64"] = {
-    **SETTINGS["jitter4"],
-    "title": "4 ranks, injected jitter dominates compute, 64 microbatches",
-    "batch_size": 128,
-    "n_microbatches": 64,
-    "systems": LEGACY_SYSTEMS,
-    "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 8}],
-}
-_TINY = {"model": {"n_layer": 8, "n_head": 2, "d_model": 16}, "seq_len": 16, "batch_size": 8, "n_microbatches": 4}
-QUICK: dict[str, dict[str, Any]] = {
-    "jitter4": {**_TINY, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 1}]},
-    "comm4": {**_TINY, "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 1}]},
-    "multimodal4": {"model": {"n_layer": 3, "n_head": 2, "d_model": 16, "enc_width": 8, "enc_layers": 1},
-                    "batch_size": 8, "n_microbatches": 4,
-                    "phases": [{"name": "images 0-6", "level": "J0", "varlen": False, "rounds": 1}]},
-    "jitter4-m64": {"model": {"n_layer": 8, "n_head": 2, "d_model": 16}, "seq_len": 16, "batch_size": 32,
-                    "n_microbatches": 32, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 2}]},
-    "compute2": {"model": {"n_layer": 4, "n_head": 2, "d_model": 32}, "seq_len": 32, "batch_size": 8, "n_microbatches": 4,
-                 "phases": [{"name": "variable length", "level": "J0", "varlen": True, "rounds": 2}]},
-}
-
-
-def setting_config(name: str, quick: bool = False, systems: Sequence[str] | None = None, seed: int = 0,
-                   rounds: int | None = None, hint: str | None = None, candidates: Sequence[str] = ()) -> dict:
-    """The configuration of one setting (a key of :data:`SETTINGS`), optionally shrunk for CI.
-    ``hint``: the hint of the ``rrfp default`` rows (None: ``rrfp.Pipeline``'s default);
-    ``candidates``: more hints, each run at 1F1B's and GPipe's memory in the same rounds
-    (:func:`candidate_systems`)."""
-    cfg = copy.deepcopy(SETTINGS[name])
-    cfg["hint"] = hint
-    cfg["candidates"] = list(candidates)
-    if quick:
-        cfg.update(copy.deepcopy(QUICK[name]))
-    if rounds is not None:
-        for ph in cfg["phases"]:
-            ph["rounds"] = rounds
-    cfg["systems"] = list(systems or cfg.get("systems") or LEGACY_SYSTEMS) + list(candidate_systems(candidates))
-    cfg["seed"] = seed
-    cfg["setting"] = name
-    cfg["run_id"] = f"bench-{name}-{time.time_ns()}"
-    return cfg
-
 
 def run_setting(cfg: dict, timeout: float = 600.0) -> dict:
     """Launch the rank processes of one setting and return rank 0's result (plus wall time)."""

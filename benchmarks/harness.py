@@ -67,6 +67,8 @@ class Injector:
             one-stage-per-rank split (with two virtual stages per rank, both share it).
         e: ``{"F": seconds, "B": seconds}``, the fixed stand-in for the paper's running
             average of this stage's compute.
+        base: ``{"F": seconds, "B": seconds}`` or None: a fixed sleep added to every task (a
+            setting whose compute is simulated by sleeping, so many ranks fit on few cores).
 
     Attributes:
         step: the step id in the draws' key; the harness sets it before each step.
@@ -75,8 +77,10 @@ class Injector:
             check that every system got the same.
     """
 
-    def __init__(self, level: JitterLevel, seed: int, stage: int, e: dict[str, float]) -> None:
+    def __init__(self, level: JitterLevel, seed: int, stage: int, e: dict[str, float],
+                 base: dict[str, float] | None = None) -> None:
         self.level = level
+        self.base = dict(base) if base else None
         self.seed = seed
         self.stage = stage
         self.e = dict(e)
@@ -90,12 +94,14 @@ class Injector:
 
     def delay(self, mb: int, kind: str, share: float = 1.0) -> float:
         """Seconds to inject into ``kind`` (``F`` or ``B``) of microbatch ``mb``, times ``share``."""
-        if not self.enabled or self.level.p <= 0.0:
+        if not self.enabled:
             return 0.0
         d = injected_delay(self.level, self.seed, self.step, self.stage, mb, kind, self.e[kind]) * share
         if d > 0:
-            self.total += d
             self.count += 1
+        if self.base:
+            d += self.base[kind] * share
+        self.total += d
         return d
 
 

@@ -171,6 +171,22 @@ def schedule_budget(schedule: str, n_ranks: int, rank: int, sizes: Sequence[Sequ
     return max(order_peak_bytes(order, lambda s, m, st=st: st[m]) for st in sizes)
 
 
+def virtual_stage_bytes(work: "TextWorkload", modules: Sequence[torch.nn.Module], stage_ids: Sequence[int],
+                        example: tuple) -> list[int]:
+    """Saved bytes of one microbatch on each of this rank's virtual stages (``modules`` at global
+    ``stage_ids``): stage 0 on ``example`` (this rank's first-stage input), the others on a
+    hidden state of the example's batch and length."""
+    out = []
+    for m, s in zip(modules, stage_ids):
+        if s == 0:
+            x = example
+        else:
+            b, T = example[0].shape[0], example[0].shape[1]
+            x = (torch.randn(b, T, work.gcfg.d_model, requires_grad=True),)
+        out.append(saved_bytes(m, x))
+    return out
+
+
 # --------------------------------------------------------------------------- multimodal
 
 

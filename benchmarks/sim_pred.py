@@ -1,0 +1,100 @@
+"""The simulator's prediction of a benchmark row: the same arbiter (``rrfp.sim.engine``) on the
+row's placement, hint, in-flight limit and memory budget, with each task's duration its stage's
+base cost plus *the very delays the real run injected* (the keyed draws of
+:class:`benchmarks.harness.Injector` and :class:`benchmarks.workloads.MessageDelays`, same seed,
+step ids, stages and microbatches), one step per round. No runtime overhead, no message time
+beyond the injected delays, one processor per rank.
+
+Costs per stage: with one stage per rank, the rank's calibrated forward and backward (plus the
+setting's sleep, where tasks sleep for their compute); with two virtual stages, half of the
+rank's each (the layers split evenly), and half of the rank's injected delay, as the harness
+injects it. A split backward's ``I`` carries the injected delay and the sleep and half of the
+compute, ``W`` the other half of the compute.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from rrfp.scheduler.hints import resolve_hint
+from rrfp.scheduler.schedules import one_f_one_b_limits
+from rrfp.scheduler.tasks import B, F, I, W, Placement
+from rrfp.sim.engine import simulate
+from rrfp.sim.jitter import LEVELS, STREAM_COMM_HIT, STREAM_COMM_SIZE, injected_delay
+
+
+def timed_step_ids(phase_index: int, phase: dict) -> list[int]:
+    """The step ids of a phase's timed rounds (as :mod:`benchmarks.compare` numbers them)."""
+    return [1000 * phase_index + k for k in range(2, 2 + phase["rounds"])]
+
+
+def predict(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, hint: str, *,
+            n_virtual: int = 1, placement: str = "loop", limit: int | str = 32,
+            budgets: Sequence[int] | None = None, stage_bytes: Sequence[Sequence[int]] | None = None) -> list[float]:
+    """Simulated step time (seconds) of each timed round of ``phase`` for one benchmark row.
+
+    Args:
+        cfg: the setting's configuration (``n_ranks``, ``n_microbatches``, ``seed``, ``comm``,
+            ``sleep``).
+        calibration: per rank, ``{"F": s, "B": s}``, the calibrated base compute.
+        phase_index, phase: which phase (its jitter level and rounds).
+        hint: the row's hint text (``strict-...`` for a fixed order; ``torch-order:<class>``).
+        limit: in-flight limit, or ``"1f1b"`` (1F1B's ``p - r`` per rank).
+        budgets: per rank, ``memory_budget`` in bytes, or None.
+        stage_bytes: per rank, the saved bytes of one microbatch on each of its stages (in
+            virtual-stage order); needed with ``budgets``.
+
+    Raises:
+        ValueError: a hint that does not fit the placement (from the scheduler).
+    """
+    from .systems import torch_order_hint
+
+    P, M, seed = cfg["n_ranks"], cfg["n_microbatches"], cfg["seed"]
+    place = Placement(P, n_virtual, placement)
+    limits = one_f_one_b_limits(P) if limit == "1f1b" else [int(limit)] * P
+    spec, h, strict = resolve_hint(torch_order_hint(hint, P, M), place, M, inflight_limit=limits)
+    level = LEVELS[phase["level"]]
+    comm = LEVELS[cfg["comm"]] if cfg.get("comm") else None
+    sleep = cfg.get("sleep") or {"F": 0.0, "B": 0.0}
+    share = 1.0 / n_virtual
+    e = [dict(sleep) if cfg.get("sleep") else c for c in calibration]
+    act = None
+    if budgets is not None:
+        pos = {s: (place.rank_of(s), i) for r in range(P) for i, s in enumerate(place.stages_of(r))}
+
+        def act(step: int, stage: int, mb: int) -> int:
+            r, i = pos[stage]
+            return int(stage_bytes[r][i])
+
+    out = []
+    for step_id in timed_step_ids(phase_index, phase):
+        def duration(step: int, rank: int, t, sid=step_id) -> float:
+            kind = F if t.kind == F else B
+            base = calibration[rank][kind] * share
+            if t.kind == W:
+                return base / 2
+            d = (injected_delay(level, seed, sid, rank, t.mb, kind, e[rank][kind]) + sleep[kind]) * share
+            return d + (base / 2 if t.kind == I else base)
+
+        def delay(step: int, src: int, dst: int, t, sid=step_id) -> float:
+            if comm is None:
+                return 0.0
+            return injected_delay(comm, seed, sid, t.stage, t.mb, F if t.kind == F else B, 0.0,
+                                  streams=(STREAM_COMM_HIT, STREAM_COMM_SIZE))
+
+        res = simulate(spec, h, duration, strict=strict, inflight_limit=limits, delay=delay, record=False,
+                       memory_budget=list(budgets) if budgets is not None else None, act_bytes=act)
+        out.append(float(res.makespan))
+    return out
+
+
+def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict:
+    """Per-round ``num / den``: median, quartiles and a 95% bootstrap interval of the median."""
+    from .harness import median_ci
+
+    r = np.asarray(num, dtype=float) / np.asarray(den, dtype=float)
+    q1, med, q3 = np.percentile(r, [25, 50, 75])
+    lo, hi = median_ci(r)
+    return {"median": float(med), "q1": float(q1), "q3": float(q3), "ci": [lo, hi], "n": int(r.size)}
