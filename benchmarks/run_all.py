@@ -25,7 +25,7 @@ from typing import Any, Sequence
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import compare, micro, report, sim_targets  # noqa: E402
+from benchmarks import compare, micro, report, report_peers, sim_targets  # noqa: E402
 from rrfp import _json as strict_json  # noqa: E402
 from rrfp.bench_cli import add_options  # noqa: E402
 
@@ -146,6 +146,7 @@ def rerender(args: argparse.Namespace) -> int:
 
 
 GENERATED = ("Machine", "Failures", "Targets", "The default hint at equal memory", CANDIDATES_TITLE,
+             report_peers.PEERS_TITLE, report_peers.RANKS_TITLE,
              "rrfp against PyTorch's pipeline schedules", "Micro-benchmarks of the runtime", sim_targets.TITLE)
 
 
@@ -210,6 +211,9 @@ def run(args: argparse.Namespace) -> int:
             if res is not None:
                 results["compare"][name] = res
                 _log(f"setting {name} done in {res['wall_seconds']:.0f} s")
+    if not args.no_sim:  # in-process simulations of the zero-bubble and many-rank rows (seconds)
+        for name, res in results["compare"].items():
+            res["predicted"] = attempt(f"simulated predictions of {name}", lambda: report_peers.predictions(res))
     if "micro" in parts:
         _log("micro-benchmarks")
         results["micro"] = attempt("micro-benchmarks", lambda: micro.run_micro(quick=args.quick, timeout=args.timeout,
@@ -306,6 +310,8 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
         setting_text.append(text)
     ideal = results.get("ideal") or {}
     rows = report.targets(summaries, results.get("micro"), ideal)
+    peer_lines, peer_targets = report_peers.render(results["compare"])
+    rows += peer_targets
     if results.get("quick"):  # one timed round at small sizes decides nothing (as sim_targets.target_rows)
         rows = [[t, f, "- (quick)", i] for t, f, _, i in rows]
     all_grads = [ph["worst_grad_ratio"] for res in results["compare"].values() for ph in res["phases"]]
@@ -336,6 +342,7 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
         if flags:
             lines += ["The simulator runs behind the ideal column (costs: each setting's calibration below):", "",
                       *flags, ""]
+    lines += peer_lines
     cand = report.candidates(summaries, results)
     if cand:
         lines += [f"## {CANDIDATES_TITLE}", "",

@@ -71,6 +71,26 @@ SETTINGS["jitter4-m64"] = {
     "systems": LEGACY_SYSTEMS,
     "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 8}],
 }
+# Many real ranks on few cores: every task sleeps for its compute (F 10 ms, B 20 ms) on a tiny GPT
+# (one layer per stage), so injected jitter dominates and 16 processes fit on 2 cores; each row
+# is set beside the simulator's prediction for the same costs and the same injected delays
+# (benchmarks/sim_pred.py).
+RANKS_SYSTEMS = ["rrfp strict-1f1b", "rrfp default", "rrfp default, 1F1B limits"]
+for _p in (8, 16):
+    SETTINGS[f"ranks{_p}"] = {
+        "title": f"{_p} ranks, tasks sleep for their compute (F 10 ms, B 20 ms), against the simulator",
+        "n_ranks": _p,
+        "model": {"n_layer": _p, "n_head": 1, "d_model": 8},
+        "seq_len": 8,
+        "batch_size": 16,
+        "n_microbatches": 16,
+        "threads": 1,
+        # The rank processes' own CPU (compute and runtime, ~1 ms per task here) stays a few
+        # percent of the sleeps, so 16 ranks on 2 cores rarely wait for a core.
+        "sleep": {"F": 0.010, "B": 0.020},
+        "systems": list(RANKS_SYSTEMS),
+        "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": n} for lv, n in (("J0", 3), ("J2", 8))],
+    }
 # 8 microbatches: ScheduleDualPipeV refuses fewer than its 8 stages.
 _TINY = {"model": {"n_layer": 8, "n_head": 2, "d_model": 16}, "seq_len": 16, "batch_size": 8, "n_microbatches": 8}
 QUICK: dict[str, dict[str, Any]] = {
@@ -83,6 +103,7 @@ QUICK: dict[str, dict[str, Any]] = {
                     "n_microbatches": 32, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 2}]},
     "compute2": {"model": {"n_layer": 4, "n_head": 2, "d_model": 32}, "seq_len": 32, "batch_size": 8, "n_microbatches": 4,
                  "phases": [{"name": "variable length", "level": "J0", "varlen": True, "rounds": 2}]},
+    **{f"ranks{p}": {"phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 1}]} for p in (8, 16)},
 }
 
 

@@ -26,8 +26,12 @@ from rrfp.sim.jitter import LEVELS, STREAM_COMM_HIT, STREAM_COMM_SIZE, injected_
 
 
 def timed_step_ids(phase_index: int, phase: dict) -> list[int]:
-    """The step ids of a phase's timed rounds (as :mod:`benchmarks.compare` numbers them)."""
-    return [1000 * phase_index + k for k in range(2, 2 + phase["rounds"])]
+    """The step ids of a phase's timed rounds (as :mod:`benchmarks.compare` numbers them);
+    ``phase`` is the phase's configuration or its result (with its round records)."""
+    rounds = phase["rounds"]
+    if isinstance(rounds, int):
+        return [1000 * phase_index + k for k in range(2, 2 + rounds)]
+    return [1000 * phase_index + r["round"] for r in rounds if r["kind"] == "timed"]
 
 
 def predict(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, hint: str, *,

@@ -48,8 +48,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="issue 13's simulator targets: the scenario suite, the simulator's speed, and the "
                    "`rrfp train --model multimodal` run")
     p.add_argument("--quick", action="store_true", help="small sizes and few rounds (CI smoke test)")
-    p.add_argument("--settings", default="jitter4,comm4,multimodal4,compute2",
-                   help="comparison settings, comma-separated (jitter4, comm4, multimodal4, compute2, jitter4-m64)")
+    p.add_argument("--settings", default="jitter4,comm4,multimodal4,compute2,ranks8,ranks16",
+                   help="comparison settings, comma-separated (jitter4, comm4, multimodal4, compute2, ranks8, "
+                   "ranks16, jitter4-m64)")
     p.add_argument("--hint", default=None,
                    help="hint of the 'rrfp default' rows (a candidate); without it, rrfp.Pipeline's default")
     p.add_argument("--candidates", default="",
