@@ -10,10 +10,14 @@ Modules:
 - :mod:`benchmarks.harness`: the pieces every system shares: the jitter wrapper around a stage
   module (seeded delays in forward and backward), the activation-memory meter, per-rank
   compute timers, statistics, and the multi-process launcher (timeouts, no strays).
-- :mod:`benchmarks.compare`: one set of rank processes runs rrfp (``bf``, ``bfw``,
-  ``strict-1f1b``, ``bf`` at 1F1B's in-flight limits) and PyTorch's ``ScheduleGPipe``,
-  ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` side by side,
-  alternating per round, checking that every system's gradients are equal.
+- :mod:`benchmarks.compare`: one set of rank processes runs rrfp's rows and PyTorch's
+  ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
+  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` side by
+  side, alternating per round, checking that every system's gradients are equal.
+- :mod:`benchmarks.systems`, :mod:`benchmarks.settings`: the rows (rrfp hints at a memory
+  budget, PyTorch's classes, the zero-bubble schedules at their own memory) and the settings.
+- :mod:`benchmarks.sim_pred`, :mod:`benchmarks.report_peers`: the simulator's prediction of a
+  row with the run's own injected delays; the zero-bubble and many-rank sections and targets.
 - :mod:`benchmarks.micro`: arbiter decision time, runtime overhead per task, transport latency
   and throughput.
 - :mod:`benchmarks.report`: the machine description and the Markdown tables.

@@ -3,17 +3,18 @@
 One set of rank processes (gloo default group; rrfp's pipelines use ZeroMQ through the same
 store) builds every system side by side, each with its own copy of the same initial weights:
 
-- rrfp ``bf``, ``bfw``, ``strict-1f1b`` (the fixed-order baseline), and ``bf`` with the in-flight
-  limit set to what 1F1B holds (``one_f_one_b_limits``: the memory-matched row);
+- rrfp rows: a hint, an in-flight limit, a memory budget (:mod:`benchmarks.systems`), on one
+  stage per rank or on a zero-bubble schedule's 2 virtual stages and placement;
 - ``torch.distributed.pipelining``'s ``ScheduleGPipe``, ``Schedule1F1B``,
-  ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` (the last two with two
-  virtual stages per rank, loop placement).
+  ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (two virtual stages per rank,
+  loop placement), ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (V placement).
 
 A *phase* is one condition (a jitter level, fixed or variable-length microbatches). Each round
 of a phase gives every system the same batch, step id and injected delays; the order of the
 systems rotates from round to round so that drift of the machine cancels out of the paired
 ratios. Round 0 warms up (PyTorch infers shapes, nothing injected), round 1 measures activation
-memory (meter on, delays on), later rounds are timed. The optimizer never steps: weights stay
+memory (meter on, delays on; a row whose budget is another row's measured peak runs after that
+row and gets it from then on), later rounds are timed. The optimizer never steps: weights stay
 at their initial values, so every system computes on identical weights in every round.
 
 After every step, every system's gradients are gathered into one full-model vector and compared
@@ -274,6 +275,9 @@ def rank_main(cfg: dict) -> dict | None:
         dist.all_reduce(cover)
         if not torch.equal(cover, torch.ones_like(cover)):
             raise BenchError(f"{name}: the ranks' stages do not cover the model exactly once")
+        # Systems on the same split into stages get the same keyed delays (message delays are
+        # keyed by the sending stage, so a split into 2P stages has other messages than one into P).
+        sysobj.split = (len(stage_ids), spec.get("placement", "loop") if len(stage_ids) > 1 else "")
         systems.append(sysobj)
 
     phases = []
@@ -369,8 +373,8 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
                 }
             rounds.append(rec)
     # The same injected delays for everyone: per rank and round, equal totals.
-    first = systems[0].name
-    for s in systems[1:]:
+    for s in systems:
+        first = next(x.name for x in systems if x.split == s.split)
         for k, (a, b) in enumerate(zip(inj_totals[s.name], inj_totals[first])):
             if abs(a - b) > 1e-9:
                 raise BenchError(f"phase {ph['name']}: rank {rank} injected {a:.6f} s into {s.name} but {b:.6f} s into {first} (round {k + 1})")

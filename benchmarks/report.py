@@ -86,6 +86,9 @@ _SHORT = {
     "rrfp default, GPipe memory": "default@GPipe-mem", "rrfp default, 1F1B limits": "default@1F1B-lim",
     "rrfp bf": "bf", "rrfp bfw": "bfw", "rrfp strict-1f1b": "strict-1f1b", "rrfp bf, 1F1B limits": "bf@1F1B-lim",
     "torch GPipe": "GPipe", "torch 1F1B": "1F1B", "torch Interleaved1F1B": "Int1F1B", "torch InterleavedZB": "IntZB",
+    "torch ZBV": "ZBV", "torch DualPipeV": "DualPipeV",
+    **{f"rrfp default, {p} memory": f"default@{p}-mem" for p in ("IntZB", "ZBV", "DualPipeV")},
+    **{f"rrfp strict {p} order": f"strict-{p}" for p in ("IntZB", "ZBV", "DualPipeV")},
 }
 
 
@@ -102,20 +105,28 @@ def render_setting(res: dict) -> tuple[str, dict[str, dict]]:
              if mm else f"GPT {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads")
     data = ("digit captions, one sample per microbatch with 6 images and the others 0-6 (decoder length 18)"
             if mm else f"fixed length {cfg['seq_len']} tokens")
+    if cfg.get("sleep"):
+        data += (f"; every forward sleeps {cfg['sleep']['F'] * 1e3:.0f} ms and every backward "
+                 f"{cfg['sleep']['B'] * 1e3:.0f} ms (the task's compute), on top of the injected jitter")
+    virtual = [n for n in cfg["systems"] if n.startswith("torch ") and n not in ("torch GPipe", "torch 1F1B")
+               or " memory" in n and n.split(", ")[-1] not in ("1F1B memory", "GPipe memory") or " order" in n]
     lines = [
         f"### {cfg['title']}",
         "",
         f"{cfg['n_ranks']} rank processes, {cfg['threads']} torch thread each; {model}; batch {cfg['batch_size']} "
         f"samples in {cfg['n_microbatches']} microbatches of {cfg['batch_size'] // cfg['n_microbatches']}, {data}"
-        + ("" if mm else f"; interleaved schedules use 2 virtual stages per rank ({2 * cfg['n_ranks']} stages of "
-                         f"{m['n_layer'] // (2 * cfg['n_ranks'])} layer(s))")
+        + ("" if mm or not virtual else f"; rows with virtual stages use 2 per rank ({2 * cfg['n_ranks']} stages of "
+                                        f"{m['n_layer'] // (2 * cfg['n_ranks'])} layer(s); loop placement for the "
+                                        "interleaved schedules, V for ZBV and DualPipeV)")
         + (f"; message delays {cfg['comm']} on every activation and gradient" if cfg.get("comm") else "")
         + (f". Hint of the `rrfp default` rows: `{cfg['hint']}` (`--hint`; not rrfp.Pipeline's default). "
            if cfg.get("hint") else f". Default hint: `{res.get('default_hint', '?')}` (read from `rrfp.Pipeline`'s "
            "signature). ")
         + f"Run time {res.get('wall_seconds', 0):.0f} s.",
         "",
-        "Calibrated base compute per rank (the jitter model's `e`): "
+        "Calibrated base compute per rank ("
+        + ("added to the sleeps; the jitter model's `e` is the sleep" if cfg.get("sleep") else "the jitter model's `e`")
+        + "): "
         + ", ".join(f"rank {r}: F {c['F'] * 1e3:.2f} ms, B {c['B'] * 1e3:.2f} ms" for r, c in enumerate(res["calibration"]))
         + ".",
         "",

@@ -181,9 +181,9 @@ def ranks_rows(compare: dict[str, dict]) -> tuple[list[list[str]], list[list[str
 
 
 RANKS_NOTE = """\
-Every task sleeps for its compute (forward 10 ms, backward 20 ms, on a one-layer-per-stage GPT whose
-own compute is a fraction of a millisecond), plus the injected jitter, so 8 or 16 rank processes
-fit on 2 cores. The simulator runs the same arbiter with each task's duration the sleep plus the
+Every task sleeps for its compute (the setting's forward and backward sleeps, on a
+one-layer-per-stage GPT whose own compute is about a millisecond), plus the injected jitter, so 8
+or 16 rank processes fit on 2 cores. The simulator runs the same arbiter with each task's duration the sleep plus the
 rank's calibrated compute plus *the same keyed delay the real run injected* (same seed, steps,
 stages and microbatches), no runtime overhead and no message time. Real: the slowest rank's step
 time per round; real/simulated is the median of the per-round ratios (quartiles, n, 95%

@@ -409,7 +409,8 @@ How these numbers are made (`benchmarks/compare.py`):
   schedule's memory, that PyTorch schedule, candidate hints) run side by side, and every other
   round runs the order backwards, so each runs first in half the rounds
   (`benchmarks.harness.round_order`). Round 0 warms up (PyTorch infers its shapes), round 1
-  measures activation memory, later rounds are timed. The optimizer never steps.
+  measures activation memory (a row held to a schedule's measured bytes runs after that
+  schedule and gets them from then on), later rounds are timed. The optimizer never steps.
 - Step time: each rank's time from a barrier to the end of its `step()`; a round's step time is
   the slowest rank's. Speedup of A over B: the median over rounds of `t_B / t_A`, with the
   quartiles of those per-round ratios and a 95% percentile-bootstrap interval of their median
@@ -422,7 +423,8 @@ How these numbers are made (`benchmarks/compare.py`):
   rrfp and PyTorch's pipelining pass tuples of mixed-dtype tensors). The model's running average
   `e` is fixed per (stage, kind) from a calibration of the base compute, so every system sees
   identical delays; with two virtual stages per rank each gets half of its rank's delay, so each
-  rank's injected total is the same in every system (checked every round).
+  rank's injected total is the same in every system (checked every round; message delays, keyed
+  by the sending stage, among the systems with the same split into stages).
 - Bubble per rank: 1 - busy / step time, busy being the time in compute calls (rrfp: task time
   from its `StepStats`, which includes encoding outputs; PyTorch: `forward_one_chunk`,
   `backward_one_chunk`, `backward_weight_one_chunk` and the loss). Injected delays count as busy.

@@ -255,12 +255,7 @@ def zb_v(spec: PipelineSpec) -> Order:
     Raises:
         ValueError: unless the placement is ``v`` with exactly 2 virtual stages per rank.
     """
-    pl = spec.placement
-    if pl.n_virtual != 2 or (pl.kind != "v" and pl.n_ranks > 1):
-        raise ValueError(
-            f"zb-v needs 2 virtual stages per rank in the v placement (got {pl.n_virtual} virtual "
-            f"stage{'s' if pl.n_virtual != 1 else ''}, {pl.kind} placement)"
-        )
+    pl = _need_v_pair(spec, "zb-v")
     p, M = pl.n_ranks, spec.n_microbatches
     n = max(2 * p - 1, M)
     orders = []
@@ -421,6 +416,18 @@ def dump_order_csv(orders: Sequence[Sequence[Task]]) -> str:
 
 
 # ----------------------------------------------------------------- DualPipeV
+def _need_v_pair(spec: PipelineSpec, name: str):
+    """The placement, if it is ``v`` with exactly 2 virtual stages per rank (any kind with one
+    rank); else a one-line ``ValueError`` naming schedule ``name``."""
+    pl = spec.placement
+    if pl.n_virtual != 2 or (pl.kind != "v" and pl.n_ranks > 1):
+        raise ValueError(
+            f"{name} needs 2 virtual stages per rank in the v placement (got {pl.n_virtual} virtual "
+            f"stage{'s' if pl.n_virtual != 1 else ''}, {pl.kind} placement)"
+        )
+    return pl
+
+
 def dualpipev(spec: PipelineSpec) -> Order:
     """DualPipeV (DeepSeek-V3, arXiv 2412.19437 §3.2.1, in its "cut-in-half" V form) as
     ``torch.distributed.pipelining.ScheduleDualPipeV`` orders it: two virtual stages per rank
@@ -444,12 +451,7 @@ def dualpipev(spec: PipelineSpec) -> Order:
     Raises:
         ValueError: unless the placement is ``v`` with exactly 2 virtual stages per rank.
     """
-    pl = spec.placement
-    if pl.n_virtual != 2 or (pl.kind != "v" and pl.n_ranks > 1):
-        raise ValueError(
-            f"dualpipev needs 2 virtual stages per rank in the v placement (got {pl.n_virtual} virtual "
-            f"stage{'s' if pl.n_virtual != 1 else ''}, {pl.kind} placement)"
-        )
+    pl = _need_v_pair(spec, "dualpipev")
     p, M = pl.n_ranks, spec.n_microbatches
     n = max(M, 2 * p)
     orders = []
