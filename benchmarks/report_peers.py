@@ -145,9 +145,10 @@ schedule's order, on the calibrated costs with the very delays of the timed roun
 # --------------------------------------------------------------------------- ranks
 
 
-def ranks_rows(compare: dict[str, dict]) -> tuple[list[list[str]], list[list[str]]]:
+def ranks_rows(compare: dict[str, dict], quick: bool = False) -> tuple[list[list[str]], list[list[str]]]:
     """(table rows, target rows) for the settings whose tasks sleep: every row beside the
-    simulator's prediction for the same costs and delays."""
+    simulator's prediction for the same costs and delays (``quick``: no verdict in the table,
+    as one small round decides nothing)."""
     table, targets = [], []
     for setting, res in compare.items():
         cfg = res["config"]
@@ -165,7 +166,7 @@ def ranks_rows(compare: dict[str, dict]) -> tuple[list[list[str]], list[list[str
                 ok = abs(rs["median"] - 1) <= tol
                 table.append([setting, ph["name"], n, f"`{hint}`", f"{np.median(real) * 1e3:.0f}",
                               f"{np.median(sim) * 1e3:.0f}", _r(rs).replace("x (", " ("), f"within {tol:.0%}",
-                              "met" if ok else "**missed**"])
+                              "- (quick)" if quick else "met" if ok else "**missed**"])
                 targets.append([f"{cfg['n_ranks']} real ranks, {ph['name']}, {n} (`{hint}`): real step within "
                                 f"{tol:.0%} of the simulated", _r(rs).replace("x (", " ("), "met" if ok else "**missed**",
                                 f"{np.median(sim) * 1e3:.0f} ms"])
@@ -183,14 +184,14 @@ def ranks_rows(compare: dict[str, dict]) -> tuple[list[list[str]], list[list[str
 RANKS_NOTE = """\
 Every task sleeps for its compute (the setting's forward and backward sleeps, on a
 one-layer-per-stage GPT whose own compute is about a millisecond), plus the injected jitter, so 8
-or 16 rank processes fit on 2 cores. The simulator runs the same arbiter with each task's duration the sleep plus the
-rank's calibrated compute plus *the same keyed delay the real run injected* (same seed, steps,
-stages and microbatches), no runtime overhead and no message time. Real: the slowest rank's step
+or 16 rank processes fit on 2 cores. The simulator runs the same arbiter with each task's
+duration the sleep plus the rank's calibrated compute plus *the same keyed delay the real run
+injected* (same seed, steps, stages and microbatches), no runtime overhead and no message time. Real: the slowest rank's step
 time per round; real/simulated is the median of the per-round ratios (quartiles, n, 95%
 bootstrap interval of the median)."""
 
 
-def render(compare: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
+def render(compare: dict[str, dict], quick: bool = False) -> tuple[list[str], list[list[str]]]:
     """(report lines, target rows) of both sections."""
     lines: list[str] = []
     ptable, ptargets = peer_rows(compare)
@@ -199,7 +200,7 @@ def render(compare: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
             ["setting", "phase", "schedule", "default at its memory vs it", "strict same order vs it (runtime)",
              "default vs strict same order (scheduling)", "default peak KiB per rank", "torch peak KiB per rank",
              "strict peak KiB per rank", "simulator's ideal", "memory-aware ceiling"], ptable), ""]
-    rtable, rtargets = ranks_rows(compare)
+    rtable, rtargets = ranks_rows(compare, quick)
     if rtable:
         lines += [f"## {RANKS_TITLE}", "", RANKS_NOTE, "", _table(
             ["setting", "phase", "row", "hint", "real median ms", "simulated median ms", "real / simulated",

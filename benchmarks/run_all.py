@@ -310,7 +310,7 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
         setting_text.append(text)
     ideal = results.get("ideal") or {}
     rows = report.targets(summaries, results.get("micro"), ideal)
-    peer_lines, peer_targets = report_peers.render(results["compare"])
+    peer_lines, peer_targets = report_peers.render(results["compare"], bool(results.get("quick")))
     rows += peer_targets
     if results.get("quick"):  # one timed round at small sizes decides nothing (as sim_targets.target_rows)
         rows = [[t, f, "- (quick)", i] for t, f, _, i in rows]
