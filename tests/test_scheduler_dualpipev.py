@@ -101,8 +101,9 @@ def test_the_simulator_runs_the_strict_order_exactly(p, m):
 
 # ------------------------------------------------------------- single-process reference
 @pytest.mark.parametrize("strict", [False, True], ids=["ready", "strict"])
-@pytest.mark.parametrize("n_ranks,M,split", [(2, 4, True), (2, 3, True), (2, 5, False), (3, 6, True)],
-                         ids=["p2-M4", "p2-M3-fewer-than-stages", "p2-M5-full-backward", "p3-M6"])
+@pytest.mark.parametrize("n_ranks,M,split", [(1, 2, True), (2, 4, True), (2, 3, True), (2, 5, False), (3, 6, True),
+                                             (4, 9, True)],
+                         ids=["p1-M2", "p2-M4", "p2-M3-fewer-than-stages", "p2-M5-full-backward", "p3-M6", "p4-M9"])
 def test_matches_the_single_process_reference(n_ranks, M, split, strict):
     from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
     from rrfp.runtime.local import LocalPipeline
