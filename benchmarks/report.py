@@ -87,8 +87,8 @@ _SHORT = {
     "rrfp bf": "bf", "rrfp bfw": "bfw", "rrfp strict-1f1b": "strict-1f1b", "rrfp bf, 1F1B limits": "bf@1F1B-lim",
     "torch GPipe": "GPipe", "torch 1F1B": "1F1B", "torch Interleaved1F1B": "Int1F1B", "torch InterleavedZB": "IntZB",
     "torch ZBV": "ZBV", "torch DualPipeV": "DualPipeV",
-    **{f"rrfp default, {p} memory": f"default@{p}-mem" for p in ("IntZB", "ZBV", "DualPipeV")},
-    **{f"rrfp strict {p} order": f"strict-{p}" for p in ("IntZB", "ZBV", "DualPipeV")},
+    **{f"rrfp default, {p} memory": f"default@{p}-mem" for p in ("Int1F1B", "IntZB", "ZBV", "DualPipeV")},
+    **{f"rrfp strict {p} order": f"strict-{p}" for p in ("Int1F1B", "IntZB", "ZBV", "DualPipeV")},
 }
 
 

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from .sim_pred import predict, ratio_summary
-from .systems import PEERS, RRFP_SYSTEMS, peer_default, peer_strict
+from .systems import PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, peer_default, peer_strict
 
-PEERS_TITLE = "PyTorch's zero-bubble schedules at their own memory"
+PEERS_TITLE = "PyTorch's virtual-stage schedules at their own memory"
 RANKS_TITLE = "Many real ranks against the simulator"
 PEER_GOALS = {"J0": 1.00}
 PEER_GOAL = 1.10  # J2 and message delays
@@ -114,7 +114,7 @@ def peer_rows(compare: dict[str, dict]) -> tuple[list[list[str]], list[list[str]
                               _kib(_memory(ph, s)), f"{ideal:.2f}x" if ideal else "-",
                               f"{ceil:.2f}x" if ceil else "- (not in this tree)"])
                 goal = PEER_GOALS.get(ph["level"], PEER_GOAL) if not res["config"].get("comm") else PEER_GOAL
-                if setting not in ("jitter4", "comm4"):
+                if setting not in ("jitter4", "comm4") or label not in ZERO_BUBBLE:
                     continue
                 eff, how = goal, f">= {goal:.2f}x"
                 if ideal is not None and ideal < goal:
@@ -127,14 +127,15 @@ def peer_rows(compare: dict[str, dict]) -> tuple[list[list[str]], list[list[str]
 
 
 PEERS_NOTE = """\
-Each zero-bubble schedule runs in the same rank processes as every other row, alternated round by
-round, with the same weights, batches and injected delays and equal gradients. Its rrfp rows run
-on its placement (2 virtual stages per rank; loop for InterleavedZB, V for ZBV and DualPipeV):
+Each schedule with 2 virtual stages per rank (interleaved 1F1B, and the zero-bubble InterleavedZB,
+ZBV and DualPipeV) runs in the same rank processes as every other row, alternated round by round,
+with the same weights, batches and injected delays and equal gradients. Its rrfp rows run on its
+placement (loop for the interleaved schedules, V for ZBV and DualPipeV):
 `rrfp default, <schedule> memory` is rrfp's default hint with `memory_budget` on each rank set to
 the peak saved-activation bytes the PyTorch schedule measured on that rank in the phase's memory
 round; `rrfp strict <schedule> order` runs the schedule's own order strictly (rrfp's `zb-v` and
 `dualpipev`, equal to PyTorch's action lists; for InterleavedZB, PyTorch's action list read from
-its schedule object). So "strict vs torch" is the runtime's share (same order), "default vs
+its schedule object; for Int1F1B, rrfp's `interleaved-1f1b`). So "strict vs torch" is the runtime's share (same order), "default vs
 strict" the scheduling's share (same runtime). Ratios are medians of per-round paired ratios
 (quartiles, n, 95% bootstrap interval of the median). Peaks: KiB of saved activations per rank
 (the meter of every row alike). The simulator's ideal: the default hint at those bytes over the

@@ -7,7 +7,7 @@ import copy
 import time
 from typing import Any, Sequence
 
-from .systems import ISSUE13_SYSTEMS, PEER_SYSTEMS, candidate_systems
+from .systems import ISSUE13_SYSTEMS, PEER_SYSTEMS, ZB_PEER_SYSTEMS, candidate_systems
 
 LEGACY_SYSTEMS = ["rrfp bf", "rrfp bfw", "rrfp strict-1f1b", "rrfp bf, 1F1B limits", "torch GPipe", "torch 1F1B",
                   "torch Interleaved1F1B", "torch InterleavedZB"]
@@ -20,7 +20,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "batch_size": 32,
         "n_microbatches": 16,
         "threads": 1,
-        "systems": [*ISSUE13_SYSTEMS, "rrfp default, 1F1B limits", "torch Interleaved1F1B", *PEER_SYSTEMS],
+        "systems": [*ISSUE13_SYSTEMS, "rrfp default, 1F1B limits", *PEER_SYSTEMS],
         # J2 carries two targets: twice the rounds (the median's spread falls as 1/sqrt(rounds)).
         "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": n} for lv, n in (("J0", 10), ("J2", 20))],
     },
@@ -45,7 +45,7 @@ SETTINGS["comm4"] = {
     **SETTINGS["jitter4"],
     "title": "4 ranks, injected message delays (J2 on every activation and gradient)",
     "comm": "J2",
-    "systems": [*ISSUE13_SYSTEMS, *PEER_SYSTEMS],
+    "systems": [*ISSUE13_SYSTEMS, *ZB_PEER_SYSTEMS],
     "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 20}],
 }
 # The multimodal model (ViT-style encoder on stage 0, 3 decoder blocks) on digit captions.

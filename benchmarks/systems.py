@@ -1,9 +1,10 @@
 """The systems a comparison can run: rrfp rows (a hint, an in-flight limit, a memory budget)
 and PyTorch's schedule classes, by row name.
 
-**PyTorch's zero-bubble schedules at their own memory** (:data:`PEERS`): for each of
-``ScheduleInterleavedZeroBubble`` (2 virtual stages, loop placement), ``ScheduleZBVZeroBubble``
-and ``ScheduleDualPipeV`` (2 virtual stages, V placement) two rrfp rows run on the same
+**PyTorch's virtual-stage schedules at their own memory** (:data:`PEERS`): for each of
+``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble`` (2 virtual stages, loop
+placement), ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` (2 virtual stages, V placement)
+two rrfp rows run on the same
 placement: ``rrfp default, <peer> memory``, the default hint with ``memory_budget`` set on each
 rank to the peak saved-activation bytes PyTorch's schedule measured on that rank in the same
 phase's memory round (``budget_from``), and ``rrfp strict <peer> order``, rrfp running that
@@ -76,12 +77,15 @@ def default_hint() -> str:
 
 
 PEERS: dict[str, dict[str, str]] = {
+    "Int1F1B": {"torch": "torch Interleaved1F1B", "placement": "loop", "strict": "strict-interleaved-1f1b"},
     "IntZB": {"torch": "torch InterleavedZB", "placement": "loop", "strict": "torch-order:ScheduleInterleavedZeroBubble"},
     "ZBV": {"torch": "torch ZBV", "placement": "v", "strict": "strict-zb-v"},
     "DualPipeV": {"torch": "torch DualPipeV", "placement": "v", "strict": "strict-dualpipev"},
 }
-"""PyTorch's zero-bubble schedules compared at their own memory: short label -> its torch row,
-placement (2 virtual stages per rank) and the strict hint of the same order."""
+"""PyTorch's schedules with 2 virtual stages per rank compared at their own memory (the three
+zero-bubble ones carry targets; interleaved 1F1B is their non-zero-bubble reference): short label
+-> its torch row, placement and the strict hint of the same order."""
+ZERO_BUBBLE = ("IntZB", "ZBV", "DualPipeV")
 
 
 def peer_default(label: str) -> str:
@@ -106,6 +110,7 @@ def peer_systems() -> dict[str, dict[str, Any]]:
 RRFP_SYSTEMS.update(peer_systems())
 ALL_SYSTEMS = list(RRFP_SYSTEMS) + list(TORCH_SYSTEMS)
 PEER_SYSTEMS = [n for label in PEERS for n in (peer_default(label), PEERS[label]["torch"], peer_strict(label))]
+ZB_PEER_SYSTEMS = [n for label in ZERO_BUBBLE for n in (peer_default(label), PEERS[label]["torch"], peer_strict(label))]
 
 
 def virtual_stage_ids(placement: str, rank: int, n_ranks: int) -> list[int]:

@@ -132,7 +132,7 @@ def test_many_rank_targets_compare_real_with_simulated():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_zero_bubble_schedules_run_beside_rrfp_at_their_own_memory():
-    """A tiny jitter4 in real processes with the three zero-bubble schedules: gradients equal
+    """A tiny jitter4 in real processes with the virtual-stage schedules: gradients equal
     (checked in the run), each rrfp row at a schedule's memory got the bytes that schedule
     measured on its rank, and the report renders every row with a prediction."""
     from rrfp.scheduler.schedules import SCHEDULES  # noqa: F401 - the dualpipev order exists
@@ -141,10 +141,11 @@ def test_zero_bubble_schedules_run_beside_rrfp_at_their_own_memory():
     cfg = compare.setting_config("jitter4", quick=True, systems=systems)
     res = compare.run_setting(cfg, timeout=280)
     ph = res["phases"][0]
-    assert ph["worst_grad_ratio"] <= 1.0 and len(ph["rounds"][0]["systems"]) == 9
+    assert ph["worst_grad_ratio"] <= 1.0 and len(ph["rounds"][0]["systems"]) == 3 * len(PEERS)
     res["predicted"] = report_peers.predictions(res)
     table, targets = report_peers.peer_rows({"jitter4": res})
-    assert [row[2] for row in table] == ["InterleavedZB", "ZBV", "DualPipeV"] and len(targets) == 3
+    assert [row[2] for row in table] == ["Interleaved1F1B", "InterleavedZB", "ZBV", "DualPipeV"]
+    assert len(targets) == 3  # the zero-bubble schedules carry the targets
     mem = ph["rounds"][1]["systems"]
     for label, p in PEERS.items():
         assert all(x > 0 for x in mem[p["torch"]]["peak_bytes"])
