@@ -21,7 +21,8 @@ import heapq
 
 from .hints import Hint
 from .backpressure import Backpressure, _new
-from .memory import MemoryLedger, SizeFn
+from .backfill import Backfill
+from .memory import MemoryLedger, SizeFn, order_bytes
 from .tasks import F, I, W, PipelineSpec, Task
 
 
@@ -66,6 +67,12 @@ class Arbiter(Backpressure):
         act_bytes: ``act_bytes(stage, mb)``, bytes ``F(stage, mb)`` holds until its input
             backward (an estimate; :meth:`complete` takes the measured size). Needed by
             ``memory_budget``; alone, it only counts :attr:`peak_bytes`.
+        w_bytes: ``w_bytes(stage, mb)``, bytes a split backward's ``W`` still reads once its
+            ``I`` finished (None from it, or no function: unknown, everything stays held
+            until ``W``; :meth:`MemoryLedger.input_backward_done`).
+        backfill: strict mode only: run a later ready task of the order while the planned one
+            waits, when it ends before the planned task's input can arrive
+            (:mod:`rrfp.scheduler.backfill`), keeping the order's own peak bytes.
 
     Raises:
         ValueError: bad limit or budget, a budget without ``act_bytes`` or with
@@ -83,6 +90,8 @@ class Arbiter(Backpressure):
         inflight_limit: int = 32,
         memory_budget: int | None = None,
         act_bytes: SizeFn | None = None,
+        w_bytes: SizeFn | None = None,
+        backfill: Backfill | None = None,
     ) -> None:
         if not isinstance(inflight_limit, int) or inflight_limit < 1:
             raise ValueError(f"in-flight limit {inflight_limit!r}: expected an integer >= 1")
@@ -92,6 +101,12 @@ class Arbiter(Backpressure):
             raise ValueError(f"a memory budget needs admission backpressure, got {hint.backpressure!r}")
         if strict and hint.order is None:
             raise ValueError(f"strict mode needs a total-order hint, got the policy {hint.name!r}")
+        if backfill is not None and not strict:
+            raise ValueError("backfilling runs over a strict order: pass strict=True")
+        self.backfill = backfill
+        self._wsize = w_bytes
+        self._bf_prefix: list[int] | None = None  # bytes after each task of the order (backfill)
+        self._bf_ahead: list[tuple[int, int]] = []  # (order index, bytes) of forwards run ahead
         self.spec = spec
         self.rank = rank
         self.hint = hint
@@ -219,9 +234,11 @@ class Arbiter(Backpressure):
             if k == F:
                 self.memory.forward_done(s, m, nbytes)
             elif k != I:
-                # A split backward's W still reads the layer inputs F saved, so the bytes stay
-                # held until W; freeing them at I would let split hints overrun the budget.
                 self.memory.backward_done(s, m)
+            elif self._wsize is not None:
+                # W still reads each split layer's input and output gradient: only the rest
+                # of what F saved is free at I (unknown: all of it stays until W).
+                self.memory.input_backward_done(s, m, self._wsize(s, m))
         if k == F:
             self._done[0][i] = 1
             self.inflight += 1
@@ -257,6 +274,8 @@ class Arbiter(Backpressure):
         """
         if self.running is not None:
             raise SchedulingError(f"rank {self.rank}: next() while {self.running} is running")
+        if self.backfill is not None:
+            return self._next_backfill()
         if self.strict:
             if self._pos < len(self._order):
                 c, i = self._keys[self._pos]
@@ -310,6 +329,56 @@ class Arbiter(Backpressure):
             t = _new(Task, (s, self._bk, m))
         self.running = t
         return t
+
+    def _next_backfill(self) -> Task | None:
+        # Strict order with backfilling (rrfp.scheduler.backfill): the planned task if ready,
+        # else the first later ready task that ends before the planned task's input arrives.
+        order, keys, rdy, done = self._order, self._keys, self._rdy, self._done
+        n, pos = len(order), self._pos
+        while pos < n and done[keys[pos][0]][keys[pos][1]]:
+            pos += 1
+        self._pos = pos
+        if pos == n:
+            return None
+        c, i = keys[pos]
+        if rdy[c][i]:
+            self._pos = pos + 1
+            return self._dispatch(order[pos])
+        bf = self.backfill
+        room = bf.room(order[pos])
+        if room <= 0:
+            return None
+        for j in range(pos + 1, n):
+            c, i = keys[j]
+            if not rdy[c][i]:
+                continue
+            t = order[j]
+            if not bf.fits(t, room) or (c == 0 and not self._backfill_bytes_ok(pos, j, t)):
+                continue
+            bf.n_backfilled += 1
+            return self._dispatch(t)
+        return None
+
+    def _backfill_bytes_ok(self, pos: int, j: int, t: Task) -> bool:
+        # A forward run ahead of the order adds its bytes from now until the order reaches it:
+        # allowed only if the order's own bytes over that stretch, plus those of forwards
+        # already run ahead, plus this one, stay within the order's peak. Without sizes the
+        # count of activations stands in for bytes.
+        size = self.memory.size if self.memory is not None else (lambda s, m: 1)
+        if self._bf_prefix is None:
+            self._bf_prefix = order_bytes(self._order, size, self._wsize if self.memory is not None else None)
+        x = size(t.stage, t.mb)
+        if x is None:
+            return False
+        prefix = self._bf_prefix
+        self._bf_ahead = ahead = [(k, b) for k, b in self._bf_ahead if k > pos]
+        extra = sum(b for _, b in ahead) + x
+        cap = max(prefix) if prefix else 0
+        lo = prefix[pos - 1] if pos else 0
+        if max(prefix[pos:j], default=lo) + extra > cap or lo + extra > cap:
+            return False
+        ahead.append((j, x))
+        return True
 
     def _next_in_order(self, f_allowed: bool, admit: bool = True, budget: bool = False) -> Task | None:
         # ``budget``: every forward asks the memory ledger, admissions within the count limit.

@@ -66,6 +66,16 @@ the suite at 1F1B's memory (rrfp issue 13, ``docs/suite.md``): median speedup 1.
 POLICIES.update({k: POLICIES[v] for k, v in FREE_FIRST.items()})
 HINT_NAMES = tuple(POLICIES) + tuple(SCHEDULES)
 
+STRICT_SPLIT = "split"
+"""The placement's own fixed order (:func:`~rrfp.scheduler.policy.placement_schedule`: 1F1B,
+interleaved 1F1B or ZB-V) with each backward split into ``I`` then ``W`` at once: same order,
+same bytes, but the gradient leaves after ``I``. ``strict-split`` runs it strictly."""
+BACKFILL = "backfill"
+"""``backfill`` and ``backfill:<strict order>``: a strict order (default ``split``) with
+conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict."""
+ORDER_HINTS = (STRICT_SPLIT, BACKFILL)
+"""Hint names beside :data:`HINT_NAMES` whose order depends on the placement."""
+
 
 DEFAULT_HINT = "bf"
 """The hint ``Pipeline``, ``LocalPipeline``, ``rrfp train`` and ``benchmarks/bench_sim.py`` use
@@ -104,6 +114,7 @@ class Hint:
         depth_first: for a policy, prefer forwards on later virtual stages (:data:`DEPTH_FIRST`).
         free_first: for a policy under a memory budget, run a ready ``W`` first when the
             budget refuses a ready forward (:data:`FREE_FIRST`).
+        backfill: strict order with conservative backfilling (:data:`BACKFILL`).
     """
 
     name: str
@@ -113,6 +124,7 @@ class Hint:
     backpressure: str = "admission"
     depth_first: bool = False
     free_first: bool = False
+    backfill: bool = False
 
     @property
     def is_policy(self) -> bool:
@@ -195,8 +207,9 @@ def compile_policy(
 
 
 def _forms() -> str:
-    names = ", ".join(HINT_NAMES)
-    return f"{names} (each also as strict-<name>), order:<per-rank orders>, csv:<path> or <path>.csv"
+    names = ", ".join(HINT_NAMES + (STRICT_SPLIT,))
+    return (f"{names} (each also as strict-<name>), backfill, backfill:<strict order>, "
+            "order:<per-rank orders>, csv:<path> or <path>.csv")
 
 
 def resolve_hint(
@@ -243,6 +256,26 @@ def resolve_hint(
 def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, backpressure):
     strict = text.startswith("strict-")
     name = text[len("strict-"):] if strict else text
+    if name == BACKFILL or name.startswith(BACKFILL + ":"):
+        base = STRICT_SPLIT if name == BACKFILL else name[len(BACKFILL) + 1:]
+        base = base[len("strict-"):] if base.startswith("strict-") else base
+        if not base or base == BACKFILL or base.startswith(BACKFILL + ":"):
+            raise ValueError(f"hint {text!r}: expected backfill or backfill:<strict order>, e.g. backfill:1f1b")
+        spec, hint, _ = _resolve("strict-" + base, placement, n_microbatches, split_backward, inflight_limit,
+                                 backpressure)
+        return spec, dataclasses.replace(hint, name=name, backfill=True), True
+    if name == STRICT_SPLIT:
+        from .policy import placement_schedule
+
+        sched = placement_schedule(placement.n_virtual, placement.kind)
+        if sched is None:
+            raise ValueError(f"hint {text!r}: the {placement.kind} placement with {placement.n_virtual} virtual "
+                             "stages has no fixed order (1f1b: 1, interleaved-1f1b: loop, zb-v: v with 2)")
+        spec = PipelineSpec(placement, n_microbatches, True if split_backward is None else split_backward)
+        hint = Hint(name, order=SCHEDULES[sched](spec))
+        if strict:
+            validate_schedule(spec, hint.order)
+        return spec, hint, strict
     if name in POLICIES:
         first, alternate, split = POLICIES[name]
         spec = PipelineSpec(placement, n_microbatches, split if split_backward is None else split_backward)
