@@ -28,9 +28,10 @@ from __future__ import annotations
 import dataclasses
 
 import heapq
-from dataclasses import dataclass, field
 from typing import Sequence, Union
 
+from .arbiter import Arbiter
+from .policy import Hint, placement_schedule
 from .schedules import SCHEDULES, SPLIT_BACKWARD_DEFAULT, Order, load_order_csv, parse_orders
 from .tasks import B, F, I, W, PipelineSpec, Placement
 from .validate import ScheduleError, validate_schedule
@@ -100,37 +101,6 @@ microbatch-by-microbatch completion order while the count of activations held is
 limit (bound ``limit + V``); it serializes deep interleaved pipelines (docs/scheduling.md)."""
 
 
-@dataclass(frozen=True)
-class Hint:
-    """A resolved hint.
-
-    Attributes:
-        name: the hint's name as the user gave it, without ``strict-``.
-        first: for a policy, the kind preferred when both ``F`` and ``B`` are ready first.
-        alternate: for a policy, whether it alternates (BF/FB rounds) or is a fixed priority.
-        order: for a total-order hint, the per-rank order; None for a policy.
-        backpressure: what readiness mode does at the in-flight limit with virtual stages
-            (:data:`BACKPRESSURE`); one stage per rank always disables forwards.
-        depth_first: for a policy, prefer forwards on later virtual stages (:data:`DEPTH_FIRST`).
-        free_first: for a policy under a memory budget, run a ready ``W`` first when the
-            budget refuses a ready forward (:data:`FREE_FIRST`).
-        backfill: strict order with conservative backfilling (:data:`BACKFILL`).
-    """
-
-    name: str
-    first: str = "B"
-    alternate: bool = True
-    order: Order | None = field(default=None, compare=False)
-    backpressure: str = "admission"
-    depth_first: bool = False
-    free_first: bool = False
-    backfill: bool = False
-
-    @property
-    def is_policy(self) -> bool:
-        return self.order is None
-
-
 def compile_policy(
     spec: PipelineSpec,
     hint: Hint,
@@ -157,8 +127,6 @@ def compile_policy(
         ValueError: for a bad limit (from the arbiter).
         RuntimeError: if the policy cannot finish (a bug in the arbiter).
     """
-    from .arbiter import Arbiter  # deferred: arbiter imports this module for Hint
-
     P = spec.placement.n_ranks
     limits = [inflight_limit] * P if isinstance(inflight_limit, int) else list(inflight_limit)
     if len(limits) != P:
@@ -265,8 +233,6 @@ def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, ba
                                  backpressure)
         return spec, dataclasses.replace(hint, name=name, backfill=True), True
     if name == STRICT_SPLIT:
-        from .policy import placement_schedule
-
         sched = placement_schedule(placement.n_virtual, placement.kind)
         if sched is None:
             raise ValueError(f"hint {text!r}: the {placement.kind} placement with {placement.n_virtual} virtual "
