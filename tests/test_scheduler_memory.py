@@ -47,6 +47,23 @@ def _peak(records, size, rank: int) -> int:
     return peak
 
 
+def _budgets_and_timing(placement, size, m, steps, budget_frac, seed, delays):
+    """Per-rank budgets (a fraction of what the rank would hold with every microbatch in
+    flight), keyed random durations and message delays."""
+    budgets = []
+    for r in range(placement.n_ranks):
+        total = max(sum(size(k, s, mb) for s in placement.stages_of(r) for mb in range(m)) for k in range(steps))
+        budgets.append(max(1, int(total * budget_frac)))
+
+    def dur(step, rank, t):
+        return _keyed(seed, "dur", step, t).uniform(0.1, 3.0)
+
+    def delay(step, src, dst, t):
+        return _keyed(seed, "msg", step, t).choice([0.0, 0.0, 0.5, 2.0]) if delays else 0.0
+
+    return budgets, dur, delay
+
+
 @SETTINGS
 @given(
     hint=st.sampled_from(["bf", "bfw", "fb", "b-priority", "f-priority", "bf-df", "bfw-df", "bfw-alt", "bfw-alt-df",
@@ -76,18 +93,7 @@ def test_byte_budget_bound_and_completion(hint, p, v, vplace, m, limit, budget_f
     def size(step, s, mb):
         return _keyed(seed, "size", step, s, mb).randint(0, 1000)
 
-    # The budget: a fraction of what the rank would hold with every microbatch in flight.
-    budgets = []
-    for r in range(p):
-        total = max(sum(size(k, s, mb) for s in placement.stages_of(r) for mb in range(m)) for k in range(steps))
-        budgets.append(max(1, int(total * budget_frac)))
-
-    def dur(step, rank, t):
-        return _keyed(seed, "dur", step, t).uniform(0.1, 3.0)
-
-    def delay(step, src, dst, t):
-        return _keyed(seed, "msg", step, t).choice([0.0, 0.0, 0.5, 2.0]) if delays else 0.0
-
+    budgets, dur, delay = _budgets_and_timing(placement, size, m, steps, budget_frac, seed, delays)
     res = simulate(spec, h, dur, strict=strict, inflight_limit=limit, delay=delay, steps=steps,
                    memory_budget=budgets, act_bytes=size)
     assert len(res.records) == steps * len(spec.all_tasks())  # every step completed
@@ -274,17 +280,7 @@ def test_split_ledger_bound_and_completion(hint, p, v, vplace, m, limit, budget_
             return None
         return int(size(step, s, mb) * _keyed(seed, "w", s).uniform(0.0, 1.0))
 
-    budgets = []
-    for r in range(p):
-        total = max(sum(size(k, s, mb) for s in placement.stages_of(r) for mb in range(m)) for k in range(steps))
-        budgets.append(max(1, int(total * budget_frac)))
-
-    def dur(step, rank, t):
-        return _keyed(seed, "dur", step, t).uniform(0.1, 3.0)
-
-    def delay(step, src, dst, t):
-        return _keyed(seed, "msg", step, t).choice([0.0, 0.0, 0.5, 2.0]) if delays else 0.0
-
+    budgets, dur, delay = _budgets_and_timing(placement, size, m, steps, budget_frac, seed, delays)
     res = simulate(spec, h, dur, strict=strict, inflight_limit=limit, delay=delay, steps=steps,
                    memory_budget=budgets, act_bytes=size, w_bytes=wsize)
     assert len(res.records) == steps * len(spec.all_tasks())

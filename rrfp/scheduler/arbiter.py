@@ -158,6 +158,8 @@ class Arbiter(Backpressure):
         self._n_stale = 0
         self._phase = hint.first
         self._alternate = hint.alternate
+        # Whether the completion order may override the hint (it does while inflight >= limit).
+        self._canon = self._interleaved and self._mem is None and not self._admission and not strict
         if hint.order is not None:
             validate_rank_order(spec, rank, list(hint.order[rank]))
             self._order = list(hint.order[rank])
@@ -310,9 +312,9 @@ class Arbiter(Backpressure):
         # Pure: which task the hint, the order and the guards (limit, admission, completion
         # order, byte budget) pick now. Only caches advance (a strict order's position past
         # finished tasks, stale heap entries dropped), never a decision.
-        if self.backfill is not None:
-            return self._choose_backfill()
         if self.strict:
+            if self.backfill is not None:
+                return self._choose_backfill()
             if self._pos < len(self._order):
                 c, i = self._keys[self._pos]
                 if self._rdy[c][i]:
@@ -335,30 +337,34 @@ class Arbiter(Backpressure):
         # The one place a chosen task leaves the ready set. The simulator calls this once per
         # task: key and heap entry are computed inline.
         s, k, m = t
-        v = self._vidx[s]
-        c = 0 if k == F else 2 if k == W else 1
-        self._rdy[c][v * self._n_mb + m] = 0
         self.running = t
         if self._policy:
-            if c == 0:
-                heap, e = self._rf, (v * self._fsign, m, s)
-            elif c == 1:
-                heap, e = self._rb, (-v, m, s)
+            if k == F:
+                heap, c, phase = self._rf, 0, "B"
+            elif k == W:
+                heap, c, phase = self._rw, 2, None
             else:
-                heap, e = self._rw, (m, -v, s)
-            if heap[0] == e:
+                heap, c, phase = self._rb, 1, F
+            top = heap[0]
+            if top[2] == s and top[0 if c == 2 else 1] == m:  # the usual case: the heap's top
                 heapq.heappop(heap)
                 if self._n_stale:
                     self._drop_stale(heap)
-            else:  # taken from the heap's middle (admission scan, completion order, commit)
-                self._stale[id(heap)].add(e)
+                v = top[0] * self._fsign if c == 0 else -top[0] if c == 1 else -top[1]
+            else:  # from the heap's middle (admission scan, completion order, commit)
+                v = self._vidx[s]
+                self._stale[id(heap)].add((v * self._fsign, m, s) if c == 0 else (-v, m, s) if c == 1 else (m, -v, s))
                 self._n_stale += 1
+            self._rdy[c][v * self._n_mb + m] = 0
             # A BF/FB round alternates after each F or backward it picks; the completion
             # order overrides the hint and leaves its round where it was.
-            if c != 2 and self._alternate and not (
-                    self._interleaved and self._mem is None and not self._admission and self.inflight >= self.limit):
-                self._phase = F if c == 1 else "B"
-        elif self.strict:
+            if phase is not None and self._alternate and not (self._canon and self.inflight >= self.limit):
+                self._phase = phase
+            return
+        v = self._vidx[s]
+        c = 0 if k == F else 2 if k == W else 1
+        self._rdy[c][v * self._n_mb + m] = 0
+        if self.strict:
             pos = self._pos
             if pos < len(self._order) and self._order[pos] == t:
                 self._pos = pos + 1

@@ -35,6 +35,11 @@ With estimated costs (per-(stage, kind) running averages, :class:`CostAverages`)
 may be wrong by the estimate's error, and a backfilled task may delay its planned task by as
 much.
 
+Where it runs: :func:`rrfp.sim.engine.simulate` drives it (notices instant and complete,
+averages shared by the ranks, or exact costs given). The runtime does not send "started"
+notices yet; its arbiter gets no :class:`Backfill`, so a ``backfill`` hint runs its strict
+order there.
+
 Pure module: no torch, no asyncio, no I/O.
 """
 

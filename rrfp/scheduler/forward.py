@@ -97,18 +97,17 @@ class ForwardArbiter:
         self.running = task
 
     def next(self) -> Task | None:
-        """Take the ready forward of the deepest virtual stage (lowest microbatch first).
+        """Take the ready forward of the deepest virtual stage (lowest microbatch first):
+        :meth:`propose`, then take it.
 
         Raises:
             SchedulingError: a task is already running.
         """
-        if self.running is not None:
-            raise SchedulingError(f"rank {self.rank}: next() while {self.running} is running")
-        if not self._heap:
-            return None
-        _, m, s = heapq.heappop(self._heap)
-        self.running = Task(s, F, m)
-        return self.running
+        t = self.propose()
+        if t is not None:
+            heapq.heappop(self._heap)  # the proposal is the heap's top
+            self.running = t
+        return t
 
     def complete(self, task: Task) -> None:
         """The running ``task`` finished.

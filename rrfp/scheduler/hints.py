@@ -73,7 +73,9 @@ interleaved 1F1B or ZB-V) with each backward split into ``I`` then ``W`` at once
 same bytes, but the gradient leaves after ``I``. ``strict-split`` runs it strictly."""
 BACKFILL = "backfill"
 """``backfill`` and ``backfill:<strict order>``: a strict order (default ``split``) with
-conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict."""
+conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict. The simulator
+backfills (its "started" notices are instant); the runtime has no "started" notices on its
+control plane yet, so there it runs the strict order and never backfills."""
 ORDER_HINTS = (STRICT_SPLIT, BACKFILL)
 """Hint names beside :data:`HINT_NAMES` whose order depends on the placement."""
 
