@@ -9,7 +9,7 @@ import torch
 
 from rrfp.data.batches import make_microbatches, pad_batch
 from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
-from rrfp.runtime.memory import ForwardSizer
+from rrfp.runtime.memory import ForwardSizer, WeightBytes
 from rrfp.runtime.local import LocalPipeline
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -136,3 +136,44 @@ def test_sizer_reuses_the_bytes_of_measured_shapes_and_remeasures_periodically()
     assert hooked[4:] == [False] * (memory.REMEASURE_EVERY - 5) + [True]  # the 64th forward
     assert sizer(0, 1) == sizer(0, 0) == 4 * 16 * 4 * 2  # input and relu output, fp32
     assert sizer(0, 2) == 2 * sizer(0, 0)
+
+
+def test_weight_store_bytes_hand_computed():
+    """Two linear layers deferred to W: the store keeps each layer's input X and output
+    gradient dY. x [5, 8], y1 [5, 16], y2 [5, 4], float32: x 160 + dY1 320 + y1 320 + dY2 80."""
+    from rrfp.runtime.split import WeightGradStore, deferring, disable_split_backward, enable_split_backward
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    assert enable_split_backward(model) == 2
+    x = torch.randn(5, 8, requires_grad=True)
+    out = model(x)
+    store = WeightGradStore()
+    with deferring(store, model):
+        out.backward(torch.ones_like(out))
+    assert len(store) == 2 and store.nbytes() == 160 + 320 + 320 + 80
+    disable_split_backward(model)
+
+
+def _peaks(hint: str, monkeypatch=None) -> list[int]:
+    model = GPT(CFG, seed=1)
+    stages = split_gpt(model, 4)
+    mbs = make_microbatches(_samples(8), 4)
+    with LocalPipeline(stages, 4, lm_loss, hint=hint, loss_weight_fn=count_tokens, seed=3,
+                       memory_budget=2**40) as pipe:
+        for _ in range(2):
+            pipe.step(microbatches=[(mb.tokens,) for mb in mbs], targets=[mb.targets for mb in mbs])
+        return [s.peak_bytes for s in pipe.last_stats]
+
+
+def test_split_ledger_frees_at_i_all_but_the_weight_store(monkeypatch):
+    """Strict ZB-H1 defers W: with W's bytes measured from its store the ledger frees the rest
+    at I, so every rank that defers holds less than under the conservative rule (everything
+    until W, what WeightBytes answering None gives); strict-split (W right after I) holds
+    exactly strict 1F1B's bytes."""
+    measured = _peaks("strict-zb-h1")
+    monkeypatch.setattr(WeightBytes, "__call__", lambda self, s, m: None)
+    conservative = _peaks("strict-zb-h1")
+    assert measured[0] == conservative[0]  # rank 0 defers no W
+    assert all(a < b for a, b in zip(measured[1:], conservative[1:])), (measured, conservative)
+    monkeypatch.undo()
+    assert _peaks("strict-split") == _peaks("strict-1f1b")

@@ -174,3 +174,31 @@ def test_memory_aware_w_first_when_the_budget_refuses_a_forward_hand_computed():
     assert _budget_dispatch("bfw-mem") == "0F0 0F1 0I0 0W0 0F2 0I1 0W1 0F3 0I2 0I3 0W2 0W3"
     # Without a budget bfw-mem is bfw-alt-df (and with one stage per rank, bfw-alt).
     assert dispatch("bfw-mem", SCRIPT) == dispatch("bfw-alt-df", SCRIPT) == GOLDEN["bfw-alt"]
+
+
+def test_forward_only_arbiter_runs_the_deepest_ready_forward_first():
+    """Rank 0 of 2 with 2 virtual stages (stages 0 and 2), 3 microbatches, forwards only:
+    stage 0's data is there; stage 2's activations arrive for microbatches 1 then 0. A ready
+    stage-2 forward goes before any stage-0 one, lowest microbatch first; propose takes
+    nothing, commit takes exactly the task."""
+    from rrfp.scheduler.forward import ForwardArbiter
+    from rrfp.scheduler.tasks import PipelineSpec, Task
+
+    arb = ForwardArbiter(PipelineSpec(Placement(2, 2), 3), 0)
+    seen = []
+    for script in ([], [(2, 1)], [(2, 0)], [], [(2, 2)], []):
+        for s, m in script:
+            arb.mark_input(s, m, False)
+        t = arb.propose()
+        assert arb.propose() == t
+        if t is not None:
+            arb.commit(t)
+            seen.append(str(t))
+            arb.complete(t)
+    while not arb.finished:
+        t = arb.next()
+        seen.append(str(t))
+        arb.complete(t)
+    assert " ".join(seen) == "0F0 2F1 2F0 0F1 2F2 0F2"
+    with pytest.raises(Exception, match="not ready"):
+        ForwardArbiter(PipelineSpec(Placement(2, 2), 3), 0).commit(Task(2, "F", 0))

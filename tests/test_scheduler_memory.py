@@ -47,6 +47,23 @@ def _peak(records, size, rank: int) -> int:
     return peak
 
 
+def _budgets_and_timing(placement, size, m, steps, budget_frac, seed, delays):
+    """Per-rank budgets (a fraction of what the rank would hold with every microbatch in
+    flight), keyed random durations and message delays."""
+    budgets = []
+    for r in range(placement.n_ranks):
+        total = max(sum(size(k, s, mb) for s in placement.stages_of(r) for mb in range(m)) for k in range(steps))
+        budgets.append(max(1, int(total * budget_frac)))
+
+    def dur(step, rank, t):
+        return _keyed(seed, "dur", step, t).uniform(0.1, 3.0)
+
+    def delay(step, src, dst, t):
+        return _keyed(seed, "msg", step, t).choice([0.0, 0.0, 0.5, 2.0]) if delays else 0.0
+
+    return budgets, dur, delay
+
+
 @SETTINGS
 @given(
     hint=st.sampled_from(["bf", "bfw", "fb", "b-priority", "f-priority", "bf-df", "bfw-df", "bfw-alt", "bfw-alt-df",
@@ -76,18 +93,7 @@ def test_byte_budget_bound_and_completion(hint, p, v, vplace, m, limit, budget_f
     def size(step, s, mb):
         return _keyed(seed, "size", step, s, mb).randint(0, 1000)
 
-    # The budget: a fraction of what the rank would hold with every microbatch in flight.
-    budgets = []
-    for r in range(p):
-        total = max(sum(size(k, s, mb) for s in placement.stages_of(r) for mb in range(m)) for k in range(steps))
-        budgets.append(max(1, int(total * budget_frac)))
-
-    def dur(step, rank, t):
-        return _keyed(seed, "dur", step, t).uniform(0.1, 3.0)
-
-    def delay(step, src, dst, t):
-        return _keyed(seed, "msg", step, t).choice([0.0, 0.0, 0.5, 2.0]) if delays else 0.0
-
+    budgets, dur, delay = _budgets_and_timing(placement, size, m, steps, budget_frac, seed, delays)
     res = simulate(spec, h, dur, strict=strict, inflight_limit=limit, delay=delay, steps=steps,
                    memory_budget=budgets, act_bytes=size)
     assert len(res.records) == steps * len(spec.all_tasks())  # every step completed
@@ -213,3 +219,118 @@ def test_budget_without_sizes_is_refused():
     spec, h, _ = resolve_hint("bf", Placement(2, 1), 4)
     with pytest.raises(ValueError, match="act_bytes"):
         Arbiter(spec, 0, h, memory_budget=100)
+
+
+# ------------------------------------------------------- split-backward ledger (W's bytes)
+def _peak_split(records, size, wsize, rank: int) -> int:
+    """Bytes held on ``rank`` replayed from its records: F adds its size, B frees it, I frees
+    all but what W reads (``wsize``; None: all kept), W frees the rest."""
+    cur = peak = 0
+    kept = {}
+    for r in records:
+        if r.rank != rank:
+            continue
+        s, k, m = r.task
+        n = size(r.step, s, m)
+        if k == F:
+            cur += n
+            peak = max(peak, cur)
+        elif k == B:
+            cur -= n
+        elif k == I:
+            w = wsize(r.step, s, m)
+            keep = n if w is None else min(w, n)
+            kept[(r.step, s, m)] = keep
+            cur -= n - keep
+        else:
+            cur -= kept.pop((r.step, s, m))
+    assert not kept
+    return peak
+
+
+@SETTINGS
+@given(
+    hint=st.sampled_from(["bfw", "bfw-alt", "bfw-alt-df", "bfw-mem", "bfw-df", "zb-h1", "zb-v", "bf", "split"]),
+    p=st.integers(1, 5),
+    v=st.sampled_from([1, 2]),
+    vplace=st.booleans(),
+    m=st.integers(1, 12),
+    limit=st.integers(1, 12),
+    budget_frac=st.floats(0.0, 1.5),
+    steps=st.integers(1, 2),
+    seed=st.integers(0, 10_000),
+    delays=st.booleans(),
+    w_known=st.sampled_from(["all", "some", "none"]),
+)
+def test_split_ledger_bound_and_completion(hint, p, v, vplace, m, limit, budget_frac, steps, seed, delays, w_known):
+    """With W's bytes known (all, some or no stages), I frees the rest: every step completes
+    (deadlock freedom) and readiness mode never holds more than max(budget, one microbatch's
+    bytes on the rank), replayed from the records with the same rule."""
+    placement = Placement(p, v, "v" if vplace and v == 2 else "loop")
+    try:
+        spec, h, strict = resolve_hint(hint, placement, m, True)
+    except ValueError:
+        spec, h, strict = resolve_hint("bfw", placement, m)
+
+    def size(step, s, mb):
+        return _keyed(seed, "size", step, s, mb).randint(0, 1000)
+
+    def wsize(step, s, mb):
+        if w_known == "none" or (w_known == "some" and (s + mb) % 2):
+            return None
+        return int(size(step, s, mb) * _keyed(seed, "w", s).uniform(0.0, 1.0))
+
+    budgets, dur, delay = _budgets_and_timing(placement, size, m, steps, budget_frac, seed, delays)
+    res = simulate(spec, h, dur, strict=strict, inflight_limit=limit, delay=delay, steps=steps,
+                   memory_budget=budgets, act_bytes=size, w_bytes=wsize)
+    assert len(res.records) == steps * len(spec.all_tasks())
+    for r in range(p):
+        single = max(sum(size(k, s, mb) for s in placement.stages_of(r)) for k in range(steps) for mb in range(m))
+        replayed = _peak_split(res.records, size, wsize, r)
+        assert replayed == res.peak_bytes[r]
+        if not strict:
+            assert replayed <= max(budgets[r], single), (r, replayed, budgets[r], single)
+
+
+def test_split_ledger_hand_computed():
+    """F holds 100 bytes; I leaves the 30 W reads; W frees them. Unknown W bytes: all 100 stay
+    until W; a figure above what F holds is capped (I never raises the bytes held)."""
+    led = MemoryLedger([0], lambda s, m: 100, 1000)
+    led.forward_done(0, 0)
+    led.forward_done(0, 1)
+    assert led.held == 200
+    led.input_backward_done(0, 0, 30)
+    assert (led.held, led.reserved) == (130, 130)
+    led.input_backward_done(0, 1, None)
+    assert led.held == 130
+    led.backward_done(0, 0)
+    assert led.held == 100
+    led.input_backward_done(0, 1, 10**6)
+    assert led.held == 100
+    led.backward_done(0, 1)
+    assert (led.held, led.reserved, led.peak_held) == (0, 0, 200)
+
+
+def test_split_ledger_lets_a_forward_in_after_i():
+    """Budget 150, F holds 100 and W reads 40: after I the next forward fits (40 + 100), with
+    the conservative rule (W bytes unknown) it waits for W."""
+    spec = PipelineSpec(Placement(1), 2, split_backward=True)
+    hint = resolve_hint("bfw", Placement(1), 2)[1]
+    for w, want in ((lambda s, m: 40, "0F0 0I0 0F1 0I1 0W0 0W1"), (None, "0F0 0I0 0W0 0F1 0I1 0W1")):
+        arb = Arbiter(spec, 0, hint, memory_budget=150, act_bytes=lambda s, m: 100, w_bytes=w, inflight_limit=2)
+        seen = []
+        while not arb.finished:
+            t = arb.next()
+            seen.append(str(t))
+            arb.complete(t)
+        assert " ".join(seen) == want
+
+
+def test_order_peak_bytes_with_w_bytes_hand_computed():
+    order = [Task(0, F, 0), Task(0, F, 1), Task(0, I, 0), Task(0, F, 2), Task(0, W, 0), Task(0, I, 1),
+             Task(0, W, 1), Task(0, I, 2), Task(0, W, 2)]
+    # Without w_size I frees everything: 100, 200, 100, 200 -> peak 200. With W reading 30:
+    # 100, 200, 130, 230, 200, 130, 100, 30, 0 -> peak 230. Unknown: kept until W: 300.
+    assert order_peak_bytes(order, lambda s, m: 100) == 200
+    assert order_peak_bytes(order, lambda s, m: 100, lambda s, m: 30) == 230
+    assert order_peak_bytes(order, lambda s, m: 100, lambda s, m: None) == 300

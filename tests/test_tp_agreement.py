@@ -1,4 +1,4 @@
-"""TP agreement (RRFP §4.2): propose / commit / withdraw, and two TP ranks that jitter
+"""TP agreement (RRFP §4.2): a pure propose, commit, and two TP ranks that jitter
 differently still run their collective-bearing tasks in one order."""
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def _spec(n_ranks=2, M=4, hint="bf"):
 
 
 @pytest.mark.parametrize("hint", ["bf", "bfw", "fb", "1f1b", "strict-1f1b"])
-def test_withdraw_leaves_the_arbiter_as_before_propose(hint):
-    """After propose + withdraw, every later decision is the one a fresh arbiter makes."""
+def test_propose_changes_nothing(hint):
+    """Proposing (any number of times) and not committing leaves every later decision the
+    one an arbiter that never proposed makes."""
     spec, h, strict = _spec(hint=hint)
     rng = random.Random(3)
     for trial in range(30):
@@ -42,7 +43,6 @@ def test_withdraw_leaves_the_arbiter_as_before_propose(hint):
                 a.mark_input(s, m, g), b.mark_input(s, m, g)
             t = a.propose()
             if t is not None:
-                a.withdraw(t)
                 assert a.propose() == t  # the same choice again: nothing advanced
                 a.commit(t)
             u = b.next()
@@ -57,7 +57,7 @@ def test_withdraw_leaves_the_arbiter_as_before_propose(hint):
 def test_agreement_makes_two_differently_informed_ranks_run_one_order():
     """Pure and deterministic: rank 1 sees gradients late. Without agreement the two ranks
     run their collective-bearing tasks in different orders; with it they run one order and
-    a mismatch withdraws both proposals."""
+    after a mismatch neither proposal was taken."""
     spec, h, _ = _spec(M=4)
     M = spec.n_microbatches
 
@@ -77,10 +77,7 @@ def test_agreement_makes_two_differently_informed_ranks_run_one_order():
                     ok = [ag.decide(got) for ag in ags]
                     assert ok[0] == ok[1]  # every rank reaches the same decision, no leader
                     ran = [t for t, _ in props] if ok[0] else [None, None]
-                else:
-                    for ag, (t, need) in zip(ags, props):
-                        if need:
-                            ag.arb.withdraw(t)
+                else:  # one rank's task needs no agreement: neither runs this round
                     ran = [None, None]
             else:
                 ran = [a.next() for a in arbs]

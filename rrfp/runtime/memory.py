@@ -46,6 +46,30 @@ def budget_bytes(memory_budget: int | str | None) -> int | None:
     return parse_size(memory_budget)
 
 
+class WeightBytes:
+    """``w_bytes(stage, mb)`` of :class:`~rrfp.scheduler.arbiter.Arbiter`: after a split
+    backward's ``I``, the bytes its deferred weight-gradient store holds for ``W``
+    (:meth:`rrfp.runtime.split.WeightGradStore.nbytes`), measured; None (everything stays held
+    until ``W``, the ledger's conservative rule) when ``W`` has no store: a ``dw_builder``
+    runner, or a stage whose whole backward moved to ``W``.
+
+    Args:
+        states: the compute's ``(stage, mb) -> W state`` map (``("store", store)``,
+            ``("runner", fn)`` or ``("full", ...)``), read when the arbiter asks.
+    """
+
+    __slots__ = ("states",)
+
+    def __init__(self, states: Mapping[tuple[int, int], Any]) -> None:
+        self.states = states
+
+    def __call__(self, stage: int, mb: int) -> int | None:
+        state = self.states.get((stage, mb))
+        if state is None or state[0] != "store":
+            return None
+        return state[1].nbytes()
+
+
 REMEASURE_EVERY = 64
 """A stage's forwards with already-measured input shapes are measured again once in this many."""
 

@@ -33,7 +33,7 @@ from ..transport.base import Message, Transport
 from .compute import LossFn, TaskCompute, run_backward
 from .errors import PipelineError, WatchdogTimeout
 from .executor import Executor, InlineExecutor
-from .forward import ForwardArbiter
+from ..scheduler.forward import ForwardArbiter
 from .hooks import HookRunner, StepHooks
 from .inbox import MAX_CONTROL_BACKLOG, Inbox
 from .loop import DelayFn, SchedulerLoop
@@ -170,11 +170,13 @@ class RankRuntime:
         self.memory_budget = memory_budget
         self._sizer = None
         if memory_budget is not None:
-            from .memory import ForwardSizer
+            from .memory import ForwardSizer, WeightBytes
 
             self._sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()}, got[0])
         self.compute = TaskCompute(rank, self.stages, self.last_stage, loss_fn, self.inbox.act, self.inbox.grad,
                                    self._ordered, self._sizer)
+        # Under a budget the ledger frees at I all but what W's store holds (measured).
+        self._wbytes = None if self._sizer is None else WeightBytes(self.compute._wstate)
 
     @property
     def loss_fn(self) -> LossFn | None:
@@ -321,7 +323,8 @@ class RankRuntime:
             arb = ForwardArbiter(self.spec, self.rank)
         else:
             arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit,
-                          memory_budget=self.memory_budget, act_bytes=self._sizer)
+                          memory_budget=self.memory_budget, act_bytes=self._sizer,
+                          w_bytes=self._wbytes)
             if self._sizer is not None:
                 self._sizer.begin_step(self._act)
         compute = self.compute

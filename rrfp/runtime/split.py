@@ -93,6 +93,20 @@ class WeightGradStore:
     def __len__(self) -> int:
         return len(self.items)
 
+    def nbytes(self) -> int:
+        """Bytes the store keeps alive for W: the storages of every deferred ``X`` and
+        ``dY``, each storage counted once (several layers may share one), in bytes."""
+        seen: set[int] = set()
+        total = 0
+        for _, _, x, dy, _ in self.items:
+            for t in (x, dy):
+                st = t.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr not in seen:
+                    seen.add(ptr)
+                    total += st.nbytes()
+        return total
+
     def flush(self) -> None:
         """Compute and accumulate every deferred weight gradient, then forget them."""
         for weight, bias, x, dy, in_out in self.items:

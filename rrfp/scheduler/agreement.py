@@ -2,10 +2,10 @@
 
 The ranks of one TP group must issue their collectives in the same order, so before a
 collective-bearing task (F, B or I of a TP-sharded stage) each rank arbitrates locally and
-*proposes* its choice; the group all-gathers the proposals. All equal: every rank commits and
-runs it. Any mismatch: nobody runs, no state advances (the arbiter's :meth:`withdraw
-<rrfp.scheduler.arbiter.Arbiter.withdraw>`), and arbitration restarts from the top of the hint
-once the rank has looked at its new arrivals. There is no leader: every rank reaches the same
+*proposes* its choice (:meth:`Arbiter.propose <rrfp.scheduler.arbiter.Arbiter.propose>`,
+which changes nothing); the group all-gathers the proposals. All equal: every rank commits
+(takes) it and runs it. Any mismatch: nobody runs, nothing was taken, and arbitration restarts
+from the top of the hint once the rank has looked at its new arrivals. There is no leader: every rank reaches the same
 decision from the same gathered proposals.
 
 The exchange itself (a gloo all-gather, or the control plane) lives in the runtime; this
@@ -17,14 +17,15 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from .arbiter import Arbiter
-from .tasks import W, Task
+from .readyset import KIND_INDEX, needs_agreement as _needs_agreement
+from .tasks import Task
 
 __all__ = ["TPAgreement", "encode_task", "decode_task", "NO_TASK"]
 
 NO_TASK = (-1, -1, -1)
 """The encoding of "no proposal"."""
 
-_KINDS = ("F", "B", "I", "W")
+_KINDS = tuple(KIND_INDEX)
 
 
 def encode_task(task: Task | None) -> tuple[int, int, int]:
@@ -32,7 +33,7 @@ def encode_task(task: Task | None) -> tuple[int, int, int]:
     if task is None:
         return NO_TASK
     s, k, m = task
-    return (s, _KINDS.index(k), m)
+    return (s, KIND_INDEX[k], m)
 
 
 def decode_task(code: Sequence[int]) -> Task | None:
@@ -48,8 +49,8 @@ class TPAgreement:
 
     Args:
         arbiter: the rank's arbiter for this step.
-        needs_agreement: ``task -> bool``; default: every F, B and I (a TP layer's forward and
-            input backward issue collectives; W computes local weight gradients only).
+        needs_agreement: ``task -> bool``; default: the kind table's
+            (:data:`rrfp.scheduler.readyset.KINDS`: F, B and I issue collectives, W does not).
 
     Attributes:
         rounds: proposal exchanges so far; mismatches: those that disagreed.
@@ -57,7 +58,7 @@ class TPAgreement:
 
     def __init__(self, arbiter: Arbiter, needs_agreement: Callable[[Task], bool] | None = None) -> None:
         self.arb = arbiter
-        self.needs_agreement = needs_agreement or (lambda t: t.kind != W)
+        self.needs_agreement = needs_agreement or _needs_agreement
         self.rounds = 0
         self.mismatches = 0
         self.proposed: Task | None = None
@@ -80,12 +81,12 @@ class TPAgreement:
 
     def decide(self, proposals: Sequence[Task | None]) -> bool:
         """Every rank's proposal (this one's included, in TP-rank order): commit the proposed
-        task if they are all equal (True), else withdraw it (False)."""
+        task if they are all equal (True); else nothing was taken and nothing needs undoing
+        (False)."""
         t, self.proposed = self.proposed, None
         self.rounds += 1
         if all(p == t for p in proposals):
             self.arb.commit(t)
             return True
         self.mismatches += 1
-        self.arb.withdraw(t)
         return False

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import heapq
 
-from .hints import Hint
 from .backpressure import Backpressure, _new
-from .memory import MemoryLedger, SizeFn
+from .backfill import Backfill
+from .errors import SchedulingError
+from .readyset import KIND_CODE as _CODE
+from .memory import MemoryLedger, SizeFn, order_bytes
+from .policy import Hint
 from .tasks import F, I, W, PipelineSpec, Task
 
 
 
-class SchedulingError(RuntimeError):
-    """An event that cannot happen in a correct pipeline (duplicate input, unknown task)."""
 
 
 def validate_rank_order(spec: PipelineSpec, rank: int, order: list[Task]) -> None:
@@ -66,6 +67,12 @@ class Arbiter(Backpressure):
         act_bytes: ``act_bytes(stage, mb)``, bytes ``F(stage, mb)`` holds until its input
             backward (an estimate; :meth:`complete` takes the measured size). Needed by
             ``memory_budget``; alone, it only counts :attr:`peak_bytes`.
+        w_bytes: ``w_bytes(stage, mb)``, bytes a split backward's ``W`` still reads once its
+            ``I`` finished (None from it, or no function: unknown, everything stays held
+            until ``W``; :meth:`MemoryLedger.input_backward_done`).
+        backfill: strict mode only: run a later ready task of the order while the planned one
+            waits, when it ends before the planned task's input can arrive
+            (:mod:`rrfp.scheduler.backfill`), keeping the order's own peak bytes.
 
     Raises:
         ValueError: bad limit or budget, a budget without ``act_bytes`` or with
@@ -83,6 +90,8 @@ class Arbiter(Backpressure):
         inflight_limit: int = 32,
         memory_budget: int | None = None,
         act_bytes: SizeFn | None = None,
+        w_bytes: SizeFn | None = None,
+        backfill: Backfill | None = None,
     ) -> None:
         if not isinstance(inflight_limit, int) or inflight_limit < 1:
             raise ValueError(f"in-flight limit {inflight_limit!r}: expected an integer >= 1")
@@ -92,6 +101,12 @@ class Arbiter(Backpressure):
             raise ValueError(f"a memory budget needs admission backpressure, got {hint.backpressure!r}")
         if strict and hint.order is None:
             raise ValueError(f"strict mode needs a total-order hint, got the policy {hint.name!r}")
+        if backfill is not None and not strict:
+            raise ValueError("backfilling runs over a strict order: pass strict=True")
+        self.backfill = backfill
+        self._wsize = w_bytes
+        self._bf_prefix: list[int] | None = None  # bytes after each task of the order (backfill)
+        self._bf_ahead: list[tuple[int, int]] = []  # (order index, bytes) of forwards run ahead
         self.spec = spec
         self.rank = rank
         self.hint = hint
@@ -143,6 +158,8 @@ class Arbiter(Backpressure):
         self._n_stale = 0
         self._phase = hint.first
         self._alternate = hint.alternate
+        # Whether the completion order may override the hint (it does while inflight >= limit).
+        self._canon = self._interleaved and self._mem is None and not self._admission and not strict
         if hint.order is not None:
             validate_rank_order(spec, rank, list(hint.order[rank]))
             self._order = list(hint.order[rank])
@@ -150,7 +167,7 @@ class Arbiter(Backpressure):
             self._pos = 0  # first index of self._order not yet dispatched (strict: the next)
         if self._interleaved:
             # The completion order (m = 0..M-1, each F_0..F_{V-1}, B_{V-1}..B_0) is computed
-            # position by position (_next_completion_order) rather than stored: M * 2V tasks per rank.
+            # position by position (_choose_completion_order) rather than stored: M * 2V tasks per rank.
             self._canon_len = spec.n_microbatches * 2 * len(self.stages)
             self._canon_pos = 0
             self._canon_flag = (0, 0)  # (kind code, flag index) of position _canon_pos: F_0 of mb 0
@@ -219,9 +236,11 @@ class Arbiter(Backpressure):
             if k == F:
                 self.memory.forward_done(s, m, nbytes)
             elif k != I:
-                # A split backward's W still reads the layer inputs F saved, so the bytes stay
-                # held until W; freeing them at I would let split hints overrun the budget.
                 self.memory.backward_done(s, m)
+            elif self._wsize is not None:
+                # W still reads each split layer's input and output gradient: only the rest
+                # of what F saved is free at I (unknown: all of it stays until W).
+                self.memory.input_backward_done(s, m, self._wsize(s, m))
         if k == F:
             self._done[0][i] = 1
             self.inflight += 1
@@ -249,69 +268,177 @@ class Arbiter(Backpressure):
 
     # --------------------------------------------------------------- decisions
     def next(self) -> Task | None:
-        """Dispatch the best-ranked ready task (it becomes :attr:`running`), or return None
-        when nothing may run until the next event.
+        """Take the best-ranked ready task (it becomes :attr:`running`), or return None when
+        nothing may run until the next event: :meth:`propose` then :meth:`commit`.
 
         Raises:
             SchedulingError: if a task is already running (one compute task at a time).
         """
         if self.running is not None:
             raise SchedulingError(f"rank {self.rank}: next() while {self.running} is running")
+        t = self._choose()
+        if t is not None:
+            self._take(t)
+        return t
+
+    def propose(self) -> Task | None:
+        """The task :meth:`next` would take now, without taking it: no decision state changes
+        (RRFP §4.2: a TP group agrees on a collective-bearing task before anyone runs it;
+        :meth:`commit` takes it, and after a disagreement nothing needs undoing).
+
+        Raises:
+            SchedulingError: if a task is already running.
+        """
+        if self.running is not None:
+            raise SchedulingError(f"rank {self.rank}: propose() while {self.running} is running")
+        return self._choose()
+
+    def commit(self, task: Task) -> None:
+        """Take ``task`` (it runs; :meth:`complete` follows). Inputs that arrived since
+        :meth:`propose` may have made another task preferable; the agreed one still runs.
+
+        Raises:
+            SchedulingError: a task is running, or ``task`` is not in the ready set.
+        """
+        if self.running is not None:
+            raise SchedulingError(f"rank {self.rank}: commit of {task} while {self.running} is running")
+        v = self._vidx.get(task[0])
+        c = _CODE.get(task[1])
+        if v is None or c is None or not 0 <= task[2] < self._n_mb or not self._rdy[c][v * self._n_mb + task[2]]:
+            raise SchedulingError(f"rank {self.rank}: commit of {task}, which is not ready")
+        self._take(task)
+
+    def _choose(self) -> Task | None:
+        # Pure: which task the hint, the order and the guards (limit, admission, completion
+        # order, byte budget) pick now. Only caches advance (a strict order's position past
+        # finished tasks, stale heap entries dropped), never a decision.
         if self.strict:
+            if self.backfill is not None:
+                return self._choose_backfill()
             if self._pos < len(self._order):
                 c, i = self._keys[self._pos]
                 if self._rdy[c][i]:
-                    t = self._order[self._pos]
-                    self._pos += 1
-                    return self._dispatch(t)
+                    return self._order[self._pos]
             return None
         mem = self._mem
         if mem is not None:
-            return self._next_budget(mem)
+            return self._choose_budget(mem)
         if self._admission:
             if self.mb_inflight < self.limit:
-                return self._next_policy(True) if self._policy else self._next_in_order(True)
-            return self._next_policy_admission() if self._policy else self._next_in_order(True, admit=False)
+                return self._choose_policy(True) if self._policy else self._choose_in_order(True)
+            return self._choose_policy_admission() if self._policy else self._choose_in_order(True, admit=False)
         if self._interleaved and self.inflight >= self.limit:
-            return self._next_completion_order()
+            return self._choose_completion_order()
         if self._policy:
-            return self._next_policy(self.inflight < self.limit)
-        return self._next_in_order(self.inflight < self.limit)
+            return self._choose_policy(self.inflight < self.limit)
+        return self._choose_in_order(self.inflight < self.limit)
 
-    def _next_policy(self, f_allowed: bool, f_entry: tuple[int, int, int] | None = None) -> Task | None:
-        # The simulator calls this once per task: pops and dispatch are inlined. ``f_entry``:
-        # the one F heap entry admission backpressure allows (any, when None and f_allowed).
+    def _take(self, t: Task) -> None:
+        # The one place a chosen task leaves the ready set. The simulator calls this once per
+        # task: key and heap entry are computed inline.
+        s, k, m = t
+        self.running = t
+        if self._policy:
+            if k == F:
+                heap, c, phase = self._rf, 0, "B"
+            elif k == W:
+                heap, c, phase = self._rw, 2, None
+            else:
+                heap, c, phase = self._rb, 1, F
+            top = heap[0]
+            if top[2] == s and top[0 if c == 2 else 1] == m:  # the usual case: the heap's top
+                heapq.heappop(heap)
+                if self._n_stale:
+                    self._drop_stale(heap)
+                v = top[0] * self._fsign if c == 0 else -top[0] if c == 1 else -top[1]
+            else:  # from the heap's middle (admission scan, completion order, commit)
+                v = self._vidx[s]
+                self._stale[id(heap)].add((v * self._fsign, m, s) if c == 0 else (-v, m, s) if c == 1 else (m, -v, s))
+                self._n_stale += 1
+            self._rdy[c][v * self._n_mb + m] = 0
+            # A BF/FB round alternates after each F or backward it picks; the completion
+            # order overrides the hint and leaves its round where it was.
+            if phase is not None and self._alternate and not (self._canon and self.inflight >= self.limit):
+                self._phase = phase
+            return
+        v = self._vidx[s]
+        c = 0 if k == F else 2 if k == W else 1
+        self._rdy[c][v * self._n_mb + m] = 0
+        if self.strict:
+            pos = self._pos
+            if pos < len(self._order) and self._order[pos] == t:
+                self._pos = pos + 1
+            elif self.backfill is not None:
+                self.backfill.n_backfilled += 1
+                if c == 0:
+                    self._bf_ahead.append((self._order_index[t], self._bf_size(t)))
+
+    def _choose_policy(self, f_allowed: bool, f_entry: tuple[int, int, int] | None = None) -> Task | None:
+        # The simulator calls this once per task. ``f_entry``: the one F heap entry the
+        # guards allow (any, when None and f_allowed).
         rf, rb = self._rf, self._rb
         if f_entry is not None or (f_allowed and rf):
             kind = self._phase if rb else F
         elif rb:
             kind = "B"
         elif self._rw:
-            return self._dispatch(self._pop(self._rw, W))
+            m, _, s = self._rw[0]
+            return _new(Task, (s, W, m))
         else:
             return None
-        if self._alternate:
-            self._phase = F if kind == "B" else "B"
         if kind == F:
-            if f_entry is None:
-                v, m, s = heapq.heappop(rf)
-                if self._n_stale:
-                    self._drop_stale(rf)
-            else:
-                v, m, s = f_entry
-                self._remove_from_heap(rf, f_entry)
-            self._rdy[0][v * self._fsign * self._n_mb + m] = 0
-            t = _new(Task, (s, F, m))
-        else:
-            v, m, s = heapq.heappop(rb)
-            if self._n_stale:
-                self._drop_stale(rb)
-            self._rdy[1][-v * self._n_mb + m] = 0
-            t = _new(Task, (s, self._bk, m))
-        self.running = t
-        return t
+            _, m, s = rf[0] if f_entry is None else f_entry
+            return _new(Task, (s, F, m))
+        _, m, s = rb[0]
+        return _new(Task, (s, self._bk, m))
 
-    def _next_in_order(self, f_allowed: bool, admit: bool = True, budget: bool = False) -> Task | None:
+    def _choose_backfill(self) -> Task | None:
+        # Strict order with backfilling (rrfp.scheduler.backfill): the planned task if ready,
+        # else the first later ready task that ends before the planned task's input arrives.
+        order, keys, rdy, done = self._order, self._keys, self._rdy, self._done
+        n, pos = len(order), self._pos
+        while pos < n and done[keys[pos][0]][keys[pos][1]]:
+            pos += 1
+        self._pos = pos
+        if pos == n:
+            return None
+        c, i = keys[pos]
+        if rdy[c][i]:
+            return order[pos]
+        bf = self.backfill
+        room = bf.room(order[pos])
+        if room <= 0:
+            return None
+        for j in range(pos + 1, n):
+            c, i = keys[j]
+            if rdy[c][i]:
+                t = order[j]
+                if bf.fits(t, room) and (c != 0 or self._backfill_bytes_ok(pos, j, t)):
+                    return t
+        return None
+
+    def _bf_size(self, t: Task) -> int | None:
+        return self.memory.size(t.stage, t.mb) if self.memory is not None else 1
+
+    def _backfill_bytes_ok(self, pos: int, j: int, t: Task) -> bool:
+        # A forward run ahead of the order adds its bytes from now until the order reaches it:
+        # allowed only if the order's own bytes over that stretch, plus those of forwards
+        # already run ahead, plus this one, stay within the order's peak. Without sizes the
+        # count of activations stands in for bytes.
+        if self._bf_prefix is None:
+            size = self.memory.size if self.memory is not None else (lambda s, m: 1)
+            self._bf_prefix = order_bytes(self._order, size, self._wsize if self.memory is not None else None)
+            self._order_index = {x: k for k, x in enumerate(self._order)}
+        x = self._bf_size(t)
+        if x is None:
+            return False
+        prefix = self._bf_prefix
+        extra = sum(b for k, b in self._bf_ahead if k > pos) + x
+        cap = max(prefix)
+        lo = prefix[pos - 1] if pos else 0
+        return max(prefix[pos:j], default=lo) + extra <= cap and lo + extra <= cap
+
+    def _choose_in_order(self, f_allowed: bool, admit: bool = True, budget: bool = False) -> Task | None:
         # ``budget``: every forward asks the memory ledger, admissions within the count limit.
         order, keys, rdy, done = self._order, self._keys, self._rdy, self._done
         n, M = len(order), self._n_mb
@@ -322,60 +449,14 @@ class Arbiter(Backpressure):
             for j in range(self._pos, n):
                 c, i = keys[j]
                 if rdy[c][i] and (c != 0 or ((room or i >= M) and mem.grants(stages[i // M], i % M))):
-                    return self._dispatch(order[j])
+                    return order[j]
             return None
         for j in range(self._pos, n):
             c, i = keys[j]
             # Flag index i < M is the first virtual stage: F there admits a new microbatch.
             if rdy[c][i] and (c != 0 or (f_allowed and (i >= M or admit))):
-                return self._dispatch(order[j])
+                return order[j]
         return None
-
-    # ------------------------------------------------- propose / commit (TP agreement)
-    def propose(self) -> Task | None:
-        """Like :meth:`next`, but the choice may still be taken back with :meth:`withdraw`
-        (RRFP §4.2: a TP group agrees on a collective-bearing task before anyone runs it).
-        Follow with :meth:`commit` or :meth:`withdraw` before the next decision."""
-        self._undo = (self._phase, getattr(self, "_pos", None))
-        return self.next()
-
-    def commit(self, task: Task) -> None:
-        """Keep the proposed ``task`` (it runs; :meth:`complete` follows).
-
-        Raises:
-            SchedulingError: ``task`` is not the proposed task.
-        """
-        if task != self.running:
-            raise SchedulingError(f"rank {self.rank}: commit of {task} but {self.running} was proposed")
-        self._undo = None
-
-    def withdraw(self, task: Task) -> None:
-        """Take back the proposed ``task``: it is ready again and no state has advanced (the
-        hint's B/F phase and a strict order's position are as before :meth:`propose`).
-
-        Raises:
-            SchedulingError: ``task`` is not the proposed task.
-        """
-        if task != self.running or getattr(self, "_undo", None) is None:
-            raise SchedulingError(f"rank {self.rank}: withdraw of {task} but {self.running} was proposed")
-        self._phase, pos = self._undo
-        if pos is not None:
-            self._pos = pos
-        self._undo = None
-        self.running = None
-        c, i = self._key(task)
-        self._rdy[c][i] = 1
-        if self._policy:
-            s, _, m = task
-            v = self._vidx[s]
-            heap, entry = ((self._rf, (v * self._fsign, m, s)) if c == 0 else (self._rb, (-v, m, s)) if c == 1
-                           else (self._rw, (m, -v, s)))
-            stale = self._stale[id(heap)]
-            if entry in stale:  # taken from the heap's middle: it is still in the heap
-                stale.discard(entry)
-                self._n_stale -= 1
-            else:
-                heapq.heappush(heap, entry)
 
     # ------------------------------------------------------------- internals
     @staticmethod
@@ -385,7 +466,7 @@ class Arbiter(Backpressure):
     def _key(self, t: Task) -> tuple[int, int]:
         """(kind code, flag index) of one of this rank's tasks."""
         s, k, m = t
-        return (0 if k == F else 2 if k == W else 1), self._vidx[s] * self._n_mb + m
+        return _CODE[k], self._vidx[s] * self._n_mb + m
 
     def _make_ready(self, t: Task) -> None:
         if self._policy:
@@ -400,33 +481,11 @@ class Arbiter(Backpressure):
         c, i = self._key(t)
         self._rdy[c][i] = 1
 
-    def _pop(self, heap: list[tuple[int, int, int]], kind: str) -> Task:
-        a, b, s = heapq.heappop(heap)
-        if self._n_stale:
-            self._drop_stale(heap)
-        return _new(Task, (s, kind, b if kind != W else a))
-
     def _drop_stale(self, heap: list[tuple[int, int, int]]) -> None:
         stale = self._stale[id(heap)]
         while heap and heap[0] in stale:
             stale.discard(heapq.heappop(heap))
             self._n_stale -= 1
-
-    def _dispatch(self, t: Task) -> Task:
-        c, i = self._key(t)
-        self._rdy[c][i] = 0
-        self.running = t
-        return t
-
-    def _remove_from_heap(self, heap: list[tuple[int, int, int]], item: tuple[int, int, int]) -> None:
-        # Only the completion-order path picks a task that may sit anywhere in a heap.
-        if heap[0] == item:
-            heapq.heappop(heap)
-            if self._n_stale:
-                self._drop_stale(heap)
-        else:
-            self._stale[id(heap)].add(item)
-            self._n_stale += 1
 
     # ------------------------------------------------------------ diagnostics
     def waiting_for(self, limit: int = 3) -> str:

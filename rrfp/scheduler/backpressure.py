@@ -1,6 +1,7 @@
-"""What a rank runs when its in-flight limit or its memory budget binds (RRFP App. C; rrfp
-issue 13): the backpressure half of :class:`rrfp.scheduler.arbiter.Arbiter`, which inherits
-these decisions from :class:`Backpressure` (they read and update the arbiter's ready set).
+"""What a rank runs when its in-flight limit or its memory budget binds (RRFP App. C): the
+backpressure half of :class:`rrfp.scheduler.arbiter.Arbiter`, which inherits these choices
+from :class:`Backpressure`. They read the arbiter's ready set and change no decision state:
+the arbiter takes what they choose.
 
 Backpressure: ``D`` is the number of forwards minus input backwards finished so far this step
 on the rank (activations held). In readiness mode, once ``D`` reaches the in-flight limit:
@@ -54,7 +55,7 @@ class Backpressure:
     :class:`~rrfp.scheduler.arbiter.Arbiter`, not used alone: every attribute it reads is set
     by the arbiter's constructor)."""
 
-    def _next_budget(self, mem: MemoryLedger) -> Task | None:
+    def _choose_budget(self, mem: MemoryLedger) -> Task | None:
         # Under a memory budget every forward asks the ledger (the banker's check,
         # rrfp.scheduler.memory): an admission within the count limit (with virtual stages,
         # only the next microbatch in order), a later virtual stage's forward for an admitted
@@ -62,7 +63,7 @@ class Backpressure:
         M = self._n_mb
         rdy = self._rdy[0]
         if not self._policy:
-            return self._next_in_order(True, budget=True)
+            return self._choose_in_order(True, budget=True)
         if self._interleaved:
             m0 = mem.n_admitted
             admit = m0 < M and rdy[m0]
@@ -74,7 +75,8 @@ class Backpressure:
         admit = room and mem.grants(self.stages[0], m0)
         if room and not admit and self._free_first and self._rw and not self._interleaved:
             # The ledger refuses a forward the count allows: the W that frees bytes goes first.
-            return self._dispatch(self._pop(self._rw, W))
+            m, _, s = self._rw[0]
+            return _new(Task, (s, W, m))
         best = None
         fs = self._fsign
         if self._interleaved:
@@ -88,9 +90,9 @@ class Backpressure:
                             best = e
         if admit and (best is None or fs > 0):  # F prefers the lower virtual index unless depth-first
             best = (0, m0, self.stages[0])
-        return self._next_policy(False, best)
+        return self._choose_policy(False, best)
 
-    def _next_policy_admission(self) -> Task | None:
+    def _choose_policy_admission(self) -> Task | None:
         # At the limit with virtual stages: no forward on the first virtual stage, every other
         # ready task as the policy ranks it. The best admissible F is the smallest heap entry
         # with virtual index >= 1 (key != 0); the scan runs only while the limit binds.
@@ -105,9 +107,9 @@ class Backpressure:
         else:
             stale = self._stale[id(rf)]
             best = min((e for e in rf if e[0] and e not in stale), default=None)
-        return self._next_policy(False, best)
+        return self._choose_policy(False, best)
 
-    def _next_completion_order(self) -> Task | None:
+    def _choose_completion_order(self) -> Task | None:
         # Position pos of the completion order is microbatch pos // 2V; within it, F on
         # virtual stages 0..V-1, then the backward on V-1..0. Computed, not stored; the flag
         # of the current position is cached because a waiting rank asks again and again.
@@ -123,27 +125,19 @@ class Backpressure:
             self._canon_pos = pos
             self._canon_flag = (c, i)
         if pos < n and self._rdy[c][i]:
-            self._rdy[c][i] = 0
             m, j = divmod(pos, 2 * len(self.stages))
             if c == 0:
-                s = self.stages[j]
-                t = _new(Task, (s, F, m))
-                if self._policy:
-                    self._remove_from_heap(self._rf, (j * self._fsign, m, s))
-            else:
-                v = 2 * len(self.stages) - 1 - j
-                s = self.stages[v]
-                t = _new(Task, (s, self._bk, m))
-                if self._policy:
-                    self._remove_from_heap(self._rb, (-v, m, s))
-            self.running = t
-            return t
+                return _new(Task, (self.stages[j], F, m))
+            return _new(Task, (self.stages[2 * len(self.stages) - 1 - j], self._bk, m))
         # W never changes D, so it may fill the wait without weakening the bound.
         if self._policy:
-            return self._dispatch(self._pop(self._rw, W)) if self._rw else None
+            if not self._rw:
+                return None
+            m, _, s = self._rw[0]
+            return _new(Task, (s, W, m))
         rdy = self._rdy[2]
         for j in range(self._pos, len(self._order)):
             c, i = self._keys[j]
             if c == 2 and rdy[i]:
-                return self._dispatch(self._order[j])
+                return self._order[j]
         return None

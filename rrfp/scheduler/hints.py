@@ -28,9 +28,10 @@ from __future__ import annotations
 import dataclasses
 
 import heapq
-from dataclasses import dataclass, field
 from typing import Sequence, Union
 
+from .arbiter import Arbiter
+from .policy import Hint, placement_schedule
 from .schedules import SCHEDULES, SPLIT_BACKWARD_DEFAULT, Order, load_order_csv, parse_orders
 from .tasks import B, F, I, W, PipelineSpec, Placement
 from .validate import ScheduleError, validate_schedule
@@ -66,6 +67,18 @@ the suite at 1F1B's memory (rrfp issue 13, ``docs/suite.md``): median speedup 1.
 POLICIES.update({k: POLICIES[v] for k, v in FREE_FIRST.items()})
 HINT_NAMES = tuple(POLICIES) + tuple(SCHEDULES)
 
+STRICT_SPLIT = "split"
+"""The placement's own fixed order (:func:`~rrfp.scheduler.policy.placement_schedule`: 1F1B,
+interleaved 1F1B or ZB-V) with each backward split into ``I`` then ``W`` at once: same order,
+same bytes, but the gradient leaves after ``I``. ``strict-split`` runs it strictly."""
+BACKFILL = "backfill"
+"""``backfill`` and ``backfill:<strict order>``: a strict order (default ``split``) with
+conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict. The simulator
+backfills (its "started" notices are instant); the runtime has no "started" notices on its
+control plane yet, so there it runs the strict order and never backfills."""
+ORDER_HINTS = (STRICT_SPLIT, BACKFILL)
+"""Hint names beside :data:`HINT_NAMES` whose order depends on the placement."""
+
 
 DEFAULT_HINT = "bf"
 """The hint ``Pipeline``, ``LocalPipeline``, ``rrfp train`` and ``benchmarks/bench_sim.py`` use
@@ -88,35 +101,6 @@ first virtual stage) but keeps running every other ready task; the limit counts 
 in flight on the rank. ``completion-order``: RRFP App. C.2, the deterministic
 microbatch-by-microbatch completion order while the count of activations held is at the
 limit (bound ``limit + V``); it serializes deep interleaved pipelines (docs/scheduling.md)."""
-
-
-@dataclass(frozen=True)
-class Hint:
-    """A resolved hint.
-
-    Attributes:
-        name: the hint's name as the user gave it, without ``strict-``.
-        first: for a policy, the kind preferred when both ``F`` and ``B`` are ready first.
-        alternate: for a policy, whether it alternates (BF/FB rounds) or is a fixed priority.
-        order: for a total-order hint, the per-rank order; None for a policy.
-        backpressure: what readiness mode does at the in-flight limit with virtual stages
-            (:data:`BACKPRESSURE`); one stage per rank always disables forwards.
-        depth_first: for a policy, prefer forwards on later virtual stages (:data:`DEPTH_FIRST`).
-        free_first: for a policy under a memory budget, run a ready ``W`` first when the
-            budget refuses a ready forward (:data:`FREE_FIRST`).
-    """
-
-    name: str
-    first: str = "B"
-    alternate: bool = True
-    order: Order | None = field(default=None, compare=False)
-    backpressure: str = "admission"
-    depth_first: bool = False
-    free_first: bool = False
-
-    @property
-    def is_policy(self) -> bool:
-        return self.order is None
 
 
 def compile_policy(
@@ -145,8 +129,6 @@ def compile_policy(
         ValueError: for a bad limit (from the arbiter).
         RuntimeError: if the policy cannot finish (a bug in the arbiter).
     """
-    from .arbiter import Arbiter  # deferred: arbiter imports this module for Hint
-
     P = spec.placement.n_ranks
     limits = [inflight_limit] * P if isinstance(inflight_limit, int) else list(inflight_limit)
     if len(limits) != P:
@@ -195,8 +177,9 @@ def compile_policy(
 
 
 def _forms() -> str:
-    names = ", ".join(HINT_NAMES)
-    return f"{names} (each also as strict-<name>), order:<per-rank orders>, csv:<path> or <path>.csv"
+    names = ", ".join(HINT_NAMES + (STRICT_SPLIT,))
+    return (f"{names} (each also as strict-<name>), backfill, backfill:<strict order>, "
+            "order:<per-rank orders>, csv:<path> or <path>.csv")
 
 
 def resolve_hint(
@@ -243,6 +226,24 @@ def resolve_hint(
 def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, backpressure):
     strict = text.startswith("strict-")
     name = text[len("strict-"):] if strict else text
+    if name == BACKFILL or name.startswith(BACKFILL + ":"):
+        base = STRICT_SPLIT if name == BACKFILL else name[len(BACKFILL) + 1:]
+        base = base[len("strict-"):] if base.startswith("strict-") else base
+        if not base or base == BACKFILL or base.startswith(BACKFILL + ":"):
+            raise ValueError(f"hint {text!r}: expected backfill or backfill:<strict order>, e.g. backfill:1f1b")
+        spec, hint, _ = _resolve("strict-" + base, placement, n_microbatches, split_backward, inflight_limit,
+                                 backpressure)
+        return spec, dataclasses.replace(hint, name=name, backfill=True), True
+    if name == STRICT_SPLIT:
+        sched = placement_schedule(placement.n_virtual, placement.kind)
+        if sched is None:
+            raise ValueError(f"hint {text!r}: the {placement.kind} placement with {placement.n_virtual} virtual "
+                             "stages has no fixed order (1f1b: 1, interleaved-1f1b: loop, zb-v: v with 2)")
+        spec = PipelineSpec(placement, n_microbatches, True if split_backward is None else split_backward)
+        hint = Hint(name, order=SCHEDULES[sched](spec))
+        if strict:
+            validate_schedule(spec, hint.order)
+        return spec, hint, strict
     if name in POLICIES:
         first, alternate, split = POLICIES[name]
         spec = PipelineSpec(placement, n_microbatches, split if split_backward is None else split_backward)

@@ -15,6 +15,13 @@ the older ones free once they finish (the banker's algorithm, Dijkstra 1965)::
 
     a(m_i) <= free + h(m_1) + ... + h(m_{i-1})      for every i
 
+**Split backward.** ``I`` frees what the forward saved except what ``W`` reads (each split
+layer's input and output gradient: ``w_bytes(stage, mb)``, measured in the runtime, a per-stage
+figure from the trace profile in the simulator), and ``W`` frees the rest
+(:meth:`MemoryLedger.input_backward_done`). When that figure is unknown everything stays held
+until ``W`` (the conservative rule). A microbatch stays in flight until its last
+backward task on the rank's first virtual stage (``B``, or ``W`` when split).
+
 **The rule** (:meth:`MemoryLedger.grants`; only forwards are gated, never B, I or W):
 
 - ``F`` on a later virtual stage of an in-flight microbatch runs if that microbatch is the
@@ -119,19 +126,41 @@ def parse_size(text: str | int) -> int:
     return n
 
 
-def order_peak_bytes(order: Sequence[Task], size: SizeFn) -> int:
+def order_peak_bytes(order: Sequence[Task], size: SizeFn, w_size: SizeFn | None = None) -> int:
     """The most activation bytes a rank holds running ``order`` (its tasks in dispatch
     order): ``+size`` at each ``F``, ``-size`` at each ``B``/``I``. Timing does not change it:
-    a rank's memory depends only on its own order. Used for the ``1f1b``/``gpipe`` budgets."""
-    cur = peak = 0
+    a rank's memory depends only on its own order. Used for the ``1f1b``/``gpipe`` budgets.
+
+    With ``w_size`` (bytes ``W(stage, mb)`` reads; None from it: unknown), the split backward
+    follows the ledger's rule instead: ``I`` frees all but ``w_size`` (all of it kept when
+    unknown), ``W`` frees the rest (:meth:`MemoryLedger.input_backward_done`)."""
+    return max(order_bytes(order, size, w_size), default=0)
+
+
+def order_bytes(order: Sequence[Task], size: SizeFn, w_size: SizeFn | None = None) -> list[int]:
+    """Bytes held after each task of ``order`` (``out[k]``: after ``order[k]``), by the rule
+    of :func:`order_peak_bytes`. Unknown sizes (None) count as 0."""
+    cur = 0
+    out = []
+    kept: dict[tuple[int, int], int] = {}
     for s, k, m in order:
         if k == F:
-            cur += size(s, m)
-            if cur > peak:
-                peak = cur
-        elif k == B or k == I:
-            cur -= size(s, m)
-    return peak
+            cur += size(s, m) or 0
+        elif k == B:
+            cur -= size(s, m) or 0
+        elif k == I:
+            n = size(s, m) or 0
+            if w_size is None:
+                cur -= n
+            else:
+                w = w_size(s, m)
+                keep = n if w is None else min(max(int(w), 0), n)
+                kept[(s, m)] = keep
+                cur -= n - keep
+        else:
+            cur -= kept.pop((s, m), 0)
+        out.append(cur)
+    return out
 
 
 class MemoryLedger:
@@ -280,6 +309,30 @@ class MemoryLedger:
             self.reserved += got - est
         if self.reserved > self.peak_reserved:
             self.peak_reserved = self.reserved
+
+    def input_backward_done(self, stage: int, mb: int, keep: int | None) -> None:
+        """The split backward's ``I`` of ``(stage, mb)`` finished and its ``W`` still reads
+        ``keep`` bytes (each split layer's input and output gradient): the rest of what the
+        forward saved is free now. ``keep=None`` (unknown) frees nothing until ``W``, the
+        conservative rule. ``keep`` is capped at what the forward holds, so an ``I`` never
+        raises the bytes held and the bound of the module docstring is unchanged."""
+        if keep is None:
+            return
+        key = (stage, mb)
+        got = self._got.get(key)
+        if got is None:
+            return
+        keep = min(max(int(keep), 0), got)
+        freed = got - keep
+        if not freed:
+            return
+        self._got[key] = keep
+        self.held -= freed
+        if key in self._res:
+            self._res[key] -= freed
+            self.reserved -= freed
+        if mb in self._hold:
+            self._hold[mb] -= freed
 
     def backward_done(self, stage: int, mb: int) -> None:
         """The backward of ``(stage, mb)`` finished (B, or W when split): its bytes are free; the microbatch

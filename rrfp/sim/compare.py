@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from ..scheduler.hints import resolve_hint
+from ..scheduler.policy import placement_schedule
 from ..scheduler.memory import BUDGET_NAMES, order_peak_bytes, parse_size
 from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
@@ -180,6 +181,11 @@ def run_one(cfg: SimConfig, hint: str, *, record: bool = True) -> tuple[RunSumma
         # image count): the exact peak per rank, and the budget when one is set.
         kw["act_bytes"] = model.act_bytes
         kw["memory_budget"] = cfg.memory_budgets()
+        w_share = [None if c.w_bytes is None or not c.act_bytes else c.w_bytes / c.act_bytes
+                   for c in cfg.cost_model().stages]
+        if any(x is not None for x in w_share):
+            # W's bytes scale with the microbatch as its activation does.
+            kw["w_bytes"] = lambda k, s, m: None if w_share[s] is None else round(w_share[s] * model.act_bytes(k, s, m))
     res = simulate(
         spec, h, model, strict=strict, inflight_limit=limits, steps=cfg.steps,
         step_overhead=cfg.step_overhead, record=record, **kw,
@@ -204,11 +210,8 @@ def default_baseline(n_virtual: int, placement: str = "loop") -> str | None:
     """The fixed-order baseline a placement has: strict 1F1B (one stage per rank), strict
     interleaved 1F1B (``loop`` with virtual stages), strict ZB-V (``v``, two virtual stages),
     else None."""
-    if n_virtual == 1:
-        return "strict-1f1b"
-    if placement == "loop":
-        return "strict-interleaved-1f1b"
-    return "strict-zb-v" if n_virtual == 2 else None
+    name = placement_schedule(n_virtual, placement)
+    return None if name is None else f"strict-{name}"
 
 
 def compare(

@@ -25,7 +25,10 @@ Three sources, one type (:class:`CostModel`):
 Field meanings (per stage, per microbatch): ``F`` forward seconds; ``B`` full-backward seconds;
 ``I`` / ``W`` the split backward's input-gradient and weight-gradient seconds; ``act_bytes`` the
 activation memory one in-flight microbatch holds on the stage (bytes); ``msg_bytes`` the size of
-the stage's output message (bytes; default ``act_bytes``). The gradient a stage sends back to
+the stage's output message (bytes; default ``act_bytes``); ``w_bytes`` what a split backward's
+``W`` still reads once ``I`` has run (bytes, at most ``act_bytes``; default unknown: the memory
+ledger then keeps all of ``act_bytes`` until ``W``, the conservative rule,
+:mod:`rrfp.scheduler.memory`). The gradient a stage sends back to
 stage ``s - 1`` has the size of stage ``s - 1``'s output.
 
 Missing fields are derived: ``B = I + W`` when only the split is given; ``I = W = B / 2`` when
@@ -48,7 +51,7 @@ import tomllib
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping
 
-_FIELDS = ("F", "B", "I", "W", "act_bytes", "msg_bytes")
+_FIELDS = ("F", "B", "I", "W", "act_bytes", "msg_bytes", "w_bytes")
 _SECONDS = ("F", "B", "I", "W")
 
 MAX_SECONDS = 1e9
@@ -81,6 +84,7 @@ class StageCost:
     W: float
     act_bytes: int = 0
     msg_bytes: int = 0
+    w_bytes: int | None = None
 
     @classmethod
     def from_mapping(cls, d: Mapping[str, Any], where: str = "stage") -> "StageCost":
@@ -125,7 +129,10 @@ class StageCost:
             raise ValueError(f"{where}: I={i}, W={w} do not fit in B={b}")
         act = int(vals["act_bytes"] or 0)
         msg = int(vals["msg_bytes"]) if vals["msg_bytes"] is not None else act
-        return cls(float(vals["F"]), float(b), max(0.0, float(i)), max(0.0, float(w)), act, msg)  # type: ignore[arg-type]
+        wb = None if vals["w_bytes"] is None else int(vals["w_bytes"])
+        if wb is not None and wb > act:
+            raise ValueError(f"{where}: w_bytes={wb}: expected at most act_bytes={act} (W reads part of what F saved)")
+        return cls(float(vals["F"]), float(b), max(0.0, float(i)), max(0.0, float(w)), act, msg, wb)  # type: ignore[arg-type]
 
     def cost(self, kind: str) -> float:
         """Seconds of a task of ``kind`` (``F``, ``B``, ``I`` or ``W``)."""
@@ -184,7 +191,7 @@ class CostModel:
 
     def to_profile(self, meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The profile JSON object (module docstring)."""
-        out: dict[str, Any] = {"stages": [asdict(c) for c in self.stages]}
+        out: dict[str, Any] = {"stages": [{k: v for k, v in asdict(c).items() if v is not None} for c in self.stages]}
         if meta:
             out["meta"] = dict(meta)
         return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ..scheduler.arbiter import Arbiter
+from ..scheduler.backfill import Backfill, CostAverages
 from ..scheduler.hints import Hint
 from ..scheduler.tasks import F, W, PipelineSpec, Task, TaskRecord
 
@@ -73,6 +74,8 @@ def simulate(
     record: bool = True,
     memory_budget: int | Sequence[int | None] | None = None,
     act_bytes: BytesFn | None = None,
+    w_bytes: BytesFn | None = None,
+    cost_estimate: DurationFn | None = None,
 ) -> SimResult:
     """Simulate ``steps`` training steps of ``spec`` under ``hint``.
 
@@ -99,6 +102,13 @@ def simulate(
             needs ``act_bytes`` (:mod:`rrfp.scheduler.memory`).
         act_bytes: ``act_bytes(step, stage, mb)``, the bytes ``F(stage, mb)`` holds; with it
             the result reports :attr:`SimResult.peak_bytes`.
+        w_bytes: ``w_bytes(step, stage, mb)``, the bytes a split backward's ``W`` still reads
+            after its ``I`` (None: unknown, all of ``act_bytes`` stays held until ``W``).
+        cost_estimate: for a backfilling hint (``hint.backfill``), the estimated seconds of a
+            task, ``(step, rank, task) -> seconds``, called any number of times in any order
+            (stateless); pass the duration itself for exact costs. None: per-(stage, kind)
+            running averages of the tasks finished so far. Every started task's "estimated
+            end" notice reaches every rank at once.
 
     Raises:
         ValueError: a limit or budget list of the wrong length (or a bad hint or budget,
@@ -112,7 +122,7 @@ def simulate(
     gc.disable()
     try:
         return _simulate(spec, hint, duration, strict, inflight_limit, delay, steps, step_overhead, record,
-                         memory_budget, act_bytes)
+                         memory_budget, act_bytes, w_bytes, cost_estimate)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -130,6 +140,8 @@ def _simulate(
     record: bool,
     memory_budget: int | Sequence[int | None] | None = None,
     act_bytes: BytesFn | None = None,
+    w_bytes: BytesFn | None = None,
+    cost_estimate: DurationFn | None = None,
 ) -> SimResult:
     place = spec.placement
     P = place.n_ranks
@@ -142,12 +154,25 @@ def _simulate(
     if len(budgets) != P:
         raise ValueError(f"{len(budgets)} memory budgets given for {P} ranks")
 
+    rank_of = [place.rank_of(s) for s in range(S)]
+    backfilling = hint.backfill and strict
+    averages = CostAverages() if backfilling and cost_estimate is None else None
+    boards: dict[int, dict[Task, float]] = {}  # step -> started task -> estimated end ("started" notices)
+
+    def estimator(step: int):
+        if averages is not None:
+            return averages
+        return lambda t: cost_estimate(step, rank_of[t[0]], t)  # type: ignore[misc]
+
     def new_arbiter(rank: int, step: int = 0) -> Arbiter:
         size = None if act_bytes is None else (lambda s, m: act_bytes(step, s, m))
+        wsize = None if w_bytes is None else (lambda s, m: w_bytes(step, s, m))
+        bf = None
+        if backfilling:
+            bf = Backfill(spec, rank, estimator(step), boards.setdefault(step, {}), complete_notices=True)
         return Arbiter(spec, rank, hint, strict=strict, inflight_limit=limits[rank],
-                       memory_budget=budgets[rank], act_bytes=size)
+                       memory_budget=budgets[rank], act_bytes=size, w_bytes=wsize, backfill=bf)
 
-    rank_of = [place.rank_of(s) for s in range(S)]
     next_rank = [rank_of[s + 1] if s + 1 < S else -1 for s in range(S)]
     prev_rank = [rank_of[s - 1] if s > 0 else -1 for s in range(S)]
     zero_delay = delay is _zero_delay
@@ -168,6 +193,7 @@ def _simulate(
     peak_held = [0] * S
     records: list[TaskRecord] = []
     step_end = [0.0] * max(steps, 0)
+    run_d = [0.0] * P  # seconds of each rank's running task (backfilling's averages)
 
     # Heap entries: (time, seq, rank) a task finishes; (time, seq, rank, None) the rank's
     # optimizer step ends; (time, seq, rank, step, stage, mb, grad) an input arrives.
@@ -198,11 +224,17 @@ def _simulate(
             a = cur[r]
             if a is None or now < busy_until[r]:
                 continue
+            if backfilling:
+                a.backfill.now = now  # type: ignore[union-attr]
             t = a.next()
             if t is None:
                 continue
             step = cur_step[r]
             d = duration(step, r, t)
+            if backfilling:
+                e = a.backfill.estimate(t)  # type: ignore[union-attr]
+                boards[step][t] = now + (e or 0.0)  # the "started, estimated end" notice
+                run_d[r] = d
             running[r] = t
             busy[r] += d
             seq += 1
@@ -226,6 +258,8 @@ def _simulate(
             running[r] = None
             a = cur[r]
             a.complete(t)  # type: ignore[union-attr]
+            if averages is not None:
+                averages.observe(t, run_d[r])  # type: ignore[arg-type]
             step = cur_step[r]
             s, k, m = t  # type: ignore[misc]
             if k == F:

@@ -1,18 +1,22 @@
 """Forward-only steps (``Pipeline.eval()``, and ``step()`` without a ``loss_fn``, as in
-``torch.distributed.pipelining``): an arbiter over this rank's forwards alone.
+``torch.distributed.pipelining``): an arbiter over one rank's forwards alone.
 
 No backward follows, so nothing is held in flight and no in-flight limit applies; a ready
 forward of a deeper virtual stage goes first, so microbatches leave the rank as early as they
-can. It has the :class:`~rrfp.scheduler.arbiter.Arbiter` interface the scheduler loop and the
-inbox use.
+can. It keeps its state in the same :class:`~rrfp.scheduler.readyset.ReadySet` as
+:class:`~rrfp.scheduler.arbiter.Arbiter` and has its interface (``next``, ``propose``,
+``commit``, ``mark_input``, ``complete``, ``waiting_for``).
+
+Pure module: no torch, no asyncio, no I/O.
 """
 
 from __future__ import annotations
 
 import heapq
 
-from ..scheduler.arbiter import SchedulingError
-from ..scheduler.tasks import F, PipelineSpec, Task
+from .errors import SchedulingError
+from .readyset import ReadySet
+from .tasks import F, PipelineSpec, Task
 
 
 class ForwardArbiter:
@@ -26,19 +30,18 @@ class ForwardArbiter:
     def __init__(self, spec: PipelineSpec, rank: int) -> None:
         self.spec, self.rank = spec, rank
         self.stages = spec.placement.stages_of(rank)
-        self._vidx = {s: i for i, s in enumerate(self.stages)}
+        self.ready = ReadySet(self.stages, spec.n_microbatches)
         self._n_mb = spec.n_microbatches
         self.n_tasks = len(self.stages) * self._n_mb
         self.n_done = 0
         self.running: Task | None = None
         # Forwards only keep no activations for a backward: nothing is held, nothing counted.
         self.peak_inflight = self.peak_mb_inflight = self.peak_bytes = 0
-        self._arrived = bytearray(self.n_tasks)
-        self._ready: list[tuple[int, int, int]] = []  # (-virtual index, mb, stage)
+        self._heap: list[tuple[int, int, int]] = []  # (-virtual index, mb, stage)
         if self.stages[0] == 0:
             for m in range(self._n_mb):
-                self._arrived[m] = 1
-                heapq.heappush(self._ready, (0, m, 0))
+                self.ready.act[m] = 1
+                heapq.heappush(self._heap, (0, m, 0))
 
     @property
     def finished(self) -> bool:
@@ -51,31 +54,60 @@ class ForwardArbiter:
             SchedulingError: a gradient (none exists in a forward-only step), a stage this
                 rank does not hold, or a duplicate.
         """
-        v = self._vidx.get(stage)
+        v = self.ready.vidx.get(stage)
         if grad or v is None or not 0 <= mb < self._n_mb:
             what = "gradient" if grad else "input"
             raise SchedulingError(
                 f"rank {self.rank}: {what} for stage {stage} microbatch {mb}, which this forward-only step does not run"
             )
         i = v * self._n_mb + mb
-        if self._arrived[i]:
+        if self.ready.act[i]:
             raise SchedulingError(f"rank {self.rank}: duplicate activation for stage {stage} microbatch {mb}")
-        self._arrived[i] = 1
-        heapq.heappush(self._ready, (-v, mb, stage))
+        self.ready.act[i] = 1
+        heapq.heappush(self._heap, (-v, mb, stage))
 
-    def next(self) -> Task | None:
-        """Dispatch the ready forward of the deepest virtual stage (lowest microbatch first).
+    def propose(self) -> Task | None:
+        """The ready forward of the deepest virtual stage (lowest microbatch first), not
+        taken; None when none is ready.
 
         Raises:
             SchedulingError: a task is already running.
         """
         if self.running is not None:
-            raise SchedulingError(f"rank {self.rank}: next() while {self.running} is running")
-        if not self._ready:
+            raise SchedulingError(f"rank {self.rank}: propose() while {self.running} is running")
+        if not self._heap:
             return None
-        _, m, s = heapq.heappop(self._ready)
-        self.running = Task(s, F, m)
-        return self.running
+        _, m, s = self._heap[0]
+        return Task(s, F, m)
+
+    def commit(self, task: Task) -> None:
+        """Take ``task`` (it runs).
+
+        Raises:
+            SchedulingError: a task is running, or ``task`` is not a ready forward.
+        """
+        if self.running is not None or task.kind != F:
+            raise SchedulingError(f"rank {self.rank}: commit of {task} while {self.running} is running")
+        e = (-self.ready.vidx.get(task.stage, 0), task.mb, task.stage)
+        try:
+            self._heap.remove(e)
+        except ValueError:
+            raise SchedulingError(f"rank {self.rank}: commit of {task}, which is not ready") from None
+        heapq.heapify(self._heap)
+        self.running = task
+
+    def next(self) -> Task | None:
+        """Take the ready forward of the deepest virtual stage (lowest microbatch first):
+        :meth:`propose`, then take it.
+
+        Raises:
+            SchedulingError: a task is already running.
+        """
+        t = self.propose()
+        if t is not None:
+            heapq.heappop(self._heap)  # the proposal is the heap's top
+            self.running = t
+        return t
 
     def complete(self, task: Task) -> None:
         """The running ``task`` finished.
@@ -87,6 +119,8 @@ class ForwardArbiter:
             raise SchedulingError(f"rank {self.rank}: completed {task} but {self.running} was running")
         self.running = None
         self.n_done += 1
+        c, i = self.ready.key(task)
+        self.ready.done[c][i] = 1
 
     def waiting_for(self, limit: int = 3) -> str:
         """What this rank waits for, in words (for the watchdog's error)."""
@@ -95,8 +129,9 @@ class ForwardArbiter:
         if self.running is not None:
             return f"task {self.running} to finish"
         place = self.spec.placement
+        act = self.ready.act
         missing = [
             f"activation for {Task(s, F, m)} from stage {s - 1} (rank {place.rank_of(s - 1)})"
-            for m in range(self._n_mb) for v, s in enumerate(self.stages) if not self._arrived[v * self._n_mb + m]
+            for m in range(self._n_mb) for v, s in enumerate(self.stages) if not act[v * self._n_mb + m]
         ]
         return "; ".join(missing[:limit]) or "no ready task"
