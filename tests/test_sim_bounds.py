@@ -29,17 +29,22 @@ ALL_HINTS = list(HINT_NAMES) + [f"strict-{h}" for h in HINT_NAMES]
 cost = st.floats(min_value=0.001, max_value=0.05)
 
 
-@st.composite
-def scenario(draw):
-    p = draw(st.integers(1, 4))
+def _shape(draw, ranks: tuple[int, int], mbs: tuple[int, int], hints: list[str]):
+    """A random placement, microbatch count and hint: ``(p, v, spec, hint, strict)``, spec
+    None when the hint does not fit."""
+    p = draw(st.integers(*ranks))
     v = draw(st.sampled_from([1, 1, 2]))
     kind = draw(st.sampled_from(["loop", "v"])) if v == 2 else "loop"
-    m = draw(st.integers(1, 7))
-    hint = draw(st.sampled_from(ALL_HINTS))
+    m = draw(st.integers(*mbs))
     try:
-        spec, h, strict = resolve_hint(hint, Placement(p, v, kind), m)
+        return (p, v, *resolve_hint(draw(st.sampled_from(hints)), Placement(p, v, kind), m))
     except ValueError:
-        spec = None
+        return p, v, None, None, None
+
+
+@st.composite
+def scenario(draw):
+    p, v, spec, h, strict = _shape(draw, (1, 4), (1, 7), ALL_HINTS)
     stages = tuple(
         StageCost.from_mapping({"F": draw(cost), "B": draw(cost), "act_bytes": draw(st.integers(0, 10**6))})
         for _ in range(p * v)
@@ -107,14 +112,9 @@ def test_bound_needs_every_record() -> None:
 @st.composite
 def budgeted(draw):
     """A one-step run under a random per-rank byte budget (1 to 4 microbatches' worth)."""
-    p = draw(st.integers(2, 4))
-    v = draw(st.sampled_from([1, 1, 2]))
-    kind = draw(st.sampled_from(["loop", "v"])) if v == 2 else "loop"
-    m = draw(st.integers(2, 8))
-    hint = draw(st.sampled_from(["bf", "bfw", "bfw-mem", "bfw-alt-df", "fb", "strict-1f1b", "strict-gpipe", "zb-h1"]))
-    try:
-        spec, h, strict = resolve_hint(hint, Placement(p, v, kind), m)
-    except ValueError:
+    p, v, spec, h, strict = _shape(draw, (2, 4), (2, 8),
+                                   ["bf", "bfw", "bfw-mem", "bfw-alt-df", "fb", "strict-1f1b", "strict-gpipe", "zb-h1"])
+    if spec is None:
         return None
     act = 1000
     stages = tuple(StageCost.from_mapping({"F": draw(cost), "B": draw(cost), "act_bytes": act}) for _ in range(p * v))

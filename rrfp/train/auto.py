@@ -190,5 +190,6 @@ class AutoHint:
         if self.say and changed:
             walls = ", ".join(f"{h} {1e3 * med[h]:.1f} ms" for h in sorted(med, key=med.get))
             assert self.ranking is not None
-            self.say(f"rrfp train: hint auto chose {best}: median step on {len(self.walls[best])} trial steps: {walls} "
+            n = len(self.walls[best])
+            self.say(f"rrfp train: hint auto chose {best}: median step over {n} trial step{'s' if n != 1 else ''}: {walls} "
                      f"(measured {self.profile.describe()}; {self.ranking.reason()})")
