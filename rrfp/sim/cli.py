@@ -103,7 +103,9 @@ def register(subparsers: Any) -> None:
     g.add_argument("--mb-per-stage", default="1,2,4", help="microbatches per stage (M = value x ranks)")
     g.add_argument("--jitter-levels", default="J0,J1,J2,J3", help="jitter levels")
     g.add_argument("--imbalance", default="1", help="encoder-scale values (encoder/LLM imbalance)")
-    g.add_argument("--seeds", type=int, default=1, help="seeds per point (makespans averaged)")
+    g.add_argument("--seeds", type=int, default=None,
+                   help="seeds per point: a sweep averages its makespans (default 1); the suite runs each "
+                   "(default 3, from --seed)")
     g.add_argument("--out", default="sweep", help="sweep output prefix: writes PREFIX.csv and PREFIX.md")
 
     g = p.add_argument_group("scenario suite (docs/suite.md)")
@@ -112,6 +114,7 @@ def register(subparsers: Any) -> None:
                    "at 1F1B's memory and unlimited) for --hints; --markdown writes the document")
     g.add_argument("--suite-ranks", default="4,8,16,32", help="suite pipeline depths (ranks)")
     g.add_argument("--suite-scenarios", default=None, help="comma-separated suite scenarios; without it, all")
+    g.add_argument("--suite-jobs", type=int, default=1, help="worker processes for the suite (same figures for any count)")
     p.set_defaults(func=run)
 
 
@@ -429,7 +432,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} {path}: is a folder, expected a file name")
 
 
-SUITE_FLAGS = {"suite", "suite_ranks", "suite_scenarios", "hint", "hints", "seed", "markdown"}
+SUITE_FLAGS = {"suite", "suite_ranks", "suite_scenarios", "suite_jobs", "hint", "hints", "seed", "seeds", "markdown"}
 """What ``--suite`` reads; its scenarios fix every other setting (docs/suite.md)."""
 
 
@@ -452,7 +455,7 @@ def _check_suite_flags(args: argparse.Namespace) -> None:
         costs = any(f.startswith(("--cost", "--act-bytes", "--msg-bytes")) for f in ignored)
         why = "its scenarios have fixed costs" if costs else "its scenarios fix every other setting"
         raise UsageError(f"--suite does not take {', '.join(ignored)}: {why} (docs/suite.md); "
-                         "it reads --hint/--hints, --suite-ranks, --suite-scenarios, --seed and --markdown")
+                         "it reads --hint/--hints, --suite-ranks, --suite-scenarios, --suite-jobs, --seed, --seeds and --markdown")
 
 
 def _check_hint_files(cfg: SimConfig, hints: list[str]) -> None:
@@ -551,7 +554,7 @@ def _run_sweep(args: argparse.Namespace, cfg: SimConfig) -> int:
     baseline = _baseline(args)
     try:
         points = sweep(cfg, depths=depths, mb_per_stage=mps, jitters=jitters, imbalances=imbalances,
-                       hints=hints, baseline=baseline, seeds=args.seeds,
+                       hints=hints, baseline=baseline, seeds=args.seeds if args.seeds is not None else 1,
                        progress=lambda s: print(s, file=sys.stderr))
     except (ValueError, DeadlockError) as e:
         raise UsageError(str(e)) from None

@@ -49,7 +49,7 @@ class SimConfig:
         costs: per-stage costs (None: every stage ``F = 10 ms``, ``B = 20 ms``).
         seed, jitter, noise, seqlen, images, samples_per_microbatch, encoder_stages,
         encoder_scale, stragglers: the compute model (:class:`~rrfp.sim.duration.DurationModel`).
-        latency, bandwidth, comm_noise, comm_jitter: the message model
+        latency, bandwidth, comm_noise, comm_jitter, slow_links: the message model
             (:class:`~rrfp.sim.duration.CommModel`).
     """
 
@@ -76,6 +76,7 @@ class SimConfig:
     bandwidth: float = math.inf
     comm_noise: float = 0.0
     comm_jitter: JitterLevel | None = None
+    slow_links: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def make_placement(self) -> Placement:
         """Raises ValueError for a bad count or placement kind."""
@@ -149,7 +150,7 @@ class SimConfig:
     def comm_model(self) -> CommModel:
         return CommModel(
             self.cost_model(), latency=self.latency, bandwidth=self.bandwidth, noise=self.comm_noise,
-            jitter=self.comm_jitter, seed=self.seed,
+            jitter=self.comm_jitter, seed=self.seed, slow_links=self.slow_links,
         )
 
 

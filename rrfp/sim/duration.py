@@ -22,10 +22,16 @@ hint gets the same injected work per microbatch whether or not it splits the bac
 A message from the task that produced it (``F`` of stage ``s``: ``msg_bytes[s]``; ``B``/``I`` of
 stage ``s``: ``msg_bytes[s - 1]``, the gradient of that stage's output)::
 
-    delay = (latency + bytes / bandwidth) * lognormal(...) + injected(..., e = that nominal time)
+    delay = (latency + bytes / bandwidth) * slow[edge] * lognormal(...) + injected(..., e = that nominal time)
 
-Every draw is keyed by ``(seed, step, stage, microbatch, kind)`` (:mod:`rrfp.sim.jitter`), so
-policies compared under one seed see the same workload and the same noise for each task.
+``slow[edge]`` is a persistent slowdown of one link between two ranks (default 1).
+
+Every compute draw is keyed by ``(seed, step, stage, microbatch, kind)`` (:mod:`rrfp.sim.jitter`),
+so policies compared under one seed see the same workload and the same noise for each task. A
+message's draws are keyed by the message alone, ``(seed, step, producing stage, microbatch,
+direction)`` with direction ``F`` (an activation) or ``B`` (a gradient), never by the kind of
+the task that sent it: the gradient a split backward sends after ``I`` draws the same delay as
+the one a full backward sends after ``B``, so split and unsplit hints meet the same network.
 
 Pure module: no torch.
 """
@@ -37,7 +43,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Mapping
 
-from ..scheduler.tasks import F, I, W, Task
+from ..scheduler.tasks import B, F, I, W, Task
 from .costs import CostModel
 from .jitter import (
     STREAM_COMM_HIT,
@@ -320,9 +326,12 @@ class CommModel:
         jitter: injected-jitter level for messages (None: none); its ``e`` is the message's
             nominal time.
         seed: seeds every draw.
+        slow_links: ``{(rank_a, rank_b): factor}``, a persistent slowdown of the link between
+            two ranks (either direction; factor ``>= 1`` typically), multiplying the nominal time.
 
     Raises:
-        ValueError: negative latency or noise, or a bandwidth that is not positive.
+        ValueError: negative latency or noise, a bandwidth that is not positive, or a slow
+            link factor that is not a finite number > 0.
     """
 
     def __init__(
@@ -334,6 +343,7 @@ class CommModel:
         noise: float = 0.0,
         jitter: JitterLevel | None = None,
         seed: int = 0,
+        slow_links: Mapping[tuple[int, int], float] | None = None,
     ) -> None:
         if latency < 0 or noise < 0 or not bandwidth > 0:
             raise ValueError(
@@ -347,12 +357,17 @@ class CommModel:
         self.jitter = jitter if jitter is not None and jitter.p > 0 else None
         self.seed = seed
         self._msg = [c.msg_bytes for c in costs.stages]
+        self.slow: dict[tuple[int, int], float] = {}
+        for (a, b), f in (slow_links or {}).items():
+            if not (math.isfinite(f) and f > 0):
+                raise ValueError(f"slow link {a}-{b}: factor {f}: expected a finite number > 0")
+            self.slow[(min(a, b), max(a, b))] = float(f)
 
     @property
     def is_zero(self) -> bool:
         """True when every message takes no time (the simulator then skips the calls)."""
         sizes_free = self.bandwidth == math.inf or not any(self._msg)
-        return self.latency == 0 and sizes_free and self.jitter is None
+        return self.latency == 0 and sizes_free and self.jitter is None and not self.slow
 
     def message_bytes(self, task: Task) -> int:
         """Bytes of the message ``task`` sends: a forward's output, or a backward's gradient
@@ -365,14 +380,21 @@ class CommModel:
         b = self.message_bytes(task)
         return self.latency + (b / self.bandwidth if b else 0.0)
 
+    def link_factor(self, src: int, dst: int) -> float:
+        """The persistent slowdown of the link between ranks ``src`` and ``dst`` (1: none)."""
+        return self.slow.get((min(src, dst), max(src, dst)), 1.0) if self.slow else 1.0
+
     def __call__(self, step: int, src: int, dst: int, task: Task) -> float:
         s, kind, m = task
-        d = self.nominal(task)
+        # Keyed by the message (its direction), not by the kind of the task that produced it.
+        direction = F if kind == F else B
+        nominal = self.nominal(task) * self.link_factor(src, dst)
+        d = nominal
         if self.noise:
-            d *= lognormal_factor(self.noise, self.seed, step, s, m, kind, STREAM_COMM_NOISE)
+            d *= lognormal_factor(self.noise, self.seed, step, s, m, direction, STREAM_COMM_NOISE)
         if self.jitter is not None:
             d += injected_delay(
-                self.jitter, self.seed, step, s, m, kind, self.nominal(task),
+                self.jitter, self.seed, step, s, m, direction, nominal,
                 streams=(STREAM_COMM_HIT, STREAM_COMM_SIZE),
             )
         return d

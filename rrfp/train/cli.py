@@ -16,7 +16,8 @@ from pathlib import Path
 
 from .._paths import output_file_problem
 from ..cli import UsageError
-from ..scheduler.hints import DEFAULT_HINT, HINT_NAMES
+from ..scheduler.hints import HINT_NAMES
+from ..sim.auto import AUTO
 from .lines import say
 
 DEFAULTS = dict(
@@ -29,7 +30,7 @@ DEFAULTS = dict(
     max_len=128,
     lr=3e-3,
     seed=0,
-    hint=DEFAULT_HINT,
+    hint=AUTO,
     inflight_limit="32",
 )
 
@@ -52,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
-    p.add_argument("--hint", default=DEFAULTS["hint"], help=f"{', '.join(HINT_NAMES)}; strict-<name> for the fixed order; order:<per-rank actions> or a .csv file")
+    p.add_argument("--hint", default=DEFAULTS["hint"], help=f"auto (measure this job's costs, simulate and try the candidates, keep the fastest: rrfp/train/auto.py), "
+                   f"{', '.join(HINT_NAMES)}; strict-<name> for the fixed order; order:<per-rank actions> or a .csv file")
     p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], help="in-flight limit (an integer, or '1f1b' for p - rank)")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="activation bytes per rank (64MiB, 1.5GB, bytes): a microbatch is admitted only if its "
@@ -259,7 +261,7 @@ def validate(args: argparse.Namespace) -> None:
         )
     try:
         # With the limits the ranks will use: a strict policy is compiled under them.
-        resolve_hint(args.hint, Placement(args.stages, args.virtual_stages, args.placement), args.microbatches,
+        resolve_hint(args.hint if args.hint != AUTO else "bf", Placement(args.stages, args.virtual_stages, args.placement), args.microbatches,
                      inflight_limit=inflight_limits(args, args.stages), backpressure=args.backpressure)
     except (ValueError, OSError) as e:
         raise UsageError(f"--hint={args.hint!r}: {e}") from None

@@ -156,8 +156,11 @@ def _main(args: argparse.Namespace) -> int:
     for st in stages:
         use_autocast(st.submod, args.precision, st.device.type, last=st.stage_index == n_stages - 1)
     metrics, metrics_server = start_metrics(args, layout.rank, stage_ids)
+    from .auto import AUTO, AutoHint
+
     pipe = Pipeline(
-        stages, args.microbatches, lm_loss, hint=args.hint, inflight_limit=inflight_limits(args, n_ranks),
+        stages, args.microbatches, lm_loss, inflight_limit=inflight_limits(args, n_ranks),
+        hint=AutoHint.first_hint(place, args.microbatches) if args.hint == AUTO else args.hint,
         placement=args.placement, loss_weight_fn=count_tokens, rank=rank, n_ranks=n_ranks,
         job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
         record=args.trace is not None or metrics is not None, deterministic=args.deterministic, backpressure=args.backpressure,
@@ -166,6 +169,9 @@ def _main(args: argparse.Namespace) -> int:
         memory_budget=getattr(args, "memory_budget", None),
         **device.pipeline_kwargs(args),
     )
+    chooser = None if args.hint != AUTO else AutoHint(
+        pipe, inflight_limits(args, n_ranks), memory_budget=pipe.runtime.memory_budget, backpressure=args.backpressure,
+        say=say, rank=layout.rank)
     # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
     out_bytes = record_output_bytes(stages) if args.trace else None
     params = [p for s in stages for p in s.submod.parameters()]
@@ -202,12 +208,16 @@ def _main(args: argparse.Namespace) -> int:
             t_step = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             mbs = batches(k, args.microbatches) if batches else None
+            if chooser is not None:
+                chooser.before_step(k - first)
             pipe.step(
                 microbatches=[mb.inputs for mb in mbs] if 0 in stage_ids else None,
                 targets=[mb.targets for mb in mbs] if n_stages - 1 in stage_ids else None,
                 return_outputs=False,
             )
             loss = pipe.last_loss
+            if chooser is not None:
+                chooser.after_step(k - first, pipe.last_stats)
             if args.clip_grad is not None:
                 clip_grad_norm_(params, args.clip_grad, layout)
             gnorm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])) \

@@ -1,0 +1,257 @@
+"""``auto``: rank the candidate hints with the simulator on a measured cost profile.
+
+The pure half of the ``auto`` hint (the other half, which measures a job's costs and tries the
+best two on real steps, is :mod:`rrfp.train.auto`). Given a :class:`Profile` (per stage the mean
+``F``, ``B``, ``I``, ``W`` seconds and activation bytes, per link the mean message seconds, and
+the spread of both) and the user's memory (in-flight limit, byte budget), :func:`rank` simulates
+every candidate of :data:`CANDIDATES` on that profile and orders them by simulated makespan.
+The spread enters as lognormal noise with the measured coefficient of variation, so a
+candidate that only wins on steady durations is not preferred under a noisy profile.
+
+Candidates are data: a name the hint registry does not resolve (a policy of another version,
+or one that does not fit the placement) is skipped and reported, never an error.
+
+Pure module: no torch, no asyncio (it drives :mod:`rrfp.sim`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from ..scheduler.hints import resolve_hint
+from ..scheduler.tasks import B, F, I, W, Task
+from .compare import SimConfig, default_baseline, run_one
+from .costs import CostModel, StageCost
+
+log = logging.getLogger("rrfp.auto")
+
+AUTO = "auto"
+"""The hint name that asks for this choice (``rrfp train --hint auto``, the train default)."""
+
+STRICT = "strict"
+"""Stands for the placement's own strict schedule (:func:`rrfp.sim.compare.default_baseline`)."""
+
+CANDIDATES = (STRICT, "strict-split", "backfill", "bf", "bfw-mem")
+"""What ``auto`` chooses from, in order of preference on a tie: the placement's strict schedule,
+that order with each backward split into ``I`` then ``W``, conservative backfilling over it,
+RRFP's BF, and the memory-aware split-backward policy."""
+
+PROFILE_SEED = 1_000_003
+"""Seed of the ranking's noise: the ranking never sees a run's own draws."""
+
+_NS = 1e9  # message seconds travel as "bytes" at 1 byte/ns (CommModel's size term)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A job's measured costs (seconds; bytes).
+
+    Attributes:
+        stages: per stage, mean seconds of ``F``, ``B``, ``I``, ``W`` and the activation bytes
+            a microbatch holds there (:class:`~rrfp.sim.costs.StageCost`).
+        links: per stage ``s < S - 1``, mean seconds of a message between stages ``s`` and
+            ``s + 1`` (either direction; 0 on one rank).
+        compute_cv, message_cv: coefficient of variation (std / mean, >= 0) of compute times
+            and of message times, pooled over stages and kinds.
+    """
+
+    stages: tuple[StageCost, ...]
+    links: tuple[float, ...]
+    compute_cv: float = 0.0
+    message_cv: float = 0.0
+
+    def costs(self) -> CostModel:
+        """The profile as a cost model whose message sizes carry the link times."""
+        st = [StageCost(c.F, c.B, c.I, c.W, c.act_bytes, max(1, round((self.links[s] if s < len(self.links) else 0.0) * _NS)))
+              for s, c in enumerate(self.stages)]
+        return CostModel(tuple(st))
+
+    def describe(self) -> str:
+        """One short line: mean costs in ms, spreads."""
+        n = len(self.stages)
+        mean = {k: 1e3 * sum(getattr(c, k) for c in self.stages) / n for k in (F, B, I, W)}
+        link = 1e3 * (sum(self.links) / len(self.links) if self.links else 0.0)
+        return (f"F {mean[F]:.2f} B {mean[B]:.2f} I {mean[I]:.2f} W {mean[W]:.2f} ms/stage, "
+                f"messages {link:.2f} ms, spread {100 * self.compute_cv:.0f}% / {100 * self.message_cv:.0f}%")
+
+
+def _sigma(cv: float) -> float:
+    # Lognormal with mean 1 and this coefficient of variation.
+    return math.sqrt(math.log1p(cv * cv)) if cv > 0 else 0.0
+
+
+def pooled_cv(samples: Sequence[Sequence[float]]) -> float:
+    """The coefficient of variation pooled over groups (each group relative to its own mean)."""
+    dev, n = 0.0, 0
+    for g in samples:
+        if len(g) < 2:
+            continue
+        mu = statistics.fmean(g)
+        if mu <= 0:
+            continue
+        dev += sum((x / mu - 1.0) ** 2 for x in g)
+        n += len(g)
+    return math.sqrt(dev / n) if n else 0.0
+
+
+def profile_from_samples(
+    compute: dict[tuple[int, str], list[float]],
+    messages: dict[int, list[float]],
+    n_stages: int,
+    act_bytes: Sequence[int],
+) -> Profile:
+    """A :class:`Profile` from measured samples.
+
+    Args:
+        compute: ``(stage, kind) -> seconds`` samples, kinds ``F`` and ``B`` and/or ``I``, ``W``.
+        messages: ``stage s -> seconds`` of messages between ``s`` and ``s + 1``.
+        act_bytes: per stage, bytes one microbatch holds.
+
+    Raises:
+        ValueError: a stage without a forward sample, or without any backward sample.
+    """
+    stages = []
+    for s in range(n_stages):
+        m = {k: statistics.fmean(compute[(s, k)]) for k in (F, B, I, W) if compute.get((s, k))}
+        if F not in m or not (B in m or (I in m and W in m)):
+            raise ValueError(f"profile: stage {s} lacks a forward or backward sample (have {sorted(m)})")
+        stages.append(StageCost.from_mapping({**m, "act_bytes": int(act_bytes[s])}, f"stage {s}"))
+    links = tuple(statistics.fmean(messages[s]) if messages.get(s) else 0.0 for s in range(n_stages - 1))
+    return Profile(tuple(stages), links, pooled_cv(list(compute.values())), pooled_cv(list(messages.values())))
+
+
+def profile_of_config(cfg: SimConfig, seed: int = PROFILE_SEED) -> Profile:
+    """What measuring ``cfg``'s workload would give: every task and message of one step drawn
+    under ``seed`` (not a compared run's seed), averaged per stage and link, with their spread.
+    The suite's ``auto`` chooses from this, never from the run it is judged on."""
+    c = replace(cfg, seed=seed)
+    S, M = c.n_ranks * c.n_virtual, c.n_microbatches
+    place = c.make_placement()
+    full, split = c.duration_model(), c.duration_model()
+    comm = c.comm_model()
+    samples: dict[tuple[int, str], list[float]] = {}
+    msgs: dict[int, list[float]] = {}
+    for s in range(S):
+        r = place.rank_of(s)
+        for m in range(M):
+            for model, kinds in ((full, (F, B)), (split, (F, I, W))):
+                for k in kinds:
+                    d = model(0, r, Task(s, k, m))
+                    if model is full or k != F:
+                        samples.setdefault((s, k), []).append(d)
+            if s + 1 < S and place.rank_of(s + 1) != r:
+                r2 = place.rank_of(s + 1)
+                msgs.setdefault(s, []).extend([comm(0, r, r2, Task(s, F, m)), comm(0, r2, r, Task(s + 1, B, m))])
+    act = [round(statistics.fmean(full.act_bytes(0, s, m) for m in range(M))) for s in range(S)]
+    return profile_from_samples(samples, msgs, S, act)
+
+
+def candidate_names(n_virtual: int, placement: str, candidates: Sequence[str] = CANDIDATES) -> list[str]:
+    """The candidates as hint names (``strict`` replaced by the placement's strict schedule;
+    dropped when the placement has none)."""
+    base = default_baseline(n_virtual, placement)
+    out = [base if c == STRICT else c for c in candidates if c != STRICT or base]
+    return list(dict.fromkeys(out))
+
+
+def known_candidates(n_ranks: int, n_virtual: int, placement: str, n_microbatches: int,
+                     candidates: Sequence[str] = CANDIDATES) -> tuple[list[str], list[tuple[str, str]]]:
+    """``(known, skipped)``: the candidates the hint registry resolves for this placement, and
+    ``(name, why)`` for the others (logged at INFO on ``rrfp.auto``)."""
+    from ..scheduler.tasks import Placement
+
+    place = Placement(n_ranks, n_virtual, placement)
+    known, skipped = [], []
+    for name in candidate_names(n_virtual, placement, candidates):
+        try:
+            resolve_hint(name, place, n_microbatches)
+        except (ValueError, RuntimeError) as e:
+            skipped.append((name, str(e).split(":")[0]))
+            continue
+        known.append(name)
+    for name, why in skipped:
+        log.info("auto: candidate %s skipped (%s)", name, why)
+    return known, skipped
+
+
+@dataclass
+class Ranking:
+    """The outcome of :func:`rank`.
+
+    Attributes:
+        order: ``(hint, simulated makespan in seconds)``, fastest first; ties keep
+            :data:`CANDIDATES`' order.
+        strict: the placement's strict schedule's name (None: none).
+        skipped: ``(name, why)`` of candidates the registry did not resolve.
+    """
+
+    order: list[tuple[str, float]]
+    strict: str | None
+    skipped: list[tuple[str, str]]
+
+    @property
+    def best(self) -> str:
+        return self.order[0][0]
+
+    def makespan(self, hint: str) -> float:
+        return dict(self.order)[hint]
+
+    def reason(self) -> str:
+        """Why the best was chosen, in one line."""
+        parts = [f"{h} {t * 1e3:.1f} ms" for h, t in self.order[:3]]
+        out = f"simulated step: {', '.join(parts)}"
+        if self.strict and self.best != self.strict:
+            out += f" ({self.makespan(self.strict) / self.order[0][1]:.3f}x over {self.strict})"
+        if self.skipped:
+            out += f"; not available: {', '.join(n for n, _ in self.skipped)}"
+        return out
+
+
+def rank(
+    profile: Profile,
+    *,
+    n_ranks: int,
+    n_virtual: int = 1,
+    placement: str = "loop",
+    n_microbatches: int,
+    limit: Any = 32,
+    memory_budget: Any = None,
+    backpressure: str = "admission",
+    seeds: int = 1,
+    candidates: Sequence[str] = CANDIDATES,
+) -> Ranking:
+    """Simulate each known candidate on ``profile`` at the user's memory and order them.
+
+    Args:
+        limit, memory_budget, backpressure: as :class:`~rrfp.sim.compare.SimConfig` (the
+            user's in-flight limit and byte budget, or ``"1f1b"``).
+        seeds: noise draws per candidate (makespans averaged; draws start at
+            :data:`PROFILE_SEED`).
+
+    Raises:
+        ValueError: no candidate is known, or a bad configuration.
+    """
+    known, skipped = known_candidates(n_ranks, n_virtual, placement, n_microbatches, candidates)
+    if not known:
+        raise ValueError(f"auto: none of the candidates {', '.join(candidates)} is a known hint")
+    cfg = SimConfig(
+        n_ranks=n_ranks, n_microbatches=n_microbatches, n_virtual=n_virtual, placement=placement, limit=limit,
+        memory_budget=memory_budget, backpressure=backpressure, costs=profile.costs(),
+        noise=_sigma(profile.compute_cv), comm_noise=_sigma(profile.message_cv),
+        bandwidth=_NS if any(profile.links) else math.inf,
+    )
+    if memory_budget is not None:  # resolved once for every candidate
+        cfg = replace(cfg, memory_budget=cfg.memory_budgets())
+    times = []
+    for i, name in enumerate(known):
+        t = statistics.fmean(
+            run_one(replace(cfg, seed=PROFILE_SEED + k), name, record=False)[0].makespan
+            for k in range(seeds))
+        times.append((t, i, name))
+    times.sort()
+    strict = default_baseline(n_virtual, placement)
+    return Ranking([(n, t) for t, _, n in times], strict if strict in known else None, skipped)

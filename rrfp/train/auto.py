@@ -1,0 +1,195 @@
+"""``rrfp train --hint auto``: choose the hint on this job's own steps.
+
+The plan, the same on every rank (each decision reads only figures all ranks share through the
+default process group, so every rank switches to the same hint before the same step):
+
+1. Step 1 runs the placement's strict schedule (its one-time costs are not measured).
+2. Steps 2 and 3 measure: the strict schedule (``F``, ``B``), then the first split-backward
+   candidate (``I``, ``W``). Every rank's task records are gathered; per stage and kind the
+   mean seconds and the spread; per link the message time, read as the gap between the
+   producer's end and the consumer's start (the ranks of one host share a monotonic clock; the
+   smallest gap per link, since a larger one includes the consumer's wait).
+3. :func:`rrfp.sim.auto.rank` simulates every known candidate on that profile at this job's
+   in-flight limit and memory budget.
+4. Trial: the best two by simulation and the strict schedule run in rounds, one step each,
+   in rotating order (paired: each round's steps are neighbours, so machine drift cancels);
+   the step time is the slowest rank's. The hint with the smallest median keeps running; on a
+   tie within 1% the strict schedule wins, so a policy measured slower than it is never kept.
+5. Every ``recheck_every`` steps one more round of the three is measured and the choice is
+   made again over every round so far.
+
+One line on rank 0 says what was chosen and why. The candidates are
+:data:`rrfp.sim.auto.CANDIDATES`; names this build's registry does not know are skipped and
+named in that line.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..scheduler.hints import resolve_hint
+from ..scheduler.tasks import B, F, I, W
+from ..sim import auto as sim_auto
+from ..sim.auto import AUTO
+
+__all__ = ["AUTO", "AutoHint", "switch_hint"]
+
+TRIAL_ROUNDS = 2
+RECHECK_EVERY = 50
+TIE = 0.01
+"""Within this fraction of the strict schedule's median step time, the strict schedule is kept."""
+
+
+def switch_hint(pipe: Any, text: str, limits: Sequence[int], backpressure: str = "admission") -> None:
+    """Make ``pipe`` (a :class:`rrfp.runtime.pipeline.Pipeline`) run ``text`` from its next step.
+
+    Raises:
+        ValueError: a hint that does not resolve for the pipeline's placement.
+    """
+    from ..runtime.split import enable_split_backward
+
+    spec, hint, strict = resolve_hint(text, pipe.spec.placement, pipe.n_microbatches, inflight_limit=list(limits),
+                                      backpressure=backpressure)
+    rt = pipe.runtime
+    if spec.split_backward:
+        for st in rt.stages.values():
+            if st.dw_builder is None:  # idempotent; a full backward still works on routed layers
+                enable_split_backward(st.submod)
+    pipe.spec = rt.spec = spec
+    pipe.hint = rt.hint = hint
+    pipe.strict = rt.strict = strict
+    rt.hooks.final_kind = W if spec.split_backward else B
+
+
+class AutoHint:
+    """The ``auto`` controller of one rank (plan in the module docstring).
+
+    Args:
+        pipe: the rank's pipeline, built with :meth:`first_hint`.
+        limits: every rank's in-flight limit.
+        memory_budget: bytes per rank (None: none).
+        backpressure: the job's backpressure mode.
+        say: writes rank 0's line.
+        recheck_every: steps between re-checks (0: never).
+    """
+
+    def __init__(self, pipe: Any, limits: Sequence[int], *, memory_budget: int | None = None,
+                 backpressure: str = "admission", say: Callable[[str], None] | None = None,
+                 recheck_every: int = RECHECK_EVERY, rank: int = 0) -> None:
+        place = pipe.spec.placement
+        self.pipe, self.limits, self.budget, self.backpressure = pipe, list(limits), memory_budget, backpressure
+        self.say = say if rank == 0 else None
+        self.recheck_every = recheck_every
+        self.place, self.M = place, pipe.n_microbatches
+        self.known, self.skipped = sim_auto.known_candidates(place.n_ranks, place.n_virtual, place.kind, self.M)
+        self.strict = next((c for c in self.known if c.startswith("strict-")), self.known[0])
+        self.split = next((c for c in self.known if self._splits(c)), None)
+        self.current = self.strict
+        self.plan: list[str] = [self.strict, self.strict] + ([self.split] if self.split else [])
+        self.samples: dict[tuple[int, str], list[float]] = {}
+        self.gaps: dict[int, list[float]] = {}
+        self.act: dict[int, int] = {}
+        self.trial: list[str] = []
+        self.walls: dict[str, list[float]] = {}
+        self.chosen: str | None = None
+        self.ranking: sim_auto.Ranking | None = None
+        self._record = pipe.runtime.loop.record
+
+    def _splits(self, name: str) -> bool:
+        return resolve_hint(name, self.place, self.M)[0].split_backward
+
+    @staticmethod
+    def first_hint(placement: Any, n_microbatches: int) -> str:
+        """The hint to build the pipeline with: the placement's strict schedule."""
+        known, _ = sim_auto.known_candidates(placement.n_ranks, placement.n_virtual, placement.kind, n_microbatches)
+        return next((c for c in known if c.startswith("strict-")), known[0])
+
+    def before_step(self, k: int) -> None:
+        """Set the hint of step ``k`` (0-based, counted from this run's first step)."""
+        if self.plan:
+            want = self.plan[0]
+        else:
+            want = self.chosen or self.current
+        if want != self.current:
+            switch_hint(self.pipe, want, self.limits, self.backpressure)
+            self.current = want
+        # Task records only while measuring costs (the trial needs step times alone).
+        self.pipe.runtime.loop.record = self._record or (bool(self.plan) and self.ranking is None)
+
+    def after_step(self, k: int, stats: Any) -> None:
+        """Book step ``k``'s figures (every rank calls it: it holds collectives)."""
+        if not self.plan:
+            if self.recheck_every and (k + 1) % self.recheck_every == 0 and self.trial:
+                self.plan = self._rotated(len(self.walls.get(self.trial[0], [])))
+            return
+        step_hint = self.plan.pop(0)
+        wall = torch.tensor([float(stats.wall)], dtype=torch.float64)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        n_measure = 3 if self.split else 2
+        if self.ranking is None:
+            if len(self.plan) < n_measure - 1:  # not the warm-up step
+                self._gather(stats)
+            if not self.plan:
+                self._rank()
+                self.plan = [h for r in range(TRIAL_ROUNDS) for h in self._rotated(r)]
+            return
+        self.walls.setdefault(step_hint, []).append(float(wall.item()))
+        if len({len(self.walls.get(h, ())) for h in self.trial}) == 1:  # a round is complete
+            self._choose()
+
+    def _rotated(self, r: int) -> list[str]:
+        return self.trial[r % len(self.trial):] + self.trial[:r % len(self.trial)]
+
+    def _gather(self, stats: Any) -> None:
+        mine = [(rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end) for rec in stats.records]
+        sizer = getattr(self.pipe.runtime, "_sizer", None)
+        act = {}
+        if sizer is not None:
+            for s in self.pipe.runtime.stages:
+                got = [sizer(s, m) for m in range(self.M)]
+                act[s] = round(statistics.fmean(x for x in got if x)) if any(got) else 0
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (mine, act))
+        ends: dict[tuple[int, str, int], float] = {}
+        starts: dict[tuple[int, str, int], float] = {}
+        for recs, a in everyone:
+            self.act.update(a)
+            for s, kind, m, t0, t1 in recs:
+                self.samples.setdefault((s, kind), []).append(t1 - t0)
+                ends[(s, kind, m)], starts[(s, kind, m)] = t1, t0
+        rank_of = self.place.rank_of
+        for (s, kind, m), t1 in ends.items():
+            if kind == F and s + 1 < self.place.n_stages and rank_of(s + 1) != rank_of(s):
+                t0 = starts.get((s + 1, F, m))
+                if t0 is not None:
+                    self.gaps.setdefault(s, []).append(max(0.0, t0 - t1))
+
+    def _rank(self) -> None:
+        S = self.place.n_stages
+        links = {s: [min(g)] for s, g in self.gaps.items() if g}
+        prof = sim_auto.profile_from_samples(self.samples, links, S, [self.act.get(s, 0) for s in range(S)])
+        budget = self.budget if self.budget is not None and all(self.act.get(s) for s in range(S)) else None
+        self.ranking = sim_auto.rank(prof, n_ranks=self.place.n_ranks, n_virtual=self.place.n_virtual,
+                                     placement=self.place.kind, n_microbatches=self.M, limit=self.limits,
+                                     memory_budget=budget, backpressure=self.backpressure)
+        self.profile = prof
+        top = [h for h, _ in self.ranking.order[:2]]
+        self.trial = list(dict.fromkeys([self.strict, *top]))
+
+    def _choose(self) -> None:
+        med = {h: statistics.median(w) for h, w in self.walls.items()}
+        best = min(med, key=lambda h: (med[h], h != self.strict))
+        if best != self.strict and med[best] > (1 - TIE) * med[self.strict]:
+            best = self.strict
+        changed = best != self.chosen
+        self.chosen = best
+        if self.say and changed:
+            walls = ", ".join(f"{h} {1e3 * med[h]:.1f} ms" for h in sorted(med, key=med.get))
+            assert self.ranking is not None
+            n = len(self.walls[best])
+            self.say(f"rrfp train: hint auto chose {best}: median step over {n} trial step{'s' if n != 1 else ''}: {walls} "
+                     f"(measured {self.profile.describe()}; {self.ranking.reason()})")

@@ -1,0 +1,77 @@
+"""``rrfp train --hint auto``'s real-step half (rrfp.train.auto.AutoHint), on a stand-in pipeline
+whose step times the test sets: which hint runs each step, and what is kept."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from rrfp.scheduler import Placement, resolve_hint
+from rrfp.scheduler.tasks import TaskRecord
+from rrfp.train.auto import TRIAL_ROUNDS, AutoHint
+
+M = 4
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    if dist.is_initialized():  # another test's group: use it
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _pipe():
+    spec, hint, strict = resolve_hint("strict-1f1b", Placement(2), M)
+    rt = SimpleNamespace(stages={}, hooks=SimpleNamespace(final_kind="B"), loop=SimpleNamespace(record=False),
+                         _sizer=None, spec=spec, hint=hint, strict=strict)
+    return SimpleNamespace(spec=spec, hint=hint, strict=strict, n_microbatches=M, runtime=rt)
+
+
+def _stats(pipe, wall: float):
+    """A step's records: every task of the current spec, F 10 ms, B 20 ms, I and W 10 ms, run
+    back to back on one clock (the messages take 1 ms)."""
+    t, recs = 0.0, []
+    for task in pipe.spec.all_tasks():
+        d = {"F": 0.010, "B": 0.020, "I": 0.010, "W": 0.010}[task.kind]
+        recs.append(TaskRecord(0, 0, task, t + 0.001, t + 0.001 + d))
+        t += 0.001 + d
+    return SimpleNamespace(wall=wall, records=recs)
+
+
+def _run(walls: dict[str, float], steps: int):
+    pipe, lines = _pipe(), []
+    ctl = AutoHint(pipe, [M, M], say=lines.append, recheck_every=0)
+    ran = []
+    for k in range(steps):
+        ctl.before_step(k)
+        ran.append(ctl.current)
+        assert pipe.runtime.hint.name == ctl.current.removeprefix("strict-")
+        assert pipe.runtime.hooks.final_kind == ("W" if pipe.spec.split_backward else "B")
+        ctl.after_step(k, _stats(pipe, walls[ctl.current]))
+    return ctl, ran, lines
+
+
+def test_measures_ranks_tries_and_keeps_the_faster(one_rank_group) -> None:
+    walls = {"strict-1f1b": 1.0, "bf": 0.9, "bfw-mem": 1.2}
+    ctl, ran, lines = _run(walls, 3 + 3 * TRIAL_ROUNDS + 2)
+    # Warm-up and the two measured steps: strict (F, B), then the first split candidate (I, W).
+    assert ran[:3] == ["strict-1f1b", "strict-1f1b", "bfw-mem"]
+    assert {(s, k) for s, k in ctl.samples} == {(s, k) for s in (0, 1) for k in "FBIW"}
+    # The trial: the strict schedule and the best two by simulation, each once per round.
+    assert sorted(ctl.trial) == sorted(walls)
+    trial = ran[3:3 + 3 * TRIAL_ROUNDS]
+    assert all(sorted(trial[3 * r:3 * r + 3]) == sorted(walls) for r in range(TRIAL_ROUNDS))
+    assert ctl.chosen == "bf" and ran[-2:] == ["bf", "bf"]
+    assert len(lines) == 1 and lines[0].startswith("rrfp train: hint auto chose bf:") and "simulated step" in lines[0]
+
+
+def test_never_keeps_a_policy_not_clearly_faster_than_strict(one_rank_group) -> None:
+    # bf is faster by less than the tie margin: the strict schedule stays.
+    ctl, ran, lines = _run({"strict-1f1b": 1.0, "bf": 0.995, "bfw-mem": 1.2}, 3 + 3 * TRIAL_ROUNDS + 1)
+    assert ctl.chosen == "strict-1f1b" and ran[-1] == "strict-1f1b"
+    assert "chose strict-1f1b" in lines[0]
