@@ -17,11 +17,14 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
+from .. import _net
 from ..cli import UsageError
 
 DEFAULT_METRICS_PORT = 9400
@@ -55,7 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--master-port", type=int, default=None,
                    help=f"rendezvous port on node 0 (env PET_MASTER_PORT, MASTER_PORT; default {DEFAULT_RDZV_PORT}); "
                    "0 on node 0: any free port, printed in its first line for the other nodes")
-    p.add_argument("--node-addr", default=None, help="this node's address in the rendezvous (default: found by torch)")
+    p.add_argument("--node-addr", default=None,
+                   help="this node's address: what it advertises in the rendezvous, what its ranks bind, and whose "
+                   "interface gloo and NCCL use (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME unless set); default: the "
+                   "local address that routes to --master-addr")
     p.add_argument("--job-id", default=os.environ.get("RRFP_JOB_ID", "rrfp"),
                    help="rendezvous id shared by every node of the job (env RRFP_JOB_ID; default %(default)s)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of the node's ranks after a failure (default %(default)s)")
@@ -136,11 +142,16 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     _check_host(master_addr, port, _source(args, "master_addr"))
     if getattr(args, "node_addr", None) is not None:
         _check_host(args.node_addr, port, "--node-addr")
+        node_addr = _resolve(args.node_addr, port, "--node-addr")
+        if _net.interface_of(node_addr) is None:
+            raise UsageError(f"--node-addr={args.node_addr!r}: no interface of this host has address {node_addr}")
+    else:
+        node_addr = None  # found in run(): node 0's name may resolve only once its pod runs
     if getattr(args, "run_dir", None) is not None:
         _check_run_dir(args.run_dir)
     return argparse.Namespace(
         nnodes=nnodes, nproc=nproc, node_rank=node_rank, port=port, train_args=train_args, targs=targs,
-        master_addr=master_addr,
+        master_addr=master_addr, node_addr=node_addr,
     )
 
 
@@ -175,6 +186,37 @@ def _host_rendezvous_store(addr: str):
 
     store = TCPStore(addr, 0, is_master=True, wait_for_workers=False, multi_tenant=True)
     return store, store.port
+
+
+def _resolve(host: str, port: int, what: str) -> str:
+    """``host``'s first address (an address is returned as it is).
+
+    Raises:
+        UsageError: one line naming the flag and the host that does not resolve.
+    """
+    try:
+        return str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError as e:
+        raise UsageError(f"{what}={host!r}: does not resolve ({e.strerror or e})") from None
+
+
+def node_address(master_addr: str, port: int, wait_s: float = 60.0) -> str:
+    """This node's address when ``--node-addr`` is not given: the local address that routes
+    to the master (:func:`rrfp._net.route_to`). The master's name is retried for up to
+    ``wait_s`` seconds: on Kubernetes node 0's DNS name appears only once its pod runs.
+
+    Raises:
+        UsageError: no route to the master within ``wait_s``.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return _net.route_to(master_addr, port)
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise UsageError(f"--master-addr={master_addr!r}: no route from this host ({e.strerror or e}); "
+                                 "give --node-addr or check the name") from None
+        time.sleep(1.0)  # a DNS name not published yet: nothing to wait on but time
 
 
 def _check_run_dir(path: str) -> None:
@@ -216,6 +258,12 @@ def _count_restarts(on_restart, stop: threading.Event, period_s: float = 0.5) ->
 
 def run(args: argparse.Namespace) -> int:
     job = resolve(args)
+    # One address for everything this node's ranks do across hosts (rrfp/_net.py): torch's
+    # agent would advertise the host name, and gloo bind the interface it resolves to,
+    # loopback in many containers and network namespaces.
+    node_addr = job.node_addr or node_address(job.master_addr, job.port or DEFAULT_RDZV_PORT)
+    os.environ[_net.NODE_ADDR_ENV] = node_addr
+    os.environ.update(_net.socket_ifname_env(node_addr))
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -257,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     watching = threading.Event()
     threading.Thread(target=_count_restarts, args=(node_metrics.restarts.labels(str(job.node_rank)).inc, watching),
                      name="rrfp-node-restarts", daemon=True).start()
-    say(f"rrfp node: node {job.node_rank} of {job.nnodes}, {job.nproc} ranks, rendezvous "
+    say(f"rrfp node: node {job.node_rank} of {job.nnodes} at {node_addr}, {job.nproc} ranks, rendezvous "
         f"{job.master_addr}:{rdzv_port} ({args.job_id}); serving http://{endpoint.addr}:{endpoint.port} "
         "(/metrics /healthz /readyz)")
 
@@ -284,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
         rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
         # With rdzv_store this daemon already hosts the store: its agent joins it as a client.
         rdzv_configs={"is_host": job.node_rank == 0 and rdzv_store is None}, max_restarts=args.max_restarts, monitor_interval=0.5,
-        local_addr=args.node_addr,
+        local_addr=node_addr,
         # SIGTERM stays the daemon's own (above): the agent would forward it as "die now".
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
     )
