@@ -337,3 +337,38 @@ def test_node_address_names_its_interface_for_gloo_and_nccl(monkeypatch):
         resolve(ns)
     ns.node_addr = "127.0.0.1"
     assert resolve(ns).node_addr == "127.0.0.1"
+
+
+FAULT = '''import os, signal, sys
+if "LOCAL_RANK" in os.environ:  # a rank, not the daemon
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        sys.exit(3)  # the first start fails: the agent restarts the group
+    print(f"fault: rank {os.environ['RANK']} attempt {attempt} starting", flush=True)
+    signal.pause()  # still starting when SIGTERM comes (SIGTERM's default action ends it)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_during_a_restart_loop_restarts_nothing(tmp_path):
+    """Ranks that fail at start put the daemon in a restart loop (a sitecustomize in the
+    ranks' path: attempt 0 exits 3, later attempts never finish starting). SIGTERM while the
+    restarted ranks start: they are stopped, none is restarted, the daemon exits 143 with
+    one line saying nothing was saved, and never claims a checkpoint without --checkpoint-dir."""
+    (tmp_path / "sitecustomize.py").write_text(FAULT)
+    argv = [sys.executable, "-m", "rrfp", "node", "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", "0",
+            "--max-restarts", "50", "--metrics-port", "0", "--", "--stages", "2", "--steps", "2"]
+    d = Proc(argv, _env(PYTHONPATH=str(tmp_path)))
+    try:
+        d.wait_for("fault: rank 0 attempt 1 starting", 180)
+        d.wait_for("fault: rank 1 attempt 1 starting", 60)
+        d.p.send_signal(signal.SIGTERM)
+        rc = d.finish(120)
+    finally:
+        d.kill()
+    out = d.output()
+    assert rc == 128 + signal.SIGTERM, out
+    assert "attempt 2" not in out, out
+    assert "rrfp node: stopped on SIGTERM before every rank could finish a step; nothing saved (no --checkpoint-dir)" \
+        in out, out
+    assert "then a checkpoint" not in out and "checkpoint and exit" not in out and "step, checkpoint" not in out, out

@@ -275,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
     from ..train.lines import say
     from ..train.stop import STOP_FILE_ENV
     from .health import Health
+    from .sigterm import no_restart_after, saved
 
     own_dir = args.run_dir is None
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rrfp-node-"))
@@ -309,17 +310,22 @@ def run(args: argparse.Namespace) -> int:
         f"{job.master_addr}:{rdzv_port} ({args.job_id}); serving http://{endpoint.addr}:{endpoint.port} "
         "(/metrics /healthz /readyz)")
 
+    ckdir = job.targs.checkpoint_dir
+    then = ", checkpoint" if ckdir else ""
+
     def on_sigterm(signum, frame) -> None:
         # The ranks stop after their current step and checkpoint (rrfp/train/stop.py); the
-        # file tells them (and ranks still starting) that this SIGTERM asks for that.
+        # file tells them (and ranks still starting) that this SIGTERM asks for that. From
+        # here on no rank is restarted (sigterm.no_restart_after).
         if health.stopping:
             return
-        ranks = _children()
-        if not ranks:  # still in the rendezvous: nothing to checkpoint, leave now
-            raise SignalException(f"rrfp node {os.getpid()} got SIGTERM", sigval=signal.SIGTERM)
         health.stopping = True
+        ranks = _children()
+        if not ranks:  # in the rendezvous, or between a failure and a restart: leave now
+            raise SignalException(f"rrfp node {os.getpid()} got SIGTERM", sigval=signal.SIGTERM)
         stop_file.write_text(str(os.getpid()))
-        say("rrfp node: SIGTERM: asking the ranks to finish their step, checkpoint and exit")
+        say(f"rrfp node: SIGTERM: asking the ranks to finish their step{then} and exit; "
+            "ranks still starting are stopped, none is restarted")
         for pid in ranks:
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -342,14 +348,19 @@ def run(args: argparse.Namespace) -> int:
     _quiet_launcher_logs(signalled)
     code = 0
     try:
-        elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
-        say("rrfp node: " + ("stopped on SIGTERM, all ranks exited 0" if health.stopping else "done"))
-    except ChildFailedError as e:
-        say(f"rrfp node: error: {describe_failures(e.failures, signalled.pids)}", sys.stderr)
-        code = 1
-    except SignalException as e:
-        say(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", sys.stderr)
-        code = 128 + int(e.sigval)
+        with no_restart_after(lambda: health.stopping):
+            elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
+        say("rrfp node: " + (f"stopped on SIGTERM, all ranks exited 0; {saved(ckdir)}" if health.stopping else "done"))
+    except (ChildFailedError, SignalException) as e:
+        if health.stopping:
+            say(f"rrfp node: stopped on SIGTERM before every rank could finish a step; {saved(ckdir)}", sys.stderr)
+            code = 128 + signal.SIGTERM
+        elif isinstance(e, ChildFailedError):
+            say(f"rrfp node: error: {describe_failures(e.failures, signalled.pids, (job.targs.dp, job.targs.tp))}", sys.stderr)
+            code = 1
+        else:
+            say(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", sys.stderr)
+            code = 128 + int(e.sigval)
     except (RendezvousError, RuntimeError, OSError) as e:  # a rendezvous timeout and the like: one line
         say(f"rrfp node: error: {type(e).__name__}: {e}", sys.stderr)
         code = 1
