@@ -111,4 +111,4 @@ def test_killed_rank_makes_every_other_rank_exit_naming_it(tmp_path):
         # the assertion below; the timeout only guards against a hang.
         _, err = p.communicate(timeout=150)
         assert p.returncode != 0, f"rank {r} exited 0"
-        assert f"rank {victim} lost" in err, err[-2000:]
+        assert f"rank {victim} (pp {victim}, dp 0, tp 0) lost" in err, err[-2000:]

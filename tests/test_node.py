@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from procs import Proc
 
 from rrfp.train import checkpoint as ck
 
@@ -51,59 +52,6 @@ def _env(**extra: str) -> dict:
         env.pop(k, None)
     env.update(extra)
     return env
-
-
-class Proc:
-    """A child process whose output lines are collected by a thread; :meth:`wait_for` blocks
-    until a line containing a text appears (or the process ends)."""
-
-    def __init__(self, argv: list[str], env: dict) -> None:
-        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.times: list[float] = []
-        self.cond = threading.Condition()
-        self.t = threading.Thread(target=self._read, daemon=True)
-        self.t.start()
-
-    def _read(self) -> None:
-        for line in self.p.stdout:
-            with self.cond:
-                self.lines.append(line.rstrip("\n"))
-                self.times.append(time.monotonic())
-                self.cond.notify_all()
-        with self.cond:
-            self.cond.notify_all()
-
-    def wait_for(self, text: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                hit = next((ln for ln in self.lines if text in ln), None)
-                if hit is not None:
-                    return hit
-                left = deadline - time.monotonic()
-                if left <= 0 or (self.p.poll() is not None and not self.t.is_alive()):
-                    raise AssertionError(f"no line with {text!r}; output:\n" + self.output())
-                self.cond.wait(left)
-
-    def finish(self, timeout: float) -> int:
-        try:
-            rc = self.p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-            raise AssertionError(f"still running after {timeout} s; output:\n" + self.output()) from None
-        self.t.join(5)
-        return rc
-
-    def output(self) -> str:
-        t0 = self.times[0] if self.times else 0.0
-        return "\n".join(f"{t - t0:7.2f} {ln}" for t, ln in zip(self.times, self.lines))
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait()
 
 
 def _daemons(ckdir: Path, extra_train: list[str] = (), linger: bool = False, **env: str) -> list[Proc]:
@@ -362,3 +310,65 @@ def test_graceful_stop_agrees_on_one_step(tmp_path, monkeypatch):
         assert GracefulStop(store, 1).after_step(4, 6)  # a rank that never saw the file follows
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_node_address_names_its_interface_for_gloo_and_nccl(monkeypatch):
+    """The interface holding the node's address goes to GLOO_SOCKET_IFNAME and
+    NCCL_SOCKET_IFNAME, each only when the user has not set it; an address no interface holds
+    gives none, and as ``--node-addr`` it is refused in one line."""
+    import argparse
+
+    from rrfp import _net
+    from rrfp.cli import UsageError
+    from rrfp.node.cli import resolve
+
+    lo = _net.interface_of("127.0.0.1")
+    assert lo is not None and socket.if_nametoindex(lo) > 0
+    assert _net.socket_ifname_env("127.0.0.1", {}) == {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+    assert _net.socket_ifname_env("127.0.0.1", {"GLOO_SOCKET_IFNAME": "eth9"}) == {"NCCL_SOCKET_IFNAME": lo}
+    assert _net.interface_of("203.0.113.77") is None and _net.socket_ifname_env("203.0.113.77", {}) == {}
+    assert _net.route_to("127.0.1.1", 1) == "127.0.0.1" and _net.route_to("", 1) == "127.0.0.1"
+    for k in ("PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "MASTER_ADDR", "JOB_COMPLETION_INDEX"):
+        monkeypatch.delenv(k, raising=False)
+    ns = argparse.Namespace(nnodes=None, nproc_per_node=None, node_rank=None, master_addr=None, master_port=None,
+                            max_restarts=3, metrics_port=0, metrics_linger=0.0, metrics_addr="127.0.0.1",
+                            heartbeat_timeout=60.0, node_addr="203.0.113.77", extra=["--steps", "2"])
+    with pytest.raises(UsageError, match=r"^--node-addr='203.0.113.77': no interface of this host has address"):
+        resolve(ns)
+    ns.node_addr = "127.0.0.1"
+    assert resolve(ns).node_addr == "127.0.0.1"
+
+
+FAULT = '''import os, signal, sys
+if "LOCAL_RANK" in os.environ:  # a rank, not the daemon
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        sys.exit(3)  # the first start fails: the agent restarts the group
+    print(f"fault: rank {os.environ['RANK']} attempt {attempt} starting", flush=True)
+    signal.pause()  # still starting when SIGTERM comes (SIGTERM's default action ends it)
+'''
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_during_a_restart_loop_restarts_nothing(tmp_path):
+    """Ranks that fail at start put the daemon in a restart loop (a sitecustomize in the
+    ranks' path: attempt 0 exits 3, later attempts never finish starting). SIGTERM while the
+    restarted ranks start: they are stopped, none is restarted, the daemon exits 143 with
+    one line saying nothing was saved, and never claims a checkpoint without --checkpoint-dir."""
+    (tmp_path / "sitecustomize.py").write_text(FAULT)
+    argv = [sys.executable, "-m", "rrfp", "node", "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", "0",
+            "--max-restarts", "50", "--metrics-port", "0", "--", "--stages", "2", "--steps", "2"]
+    d = Proc(argv, _env(PYTHONPATH=str(tmp_path)))
+    try:
+        d.wait_for("fault: rank 0 attempt 1 starting", 180)
+        d.wait_for("fault: rank 1 attempt 1 starting", 60)
+        d.p.send_signal(signal.SIGTERM)
+        rc = d.finish(120)
+    finally:
+        d.kill()
+    out = d.output()
+    assert rc == 128 + signal.SIGTERM, out
+    assert "attempt 2" not in out, out
+    assert "rrfp node: stopped on SIGTERM before every rank could finish a step; nothing saved (no --checkpoint-dir)" \
+        in out, out
+    assert "then a checkpoint" not in out and "checkpoint and exit" not in out and "step, checkpoint" not in out, out

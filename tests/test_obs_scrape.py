@@ -77,22 +77,6 @@ def wait_for(cond, proc: subprocess.Popen, what: str, deadline: float):
     pytest.fail(f"timed out waiting for {what}")
 
 
-def start_run(tmp_path: Path) -> subprocess.Popen:
-    """``rrfp train`` with each rank's metrics on a port the OS picks (``--metrics-port 0``);
-    ``proc.lines`` collects its output as it comes, see :func:`metrics_ports`."""
-    data = tmp_path / "text.txt"
-    data.write_text("\n\n".join(f"paragraph {i} " + "lorem ipsum dolor sit amet " * 3 for i in range(60)))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rrfp", "train", "--stages", str(RANKS), "--steps", str(STEPS), "--batch-size", "4",
-         "--microbatches", "4", "--max-len", "16", "--data", str(data), "--quiet", "--trace", str(tmp_path / "tr"),
-         "--metrics-port", "0", "--metrics-linger", "300"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    proc.lines = []
-    threading.Thread(target=lambda: proc.lines.extend(ln.rstrip("\n") for ln in proc.stdout), daemon=True).start()
-    return proc
-
-
 def metrics_ports(proc, deadline: float) -> list[int]:
     """Each rank's metrics port, from its line ``rrfp train: rank R: metrics on http://...:P/metrics``."""
     def ports():
@@ -104,17 +88,6 @@ def metrics_ports(proc, deadline: float) -> list[int]:
         return [found[r] for r in range(RANKS)] if len(found) == RANKS else None
 
     return wait_for(ports, proc, "every rank's metrics line", deadline)
-
-
-def stop_run(proc: subprocess.Popen) -> None:
-    """SIGTERM ends the linger; the launcher passes it to the ranks."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def runtime_bubble(tmp_path: Path, rank: int, from_step: int) -> tuple[float, float]:
@@ -224,12 +197,14 @@ def test_scraped_counters_give_the_runtimes_bubble(tmp_path) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary on PATH")
 def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_path) -> None:
-    proc = start_run(tmp_path)
+    """Forced order: every rank pauses after step 1 until Prometheus has scraped it there, so
+    the dashboard's rates see the counters move however slowly Prometheus starts."""
+    proc = Ranks(tmp_path, 1)
     deadline = time.monotonic() + DEADLINE
     try:
         ports = metrics_ports(proc, deadline)
     except BaseException:
-        stop_run(proc)
+        proc.stop()
         raise
     prom_port = free_port_block(1)  # Prometheus's own port is still probed free (no hand-over from it here)
     cfg = tmp_path / "prometheus.yml"
@@ -255,6 +230,10 @@ def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_pat
         return {x["metric"].get("rank", ""): float(x["value"][1]) for x in res}
 
     try:
+        proc.wait_paused()
+        wait_for(lambda: (q := query("rrfp_steps_total")) and len(q) == RANKS and all(v == 1 for v in q.values())
+                 or None, proc, "Prometheus to scrape the paused run", deadline)
+        proc.resume()
         # Prometheus has the final values once it reports the last step for every rank.
         wait_for(lambda: (q := query("rrfp_steps_total")) and len(q) == RANKS
                  and all(v == STEPS for v in q.values()) or None, proc, "Prometheus to see the last step", deadline)
@@ -269,9 +248,9 @@ def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_pat
 
         bubble = next(e for title, e in dashboard_exprs() if title.startswith("Bubble"))
         got = query(bubble.replace("$__rate_interval", "1h"))
-        assert set(got) == {str(r) for r in range(RANKS)} and all(0 <= v <= 100 for v in got.values())
+        assert set(got) == {str(r) for r in range(RANKS)} and all(0 <= v <= 100 for v in got.values()), got
     finally:
-        stop_run(proc)
+        proc.stop()
         prom.terminate()
         prom.wait(30)
 

@@ -281,7 +281,58 @@ def test_launcher_names_the_rank_killed_from_outside_not_rank_0(tmp_path, checkp
             launcher.kill()
     assert launcher.returncode == 1
     verdict = [ln for ln in err.splitlines() if ln.startswith("rrfp train: error: ")][-1]
-    assert verdict == "rrfp train: error: rank 1 died (SIGTERM); ranks 0, 2, 3 stopped too", err[-2000:]
+    assert verdict == "rrfp train: error: rank 1 (pp 1, dp 0, tp 0) died (SIGTERM); ranks 0, 2, 3 stopped too", \
+        err[-2000:]
     # Ranks that left on their own (the launcher may stop the slower ones first) name rank 1.
     said = re.findall(r"rank (\d): error: (.*)", err)
-    assert all("rank 1 lost" in why for _, why in said), err[-3000:]
+    assert all("rank 1 (pp 1, dp 0, tp 0) lost" in why for _, why in said), err[-3000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the ranks' pids")
+@pytest.mark.timeout(300)
+def test_a_stalled_tp_rank_is_named_by_its_global_rank_everywhere():
+    # --stages 2 --tp 2: global ranks 0 (pp 0, tp 0), 1 (pp 0, tp 1), 2 (pp 1, tp 0), 3 (pp 1,
+    # tp 1). Rank 2 stalls (SIGSTOP); rank 0, its pipeline peer, loses pipeline rank 1 past the
+    # transport's heartbeat timeout: that is global rank 2, and every report must say so, with
+    # coordinates, never a pipeline rank read as a global one. Once a rank has reported, the
+    # stalled rank is killed, so the launcher need not wait out its SIGTERM grace.
+    launcher = subprocess.Popen([sys.executable, "-m", "rrfp", "train", "--stages", "2", "--tp", "2", "--steps",
+                                 "100000", "--batch-size", "8", "--microbatches", "4", "--max-len", "32"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    said = threading.Condition()
+
+    def read() -> None:
+        for line in launcher.stderr:
+            with said:
+                lines.append(line)
+                said.notify_all()
+        with said:
+            said.notify_all()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    by_rank: dict[int, int] = {}
+    try:
+        assert launcher.stdout.readline().startswith("step"), "".join(lines)[-2000:]
+        by_rank = _ranks(launcher.pid)
+        assert sorted(by_rank) == [0, 1, 2, 3]
+        os.kill(by_rank[2], signal.SIGSTOP)
+        with said:
+            said.wait_for(lambda: any(re.search(r"rank \d: error", ln) for ln in lines) or not reader.is_alive(), 200)
+        os.kill(by_rank[2], signal.SIGKILL)
+        launcher.wait(150)
+        reader.join(30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if 2 in by_rank and _alive(by_rank[2]):
+            os.kill(by_rank[2], signal.SIGKILL)
+    err = "".join(lines)
+    assert launcher.returncode == 1, err[-3000:]
+    verdict = [ln for ln in err.splitlines() if ln.startswith("rrfp train: error: ")][-1]
+    assert verdict.startswith("rrfp train: error: rank 2 (pp 1, dp 0, tp 0) "), err[-3000:]
+    named = re.findall(r"rank (\d+) \(pp (\d+), dp (\d+), tp (\d+)\) lost", err)
+    assert ("2", "1", "0", "0") in named, err[-3000:]  # rank 0's report of its pipeline peer
+    assert all(int(r) == int(p) * 2 + int(t) and d == "0" for r, p, d, t in named), named
+    assert not re.search(r"rank \d+ lost", err), err[-3000:]  # no rank named without coordinates

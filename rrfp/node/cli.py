@@ -17,11 +17,14 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
+from .. import _net
 from ..cli import UsageError
 
 DEFAULT_METRICS_PORT = 9400
@@ -55,7 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--master-port", type=int, default=None,
                    help=f"rendezvous port on node 0 (env PET_MASTER_PORT, MASTER_PORT; default {DEFAULT_RDZV_PORT}); "
                    "0 on node 0: any free port, printed in its first line for the other nodes")
-    p.add_argument("--node-addr", default=None, help="this node's address in the rendezvous (default: found by torch)")
+    p.add_argument("--node-addr", default=None,
+                   help="this node's address: what it advertises in the rendezvous, what its ranks bind, and whose "
+                   "interface gloo and NCCL use (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME unless set); default: the "
+                   "local address that routes to --master-addr")
     p.add_argument("--job-id", default=os.environ.get("RRFP_JOB_ID", "rrfp"),
                    help="rendezvous id shared by every node of the job (env RRFP_JOB_ID; default %(default)s)")
     p.add_argument("--max-restarts", type=int, default=3, help="restarts of the node's ranks after a failure (default %(default)s)")
@@ -136,11 +142,16 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     _check_host(master_addr, port, _source(args, "master_addr"))
     if getattr(args, "node_addr", None) is not None:
         _check_host(args.node_addr, port, "--node-addr")
+        node_addr = _resolve(args.node_addr, port, "--node-addr")
+        if _net.interface_of(node_addr) is None:
+            raise UsageError(f"--node-addr={args.node_addr!r}: no interface of this host has address {node_addr}")
+    else:
+        node_addr = None  # found in run(): node 0's name may resolve only once its pod runs
     if getattr(args, "run_dir", None) is not None:
         _check_run_dir(args.run_dir)
     return argparse.Namespace(
         nnodes=nnodes, nproc=nproc, node_rank=node_rank, port=port, train_args=train_args, targs=targs,
-        master_addr=master_addr,
+        master_addr=master_addr, node_addr=node_addr,
     )
 
 
@@ -175,6 +186,37 @@ def _host_rendezvous_store(addr: str):
 
     store = TCPStore(addr, 0, is_master=True, wait_for_workers=False, multi_tenant=True)
     return store, store.port
+
+
+def _resolve(host: str, port: int, what: str) -> str:
+    """``host``'s first address (an address is returned as it is).
+
+    Raises:
+        UsageError: one line naming the flag and the host that does not resolve.
+    """
+    try:
+        return str(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError as e:
+        raise UsageError(f"{what}={host!r}: does not resolve ({e.strerror or e})") from None
+
+
+def node_address(master_addr: str, port: int, wait_s: float = 60.0) -> str:
+    """This node's address when ``--node-addr`` is not given: the local address that routes
+    to the master (:func:`rrfp._net.route_to`). The master's name is retried for up to
+    ``wait_s`` seconds: on Kubernetes node 0's DNS name appears only once its pod runs.
+
+    Raises:
+        UsageError: no route to the master within ``wait_s``.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return _net.route_to(master_addr, port)
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise UsageError(f"--master-addr={master_addr!r}: no route from this host ({e.strerror or e}); "
+                                 "give --node-addr or check the name") from None
+        time.sleep(1.0)  # a DNS name not published yet: nothing to wait on but time
 
 
 def _check_run_dir(path: str) -> None:
@@ -216,6 +258,12 @@ def _count_restarts(on_restart, stop: threading.Event, period_s: float = 0.5) ->
 
 def run(args: argparse.Namespace) -> int:
     job = resolve(args)
+    # One address for everything this node's ranks do across hosts (rrfp/_net.py): torch's
+    # agent would advertise the host name, and gloo bind the interface it resolves to,
+    # loopback in many containers and network namespaces.
+    node_addr = job.node_addr or node_address(job.master_addr, job.port or DEFAULT_RDZV_PORT)
+    os.environ[_net.NODE_ADDR_ENV] = node_addr
+    os.environ.update(_net.socket_ifname_env(node_addr))
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -227,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
     from ..train.lines import say
     from ..train.stop import STOP_FILE_ENV
     from .health import Health
+    from .sigterm import no_restart_after, saved
 
     own_dir = args.run_dir is None
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rrfp-node-"))
@@ -257,21 +306,26 @@ def run(args: argparse.Namespace) -> int:
     watching = threading.Event()
     threading.Thread(target=_count_restarts, args=(node_metrics.restarts.labels(str(job.node_rank)).inc, watching),
                      name="rrfp-node-restarts", daemon=True).start()
-    say(f"rrfp node: node {job.node_rank} of {job.nnodes}, {job.nproc} ranks, rendezvous "
+    say(f"rrfp node: node {job.node_rank} of {job.nnodes} at {node_addr}, {job.nproc} ranks, rendezvous "
         f"{job.master_addr}:{rdzv_port} ({args.job_id}); serving http://{endpoint.addr}:{endpoint.port} "
         "(/metrics /healthz /readyz)")
 
+    ckdir = job.targs.checkpoint_dir
+    then = ", checkpoint" if ckdir else ""
+
     def on_sigterm(signum, frame) -> None:
         # The ranks stop after their current step and checkpoint (rrfp/train/stop.py); the
-        # file tells them (and ranks still starting) that this SIGTERM asks for that.
+        # file tells them (and ranks still starting) that this SIGTERM asks for that. From
+        # here on no rank is restarted (sigterm.no_restart_after).
         if health.stopping:
             return
-        ranks = _children()
-        if not ranks:  # still in the rendezvous: nothing to checkpoint, leave now
-            raise SignalException(f"rrfp node {os.getpid()} got SIGTERM", sigval=signal.SIGTERM)
         health.stopping = True
+        ranks = _children()
+        if not ranks:  # in the rendezvous, or between a failure and a restart: leave now
+            raise SignalException(f"rrfp node {os.getpid()} got SIGTERM", sigval=signal.SIGTERM)
         stop_file.write_text(str(os.getpid()))
-        say("rrfp node: SIGTERM: asking the ranks to finish their step, checkpoint and exit")
+        say(f"rrfp node: SIGTERM: asking the ranks to finish their step{then} and exit; "
+            "ranks still starting are stopped, none is restarted")
         for pid in ranks:
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -284,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
         rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
         # With rdzv_store this daemon already hosts the store: its agent joins it as a client.
         rdzv_configs={"is_host": job.node_rank == 0 and rdzv_store is None}, max_restarts=args.max_restarts, monitor_interval=0.5,
-        local_addr=args.node_addr,
+        local_addr=node_addr,
         # SIGTERM stays the daemon's own (above): the agent would forward it as "die now".
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
     )
@@ -294,14 +348,19 @@ def run(args: argparse.Namespace) -> int:
     _quiet_launcher_logs(signalled)
     code = 0
     try:
-        elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
-        say("rrfp node: " + ("stopped on SIGTERM, all ranks exited 0" if health.stopping else "done"))
-    except ChildFailedError as e:
-        say(f"rrfp node: error: {describe_failures(e.failures, signalled.pids)}", sys.stderr)
-        code = 1
-    except SignalException as e:
-        say(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", sys.stderr)
-        code = 128 + int(e.sigval)
+        with no_restart_after(lambda: health.stopping):
+            elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
+        say("rrfp node: " + (f"stopped on SIGTERM, all ranks exited 0; {saved(ckdir)}" if health.stopping else "done"))
+    except (ChildFailedError, SignalException) as e:
+        if health.stopping:
+            say(f"rrfp node: stopped on SIGTERM before every rank could finish a step; {saved(ckdir)}", sys.stderr)
+            code = 128 + signal.SIGTERM
+        elif isinstance(e, ChildFailedError):
+            say(f"rrfp node: error: {describe_failures(e.failures, signalled.pids, (job.targs.dp, job.targs.tp))}", sys.stderr)
+            code = 1
+        else:
+            say(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", sys.stderr)
+            code = 128 + int(e.sigval)
     except (RendezvousError, RuntimeError, OSError) as e:  # a rendezvous timeout and the like: one line
         say(f"rrfp node: error: {type(e).__name__}: {e}", sys.stderr)
         code = 1

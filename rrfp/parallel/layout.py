@@ -101,6 +101,12 @@ class ParallelLayout:
         """The global rank at coordinates ``(pp_rank, dp_rank, tp_rank)`` (pp-major)."""
         return (pp_rank * dp + dp_rank) * tp + tp_rank
 
+    @staticmethod
+    def name(rank: int, dp: int = 1, tp: int = 1) -> str:
+        """``rank 2 (pp 1, dp 0, tp 0)``: a global rank and its coordinates (pp-major, the
+        inverse of :meth:`global_rank`), as every failure report names a rank."""
+        return f"rank {rank} (pp {rank // (dp * tp)}, dp {rank // tp % dp}, tp {rank % tp})"
+
     def rank_at(self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
         """Global rank of ``pp_rank`` in this rank's pipeline (or another coordinate's)."""
         return self.global_rank(

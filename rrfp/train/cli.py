@@ -405,14 +405,14 @@ def launch(args: argparse.Namespace) -> int:
         os.environ[ENV_SECRET] = JobAuth.generate()
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
-        return _run_launcher(run_args)
+        return _run_launcher(run_args, (args.dp, args.tp))
     finally:
         if made_secret:
             os.environ.pop(ENV_SECRET, None)
         os.environ.pop(LAUNCHER_PID_ENV, None)
 
 
-def _run_launcher(run_args) -> int:
+def _run_launcher(run_args, degrees: tuple[int, int] | None = None) -> int:
     """torchrun's ``run`` on the prepared arguments; the exit code of ``rrfp train``."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -430,7 +430,7 @@ def _run_launcher(run_args) -> int:
     except ChildFailedError as e:
         if any(f.exitcode == PIPE_CLOSED for f in e.failures.values()):
             return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
-        say(f"rrfp train: error: {describe_failures(e.failures, signalled.pids)}", sys.stderr)
+        say(f"rrfp train: error: {describe_failures(e.failures, signalled.pids, degrees)}", sys.stderr)
         return 1
     except (KeyboardInterrupt, SignalException) as e:
         sig = getattr(e, "sigval", signal.SIGINT)
@@ -473,29 +473,37 @@ def _quiet_launcher_logs(recorder=None) -> None:
     api.addFilter(_NoPipeClosedErrors())
 
 
-def describe_failures(failures: dict, launcher_signalled: set[int] | None = None) -> str:
+def describe_failures(failures: dict, launcher_signalled: set[int] | None = None,
+                      degrees: tuple[int, int] | None = None) -> str:
     """One line naming the rank that went first (:func:`rrfp.train.guard.root_cause`: the
     ranks' own blame records, then a signal other than the launcher's SIGTERM, then the
-    earliest failure), with its own message when it left one."""
+    earliest failure), with its own message when it left one. ``degrees``: the job's
+    ``(dp, tp)``; with it the rank is named with its coordinates, ``rank 2 (pp 1, dp 0, tp 0)``."""
     import signal as _signal
 
     from .guard import root_cause
 
     rank = root_cause(failures, launcher_signalled)
     first = failures.get(rank)
+    if degrees is None:
+        who = f"rank {rank}"
+    else:
+        from ..parallel.layout import ParallelLayout
+
+        who = ParallelLayout.name(rank, *degrees)
     if first is None:
-        what = f"rank {rank} was lost"
+        what = f"{who} was lost"
     elif first.exitcode < 0 and launcher_signalled is not None and getattr(first, "pid", None) in launcher_signalled:
         # Blamed by others, then stopped by the launcher before it could say why itself.
         said = [f.message for r, f in sorted(failures.items()) if r != rank and isinstance(f.message, str)
                 and ((getattr(f, "error_file_data", None) or {}).get("rrfp") or {}).get("blame") == rank]
-        what = f"rank {rank} failed first (stopped by the launcher before it exited)"
+        what = f"{who} failed first (stopped by the launcher before it exited)"
         if said:
             what += f": {said[0].split(': error: ', 1)[-1]}"
     elif first.exitcode < 0:
-        what = f"rank {rank} died ({_signal.Signals(-first.exitcode).name})"
+        what = f"{who} died ({_signal.Signals(-first.exitcode).name})"
     else:
-        what = f"rank {rank} failed (exit code {first.exitcode})"
+        what = f"{who} failed (exit code {first.exitcode})"
         msg = ((getattr(first, "error_file_data", None) or {}).get("rrfp") or {}) and first.message
         if isinstance(msg, str) and msg:
             what += f": {msg.removeprefix(f'rrfp train: rank {rank}: error: ')}"

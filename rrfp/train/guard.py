@@ -108,7 +108,7 @@ def blamed_rank(exc: BaseException, rank: int) -> int:
         if type(e).__name__ == "PeerLost" and isinstance(r, int):
             return r
         e = e.__cause__ or e.__context__
-    m = re.search(r"\brank (\d+) lost\b", str(exc))
+    m = re.search(r"\brank (\d+)(?: \([^)]*\))? lost\b", str(exc))
     return int(m.group(1)) if m else rank
 
 
@@ -144,7 +144,7 @@ def root_cause(failures: dict[int, Any], launcher_signalled: set[int] | None = N
     info = {r: (getattr(f, "error_file_data", None) or {}).get("rrfp") or {} for r, f in failures.items()}
     blame = {r: i["blame"] for r, i in info.items() if isinstance(i.get("blame"), int) and i["blame"] != r}
     for r, f in failures.items():  # no record read back: the rank's own one-line message
-        m = re.search(r"first on rank (\d+)|\brank (\d+) lost\b", str(getattr(f, "message", "") or ""))
+        m = re.search(r"first on rank (\d+)|\brank (\d+)(?: \([^)]*\))? lost\b", str(getattr(f, "message", "") or ""))
         if r not in blame and m and int(m.group(1) or m.group(2)) != r:
             blame[r] = int(m.group(1) or m.group(2))
 

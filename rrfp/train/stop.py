@@ -45,11 +45,14 @@ class GracefulStop:
         store: the job's store (``torch.distributed``'s default store).
         rank: this rank.
         timeout_s: longest wait of the test hold.
+        checkpoint: whether the run writes a checkpoint when it stops (``--checkpoint-dir``);
+            only for what the rank says.
     """
 
-    def __init__(self, store, rank: int, timeout_s: float = 60.0) -> None:
+    def __init__(self, store, rank: int, timeout_s: float = 60.0, checkpoint: bool = True) -> None:
         self.store = store
         self.rank = rank
+        self.checkpoint = checkpoint
         self.timeout_s = timeout_s
         self.stop_file = os.environ.get(STOP_FILE_ENV)
         self.requested = False
@@ -67,7 +70,8 @@ class GracefulStop:
             return
         if not self.requested:
             self.requested = True
-            say(f"rrfp train: rank {self.rank}: SIGTERM: finishing the current step, then a checkpoint", sys.stderr)
+            then = ", then a checkpoint" if self.checkpoint else " (no --checkpoint-dir: nothing is saved)"
+            say(f"rrfp train: rank {self.rank}: SIGTERM: finishing the current step{then}", sys.stderr)
             # A thread: the main thread may be inside a step, waiting on a peer.
             threading.Thread(target=self._publish, name="rrfp-stop", daemon=True).start()
 

@@ -61,6 +61,33 @@ class _QuietAfterReaderLeft:
         return record.levelno < 40 or not _reader_gone()
 
 
+class _GlobalRankNames:
+    """Rewords the transport's records (``"rank %d: ..."``, the rank numbered within its
+    pipeline, as is any lost peer in them) to name global ranks with their coordinates, as
+    every other report of a failure does."""
+
+    LOGGERS = ("rrfp.transport", "rrfp.transport.zmq", "rrfp.transport.planes", "rrfp.transport.torch")
+
+    def __init__(self, layout) -> None:
+        self.layout = layout
+
+    def name(self, pp_rank: int) -> str:
+        from ..parallel.layout import ParallelLayout
+
+        return ParallelLayout.name(self.layout.rank_at(pp_rank), self.layout.dp, self.layout.tp)
+
+    def filter(self, record) -> bool:
+        from ..transport.base import PeerLost
+
+        args = record.args
+        if isinstance(record.msg, str) and record.msg.startswith("rank %d: ") and isinstance(args, tuple) and args \
+                and args[0] == self.layout.pp_rank:
+            record.msg = "%s: " + record.msg.removeprefix("rank %d: ")
+            record.args = (self.name(args[0]), *(f"{self.name(a.rank)} lost: {a.reason}" if isinstance(a, PeerLost)
+                                                 else a for a in args[1:]))
+        return True
+
+
 def main(args: argparse.Namespace) -> int:
     from .. import _pdeathsig
 
@@ -127,6 +154,10 @@ def _main(args: argparse.Namespace) -> int:
     init_distributed()
     # rank: this process's pp_rank in its pipeline (one pipeline per (dp_rank, tp_rank)).
     layout = train_layout(args)
+    import logging
+
+    for name in _GlobalRankNames.LOGGERS:
+        logging.getLogger(name).addFilter(_GlobalRankNames(layout))
     rank, n_ranks = layout.pp_rank, layout.pp
     place = Placement(n_ranks, args.virtual_stages, args.placement)
     n_stages = place.n_stages
@@ -187,7 +218,8 @@ def _main(args: argparse.Namespace) -> int:
     from .checkpoint import Checkpointer
     from .stop import GracefulStop
 
-    stop = GracefulStop(default_store(), layout.rank, timeout_s=args.watchdog)  # before loading: SIGTERM may come any time
+    stop = GracefulStop(default_store(), layout.rank, timeout_s=args.watchdog,  # before loading: SIGTERM may come any time
+                        checkpoint=getattr(args, "checkpoint_dir", None) is not None)
     ckpt = Checkpointer(args, rank, n_ranks, stages, opt, n_samples=len(sampler.samples) if sampler else 0)
     first = end = 0
     resume = ckpt.resume_path()
@@ -296,8 +328,10 @@ def _main(args: argparse.Namespace) -> int:
             metrics.stop_heartbeat()
         lost = None if isinstance(e, BrokenPipeError) else _lost_peer(pipe, e, rank)
         pipe.abort()
-        if lost is not None:
-            raise lost from e  # the root cause, not what it broke (e.g. gloo's reset connection)
+        # The root cause, not what it broke (e.g. gloo's reset connection), by global rank.
+        named = None if isinstance(e, BrokenPipeError) else _named_globally(lost or e, layout)
+        if named is not None:
+            raise named from e
         raise
     except BaseException:
         if metrics is not None:
@@ -412,6 +446,27 @@ def _lost_peer(pipe: Pipeline, exc: BaseException, rank: int):
         return pipe.run(wait(None if peer_gone else 3.0))
     except Exception:
         return None
+
+
+def _named_globally(exc: BaseException, layout):
+    """The :class:`~rrfp.transport.base.PeerLost` in ``exc``'s chain, whose ``rank`` is a
+    pp_rank of this rank's pipeline (the transport's numbering), as a new ``PeerLost`` of
+    the global rank, its message naming the coordinates (``rank 2 (pp 1, dp 0, tp 0) lost:
+    ...``); None when the chain holds none."""
+    from ..parallel.layout import ParallelLayout
+    from ..transport.base import PeerLost
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and not isinstance(e, PeerLost) and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    if not isinstance(e, PeerLost):
+        return None
+    rank = layout.rank_at(e.rank)
+    named = PeerLost(rank, e.reason)
+    named.args = (f"{ParallelLayout.name(rank, layout.dp, layout.tp)} lost: {e.reason}",)
+    return named
 
 
 def _transport_counts(transport) -> dict[str, int]:

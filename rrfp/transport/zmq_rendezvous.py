@@ -13,12 +13,12 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import os
-import socket
 import time
 
+from .. import _net
+from .._net import is_loopback as _is_loopback  # noqa: F401 - zmq.py imports it from here
 from . import auth as _auth
 from .base import PeerLost, TransportClosed
 
@@ -30,30 +30,11 @@ header starts with a map marker, so this never parses as data."""
 
 
 def default_host() -> str:
-    """Address to bind: 127.0.0.1 when MASTER_ADDR is unset or loopback, else the
-    local address of the interface that routes to MASTER_ADDR.
-
-    The route is found by connecting a UDP socket, which sends nothing."""
-    addr = os.environ.get("MASTER_ADDR", "")
-    if not addr or addr == "localhost":
-        return "127.0.0.1"
-    try:
-        if ipaddress.ip_address(addr).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        pass  # a host name: resolve it below
-    port = int(os.environ.get("MASTER_PORT", "29500") or 29500)
-    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect(sockaddr)
-        return str(s.getsockname()[0])
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+    """Address to bind: the node's address (:data:`rrfp._net.NODE_ADDR_ENV`, set by
+    ``rrfp node``), else the one that routes to MASTER_ADDR (:func:`rrfp._net.route_to`:
+    127.0.0.1 when MASTER_ADDR is unset or loopback)."""
+    return os.environ.get(_net.NODE_ADDR_ENV) or _net.route_to(
+        os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "29500") or 29500))
 
 
 def _tcp_endpoint(host: str) -> str:
