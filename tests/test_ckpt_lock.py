@@ -17,20 +17,15 @@ from rrfp.cli import main
 from rrfp.train import checkpoint as ck
 from rrfp.train import ckpt_lock
 from rrfp.train.ckpt_lock import LOCK_FILE, FolderInUse, Lease
+from test_cli_bad_input import no_launch  # noqa: F401 - the fixture: nothing may start a process
 
 SMALL = ["--stages", "2", "--batch-size", "4", "--microbatches", "2", "--max-len", "32", "--threads", "1"]
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a process was launched")
-
-    monkeypatch.setattr("rrfp.train.cli.launch", refuse)
-    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", refuse)
-    for k in ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
-              "JOB_COMPLETION_INDEX", "MASTER_ADDR", "MASTER_PORT", ckpt_lock.JOB_ENV):
-        monkeypatch.delenv(k, raising=False)
+@pytest.fixture(autouse=True)
+def no_job_identity(monkeypatch):
+    """No checkpoint job identity inherited from the environment."""
+    monkeypatch.delenv(ckpt_lock.JOB_ENV, raising=False)
 
 
 def _lock(d) -> dict:

@@ -131,9 +131,17 @@ class MetricsServer:
         self._open: dict = {}  # writer -> request complete?, oldest first
         self._pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="rrfp-metrics-worker")
         self._loop = asyncio.new_event_loop()
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._client, sock=sock, limit=MAX_HEAD))
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rrfp-metrics", daemon=True)
+        listening = threading.Event()
+
+        def serve() -> None:  # the loop lives on its own thread: the caller's may run one already
+            asyncio.set_event_loop(self._loop)
+            self._server = self._loop.run_until_complete(asyncio.start_server(self._client, sock=sock, limit=MAX_HEAD))
+            listening.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, name="rrfp-metrics", daemon=True)
         self._thread.start()
+        listening.wait()
 
     async def _client(self, reader, writer) -> None:
         import asyncio
