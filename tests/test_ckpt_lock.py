@@ -23,9 +23,14 @@ SMALL = ["--stages", "2", "--batch-size", "4", "--microbatches", "2", "--max-len
 
 
 @pytest.fixture(autouse=True)
-def no_job_identity(monkeypatch):
-    """No checkpoint job identity inherited from the environment."""
+def environment(monkeypatch):
+    """No checkpoint job identity inherited from the environment, and nothing a command run
+    in this process sets there (``rrfp node`` sets its ranks' variables) left behind."""
+    saved = dict(os.environ)
     monkeypatch.delenv(ckpt_lock.JOB_ENV, raising=False)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _lock(d) -> dict:
