@@ -193,11 +193,20 @@ def test_resume_past_or_at_the_end(checkpoint, capsys, no_launch):
     (["--seed", "3"], "was written with --seed 0, this run has --seed 3"),
     (["--max-len", "64"], "was written with --max-len 32, this run has --max-len 64"),
     (["--batch-size", "8"], "was written with --batch-size 4, this run has --batch-size 8"),
+    (["--tp", "2"], "was written with --tp 1, this run has --tp 2: expected the same (a checkpoint resumes under "
+     "another --dp only)"),
 ])
 def test_resume_with_other_flags_is_refused_before_any_process_starts(checkpoint, capsys, no_launch, flags, needle):
     rc, out, err = _resume(capsys, checkpoint, "--steps", "4", *flags)
     assert (rc, out) == (2, "") and err.count("\n") == 1
     assert err.startswith("rrfp train: error: --resume auto (newest checkpoint ") and needle in err
+
+
+@pytest.mark.timeout(300)
+def test_resume_with_another_dp_passes_the_checks_and_launches(checkpoint, capsys, no_launch):
+    with pytest.raises(AssertionError, match="a process was launched"):
+        _resume(capsys, checkpoint, "--steps", "4", "--dp", "2")
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.timeout(300)

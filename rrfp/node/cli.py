@@ -300,6 +300,15 @@ def run(args: argparse.Namespace) -> int:
     rdzv_port, rdzv_store = job.port, None
     if job.port == 0:  # node 0 only (resolve): the OS picks the port, and this line tells it
         rdzv_store, rdzv_port = _host_rendezvous_store(job.master_addr)
+    from ..train.ckpt_lock import FolderInUse, hold
+
+    try:  # one job: the same id and rendezvous on every node, and for a replaced pod
+        lease = hold(job.targs, f"{args.job_id}@{job.master_addr}:{rdzv_port}")
+    except FolderInUse as e:
+        endpoint.close()
+        if own_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise UsageError(str(e)) from None
     from ..obs.metrics import NodeMetrics
 
     node_metrics = NodeMetrics(job.node_rank, endpoint.registry)
@@ -370,6 +379,8 @@ def run(args: argparse.Namespace) -> int:
         if code == 0:
             linger(args.metrics_linger)  # the last scrape sees the last step
         endpoint.close()
+        if lease is not None:
+            lease.release()
         if own_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
     return code

@@ -5,24 +5,32 @@ What one checkpoint holds (every rank writes its own part; the keys never collid
 every model key carries its stage index):
 
 * ``model.stage{s}.<name>``: the parameters of stage ``s`` (its :class:`~rrfp.model.gpt.GPTStage`
-  names), and ``optim.*``: the AdamW state of the same parameters, keyed the same way
-  (``torch.distributed.checkpoint.state_dict.get_state_dict``);
+  names; with ``--tp`` above 1, ``model.stage{s}.tp{t}.<name>``: TP rank ``t``'s shard), and
+  ``optim.*``: the AdamW state of the same parameters, keyed the same way
+  (``torch.distributed.checkpoint.state_dict.get_state_dict``). DP replicas hold equal copies
+  under equal keys: DCP writes each key once and every replica reads it back, so a checkpoint
+  resumes under another ``--dp`` (DCP's resharding; the global batch of a step does not depend
+  on ``--dp``). Another ``--tp`` or pipeline layout is refused (:data:`LAYOUT_KEYS`);
 * ``train.step``: optimizer steps done; ``train.data``: the data position (the sampler's seed,
   batch size and pool size, and the next step's index: :class:`~rrfp.data.batches.BatchSampler`
   is random access by step, so the next step's index *is* its state);
-* ``rank{r}.rng``: rank ``r``'s torch, Python ``random`` and numpy generator states.
+* ``rng.pp{p}dp{d}tp{t}``: the torch, Python ``random`` and numpy generator states of the rank
+  at those coordinates (a rank resumed at a DP index the checkpoint lacks takes replica
+  ``d % dp``'s).
 
 Layout on disk (``--checkpoint-dir DIR``)::
 
     DIR/step-00000040/       a committed checkpoint: DCP's shards + .metadata + rrfp.json
-    DIR/.tmp-step-00000042-<id>/   one being written (or left by a crash): never loaded
+    DIR/.tmp-step-00000042-<job>-<id>/   one being written (or left by a crash): never loaded
+    DIR/.rrfp-lock           the job that owns the folder (rrfp.train.ckpt_lock)
 
 A checkpoint is committed in three moves: every rank writes its shards into the ``.tmp-``
 folder, DCP's coordinator (rank 0) writes ``.metadata`` once all shards are in, then rank 0
 writes ``rrfp.json`` (the layout and step) and renames the folder to ``step-N``. A rename is
 atomic, so a crash at any point leaves either no new ``step-N`` or a whole one, and the
 previous checkpoint stays loadable. ``--resume auto`` takes the newest ``step-N`` that has
-``rrfp.json``.
+``rrfp.json``. ``<job>`` is the job's tag (:func:`~rrfp.train.ckpt_lock.job_tag`): pruning
+deletes only the job's own half-written folders, never another job's.
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ from pathlib import Path
 META_FILE = "rrfp.json"
 """Written last into a checkpoint, just before the rename that commits it."""
 
-FORMAT = 1
+FORMAT = 2
+_FORMATS = (1, 2)  # 1: one pipeline, RNG states keyed ``rank{pp_rank}``
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 CRASH_ENV = "RRFP_TEST_CRASH_IN_CHECKPOINT"
@@ -50,7 +59,10 @@ step, after its own shard is on disk and before the checkpoint is committed, in 
 attempt of the job only (``TORCHELASTIC_RESTART_COUNT`` 0). It lets a test kill a writer at a
 chosen point instead of racing a timer."""
 
-LAYOUT_KEYS = ("stages", "virtual_stages", "placement", "model", "max_len")
+LAYOUT_KEYS = ("stages", "virtual_stages", "placement", "model", "max_len", "tp")
+"""Flags a checkpoint must be resumed with (the shapes and keys of its shards depend on them);
+``--dp`` may change."""
+_DEFAULTS = {"tp": 1, "dp": 1}  # flags of checkpoints written before they were recorded
 DATA_KEYS = ("seed", "batch_size")
 
 
@@ -147,10 +159,11 @@ def check_writable(path: str | os.PathLike) -> str | None:
 def check_compatible(meta: dict, args: argparse.Namespace, what: str) -> str | None:
     """Why a checkpoint cannot resume this run (another layout, model or data stream), or None."""
     for key in LAYOUT_KEYS + DATA_KEYS:
-        have, want = meta["args"].get(key), getattr(args, key)
+        have, want = meta["args"].get(key, _DEFAULTS.get(key)), getattr(args, key, _DEFAULTS.get(key))
         if have != want:
             flag = "--" + key.replace("_", "-")
-            return f"{what} was written with {flag} {have}, this run has {flag} {want}: expected the same"
+            why = " (a checkpoint resumes under another --dp only)" if key in LAYOUT_KEYS else ""
+            return f"{what} was written with {flag} {have}, this run has {flag} {want}: expected the same{why}"
     return None
 
 
@@ -172,8 +185,8 @@ def read_meta(path: str | os.PathLike) -> dict:
         raise ValueError(f"not a committed checkpoint (no {META_FILE} in {os.fspath(path)!r})") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"unreadable {META_FILE}: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("step"), int):
-        raise ValueError(f"{f} is not an rrfp checkpoint description of format {FORMAT}")
+    if not isinstance(meta, dict) or meta.get("format") not in _FORMATS or not isinstance(meta.get("step"), int):
+        raise ValueError(f"{f} is not an rrfp checkpoint description of format {' or '.join(map(str, _FORMATS))}")
     return meta
 
 
@@ -228,28 +241,42 @@ class Checkpointer:
 
     Args:
         args: the ``rrfp train`` flags (``checkpoint_dir``, ``resume``, the layout).
-        rank, n_ranks: this rank and the world size.
+        layout: this rank's :class:`~rrfp.parallel.layout.ParallelLayout` (global rank,
+            world size ``pp * dp * tp``, coordinates).
         stages: this rank's :class:`~rrfp.runtime.stage.PipelineStage` objects.
         optimizer: the optimizer over exactly these stages' parameters.
         n_samples: size of the sample pool the sampler draws from (0 on ranks without data).
     """
 
-    def __init__(self, args: argparse.Namespace, rank: int, n_ranks: int, stages, optimizer, n_samples: int = 0) -> None:
+    def __init__(self, args: argparse.Namespace, layout, stages, optimizer, n_samples: int = 0) -> None:
         self.args = args
-        self.rank = rank
-        self.n_ranks = n_ranks
+        self.layout = layout
+        self.rank = layout.rank
+        self.n_ranks = layout.pp * layout.dp * layout.tp
         self.root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         self.optimizer = optimizer
         self.n_samples = n_samples
         import torch
 
-        # One module whose parameter names carry the stage index, so the FQNs of all ranks
-        # are distinct and DCP's keys say which stage a tensor belongs to.
-        self.module = torch.nn.ModuleDict({f"stage{s.stage_index}": s.submod for s in stages})
+        # One module whose parameter names carry the stage index (and the TP rank: a shard),
+        # so DCP's keys say which stage a tensor belongs to, and only DP replicas share keys.
+        def part(m):
+            return torch.nn.ModuleDict({f"tp{layout.tp_rank}": m}) if layout.tp > 1 else m
+
+        self.module = torch.nn.ModuleDict({f"stage{s.stage_index}": part(s.submod) for s in stages})
         self.last_saved: int | None = None
 
     # ------------------------------------------------------------------ state dicts
-    def _state(self, step: int) -> dict:
+    def _rng_key(self, meta: dict | None = None) -> str:
+        """This rank's RNG entry; in a checkpoint ``meta`` of another ``--dp``, the entry of
+        replica ``dp_rank % dp`` at the same coordinates."""
+        lay = self.layout
+        if meta is not None and meta["format"] == 1:
+            return f"rank{lay.pp_rank}"
+        dp = lay.dp if meta is None else meta["args"].get("dp", 1)
+        return f"rng.pp{lay.pp_rank}dp{lay.dp_rank % dp}tp{lay.tp_rank}"
+
+    def _state(self, step: int, meta: dict | None = None) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         # Flattened: every optimizer entry keyed by its parameter's name (``state.stage1.x.exp_avg``,
@@ -259,7 +286,7 @@ class Checkpointer:
             "model": model,
             "optim": optim,
             "train": {"step": step},
-            f"rank{self.rank}": {"rng": _rng_state()},
+            self._rng_key(meta): {"rng": _rng_state()},
         }
 
     def _meta(self, step: int) -> dict:
@@ -267,7 +294,7 @@ class Checkpointer:
             "format": FORMAT,
             "step": step,
             "world_size": self.n_ranks,
-            "args": {k: getattr(self.args, k) for k in LAYOUT_KEYS + DATA_KEYS},
+            "args": {k: getattr(self.args, k, _DEFAULTS.get(k)) for k in LAYOUT_KEYS + DATA_KEYS + ("dp",)},
             "data": {"next_step": step, "n_samples": self.n_samples},
             "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
         }
@@ -283,7 +310,9 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         assert self.root is not None
-        token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+        from .ckpt_lock import job_tag
+
+        token = [f"{job_tag()}-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)  # every rank writes into the same folder
         tmp = self.root / f".tmp-step-{step:08d}-{token[0]}"
         from .ckpt_verify import METADATA, digest, digesting_writer
@@ -297,6 +326,12 @@ class Checkpointer:
         if self.rank == 0:
             files = {name: d for part in digests for name, d in (part or {}).items()}
             files[METADATA] = digest(tmp / METADATA)
+            from .ckpt_lock import check_owner
+
+            if (other := check_owner(self.root)) is not None:  # our lease ran out while we hung
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise ValueError(f"--checkpoint-dir={os.fspath(self.root)!r} was taken over by job {other!r}: "
+                                 f"the checkpoint of step {step} is not committed")
             _commit(tmp, final, {**self._meta(step), "files": files})
             self._prune()
         dist.barrier()  # nobody reports the checkpoint before it is committed
@@ -307,9 +342,11 @@ class Checkpointer:
         keep = self.args.checkpoint_keep
         for old in committed(self.root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-        # Half-written folders of crashed earlier attempts (this attempt's own are gone).
-        for d in self.root.glob(".tmp-step-*"):
-            shutil.rmtree(d, ignore_errors=True)
+        # Half-written folders of this job's crashed earlier attempts (this attempt's own are
+        # gone); another job's are not ours to judge.
+        from .ckpt_lock import remove_tmp
+
+        remove_tmp(self.root)
 
     # ------------------------------------------------------------------ resume
     def resume_path(self) -> Path | None:
@@ -339,15 +376,13 @@ class Checkpointer:
 
         meta = read_meta(path)
         problem = check_compatible(meta, self.args, f"checkpoint {os.fspath(path)!r}")
-        if problem is None and meta["world_size"] != self.n_ranks:
-            problem = f"checkpoint {os.fspath(path)!r} has {meta['world_size']} ranks, this job {self.n_ranks}"
         if problem is None and self.n_samples and meta["data"]["n_samples"] not in (0, self.n_samples):
             problem = (f"checkpoint {os.fspath(path)!r} drew batches from {meta['data']['n_samples']} samples, "
                        f"this run has {self.n_samples}: expected the same --data")
         if problem:
             raise ValueError(problem)
         self._check_files(path, meta)
-        state = self._state(0)
+        state = self._state(0, meta)
         from torch.distributed.checkpoint.api import CheckpointException
 
         from .ckpt_verify import first_line
@@ -358,7 +393,7 @@ class Checkpointer:
             raise ValueError(f"checkpoint {os.fspath(path)!r}: cannot load its shards: {first_line(e)}") from None
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_options())
-        _set_rng_state(state[f"rank{self.rank}"]["rng"])
+        _set_rng_state(state[self._rng_key(meta)]["rng"])
         step = int(state["train"]["step"])
         if step != meta["step"] or meta["data"]["next_step"] != step:
             raise ValueError(f"checkpoint {os.fspath(path)!r}: step {step} in the shards, {meta['step']} in {META_FILE}")
@@ -464,8 +499,8 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict:
         The checkpoint's description (``rrfp.json``).
 
     Raises:
-        ValueError: ``checkpoint`` is not a committed checkpoint, or its stages do not cover
-            the model.
+        ValueError: ``checkpoint`` is not a committed checkpoint, was written with ``--tp``
+            above 1, or its stages do not cover the model.
     """
     import dataclasses
 
@@ -476,6 +511,9 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict:
     from ..model.gpt import GPT, GPT_PRESETS, _full_param_name, stage_layer_ranges
 
     meta = read_meta(checkpoint)
+    if meta["args"].get("tp", 1) != 1:
+        raise ValueError(f"checkpoint {os.fspath(checkpoint)!r} holds --tp {meta['args']['tp']} shards of each "
+                         "stage: export takes checkpoints written with --tp 1")
     reader = dcp.FileSystemReader(os.fspath(checkpoint))
     md = reader.read_metadata().state_dict_metadata
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()

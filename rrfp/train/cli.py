@@ -347,9 +347,6 @@ def _validate_layout(args: argparse.Namespace) -> None:
             raise UsageError("--model multimodal: expected --dp 1 --tp 1 and no --eval-every "
                              "(data and tensor parallelism and evaluation cover the GPT models)")
         return
-    if getattr(args, "checkpoint_dir", None) and args.dp * args.tp > 1:
-        raise UsageError(f"--checkpoint-dir with --dp {args.dp} --tp {args.tp}: checkpoints cover one pipeline; "
-                         "expected --dp 1 --tp 1")
     cfg = GPT_PRESETS[args.model]
     if args.tp > 1 and (cfg.n_head % args.tp or cfg.ff_width % args.tp):
         raise UsageError(f"--tp={args.tp}: expected a divisor of the {cfg.n_head} attention heads of model {args.model!r}")
@@ -379,7 +376,19 @@ def run(args: argparse.Namespace) -> int:
     if (done := nothing_to_do(args)) is not None:
         say(done)  # the run is complete already: starting ranks would change nothing
         return 0
-    return launch(args)
+    import uuid
+
+    from .ckpt_lock import FolderInUse, hold
+
+    try:
+        lease = hold(args, f"train-{uuid.uuid4().hex[:12]}")  # each launch is a job of its own
+    except FolderInUse as e:
+        raise UsageError(str(e)) from None
+    try:
+        return launch(args)
+    finally:
+        if lease is not None:
+            lease.release()
 
 
 def launch(args: argparse.Namespace) -> int:

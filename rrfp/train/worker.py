@@ -220,12 +220,12 @@ def _main(args: argparse.Namespace) -> int:
 
     stop = GracefulStop(default_store(), layout.rank, timeout_s=args.watchdog,  # before loading: SIGTERM may come any time
                         checkpoint=getattr(args, "checkpoint_dir", None) is not None)
-    ckpt = Checkpointer(args, rank, n_ranks, stages, opt, n_samples=len(sampler.samples) if sampler else 0)
+    ckpt = Checkpointer(args, layout, stages, opt, n_samples=len(sampler.samples) if sampler else 0)
     first = end = 0
     resume = ckpt.resume_path()
     if resume is not None:
         first = ckpt.load(resume)
-        if rank == 0:
+        if layout.rank == 0:
             say(f"rrfp train: resumed from {resume} at step {first}")
             from .checkpoint import nothing_to_do
 
@@ -302,7 +302,7 @@ def _main(args: argparse.Namespace) -> int:
             if ckpt.root is not None and (stopping or end == args.steps or (
                     args.checkpoint_every and end % args.checkpoint_every == 0)):
                 path = ckpt.save(end)
-                if rank == 0:
+                if layout.rank == 0:
                     _after_step(reporter, end, f"rrfp train: checkpoint {path} committed after step {end}")
             if stopping:
                 if rank == 0:

@@ -1,0 +1,156 @@
+"""Sharing a checkpoint folder: one owner job holds a lock; a second live job is refused in
+one line before any process starts; the same job (a replaced pod) and the successor of a dead
+job take it over; no job deletes another job's half-written folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from rrfp.cli import main
+from rrfp.train import checkpoint as ck
+from rrfp.train import ckpt_lock
+from rrfp.train.ckpt_lock import LOCK_FILE, FolderInUse, Lease
+from test_cli_bad_input import no_launch  # noqa: F401 - the fixture: nothing may start a process
+
+SMALL = ["--stages", "2", "--batch-size", "4", "--microbatches", "2", "--max-len", "32", "--threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def environment(monkeypatch):
+    """No checkpoint job identity inherited from the environment, and nothing a command run
+    in this process sets there (``rrfp node`` sets its ranks' variables) left behind."""
+    saved = dict(os.environ)
+    monkeypatch.delenv(ckpt_lock.JOB_ENV, raising=False)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _lock(d) -> dict:
+    return json.loads((d / LOCK_FILE).read_text())
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=60)
+    return p.pid
+
+
+def _tmp(d, job: str, step: int = 20):
+    t = d / f".tmp-step-{step:08d}-{ckpt_lock.job_tag(job)}-0123456789ab"
+    t.mkdir(parents=True)
+    (t / "__0_0.distcp").write_bytes(b"half written")
+    return t
+
+
+@pytest.mark.parametrize("command", ["train", "node"])
+def test_a_second_job_on_the_folder_is_refused_in_one_line(tmp_path, capsys, no_launch, command):
+    d = tmp_path / "ck"
+    d.mkdir()
+    first = Lease(d, "job-A")  # a live job: this very process, renewing its lock
+    first.acquire()
+    first.start()
+    before = _lock(d)
+    argv = ["train", *SMALL, "--checkpoint-dir", str(d)]
+    if command == "node":
+        argv = ["node", "--metrics-port", "0", "--master-port", "29999", "--", *argv[1:]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        re.escape(f"rrfp {command}: error: --checkpoint-dir={str(d)!r}: in use by job 'job-A' (pid {os.getpid()} on "
+                  f"{socket.gethostname()}, lock {d / LOCK_FILE} renewed ") + r"\d+" + re.escape(
+                      " s ago): expected a folder no other job writes (a lock not renewed for 60 s is taken over)"),
+        err[0]), err
+    assert _lock(d) == before and ckpt_lock.JOB_ENV not in os.environ
+    first.release()
+    assert not (d / LOCK_FILE).exists()
+
+
+def test_the_same_job_takes_over_and_another_releases_nothing_of_it(tmp_path):
+    """A replaced pod (same job identity, another host) takes the lock over; the old holder's
+    release leaves the new holder's lock in place."""
+    old = Lease(tmp_path, "job@head-0:29500", host="pod-a", pid=11)
+    old.acquire()
+    new = Lease(tmp_path, "job@head-0:29500", host="pod-b", pid=12)
+    new.acquire()
+    assert (_lock(tmp_path)["host"], _lock(tmp_path)["pid"]) == ("pod-b", 12)
+    with pytest.raises(FolderInUse, match=r"in use by job 'job@head-0:29500' \(pid 12 on pod-b"):
+        Lease(tmp_path, "other@head-0:29501", host="pod-c", pid=13).acquire()
+    old.release()
+    assert _lock(tmp_path)["host"] == "pod-b"
+    new.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_stale_lock_is_taken_over_and_only_the_dead_jobs_leftovers_go(tmp_path):
+    now = [1000.0]
+    dead = Lease(tmp_path, "dead-job", host="pod-a", pid=11, clock=lambda: now[0])
+    dead.acquire()
+    mine, theirs = _tmp(tmp_path, "dead-job"), _tmp(tmp_path, "third-job", 30)
+    mtime = (tmp_path / LOCK_FILE).stat().st_mtime
+    late = Lease(tmp_path, "new-job", host="pod-b", pid=12, clock=lambda: mtime + 59)
+    with pytest.raises(FolderInUse, match="renewed 59 s ago"):
+        late.acquire()
+    later = Lease(tmp_path, "new-job", host="pod-b", pid=12, clock=lambda: mtime + 61)
+    later.acquire()  # not renewed for over LEASE_S: its job is dead
+    assert _lock(tmp_path)["job"] == "new-job"
+    assert not mine.exists() and (theirs / "__0_0.distcp").read_bytes() == b"half written"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(LOCK_FILE)) == [LOCK_FILE]
+
+
+def test_a_lock_of_a_dead_pid_on_this_host_is_taken_over_at_once(tmp_path):
+    host = socket.gethostname()
+    Lease(tmp_path, "crashed", host=host, pid=_dead_pid()).acquire()
+    Lease(tmp_path, "next", host=host, pid=os.getpid()).acquire()
+    assert _lock(tmp_path)["job"] == "next"
+    with pytest.raises(FolderInUse, match="in use by job 'next'"):  # alive: refused
+        Lease(tmp_path, "third", host=host, pid=os.getpid() + 0).acquire()
+
+
+@pytest.mark.parametrize("text, needle", [("{", "is unreadable"), ('["x"]', "is not an rrfp lock")])
+def test_a_damaged_lock_is_refused_not_overwritten(tmp_path, text, needle):
+    (tmp_path / LOCK_FILE).write_text(text)
+    with pytest.raises(FolderInUse, match=needle + ".*remove it if no job writes this folder"):
+        Lease(tmp_path, "job").acquire()
+    assert (tmp_path / LOCK_FILE).read_text() == text
+
+
+def test_a_holder_whose_lock_was_taken_does_not_commit(tmp_path, monkeypatch):
+    """A hung holder's lease ran out and another job took the folder: the hung job's renewal
+    notes it, and its commit check names the new owner."""
+    mine = Lease(tmp_path, "slow-job")
+    mine.acquire()
+    monkeypatch.setenv(ckpt_lock.JOB_ENV, "slow-job")
+    assert ckpt_lock.check_owner(tmp_path) is None
+    os.utime(tmp_path / LOCK_FILE, (1, 1))  # not renewed since 1970
+    Lease(tmp_path, "fast-job").acquire()
+    mine.renew()
+    assert mine.lost_to == "fast-job" and _lock(tmp_path)["job"] == "fast-job"
+    assert ckpt_lock.check_owner(tmp_path) == "fast-job"
+    mine.release()
+    assert _lock(tmp_path)["job"] == "fast-job"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_commit_keeps_another_jobs_half_written_folder(tmp_path):
+    """A real run commits and prunes next to another job's ``.tmp-step-*`` folder: it stays,
+    byte for byte; the run's lock is gone after it."""
+    d = tmp_path / "ck"
+    theirs = _tmp(d, "other-job")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                            ckpt_lock.JOB_ENV)}
+    p = subprocess.run([sys.executable, "-m", "rrfp", "train", *SMALL, "--steps", "2", "--checkpoint-every", "1",
+                        "--checkpoint-keep", "1", "--checkpoint-dir", str(d), "--quiet"],
+                       capture_output=True, text=True, timeout=500, env={**env, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert ck.committed(d) == [ck.step_dir(d, 2)]
+    assert (theirs / "__0_0.distcp").read_bytes() == b"half written"
+    assert sorted(x.name for x in d.iterdir()) == [theirs.name, "step-00000002"]
