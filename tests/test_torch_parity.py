@@ -212,7 +212,7 @@ def test_keyword_inputs_reach_every_stage_without_rewriting_forward(hint, n_mb):
     ref_loss.backward()
     with LocalPipeline(stages, n_mb, _masked_loss, hint=hint, delay=(0.0, 0.002)) as pipe:
         out = pipe.step(ids, target=target, attention_mask=mask, return_outputs=True)
-    torch.testing.assert_close(pipe.last_loss.float(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(pipe.last_loss), ref_loss.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out, h.detach(), rtol=1e-5, atol=1e-6)
     for a, b in zip(stages, ref):
         for (n, p), q in zip(a.named_parameters(), b.parameters()):
