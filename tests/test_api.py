@@ -10,7 +10,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from rrfp.runtime.compat import hint_text
+from rrfp.runtime.names import hint_text
 from rrfp.runtime.local import LocalPipeline
 from rrfp.runtime.split import CONV1D, disable_split_backward, enable_split_backward, layout_of, register_split_layer
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ..scheduler.hints import DEFAULT_HINT, Hint, resolve_hint
 from ..scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
 from ..scheduler.validate import order_peak_inflight
-from .compat import hint_text
+from .names import hint_text
 from .memory import budget_bytes
 
 DEFAULT_INFLIGHT_LIMIT = 32
