@@ -5,8 +5,6 @@ error one rank finds at construction reported by every rank, ``layout=`` as a De
 
 from __future__ import annotations
 
-import copy
-import multiprocessing as mp
 import os
 
 import pytest
@@ -17,9 +15,10 @@ from torch import nn
 from torch.distributed.pipelining import ScheduleGPipe, Schedule1F1B
 
 import rrfp
-from handover import host_store, rank_env
+from handover import rank_env, run_ranks
 from rrfp.parallel.mesh import mesh_grid
 from rrfp.runtime.config import RuntimeConfig, plan
+from test_api import _reference as unpipelined
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -99,13 +98,8 @@ def test_the_schedules_limits_give_way_to_the_users_limit_or_budget():
 
 
 def _reference(modules, x, y):
-    ref = copy.deepcopy(modules)
-    h = x
-    for m in ref:
-        h = m(h)
-    loss = F.mse_loss(h, y)
-    loss.backward()
-    return loss.detach(), [[p.grad for p in m.parameters()] for m in ref]
+    _, loss, grads = unpipelined(modules, x, y)
+    return loss, grads
 
 
 def test_local_pipeline_takes_a_runtime_config_and_returns_as_pipeline():
@@ -201,14 +195,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.timeout(900)
 def test_every_rank_reports_the_construction_error_and_a_device_mesh_is_a_layout(tmp_path):
     world = 2
-    store, port = host_store(world)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(880)
-    assert [p.exitcode for p in procs] == [0] * world
+    assert run_ranks(_rank_main, world, str(tmp_path), timeout_s=880) == [0] * world
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     errors = [p["error"] for p in parts]
     assert errors[0] == errors[1], errors

@@ -35,7 +35,7 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--launch-ahead={args.launch_ahead}: expected 1 or 2")
 
 
-def resolve_device(name: str | None) -> "torch.device":
+def resolve_device(name: str | None) -> "torch.device":  # noqa: F821 - torch loads here, not when the parser is built
     """The device a rank computes on: ``cuda:(LOCAL_RANK % GPUs)`` or ``cpu``."""
     import torch
 
