@@ -92,15 +92,16 @@ async def build_runtime(plan: Plan, config: RuntimeConfig, rank: int, stages: Se
 class FrontDoor:
     """What :class:`Pipeline` and :class:`LocalPipeline` share: the step, eval and close paths.
 
-    A subclass sets, in its constructor, :meth:`_setup`'s fields, then ``_runtimes`` (the
-    ranks this process runs) and ``_transports`` (theirs).
+    A subclass sets, in its constructor, :meth:`_setup`'s fields (with an event loop from its
+    own module's ``new_event_loop``, which tests replace with a simulated-time loop), then
+    ``_runtimes`` (the ranks this process runs) and ``_transports`` (theirs).
     """
 
     #: what :meth:`step` returns by default: the last stage's outputs (True) or the loss.
     RETURN_OUTPUTS = True
 
-    def _setup(self, plan: Plan, config: RuntimeConfig, n_microbatches: int, loss_fn, args_chunk_spec,
-               kwargs_chunk_spec, output_merge_spec, scale_grads: bool) -> None:
+    def _setup(self, loop: asyncio.AbstractEventLoop, plan: Plan, config: RuntimeConfig, n_microbatches: int,
+               loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec, scale_grads: bool) -> None:
         self.config = config
         self.plan = plan
         self.spec, self.hint, self.strict = plan.spec, plan.hint, plan.strict
@@ -110,7 +111,7 @@ class FrontDoor:
         self.output_merge_spec = output_merge_spec
         self.scale_grads = scale_grads
         self._io = StepIO(loss_fn, config.loss_weight_fn)
-        self._loop = new_event_loop()
+        self._loop = loop
         self._runtimes: list[RankRuntime] = []
         self._transports: list = []
         self._modules: list = []

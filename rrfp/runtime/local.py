@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 from torch import nn
 
 from .config import RuntimeConfig, plan
-from .front import FrontDoor, build_runtime, check_rank
+from .front import FrontDoor, build_runtime, check_rank, new_event_loop
 from .rank import LossFn, StepStats
 from .stage import PipelineStage
 
@@ -83,8 +83,8 @@ class LocalPipeline(FrontDoor):
                   for s in the_plan.placement.stages_of(r)] for r in range(n_ranks)]
         for r, stages in enumerate(ranks):
             check_rank(the_plan, r, stages, config)
-        self._setup(the_plan, config, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
-                    output_merge_spec, scale_grads)
+        self._setup(new_event_loop(), the_plan, config, n_microbatches, loss_fn, args_chunk_spec,
+                    kwargs_chunk_spec, output_merge_spec, scale_grads)
         self.modules = self._modules = list(modules)
         self.n_ranks = n_ranks
         self._ties = _local_ties(config.tied, self.modules)

@@ -23,7 +23,7 @@ from .compat import new_job_id
 from .compat import split_microbatches  # noqa: F401 - imported from here by callers
 from .config import DEFAULT_WATCHDOG_S, RuntimeConfig, plan
 from .front import FrontDoor, build_runtime, check_rank
-from .front import new_event_loop  # noqa: F401 - imported from here by callers
+from .front import new_event_loop  # called through this module's name: tests replace it
 from .rank import LossFn, StepStats
 from .stage import PipelineStage
 
@@ -118,7 +118,7 @@ class Pipeline(FrontDoor):
         except (ValueError, TypeError, RuntimeError) as e:
             error = e
         _agree_on_construction(job, rank, n_ranks, error, config.watchdog or DEFAULT_WATCHDOG_S)
-        self._setup(the_plan, config, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
+        self._setup(new_event_loop(), the_plan, config, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
                     output_merge_spec, scale_grads)
         self.rank, self.group, self.stages, self.job = rank, group, stages, job
         self._modules = [st.submod for st in stages]
