@@ -4,8 +4,12 @@ Public API (imported lazily, so ``rrfp simulate`` never loads torch):
 
 - :class:`Pipeline`: this rank's part of a multi-process pipeline (``torch.distributed.pipelining``
   shape: ``Pipeline(stage, n_microbatches, loss_fn, hint="bf").step(x, target=y)``).
-- :class:`PipelineStage`: wraps one stage's ``nn.Module``.
 - :class:`LocalPipeline`: every rank of a pipeline in one process over the fake transport.
+- :class:`PipelineStage`: wraps one stage's ``nn.Module``.
+- :class:`RuntimeConfig`: every runtime setting of either front door, in one record.
+- :class:`ParallelLayout`: PP x DP x TP coordinates (``layout=``; a torch ``DeviceMesh`` works too).
+- :class:`StepHooks`: code joining a rank's step (``RankRuntime.add_step_hooks``).
+- Errors to catch: :class:`PipelineError`, :class:`WatchdogTimeout`, :class:`PeerLost`.
 """
 
 __version__ = "0.1.0"
@@ -14,6 +18,12 @@ _LAZY = {
     "Pipeline": "rrfp.runtime.pipeline",
     "LocalPipeline": "rrfp.runtime.local",
     "PipelineStage": "rrfp.runtime.stage",
+    "RuntimeConfig": "rrfp.runtime.config",
+    "ParallelLayout": "rrfp.parallel.layout",
+    "StepHooks": "rrfp.runtime.hooks",
+    "PipelineError": "rrfp.runtime.errors",
+    "WatchdogTimeout": "rrfp.runtime.errors",
+    "PeerLost": "rrfp.transport.base",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -22,6 +22,12 @@ SUBCOMMANDS = {
 }
 
 
+# Checks a subcommand's flags need before its heavy imports (torch): module with check(args).
+EARLY_CHECKS = {
+    "train": "rrfp.train.early",
+}
+
+
 class UsageError(Exception):
     """Bad input found before any process starts: printed as one line, exit code 2."""
 
@@ -75,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(argv)  # lets a launcher re-run the same command in each rank
     if not getattr(args, "func", None):
         parser.print_help()
+        return 2
+    early = EARLY_CHECKS.get(args.command)
+    problem = importlib.import_module(early).check(args) if early else None
+    if problem:
+        print(f"rrfp {args.command}: error: {' '.join(problem.split())}", file=sys.stderr)
         return 2
     try:
         code = int(args.func(args) or 0)

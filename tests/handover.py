@@ -27,3 +27,28 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     """The environment of rank ``rank`` joining the store on ``port``."""
     return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
             **AGENT_STORE}
+
+
+def run_ranks(target, world: int, *args, timeout_s: float) -> list[int | None]:
+    """Start ``target(rank, world, port, *args)`` in ``world`` spawned processes around a
+    store hosted here, wait up to ``timeout_s`` for all (a bound on hangs), kill any left.
+
+    Returns:
+        each process's exit code (None: it was killed).
+    """
+    import multiprocessing as mp
+
+    store, port = host_store(world)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [p.exitcode for p in procs]

@@ -66,7 +66,7 @@ def run(scenario: str, out: str, dp: int, tp: int, steps: int = 1, tied: bool = 
     for k in range(steps):
         pipe.step(microbatches=[(m.tokens,) for m in mbs] if p == 0 else None,
                   targets=[m.targets for m in mbs] if p == 1 else None)
-        losses.append(pipe.last_loss)
+        losses.append(None if pipe.last_loss is None else torch.tensor(pipe.last_loss))
         if clip is not None:
             norms.append(clip_grad_norm_(mod.parameters(), clip, layout))
         if k < steps - 1:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from rrfp.runtime.compat import hint_text
+from rrfp.runtime.names import hint_text
 from rrfp.runtime.local import LocalPipeline
 from rrfp.runtime.split import CONV1D, disable_split_backward, enable_split_backward, layout_of, register_split_layer
 
@@ -79,7 +79,7 @@ def test_uneven_splits_equal_the_unpipelined_loss_gradients_and_outputs(batch, n
         out = pipe.step(x, target=y, losses=losses, return_outputs=True)
     # Outputs merged in microbatch order whatever order the forwards ran in.
     torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(pipe.last_loss.float(), ref_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.tensor(pipe.last_loss), ref_loss, rtol=RTOL, atol=ATOL)
     _assert_grads(modules, ref_grads)
     # losses: cleared, then exactly one unweighted loss per microbatch, in microbatch order.
     assert len(losses) == n_mb
@@ -128,7 +128,7 @@ def test_unscaled_microbatch_losses_are_summed():
     total.backward()
     with LocalPipeline(modules, 4, F.mse_loss, scale_grads=False) as pipe:
         pipe.step(x, target=y)
-    torch.testing.assert_close(pipe.last_loss.float(), total.detach(), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.tensor(pipe.last_loss), total.detach(), rtol=RTOL, atol=ATOL)
     _assert_grads(modules, [[p.grad for p in m.parameters()] for m in ref])
 
 
@@ -151,7 +151,7 @@ def test_pytorch_schedule_classes_are_hints():
     _, ref_loss, ref_grads = _reference(modules, x, y)
     with LocalPipeline(modules, 4, F.mse_loss, hint="Interleaved1F1B", n_virtual=2) as pipe:
         pipe.step(x, target=y)
-    torch.testing.assert_close(pipe.last_loss.float(), ref_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.tensor(pipe.last_loss), ref_loss, rtol=RTOL, atol=ATOL)
     _assert_grads(modules, ref_grads)
 
 
@@ -185,7 +185,7 @@ def test_split_backward_pipeline_with_conv1d_equals_reference_and_leaves_modules
     with LocalPipeline(modules, 3, F.mse_loss, hint=hint, delay=(0.0, 0.002)) as pipe:
         assert all("_rrfp_split" in m.__dict__ for mod in modules for m in (mod.up, mod.down))
         pipe.step(x, target=y)
-    torch.testing.assert_close(pipe.last_loss.float(), ref_loss, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.tensor(pipe.last_loss), ref_loss, rtol=RTOL, atol=ATOL)
     _assert_grads(modules, ref_grads)
     for mod in modules:
         for m in mod.modules():

@@ -262,3 +262,23 @@ def test_notes_print_after_the_step_line_they_follow():
     assert [ln.split()[0] + " " + ln.split()[1] if ln.startswith("step") else ln for ln in stream.lines] == [
         "step 1/3", "eval after step    1/3  validation loss  3.5000", "checkpoint after step 1",
         "step 2/3", "checkpoint after step 2", "stopped after step 3"]
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--hint", "nope"], "unknown hint 'nope'"),
+    (["--steps", "abc"], "invalid int value: 'abc'"),
+    (["--device", "tpu"], "invalid choice: 'tpu'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_rrfp_train_refuses_bad_flags_before_importing_torch(flags, needle):
+    # A fresh interpreter: whether torch got imported is a fact of that process alone.
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom rrfp.cli import main\n"
+            "try:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
+            "print('torch' in sys.modules, rc)\n")
+    p = subprocess.run([sys.executable, "-c", code, "train", *flags], capture_output=True, text=True, timeout=600)
+    assert p.stdout.split() == ["False", "2"], (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rrfp train: error: ") and needle in lines[0], p.stderr

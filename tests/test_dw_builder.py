@@ -80,7 +80,7 @@ def test_dw_builder_runs_the_weight_gradients_at_w_and_matches_the_unsplit_model
                        dw_builders=[layers[0].dw_builder, layers[1].dw_builder]) as pipe:
         pipe.step(x, target=y, return_outputs=False)
         assert all("_rrfp_split" not in l.__dict__ for l in layers)  # rrfp left the layers alone
-    torch.testing.assert_close(pipe.last_loss, loss_fn(ref(x), y).detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.tensor(pipe.last_loss), loss_fn(ref(x), y).detach(), rtol=1e-6, atol=1e-7)
     for got, want in ((layers[0], ref[0]), (layers[1], ref[2])):
         torch.testing.assert_close(got.weight.grad, want.weight.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got.bias.grad, want.bias.grad, rtol=1e-5, atol=1e-6)

@@ -34,7 +34,7 @@ def _rank_main(rank: int, world: int, port: int, hint: str, out: str) -> None:
         microbatches=[(m.tokens,) for m in mbs] if rank == 0 else None,
         targets=[m.targets for m in mbs] if rank == world - 1 else None,
     )
-    loss = pipe.last_loss
+    loss = None if pipe.last_loss is None else torch.tensor(pipe.last_loss)
     pipe.close()
     torch.save({"loss": loss, "grads": {stage_mod.stage_param_names[n]: p.grad for n, p in stage_mod.named_parameters()}},
                f"{out}/rank{rank}.pt")

@@ -101,7 +101,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
                         watchdog=60)
         assert pipe.transport.data_plane == "torch"
         pipe.step(microbatches=mbs if 0 in mine else None, targets=tgts if n_stages - 1 in mine else None)
-        loss = pipe.last_loss
+        loss = None if pipe.last_loss is None else torch.tensor(pipe.last_loss)
         pipe.close()
         grads = {mods[s].names[n]: p.grad for s in mine for n, p in mods[s].named_parameters()}
         results[hint] = {"loss": loss, "grads": grads}

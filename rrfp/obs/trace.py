@@ -120,7 +120,7 @@ def write_gantt_png(
     time_unit: str = "ms",
     label_tasks: bool | None = None,
     dpi: int = 110,
-) -> None:
+) -> list[tuple[str, float, float]]:
     """Draw a Gantt chart: one row per rank (rank 0 on top), one bar per task coloured by kind
     (:data:`COLORS`), bubbles visible as gaps. The title carries the makespan and the bubble
     fractions (each rank's up to 8 ranks, else mean and max).
@@ -130,7 +130,11 @@ def write_gantt_png(
         n_ranks: rows to draw (default: highest rank in ``records`` + 1).
         time_unit: ``"s"``, ``"ms"`` or ``"us"`` for the x axis.
         label_tasks: write ``"<stage>F<mb>"``-style labels in the bars (default: when there are
-            at most 400 tasks).
+            at most 400 tasks); a label that does not fit its bar is shortened to the
+            microbatch, or dropped.
+
+    Returns:
+        the labels drawn, ``(text, left, right)`` in display pixels.
 
     Raises:
         ValueError: an unknown time unit.
@@ -152,13 +156,14 @@ def write_gantt_png(
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
+    texts = []
     for rec in records:
         t = _task(rec)
-        bars.setdefault((rec.rank, t.kind), []).append(((rec.start - t0) * scale, (rec.end - rec.start) * scale))
-        # A label only where it fits (about 1.2% of the span for a short action text).
-        if label and rec.end - rec.start >= 0.012 * span:
-            ax.text((rec.start + rec.end - 2 * t0) / 2 * scale, rec.rank, str(t), ha="center", va="center",
-                    fontsize=6, color="white", clip_on=True)
+        x0, x1 = (rec.start - t0) * scale, (rec.end - t0) * scale
+        bars.setdefault((rec.rank, t.kind), []).append((x0, x1 - x0))
+        if label:
+            texts.append((ax.text((x0 + x1) / 2, rec.rank, str(t), ha="center", va="center", fontsize=6,
+                                  color="white", clip_on=True), x0, x1, str(t.mb)))
     for (rank, kind), spans in bars.items():
         ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=COLORS[kind], edgecolor="none")
     ax.set_ylim(P - 0.5, -0.5)
@@ -176,4 +181,31 @@ def write_gantt_png(
     head = f"{title}\n" if title else ""
     ax.set_title(f"{head}makespan {span * scale:.4g} {time_unit}; idle per rank over the span shown: {bub}", fontsize=9)
     fig.tight_layout()
+    drawn = _fit_labels(fig, ax, texts)
     fig.savefig(os.fspath(path), dpi=dpi)
+    return drawn
+
+
+def _fit_labels(fig, ax, texts) -> list[tuple[str, float, float]]:
+    """Keep a task's label only inside its own bar: the full text (``"2F10"``) where it fits,
+    else the microbatch alone (``"10"``, the colour gives the kind), else none. Tasks of one
+    rank never overlap, so neither do the labels kept.
+
+    Returns:
+        ``(text, left, right)`` of each label kept, in display pixels.
+    """
+    renderer = fig.canvas.get_renderer()
+    pad = 1.0  # pixels of bar left either side of a label
+    drawn = []
+    for text, x0, x1, short in texts:
+        y = text.get_position()[1]
+        left, right = ax.transData.transform([(x0, y), (x1, y)])[:, 0]
+        for candidate in (text.get_text(), short):
+            text.set_text(candidate)
+            box = text.get_window_extent(renderer)
+            if box.x0 >= left + pad and box.x1 <= right - pad:
+                drawn.append((candidate, float(box.x0), float(box.x1)))
+                break
+        else:
+            text.remove()
+    return drawn

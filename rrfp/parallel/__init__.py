@@ -2,6 +2,6 @@
 gradient reduction, tied parameters across stages and global-norm clipping (ARCHITECTURE.md,
 "parallel/")."""
 
-from .layout import ParallelLayout, check_stage_module
+from .layout import ParallelLayout
 
-__all__ = ["ParallelLayout", "check_stage_module"]
+__all__ = ["ParallelLayout"]

@@ -14,9 +14,8 @@ import dataclasses
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
 
-__all__ = ["ParallelLayout", "check_stage_module"]
+__all__ = ["ParallelLayout"]
 
 
 @dataclasses.dataclass
@@ -146,41 +145,3 @@ class ParallelLayout:
     def __str__(self) -> str:
         return (f"rank {self.rank} (pp_rank {self.pp_rank}, dp_rank {self.dp_rank}, tp_rank {self.tp_rank}) "
                 f"of pp {self.pp} x dp {self.dp} x tp {self.tp}")
-
-
-_WRAPPERS = (
-    ("torch.nn.parallel.distributed", "DistributedDataParallel", "DistributedDataParallel"),
-    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel", "FullyShardedDataParallel"),
-    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "fully_shard (FSDP2)"),
-)
-
-
-def check_stage_module(module: nn.Module, stage_index: int) -> None:
-    """Refuse a stage module wrapped for data parallelism by torch.
-
-    DDP reduces gradients in its own backward hooks, which fire once per microbatch backward
-    and in whatever order the runtime runs them, so replicas would reduce partial, mismatched
-    gradients (measured: stage-0 gradients off by 2.7e-2 against a largest entry of 2.9e-2).
-    FSDP likewise shards and reduces inside backward. rrfp reduces a stage's gradients itself
-    once they are final (``Pipeline(..., layout=...)``, ``rrfp train --dp N``).
-
-    Raises:
-        ValueError: one line naming the stage and the wrapper.
-    """
-    import sys
-
-    # Look the wrappers up only if their modules were imported: importing torch's FSDP here
-    # would pull in torch._dynamo (seconds per process), and a module can only be an instance
-    # of a class whose module is loaded.
-    wrapper = None
-    for mod_name, cls_name, label in _WRAPPERS:
-        cls = getattr(sys.modules.get(mod_name), cls_name, None)
-        if cls is not None and isinstance(module, cls):
-            wrapper = label
-            break
-    if wrapper is not None:
-        raise ValueError(
-            f"stage {stage_index}'s module is wrapped in {wrapper}: pass the plain module and give the "
-            "data-parallel degree to rrfp (Pipeline(..., layout=ParallelLayout.build(pp, dp, tp)) or rrfp train --dp N), "
-            "which reduces each stage's gradients once they are final"
-        )

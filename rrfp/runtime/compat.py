@@ -1,5 +1,4 @@
-"""What ``torch.distributed.pipelining`` users pass, in rrfp's terms: PyTorch's schedule
-names as hints, the splitting of a batch into microbatches and the merging of the last
+"""What ``torch.distributed.pipelining`` users pass, in rrfp's terms: the splitting of a batch into microbatches and the merging of the last
 stage's outputs (torch's own ``split_args_kwargs_into_chunks`` and ``merge_chunks``, so chunk
 specs mean exactly what they mean there), and job ids.
 """
@@ -14,38 +13,6 @@ import torch
 from torch.distributed.pipelining.microbatch import merge_chunks, split_args_kwargs_into_chunks
 
 from .stage import as_tuple
-
-# torch.distributed.pipelining's schedule names (get_schedule_class is case-insensitive, and
-# so is this) -> the rrfp hint that ranks ready work the same way.
-TORCH_SCHEDULE_HINTS = {
-    "gpipe": "gpipe",
-    "1f1b": "1f1b",
-    "interleaved1f1b": "interleaved-1f1b",
-    "loopedbfs": "looped-bfs",
-    "interleavedzerobubble": "zb-h1",
-    "zbvzerobubble": "zb-v",
-    "dualpipev": "dualpipev",
-}
-
-
-def hint_text(hint: Any) -> str:
-    """rrfp hint text for ``hint``: an rrfp hint, a PyTorch schedule name (``Interleaved1F1B``,
-    ``ScheduleZBVZeroBubble``, any case) or class (``Schedule1F1B``); ``strict-`` works with
-    each.
-
-    Raises:
-        TypeError: ``hint`` is neither text nor a class.
-    """
-    if isinstance(hint, type):
-        hint = hint.__name__
-    if not isinstance(hint, str):
-        raise TypeError(f"hint {hint!r}: expected a hint name or a PyTorch schedule class")
-    prefix = "strict-" if hint.startswith("strict-") else ""
-    base = hint[len(prefix):]
-    key = base.lower()
-    key = key[len("schedule"):] if key.startswith("schedule") else key
-    return prefix + TORCH_SCHEDULE_HINTS.get(key, base)
-
 
 _job_counter = itertools.count()
 

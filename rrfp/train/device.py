@@ -8,8 +8,6 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-
 from ..cli import UsageError
 
 
@@ -26,6 +24,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     """Raises UsageError (exit 2) for a device or executor this machine cannot use."""
+    import torch  # here, not at import: rrfp train's parser is built before torch loads
+
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: torch.cuda.is_available() is False (no CUDA GPU, or a CPU-only torch)")
     device = resolve_device(args.device)
@@ -35,8 +35,10 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--launch-ahead={args.launch_ahead}: expected 1 or 2")
 
 
-def resolve_device(name: str | None) -> torch.device:
+def resolve_device(name: str | None) -> "torch.device":  # noqa: F821 - torch loads here, not when the parser is built
     """The device a rank computes on: ``cuda:(LOCAL_RANK % GPUs)`` or ``cpu``."""
+    import torch
+
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
@@ -46,6 +48,8 @@ def resolve_device(name: str | None) -> torch.device:
 
 def pipeline_kwargs(args: argparse.Namespace) -> dict:
     """``Pipeline``'s device, executor and launch_ahead for this rank (sets the current GPU)."""
+    import torch
+
     device = resolve_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

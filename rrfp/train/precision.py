@@ -3,8 +3,10 @@ CUDA), parameters and gradients kept in float32."""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch loads when a stage is wrapped, not when rrfp train's parser is built
+    from torch import nn
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -22,6 +24,8 @@ def use_autocast(module: nn.Module, precision: str, device_type: str, last: bool
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     if precision == "fp32":
         return
+    import torch
+
     forward = module.forward
 
     def autocast_forward(*args, **kwargs):

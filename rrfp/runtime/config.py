@@ -1,0 +1,173 @@
+"""What a pipeline is asked to do, in one record: :class:`RuntimeConfig`, and the plan both
+front doors derive from it (:func:`plan`): placement, hint, in-flight limits, memory budget.
+
+:class:`~rrfp.runtime.pipeline.Pipeline` and :class:`~rrfp.runtime.local.LocalPipeline` take
+every field of :class:`RuntimeConfig` as a keyword argument (or a whole ``config=``), so a new
+runtime knob is one field here plus where the runtime reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
+
+from ..scheduler.hints import DEFAULT_HINT, Hint, resolve_hint
+from ..scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
+from ..scheduler.validate import order_peak_inflight
+from .names import hint_text
+from .memory import budget_bytes
+
+DEFAULT_INFLIGHT_LIMIT = 32
+DEFAULT_WATCHDOG_S = 300.0
+
+
+@dataclasses.dataclass
+class RuntimeConfig:
+    """Every runtime setting of a pipeline, with one default each (both front doors).
+
+    Attributes:
+        hint: the hint (``rrfp.scheduler.hints.DEFAULT_HINT``, ``bf``), ``bfw``, ``fb``,
+            ``b-priority``, ``f-priority``, a schedule name (``1f1b``, ``gpipe``...; PyTorch's
+            names and classes too: ``"1F1B"``, ``Schedule1F1B``) used as a hint, or
+            ``strict-<schedule>`` for the fixed-order baseline (RRFP §4).
+        inflight_limit: the in-flight limit (RRFP §6); a sequence gives one per rank. None:
+            a schedule used as a hint keeps that schedule's own peak in flight per rank (1F1B:
+            ``p - r``; :func:`schedule_limits`) unless ``memory_budget`` is set; otherwise 32.
+        placement: ``loop`` or ``v`` for virtual stages.
+        backpressure: with virtual stages, ``admission`` or ``completion-order`` (RRFP App. C.2).
+        memory_budget: activation bytes per rank (``64MiB``, ``1.5GB``, an int; None: none).
+        loss_weight_fn: ``fn(target) -> float`` weighting microbatch losses; None: the
+            microbatch's samples (dim 0 of its target).
+        watchdog: seconds without progress before :class:`~rrfp.runtime.errors.WatchdogTimeout`
+            (0 disables).
+        record: keep per-task timestamps in ``last_stats`` (for traces).
+        task_delay: ``fn(step, rank, task) -> seconds`` of injected delay (experiments).
+        deterministic: accumulate weight gradients in microbatch order (bitwise reproducible).
+        device: where the stages compute (``"cpu"``, ``"cuda:1"``); None: where they are.
+        executor: ``auto``, ``inline``, ``thread`` or ``cuda`` (:mod:`rrfp.runtime.executor`).
+        launch_ahead: the CUDA executor's launch-ahead window, 1 or 2 tasks.
+        transport: a :class:`~rrfp.transport.base.Transport`, or the data plane's name
+            (``zmq``, ``torch``); None: ZeroMQ through torch.distributed's store. In-process
+            pipelines run over the fake network and take only None.
+        layout: a :class:`~rrfp.parallel.layout.ParallelLayout` or a torch ``DeviceMesh`` whose
+            dimensions are named from ``pp``, ``dp``, ``tp`` (any order and subset).
+        tied: parameters shared by stages, ``{name: {stage_index: parameter name}}`` (stage
+            -1: the last): their gradients are summed over the owning stages each step.
+        tp_exchange: how TP ranks all-gather their proposals: ``control`` or ``gloo``.
+        job: job id in every message key and store entry (None: one per pipeline).
+    """
+
+    hint: Any = DEFAULT_HINT
+    inflight_limit: int | Sequence[int] | None = None
+    placement: str = "loop"
+    backpressure: str = "admission"
+    memory_budget: int | str | None = None
+    loss_weight_fn: Callable[[Any], float] | None = None
+    watchdog: float = DEFAULT_WATCHDOG_S
+    record: bool = False
+    task_delay: Callable | None = None
+    deterministic: bool = False
+    device: Any = None
+    executor: str = "auto"
+    launch_ahead: int = 1
+    transport: Any = None
+    layout: Any = None
+    tied: Any = None
+    tp_exchange: str = "control"
+    job: str | None = None
+
+    @classmethod
+    def merge(cls, config: "RuntimeConfig | None", options: Mapping[str, Any]) -> "RuntimeConfig":
+        """``config`` (default: all defaults) with ``options`` (field name -> value) set.
+
+        Raises:
+            TypeError: an option that is not a field, naming it and the fields.
+        """
+        base = config if config is not None else cls()
+        if not isinstance(base, RuntimeConfig):
+            raise TypeError(f"config={config!r}: expected a RuntimeConfig")
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(options) - names)
+        if bad:
+            raise TypeError(f"unknown option {bad[0]!r}: expected one of {', '.join(sorted(names))}")
+        return dataclasses.replace(base, **options)
+
+
+@dataclasses.dataclass
+class Plan:
+    """What a config resolves to for one pipeline shape (every rank derives the same plan).
+
+    Attributes:
+        placement: which rank holds which stage; spec: the pipeline's shape.
+        hint, strict: the resolved hint and whether it is followed strictly.
+        limits: the in-flight limit of each rank.
+        budget: the memory budget in bytes (None: none).
+    """
+
+    placement: Placement
+    spec: PipelineSpec
+    hint: Hint
+    strict: bool
+    limits: list[int]
+    budget: int | None
+
+
+def inflight_limits(inflight_limit: int | Sequence[int], n_ranks: int) -> list[int]:
+    """One in-flight limit per rank.
+
+    Raises:
+        ValueError: for a limit that is not an integer >= 1, or a list of the wrong length.
+    """
+    if isinstance(inflight_limit, int) and not isinstance(inflight_limit, bool):
+        limits = [inflight_limit] * n_ranks
+    elif isinstance(inflight_limit, (list, tuple)):
+        limits = list(inflight_limit)
+    else:
+        raise ValueError(f"in-flight limit {inflight_limit!r}: expected an integer >= 1 or one per rank")
+    if len(limits) != n_ranks or not all(isinstance(x, int) and x >= 1 for x in limits):
+        raise ValueError(f"in-flight limits {inflight_limit!r}: expected {n_ranks} integers >= 1, one per rank")
+    return limits
+
+
+def schedule_limits(spec: PipelineSpec, hint: Hint) -> list[int]:
+    """Per rank, the in-flight limit that holds a schedule used as a hint to that schedule's
+    own peak: with one stage per rank (or ``completion-order`` backpressure, which counts
+    activations) the peak of ``#F - #(B or I)`` over its order (1F1B: ``p - r``; GPipe: the
+    microbatch count); with virtual stages and ``admission`` backpressure, which counts
+    microbatches, the peak of microbatches whose first local stage's forward ran and whose
+    backward there did not (RRFP App. C)."""
+    if spec.placement.n_virtual == 1 or hint.backpressure != "admission":
+        return [max(1, p) for p in order_peak_inflight(spec, hint.order)]
+    limits = []
+    for rank, order in enumerate(hint.order):
+        first = spec.placement.stages_of(rank)[0]
+        held = peak = 0
+        for t in order:
+            if t.stage != first:
+                continue
+            if t.kind == F:
+                held += 1
+                peak = max(peak, held)
+            elif t.kind in BACKWARD_INPUT:
+                held -= 1
+        limits.append(max(1, peak))
+    return limits
+
+
+def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: int) -> Plan:
+    """Resolve ``config`` for ``n_ranks`` ranks of ``n_virtual`` stages each.
+
+    Raises:
+        ValueError: an unknown hint, placement, backpressure or budget, bad limits, or a
+            schedule that does not fit the shape (one line naming the value).
+        TypeError: a hint that is neither text nor a class.
+    """
+    place = Placement(n_ranks, n_virtual, config.placement)
+    given = config.inflight_limit is not None
+    limits = inflight_limits(config.inflight_limit if given else DEFAULT_INFLIGHT_LIMIT, n_ranks)
+    spec, hint, strict = resolve_hint(hint_text(config.hint), place, n_microbatches, inflight_limit=limits,
+                                      backpressure=config.backpressure)
+    budget = budget_bytes(config.memory_budget)
+    if not given and budget is None and hint.order is not None and not strict:
+        limits = schedule_limits(spec, hint)
+    return Plan(place, spec, hint, strict, limits, budget)
