@@ -210,9 +210,14 @@ def validate(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v < 1:
             raise UsageError(f"--{name.replace('_', '-')}={v}: expected a positive integer")
-    if args.model not in GPT_PRESETS and args.model != "multimodal":
-        raise UsageError(f"--model={args.model!r}: expected one of {', '.join(GPT_PRESETS)}, multimodal")
-    if args.model == "multimodal":
+    from .models import hf_layers, is_hf
+
+    if args.model not in GPT_PRESETS and args.model != "multimodal" and not is_hf(args.model):
+        raise UsageError(f"--model={args.model!r}: expected one of {', '.join(GPT_PRESETS)}, multimodal, "
+                         "hf:<name> or hf:<folder>")
+    if is_hf(args.model):
+        n_layer = hf_layers(args)
+    elif args.model == "multimodal":
         from ..model.multimodal import MULTIMODAL
 
         if args.data is not None:
@@ -348,8 +353,8 @@ def _validate_layout(args: argparse.Namespace) -> None:
     if getattr(args, "checkpoint_dir", None) and args.dp * args.tp > 1:
         raise UsageError(f"--checkpoint-dir with --dp {args.dp} --tp {args.tp}: checkpoints cover one pipeline; "
                          "expected --dp 1 --tp 1")
-    cfg = GPT_PRESETS[args.model]
-    if args.tp > 1 and (cfg.n_head % args.tp or cfg.ff_width % args.tp):
+    cfg = GPT_PRESETS.get(args.model)  # None: hf:<model>, whose --tp is checked with the model
+    if args.tp > 1 and cfg is not None and (cfg.n_head % args.tp or cfg.ff_width % args.tp):
         raise UsageError(f"--tp={args.tp}: expected a divisor of the {cfg.n_head} attention heads of model {args.model!r}")
     if args.microbatches * args.dp > args.batch_size:
         raise UsageError(

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..data.batches import BatchSampler, make_microbatches
 from ..data.text import load_samples
-from ..model.gpt import GPT_PRESETS, build_stage, count_tokens, lm_loss
+from ..model.gpt import count_tokens, lm_loss
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.train import replica_samples, reports, train_layout
 from ..runtime.dist import init_distributed
@@ -131,7 +131,7 @@ def _main(args: argparse.Namespace) -> int:
     place = Placement(n_ranks, args.virtual_stages, args.placement)
     n_stages = place.n_stages
     stage_ids = place.stages_of(rank)
-    sampler = batches = None
+    sampler = batches = tied = None
     held_out: list = []
     if args.model == "multimodal":
         from .multimodal import DigitBatches, multimodal_stages
@@ -140,8 +140,9 @@ def _main(args: argparse.Namespace) -> int:
         if 0 in stage_ids or n_stages - 1 in stage_ids:
             batches = DigitBatches(args.batch_size, args.seed).microbatches
     else:
-        cfg = dataclasses.replace(GPT_PRESETS[args.model], max_len=args.max_len)
-        modules = [build_stage(cfg, n_stages, s, args.seed) for s in stage_ids]
+        from .models import text_stages
+
+        modules, tied = text_stages(args, n_stages, stage_ids)
         if 0 in stage_ids or n_stages - 1 in stage_ids:
             samples = load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL)
             samples, held_out = split_held_out(samples, args)
@@ -163,7 +164,7 @@ def _main(args: argparse.Namespace) -> int:
         record=args.trace is not None or metrics is not None, deterministic=args.deterministic, backpressure=args.backpressure,
         transport=getattr(args, "transport", "zmq"),
         layout=layout if layout.dp * layout.tp > 1 else None,
-        memory_budget=getattr(args, "memory_budget", None),
+        memory_budget=getattr(args, "memory_budget", None), tied=tied,
         **device.pipeline_kwargs(args),
     )
     # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
