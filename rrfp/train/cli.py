@@ -94,6 +94,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allow ranks to bind a non-loopback address without a job secret (no authentication)")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip a step whose loss or gradient norm is NaN/inf instead of stopping the run")
+    from .stepline import add_flags as add_step_line_flags
+
+    add_step_line_flags(p)
     p.add_argument("--loss-file", metavar="PATH", default=None,
                    help="rank 0 writes every step's loss here at the end, one line '<step> <float.hex>' "
                    "(exact: two runs compare bit for bit)")
@@ -304,6 +307,10 @@ def validate(args: argparse.Namespace) -> None:
 
     problem = check_metrics_flags(args, n_ports=args.stages * args.dp * args.tp, allow_any_port=True)
     if problem:
+        raise UsageError(problem)
+    from .stepline import check_flags as check_step_line_flags
+
+    if (problem := check_step_line_flags(args)) is not None:
         raise UsageError(problem)
     from .checkpoint import check_flags as check_checkpoint_flags
 

@@ -173,6 +173,13 @@ def _main(args: argparse.Namespace) -> int:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     sched = lr_scheduler(opt, args.steps, args.warmup, args.lr_schedule, args.min_lr)
     reporter = Reporter(args, n_ranks, place, Output(args.steps, args.quiet, args.log_file)) if layout.rank == 0 else None
+    # --- step line: lr, grad norm, TFLOP/s, MFU (rrfp/train/stepline.py, flops.py) ---
+    from .flops import StepFlops, peak_tflops
+    from .stepline import StepExtras, grad_norm_share, rank_fields
+
+    step_flops, peak = StepFlops([s.submod for s in stages], layout.tp), peak_tflops(args.peak_tflops, stages[0].device)
+    if reporter is not None:
+        reporter.extras = StepExtras(args, stages[0].device, metrics)
     trace_lo, trace_hi = getattr(args, "trace_range", None) or (1, args.steps)
     records, step_log = [], []
     if metrics is not None:
@@ -209,6 +216,7 @@ def _main(args: argparse.Namespace) -> int:
                 return_outputs=False,
             )
             loss = pipe.last_loss
+            lr, grad_sq, flops = opt.param_groups[0]["lr"], grad_norm_share(params, layout), step_flops.take()
             if args.clip_grad is not None:
                 clip_grad_norm_(params, args.clip_grad, layout)
             gnorm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])) \
@@ -229,11 +237,13 @@ def _main(args: argparse.Namespace) -> int:
                 records += [r if r.step == k else dataclasses.replace(r, step=k) for r in st.records]
                 step_log.append([k, st.wall, st.busy])
             meta = {"kind": "stats", "step": k, "busy": st.busy, "wall": st.wall, "peak": st.peak_mb_inflight,
-                    "loss": None if loss is None else float(loss)}
+                    "loss": None if loss is None else float(loss), **rank_fields(lr, grad_sq, flops)}
             if metrics is not None:
                 metrics.observe(st, loss=meta["loss"], tokens=sum(mb.n_tokens for mb in mbs) if 0 in stage_ids else 0,
                                 seconds=time.perf_counter() - t_step, transport=_transport_counts(pipe.transport),
                                 runtime_rejected=pipe.runtime.rejected)
+                tflops = flops / st.wall / 1e12 if st.wall > 0 else 0.0
+                metrics.observe_rates(lr=lr, tflops=tflops, mfu=tflops / peak if peak else None)
             if reporter is None:
                 if reports(layout):
                     pipe.runtime.send_control(0, k, meta)
