@@ -12,6 +12,7 @@
 The split itself is :mod:`rrfp.model.hf`.
 """
 
-from .model.hf import FAMILIES, HF_PRESETS, HFStage, build_hf_stages, hf_model, hf_ties, split_hf
+from .model.hf import FAMILIES, HFStage, build_hf_stages, hf_model, hf_ties, split_hf
+from .model.spec import HF_PRESETS
 
 __all__ = ["FAMILIES", "HF_PRESETS", "HFStage", "build_hf_stages", "hf_model", "hf_ties", "split_hf"]

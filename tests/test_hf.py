@@ -92,6 +92,13 @@ def test_a_saved_folder_loads_as_the_same_model(tmp_path):
     assert torch.equal(again(ids, attention_mask=mask).logits, m(ids, attention_mask=mask).logits)
 
 
+def test_the_torch_free_table_names_the_supported_families():
+    from rrfp.model.hf import FAMILIES
+    from rrfp.model.spec import FAMILY_NAMES
+
+    assert tuple(FAMILIES) == FAMILY_NAMES
+
+
 def test_unsupported_types_are_refused_in_one_line():
     from transformers import BertConfig, BertLMHeadModel
 

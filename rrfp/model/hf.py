@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .gpt import stage_layer_ranges
+from .spec import HF_PRESETS
 
 __all__ = ["FAMILIES", "HF_PRESETS", "HFStage", "split_hf", "hf_ties", "hf_model", "build_hf_stages",
            "hf_layer_count"]
@@ -224,20 +225,6 @@ def hf_ties(model: nn.Module, n_stages: int) -> dict | None:
     if n_stages < 2 or out is None or inp.weight is not out.weight:
         return None
     return {"embeddings": {0: f"{fam.base}.{fam.embeddings[0]}.weight", -1: "lm_head.weight"}}
-
-
-HF_PRESETS: dict[str, tuple[str, dict]] = {
-    "gpt2": ("GPT2Config", dict(n_embd=128, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                 bos_token_id=None, eos_token_id=None)),
-    "llama": ("LlamaConfig", dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2)),
-    "mistral": ("MistralConfig", dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4,
-                                       num_attention_heads=4, num_key_value_heads=2)),
-    "qwen2": ("Qwen2Config", dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, tie_word_embeddings=True)),
-}
-"""``rrfp train --model hf:<name>``: the package's config class and CPU-sized settings (4
-layers, hidden size 128, byte vocabulary of 256, no dropout; random initialisation)."""
 
 
 def hf_model(spec: str, seed: int = 0, max_len: int = 256) -> nn.Module:

@@ -94,9 +94,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allow ranks to bind a non-loopback address without a job secret (no authentication)")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip a step whose loss or gradient norm is NaN/inf instead of stopping the run")
+    # Step line, activation checkpointing, gradient accumulation (rrfp/train/stepline.py, models.py, accum.py).
+    from .accum import add_flags as add_accum_flags
+    from .models import add_flags as add_model_flags
     from .stepline import add_flags as add_step_line_flags
 
     add_step_line_flags(p)
+    add_model_flags(p)
+    add_accum_flags(p)
     p.add_argument("--loss-file", metavar="PATH", default=None,
                    help="rank 0 writes every step's loss here at the end, one line '<step> <float.hex>' "
                    "(exact: two runs compare bit for bit)")
@@ -312,6 +317,11 @@ def validate(args: argparse.Namespace) -> None:
 
     if (problem := check_step_line_flags(args)) is not None:
         raise UsageError(problem)
+    from .accum import check_flags as check_accum_flags
+    from .models import check_flags as check_model_flags
+
+    check_model_flags(args)
+    check_accum_flags(args)
     from .checkpoint import check_flags as check_checkpoint_flags
 
     problem = check_checkpoint_flags(args)

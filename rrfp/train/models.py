@@ -13,6 +13,22 @@ from ..cli import UsageError
 HF_PREFIX = "hf:"
 
 
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """``--activation-checkpointing``."""
+    from ..model.spec import AC_MODES
+
+    p.add_argument("--activation-checkpointing", choices=AC_MODES, default="none",
+                   help="recompute each layer's activations in the backward: full (keep each layer's inputs) or "
+                   "selective (also keep its matmul and attention outputs); the memory budget counts what is kept")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Raises UsageError: activation checkpointing with the multimodal workload (no layer list)."""
+    if getattr(args, "activation_checkpointing", "none") != "none" and args.model == "multimodal":
+        raise UsageError(f"--activation-checkpointing={args.activation_checkpointing} with --model multimodal: "
+                         "expected none (checkpointing covers the text models' layers)")
+
+
 def is_hf(model: str) -> bool:
     """Whether ``--model`` names a Hugging Face model (``hf:gpt2``, ``hf:./my-model``)."""
     return model.startswith(HF_PREFIX)
@@ -26,18 +42,18 @@ def hf_layers(args: argparse.Namespace) -> int:
             unsupported model type, positions fewer than ``--max-len``, ``--tp`` above 1,
             or ``transformers`` not installed.
     """
-    from ..model.hf import FAMILIES, HF_PRESETS
+    import importlib.util
+
+    from ..model.spec import FAMILY_NAMES, HF_PRESETS, preset_layers
 
     spec = args.model[len(HF_PREFIX):]
     flag = f"--model={args.model!r}"
-    try:
-        import transformers  # noqa: F401 - checked here so that no rank starts without it
-    except ImportError:
-        raise UsageError(f"{flag}: needs the transformers package (pip install 'rrfp[hf]')") from None
+    if importlib.util.find_spec("transformers") is None:  # found, not imported: that takes seconds
+        raise UsageError(f"{flag}: needs the transformers package (pip install 'rrfp[hf]')")
     if getattr(args, "tp", 1) > 1:
         raise UsageError(f"{flag} with --tp {args.tp}: tensor parallelism covers the byte-level GPT presets; expected --tp 1")
     if spec in HF_PRESETS:
-        return int(next(v for k, v in HF_PRESETS[spec][1].items() if k in ("n_layer", "num_hidden_layers")))
+        return preset_layers(spec)
     path = Path(spec)
     if not path.is_dir():
         raise UsageError(f"{flag}: expected one of {', '.join(HF_PREFIX + n for n in HF_PRESETS)}, "
@@ -47,8 +63,8 @@ def hf_layers(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         raise UsageError(f"{flag}: cannot read {path / 'config.json'}: {e}") from None
     kind = config.get("model_type") if isinstance(config, dict) else None
-    if kind not in FAMILIES:
-        raise UsageError(f"{flag}: model type {kind!r}, expected one of {', '.join(FAMILIES)}")
+    if kind not in FAMILY_NAMES:
+        raise UsageError(f"{flag}: model type {kind!r}, expected one of {', '.join(FAMILY_NAMES)}")
     positions = config.get("max_position_embeddings", config.get("n_positions"))
     if isinstance(positions, int) and positions < args.max_len:
         raise UsageError(f"--max-len={args.max_len} exceeds the {positions} positions of {flag}")

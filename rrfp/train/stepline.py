@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-import torch
+if TYPE_CHECKING:  # torch is imported where used: the flags are registered before torch loads
+    import torch
 
 __all__ = ["grad_norm_share", "rank_fields", "fields_problem", "StepExtras", "add_flags", "check_flags"]
 
@@ -48,6 +49,8 @@ def grad_norm_share(params: Iterable[torch.Tensor], layout) -> float:
     The reporting ranks' shares add up to the global squared norm. With TP, shards live on
     ranks that do not report, so the squares are all-reduced over the world and pipeline rank
     0 reports the total (every rank must call this then)."""
+    import torch
+
     from ..parallel.clip import counted
 
     sq = torch.zeros((), dtype=torch.float64)

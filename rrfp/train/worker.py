@@ -29,6 +29,7 @@ from .lines import say
 from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
 from . import device
+from .accum import accumulated_step
 from .optim import lr_scheduler
 from .precision import use_autocast
 from .progress import Output
@@ -146,9 +147,14 @@ def _main(args: argparse.Namespace) -> int:
         if 0 in stage_ids or n_stages - 1 in stage_ids:
             samples = load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL)
             samples, held_out = split_held_out(samples, args)
-            sampler = BatchSampler(samples, args.batch_size, args.seed)
+            sampler = BatchSampler(samples, args.batch_size * args.grad_accum, args.seed)
             batches = lambda k, m: make_microbatches(replica_samples(sampler.batch(k), layout), m)  # noqa: E731
     stages = [PipelineStage(mod, s, n_stages) for mod, s in zip(modules, stage_ids)]
+    if args.activation_checkpointing != "none":
+        from ..model.checkpointing import apply_activation_checkpointing
+
+        for st in stages:
+            apply_activation_checkpointing(st.submod, args.activation_checkpointing)
     if layout.tp > 1:
         from ..model.tp import shard_gpt_stage
 
@@ -209,13 +215,9 @@ def _main(args: argparse.Namespace) -> int:
         for k in range(first, args.steps):
             t_step = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            mbs = batches(k, args.microbatches) if batches else None
-            pipe.step(
-                microbatches=[mb.inputs for mb in mbs] if 0 in stage_ids else None,
-                targets=[mb.targets for mb in mbs] if n_stages - 1 in stage_ids else None,
-                return_outputs=False,
-            )
-            loss = pipe.last_loss
+            mbs = batches(k, args.microbatches * args.grad_accum) if batches else None
+            loss, st = accumulated_step(pipe, mbs, args.microbatches, args.grad_accum, 0 in stage_ids,
+                                        n_stages - 1 in stage_ids)  # --grad-accum (rrfp/train/accum.py)
             lr, grad_sq, flops = opt.param_groups[0]["lr"], grad_norm_share(params, layout), step_flops.take()
             if args.clip_grad is not None:
                 clip_grad_norm_(params, args.clip_grad, layout)
@@ -231,7 +233,6 @@ def _main(args: argparse.Namespace) -> int:
             else:
                 raise poisoned
             sched.step()
-            st = pipe.last_stats
             if args.trace and trace_lo <= k + 1 <= trace_hi:
                 # Labelled with the training step (evaluations are pipeline steps too).
                 records += [r if r.step == k else dataclasses.replace(r, step=k) for r in st.records]
