@@ -20,7 +20,7 @@ from rrfp.hf import hf_model, hf_ties, split_hf  # noqa: E402
 from rrfp.model.gpt import IGNORE_INDEX, count_tokens, lm_loss  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
-FAMILIES = ["gpt2", "llama", "mistral", "qwen2"]
+FAMILIES = ["gpt2", "llama", "mistral", "qwen2", "qwen3"]
 
 
 def _batch(seed: int, b: int = 6, t: int = 12):

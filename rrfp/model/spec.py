@@ -18,6 +18,8 @@ HF_PRESETS: dict[str, tuple[str, dict]] = {
                                       num_attention_heads=4, num_key_value_heads=2)),
     "qwen2": ("Qwen2Config", dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
                                   num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=32)),
 }
 """``rrfp train --model hf:<name>``: the package's config class and CPU-sized settings (4
 layers, hidden size 128, byte vocabulary of 256, no dropout; random initialisation)."""
