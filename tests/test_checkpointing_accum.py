@@ -166,3 +166,56 @@ def test_rrfp_train_grad_accum_and_checkpointing_follow_one_big_batch(tmp_path):
     got_loss = float.fromhex((tmp_path / "loss.txt").read_text().split()[1])
     assert got_loss == pytest.approx(loss.item(), rel=1e-5)
     assert acc.Scalars("train/grad_norm")[0].value == pytest.approx(norm, rel=1e-5)
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, tie: bool = False, skip: bool = False) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.l1, self.l2, self.l3 = (torch.nn.Linear(16, 16) for _ in range(3))
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+        self.skip = skip
+
+    def forward(self, x):
+        h0 = self.emb(x)
+        h = self.l3(torch.relu(self.l2(torch.relu(self.l1(h0)))))
+        return self.head(h + h0 if self.skip else h)
+
+
+def _traced(model, x):
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    return pipeline(model, mb_args=(x[:2],), split_spec={"l2": SplitPoint.BEGINNING, "l3": SplitPoint.BEGINNING})
+
+
+def test_a_model_traced_by_torchs_pipeline_runs_as_stages():
+    from rrfp.model.traced import traced_stages
+
+    torch.manual_seed(0)
+    model = _Chain()
+    x, y = torch.randint(0, 50, (6, 8)), torch.randint(0, 50, (6, 8))
+    ref = copy.deepcopy(model)
+    lm_loss(ref(x), y).backward()
+    stages = traced_stages(_traced(model, x))
+    with LocalPipeline(stages, 3, lm_loss, loss_weight_fn=count_tokens) as pipe:
+        loss = pipe.step(x, target=y)
+    assert float(loss) == pytest.approx(lm_loss(ref(x), y).item(), rel=RTOL)
+    want = dict(ref.named_parameters())
+    got = {n: p.grad for st in stages for n, p in st.named_parameters()}
+    assert set(got) == set(want)
+    for n, g in got.items():
+        torch.testing.assert_close(g, want[n].grad, rtol=RTOL, atol=ATOL, msg=n)
+
+
+@pytest.mark.parametrize("tie,skip,needle", [
+    (False, True, "traced stage 2 takes 'getitem_1', not an output of stage 1"),
+    (True, False, "traced stages 0 and 2 both hold parameter 'head.weight'"),
+])
+def test_traced_models_rrfp_cannot_run_are_refused_in_one_line(tie, skip, needle):
+    from rrfp.model.traced import traced_stages
+
+    x = torch.randint(0, 50, (4, 8))
+    with pytest.raises(ValueError, match=needle):
+        traced_stages(_traced(_Chain(tie, skip), x))
