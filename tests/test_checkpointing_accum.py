@@ -72,13 +72,7 @@ def test_checkpointed_gradients_equal_the_unsplit_model(mode, hint):
     x, y = _batch(1)
     ref = copy.deepcopy(model)
     lm_loss(ref(x), y).backward()
-    stages = [apply_activation_checkpointing(s, mode) for s in split_gpt(model, 3)]
-    with LocalPipeline(stages, 2, lm_loss, hint=hint, loss_weight_fn=count_tokens) as pipe:
-        pipe.step(x, target=y)
-    want = dict(ref.named_parameters())
-    for st in stages:
-        for n, p in st.named_parameters():
-            torch.testing.assert_close(p.grad, want[st.stage_param_names[n]].grad, rtol=RTOL, atol=ATOL, msg=n)
+    _assert_pipeline_grads([apply_activation_checkpointing(s, mode) for s in split_gpt(model, 3)], x, y, ref, hint)
 
 
 def test_checkpointed_hugging_face_stages_equal_the_unsplit_model():
@@ -89,8 +83,12 @@ def test_checkpointed_hugging_face_stages_equal_the_unsplit_model():
     x, y = _batch(3, t=16)
     ref = copy.deepcopy(model)
     lm_loss(ref(x).logits, y).backward()
-    stages = [apply_activation_checkpointing(s, "selective") for s in split_hf(model, 2)]
-    with LocalPipeline(stages, 2, lm_loss, loss_weight_fn=count_tokens) as pipe:
+    _assert_pipeline_grads([apply_activation_checkpointing(s, "selective") for s in split_hf(model, 2)], x, y, ref)
+
+
+def _assert_pipeline_grads(stages, x, y, ref, hint="bf"):
+    """One LocalPipeline step over ``stages``; every gradient equals ``ref``'s (already backpropagated)."""
+    with LocalPipeline(stages, 2, lm_loss, hint=hint, loss_weight_fn=count_tokens) as pipe:
         pipe.step(x, target=y)
     want = dict(ref.named_parameters())
     for st in stages:
@@ -115,7 +113,8 @@ def test_accumulated_steps_equal_one_big_batch():
     from rrfp.transport.fake import FakeNetwork
 
     g = torch.Generator().manual_seed(5)
-    samples = [bytes(torch.randint(0, 256, (int(n),), generator=g).tolist()) for n in torch.randint(3, 30, (16,), generator=g)]
+    lengths = torch.randint(3, 30, (16,), generator=g)
+    samples = [bytes(torch.randint(0, 256, (int(n),), generator=g).tolist()) for n in lengths]
     cfg = dataclasses.replace(CFG, n_layer=2)
     model = GPT(cfg, seed=6)
     ref = copy.deepcopy(model)
@@ -149,8 +148,8 @@ def test_rrfp_train_grad_accum_and_checkpointing_follow_one_big_batch(tmp_path):
     from rrfp.train.worker import SAMPLE_POOL
 
     p = subprocess.run(
-        [sys.executable, "-m", "rrfp", "train", "--stages", "2", "--steps", "1", "--batch-size", "4", "--grad-accum", "2",
-         "--microbatches", "2", "--max-len", "64", "--activation-checkpointing", "selective",
+        [sys.executable, "-m", "rrfp", "train", "--stages", "2", "--steps", "1", "--batch-size", "4",
+         "--grad-accum", "2", "--microbatches", "2", "--max-len", "64", "--activation-checkpointing", "selective",
          "--tensorboard", str(tmp_path / "tb"), "--loss-file", str(tmp_path / "loss.txt")],
         capture_output=True, text=True, timeout=840, cwd=tmp_path,
     )

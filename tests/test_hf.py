@@ -78,8 +78,9 @@ def test_pipeline_gradients_equal_the_unsplit_model(model, hint):
 
 
 def test_ties_are_declared_only_for_shared_weights():
-    assert hf_ties(hf_model("gpt2", max_len=16), 2) == {"embeddings": {0: "transformer.wte.weight", -1: "lm_head.weight"}}
-    assert hf_ties(hf_model("qwen2", max_len=16), 2) == {"embeddings": {0: "model.embed_tokens.weight", -1: "lm_head.weight"}}
+    tie = lambda first: {"embeddings": {0: first, -1: "lm_head.weight"}}  # noqa: E731
+    assert hf_ties(hf_model("gpt2", max_len=16), 2) == tie("transformer.wte.weight")
+    assert hf_ties(hf_model("qwen2", max_len=16), 2) == tie("model.embed_tokens.weight")
     assert hf_ties(hf_model("llama", max_len=16), 2) is None  # Llama's head is its own weight
     assert hf_ties(hf_model("gpt2", max_len=16), 1) is None  # one stage: one parameter already
 

@@ -126,7 +126,8 @@ class HFStage(nn.Module):
             self.lm_head = keep["lm_head"]
         self.train(model.training)
         prefix = f"{fam.base}.{fam.layers}."
-        self.stage_param_names = {n: _full_name(n, prefix, layers.start) for n, _ in self.named_parameters(remove_duplicate=False)}
+        self.stage_param_names = {n: _full_name(n, prefix, layers.start)
+                                  for n, _ in self.named_parameters(remove_duplicate=False)}
 
     @property
     def layer_modules(self) -> nn.ModuleList:
@@ -181,7 +182,8 @@ class HFStage(nn.Module):
 
     def extra_repr(self) -> str:
         r = self.layer_range
-        return f"{self.config.model_type}, stage_index={self.stage_index}, n_stages={self.n_stages}, layers={r.start}..{r.stop - 1}"
+        return (f"{self.config.model_type}, stage_index={self.stage_index}, n_stages={self.n_stages}, "
+                f"layers={r.start}..{r.stop - 1}")
 
 
 def _full_name(name: str, prefix: str, first: int) -> str:

@@ -150,13 +150,16 @@ class RankMetrics:
                                "heartbeat", ["rank"], registry=r,
                                multiprocess_mode=GAUGE_MODES["rrfp_last_heartbeat_timestamp_seconds"])
         # The step line's rates (rrfp/train/stepline.py, flops.py).
-        self.lr = Gauge("rrfp_learning_rate", "learning rate of the rank's last optimizer step", ["rank"], registry=r, multiprocess_mode=GAUGE_MODES["rrfp_learning_rate"])
+        self.lr = Gauge("rrfp_learning_rate", "learning rate of the rank's last optimizer step", ["rank"],
+                        registry=r, multiprocess_mode=GAUGE_MODES["rrfp_learning_rate"])
         self.grad_norm = Gauge("rrfp_grad_norm", "global gradient norm of the last step printed (set on rank 0)",
                                ["rank"], registry=r, multiprocess_mode=GAUGE_MODES["rrfp_grad_norm"])
         self.tflops = Gauge("rrfp_model_tflops", "model TFLOP/s of the rank's last step (6N + 12LdT per position, "
-                            "rrfp/train/flops.py)", ["rank"], registry=r, multiprocess_mode=GAUGE_MODES["rrfp_model_tflops"])
+                            "rrfp/train/flops.py)", ["rank"], registry=r,
+                            multiprocess_mode=GAUGE_MODES["rrfp_model_tflops"])
         self.mfu = Gauge("rrfp_mfu", "model FLOPs utilisation of the rank's last step (0..1, against --peak-tflops "
-                         "or the GPU's table entry; absent without a peak)", ["rank"], registry=r, multiprocess_mode=GAUGE_MODES["rrfp_mfu"])
+                         "or the GPU's table entry; absent without a peak)", ["rank"], registry=r,
+                         multiprocess_mode=GAUGE_MODES["rrfp_mfu"])
         # Every series exists from the start at 0, so a scrape before the first step is a
         # baseline and rate() sees the first increments.
         for s in self.stages:

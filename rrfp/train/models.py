@@ -51,7 +51,8 @@ def hf_layers(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("transformers") is None:  # found, not imported: that takes seconds
         raise UsageError(f"{flag}: needs the transformers package (pip install 'rrfp[hf]')")
     if getattr(args, "tp", 1) > 1:
-        raise UsageError(f"{flag} with --tp {args.tp}: tensor parallelism covers the byte-level GPT presets; expected --tp 1")
+        raise UsageError(f"{flag} with --tp {args.tp}: tensor parallelism covers the byte-level GPT presets; "
+                         "expected --tp 1")
     if spec in HF_PRESETS:
         return preset_layers(spec)
     path = Path(spec)
