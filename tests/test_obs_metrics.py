@@ -225,7 +225,8 @@ def test_multiprocess_mode_merges_ranks_and_restarts(tmp_path, monkeypatch) -> N
         assert get(f"http://127.0.0.1:{srv.port}/readyz")[::2] == (200, "ready\n")
     finally:
         srv.close()
-    assert set(GAUGE_MODES) == {"rrfp_loss", "rrfp_peak_inflight_microbatches", "rrfp_last_heartbeat_timestamp_seconds"}
+    assert set(GAUGE_MODES) == {"rrfp_loss", "rrfp_peak_inflight_microbatches", "rrfp_last_heartbeat_timestamp_seconds",
+                                "rrfp_learning_rate", "rrfp_grad_norm", "rrfp_model_tflops", "rrfp_mfu"}
 
 
 def test_node_registry_refuses_a_missing_folder(tmp_path) -> None:

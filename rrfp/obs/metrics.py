@@ -44,6 +44,10 @@ GAUGE_MODES = {
     "rrfp_loss": "mostrecent",
     "rrfp_peak_inflight_microbatches": "mostrecent",
     "rrfp_last_heartbeat_timestamp_seconds": "max",
+    "rrfp_learning_rate": "mostrecent",
+    "rrfp_grad_norm": "mostrecent",
+    "rrfp_model_tflops": "mostrecent",
+    "rrfp_mfu": "mostrecent",
 }
 """Multiprocess merge of each gauge over the processes that wrote it under the same labels
 (every rank writes its own ``rank`` label, so several processes share labels only when a rank
@@ -69,6 +73,10 @@ METRIC_NAMES = (
     "rrfp_loss",
     "rrfp_last_heartbeat_timestamp_seconds",
     "rrfp_restarts_total",
+    "rrfp_learning_rate",
+    "rrfp_grad_norm",
+    "rrfp_model_tflops",
+    "rrfp_mfu",
 )
 """Every metric family this module defines, as exposed (counters with ``_total``; the
 histogram also exposes ``_bucket``, ``_sum`` and ``_count``)."""
@@ -141,6 +149,17 @@ class RankMetrics:
         self.heartbeat = Gauge("rrfp_last_heartbeat_timestamp_seconds", "unix time of the rank's last event-loop "
                                "heartbeat", ["rank"], registry=r,
                                multiprocess_mode=GAUGE_MODES["rrfp_last_heartbeat_timestamp_seconds"])
+        # The step line's rates (rrfp/train/stepline.py, flops.py).
+        self.lr = Gauge("rrfp_learning_rate", "learning rate of the rank's last optimizer step", ["rank"],
+                        registry=r, multiprocess_mode=GAUGE_MODES["rrfp_learning_rate"])
+        self.grad_norm = Gauge("rrfp_grad_norm", "global gradient norm of the last step printed (set on rank 0)",
+                               ["rank"], registry=r, multiprocess_mode=GAUGE_MODES["rrfp_grad_norm"])
+        self.tflops = Gauge("rrfp_model_tflops", "model TFLOP/s of the rank's last step (6N + 12LdT per position, "
+                            "rrfp/train/flops.py)", ["rank"], registry=r,
+                            multiprocess_mode=GAUGE_MODES["rrfp_model_tflops"])
+        self.mfu = Gauge("rrfp_mfu", "model FLOPs utilisation of the rank's last step (0..1, against --peak-tflops "
+                         "or the GPU's table entry; absent without a peak)", ["rank"], registry=r,
+                         multiprocess_mode=GAUGE_MODES["rrfp_mfu"])
         # Every series exists from the start at 0, so a scrape before the first step is a
         # baseline and rate() sees the first increments.
         for s in self.stages:
@@ -218,6 +237,18 @@ class RankMetrics:
             self._advance(self.rejected.labels(self.rank, "routing"), "runtime_rejected",
                           {"runtime_rejected": runtime_rejected})
             self.heartbeat.labels(self.rank).set(time.time())
+
+    def observe_rates(self, *, lr: float | None = None, tflops: float | None = None, mfu: float | None = None) -> None:
+        """Record the rank's learning rate, model TFLOP/s and MFU of its last step (None: unset)."""
+        with self.lock:
+            for gauge, value in ((self.lr, lr), (self.tflops, tflops), (self.mfu, mfu)):
+                if value is not None:
+                    gauge.labels(self.rank).set(value)
+
+    def observe_global(self, *, grad_norm: float) -> None:
+        """Record a value of the whole job that rank 0 assembles (the global gradient norm)."""
+        with self.lock:
+            self.grad_norm.labels(self.rank).set(grad_norm)
 
     def _advance(self, child, key: str, totals: Mapping[str, int]) -> None:
         if key not in totals:

@@ -96,6 +96,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allow ranks to bind a non-loopback address without a job secret (no authentication)")
     p.add_argument("--skip-nonfinite", action="store_true",
                    help="skip a step whose loss or gradient norm is NaN/inf instead of stopping the run")
+    # Step line, activation checkpointing, gradient accumulation (rrfp/train/stepline.py, models.py, accum.py).
+    from .accum import add_flags as add_accum_flags
+    from .models import add_flags as add_model_flags
+    from .stepline import add_flags as add_step_line_flags
+
+    add_step_line_flags(p)
+    add_model_flags(p)
+    add_accum_flags(p)
     p.add_argument("--loss-file", metavar="PATH", default=None,
                    help="rank 0 writes every step's loss here at the end, one line '<step> <float.hex>' "
                    "(exact: two runs compare bit for bit)")
@@ -212,9 +220,14 @@ def validate(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v < 1:
             raise UsageError(f"--{name.replace('_', '-')}={v}: expected a positive integer")
-    if args.model not in GPT_PRESETS and args.model != "multimodal":
-        raise UsageError(f"--model={args.model!r}: expected one of {', '.join(GPT_PRESETS)}, multimodal")
-    if args.model == "multimodal":
+    from .models import hf_layers, is_hf
+
+    if args.model not in GPT_PRESETS and args.model != "multimodal" and not is_hf(args.model):
+        raise UsageError(f"--model={args.model!r}: expected one of {', '.join(GPT_PRESETS)}, multimodal, "
+                         "hf:<name> or hf:<folder>")
+    if is_hf(args.model):
+        n_layer = hf_layers(args)
+    elif args.model == "multimodal":
         from ..model.multimodal import MULTIMODAL
 
         if args.data is not None:
@@ -302,6 +315,15 @@ def validate(args: argparse.Namespace) -> None:
     problem = check_metrics_flags(args, n_ports=args.stages * args.dp * args.tp, allow_any_port=True)
     if problem:
         raise UsageError(problem)
+    from .stepline import check_flags as check_step_line_flags
+
+    if (problem := check_step_line_flags(args)) is not None:
+        raise UsageError(problem)
+    from .accum import check_flags as check_accum_flags
+    from .models import check_flags as check_model_flags
+
+    check_model_flags(args)
+    check_accum_flags(args)
     from .checkpoint import check_flags as check_checkpoint_flags
 
     problem = check_checkpoint_flags(args)
@@ -347,8 +369,8 @@ def _validate_layout(args: argparse.Namespace) -> None:
             raise UsageError("--model multimodal: expected --dp 1 --tp 1 and no --eval-every "
                              "(data and tensor parallelism and evaluation cover the GPT models)")
         return
-    cfg = GPT_PRESETS[args.model]
-    if args.tp > 1 and (cfg.n_head % args.tp or cfg.ff_width % args.tp):
+    cfg = GPT_PRESETS.get(args.model)  # None: hf:<model>, whose --tp is checked with the model
+    if args.tp > 1 and cfg is not None and (cfg.n_head % args.tp or cfg.ff_width % args.tp):
         raise UsageError(f"--tp={args.tp}: expected a divisor of the {cfg.n_head} attention heads of model {args.model!r}")
     if args.microbatches * args.dp > args.batch_size:
         raise UsageError(

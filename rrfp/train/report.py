@@ -31,6 +31,7 @@ class Reporter:
         self.rows: list[dict] = []
         self.next_step = 0
         self.notes: dict[int, list[str]] = {}
+        self.extras = None  # lr, grad norm, TFLOP/s, MFU: a StepExtras (rrfp/train/stepline.py) the worker sets
 
     def note(self, step: int, line: str) -> None:
         """Show ``line`` (an evaluation, a committed checkpoint) right after the line of step
@@ -61,6 +62,8 @@ class Reporter:
             if (type(step) is int and type(loss) in (int, float) and math.isfinite(loss)
                     and 0 <= step <= self.args.steps):
                 self.evals[step] = float(loss)
+                if self.extras is not None:
+                    self.extras.evaluation(step, float(loss))
                 self.note(step, f"eval after step {step:4d}/{self.args.steps}  validation loss {loss:7.4f}")
                 return
         why = _stats_problem(meta, src, self)
@@ -83,9 +86,14 @@ class Reporter:
             peak = [per_rank[r]["peak"] for r in range(self.n_ranks)]
             t = self.step_time[k]
             row = dict(step=k, loss=loss, seconds=t, tokens=self.tokens[k], tok_s=self.tokens[k] / t, bubble=bubble, peak=peak)
+            more = ""
+            if self.extras is not None:
+                row.update(self.extras.fields(per_rank))
+                more = self.extras.text(row) + "  "
+                self.extras.publish(row)
             self.rows.append(row)
             self.out.step(
-                f"step {k + 1:4d}/{self.args.steps}  loss {loss:7.4f}  tok/s {row['tok_s']:8.0f}  "
+                f"step {k + 1:4d}/{self.args.steps}  loss {loss:7.4f}  tok/s {row['tok_s']:8.0f}  {more}"
                 f"step {t:6.3f} s  bubble/rank [{' '.join(f'{b:.2f}' for b in bubble)}]  "
                 f"peak in-flight [{' '.join(str(p) for p in peak)}]",
                 postfix=f"loss {loss:.4f}, {row['tok_s']:.0f} tok/s",
@@ -96,6 +104,8 @@ class Reporter:
 
     def summary(self, total: float) -> None:
         rows = self.rows
+        if self.extras is not None:
+            self.extras.close()
         if getattr(self.args, "loss_file", None):
             write_loss_file(self.args.loss_file, rows)
         if not rows:
@@ -157,4 +167,8 @@ def _stats_problem(meta: object, src: int, rep: Reporter) -> str | None:
         return f"loss={loss!r} is not a finite number"
     if loss is None and owns_last and not getattr(rep.args, "skip_nonfinite", False):
         return "no loss from the rank holding the last stage"
+    if rep.extras is not None:
+        from .stepline import fields_problem
+
+        return fields_problem(meta)
     return None

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..data.batches import BatchSampler, make_microbatches
 from ..data.text import load_samples
-from ..model.gpt import GPT_PRESETS, build_stage, count_tokens, lm_loss
+from ..model.gpt import count_tokens, lm_loss
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.train import replica_samples, reports, train_layout
 from ..runtime.dist import init_distributed
@@ -29,6 +29,7 @@ from .lines import say
 from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
 from . import device
+from .accum import accumulated_step
 from .optim import lr_scheduler
 from .precision import use_autocast
 from .progress import Output
@@ -162,7 +163,7 @@ def _main(args: argparse.Namespace) -> int:
     place = Placement(n_ranks, args.virtual_stages, args.placement)
     n_stages = place.n_stages
     stage_ids = place.stages_of(rank)
-    sampler = batches = None
+    sampler = batches = tied = None
     held_out: list = []
     if args.model == "multimodal":
         from .multimodal import DigitBatches, multimodal_stages
@@ -171,14 +172,20 @@ def _main(args: argparse.Namespace) -> int:
         if 0 in stage_ids or n_stages - 1 in stage_ids:
             batches = DigitBatches(args.batch_size, args.seed).microbatches
     else:
-        cfg = dataclasses.replace(GPT_PRESETS[args.model], max_len=args.max_len)
-        modules = [build_stage(cfg, n_stages, s, args.seed) for s in stage_ids]
+        from .models import text_stages
+
+        modules, tied = text_stages(args, n_stages, stage_ids)
         if 0 in stage_ids or n_stages - 1 in stage_ids:
             samples = load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL)
             samples, held_out = split_held_out(samples, args)
-            sampler = BatchSampler(samples, args.batch_size, args.seed)
+            sampler = BatchSampler(samples, args.batch_size * args.grad_accum, args.seed)
             batches = lambda k, m: make_microbatches(replica_samples(sampler.batch(k), layout), m)  # noqa: E731
     stages = [PipelineStage(mod, s, n_stages) for mod, s in zip(modules, stage_ids)]
+    if args.activation_checkpointing != "none":
+        from ..model.checkpointing import apply_activation_checkpointing
+
+        for st in stages:
+            apply_activation_checkpointing(st.submod, args.activation_checkpointing)
     if layout.tp > 1:
         from ..model.tp import shard_gpt_stage
 
@@ -197,7 +204,7 @@ def _main(args: argparse.Namespace) -> int:
         record=args.trace is not None or metrics is not None, deterministic=args.deterministic, backpressure=args.backpressure,
         transport=getattr(args, "transport", "zmq"),
         layout=layout if layout.dp * layout.tp > 1 else None,
-        memory_budget=getattr(args, "memory_budget", None),
+        memory_budget=getattr(args, "memory_budget", None), tied=tied,
         **device.pipeline_kwargs(args),
     )
     chooser = None if args.hint != AUTO else AutoHint(
@@ -209,6 +216,13 @@ def _main(args: argparse.Namespace) -> int:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     sched = lr_scheduler(opt, args.steps, args.warmup, args.lr_schedule, args.min_lr)
     reporter = Reporter(args, n_ranks, place, Output(args.steps, args.quiet, args.log_file)) if layout.rank == 0 else None
+    # --- step line: lr, grad norm, TFLOP/s, MFU (rrfp/train/stepline.py, flops.py) ---
+    from .flops import StepFlops, peak_tflops
+    from .stepline import StepExtras, grad_norm_share, rank_fields
+
+    step_flops, peak = StepFlops([s.submod for s in stages], layout.tp), peak_tflops(args.peak_tflops, stages[0].device)
+    if reporter is not None:
+        reporter.extras = StepExtras(args, stages[0].device, metrics)
     trace_lo, trace_hi = getattr(args, "trace_range", None) or (1, args.steps)
     records, step_log = [], []
     if metrics is not None:
@@ -239,17 +253,14 @@ def _main(args: argparse.Namespace) -> int:
         for k in range(first, args.steps):
             t_step = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            mbs = batches(k, args.microbatches) if batches else None
+            mbs = batches(k, args.microbatches * args.grad_accum) if batches else None
             if chooser is not None:
                 chooser.before_step(k - first)
-            pipe.step(
-                microbatches=[mb.inputs for mb in mbs] if 0 in stage_ids else None,
-                targets=[mb.targets for mb in mbs] if n_stages - 1 in stage_ids else None,
-                return_outputs=False,
-            )
-            loss = pipe.last_loss
+            loss, st = accumulated_step(pipe, mbs, args.microbatches, args.grad_accum, 0 in stage_ids,
+                                        n_stages - 1 in stage_ids)  # --grad-accum (rrfp/train/accum.py)
             if chooser is not None:
-                chooser.after_step(k - first, pipe.last_stats)
+                chooser.after_step(k - first, st)
+            lr, grad_sq, flops = opt.param_groups[0]["lr"], grad_norm_share(params, layout), step_flops.take()
             if args.clip_grad is not None:
                 clip_grad_norm_(params, args.clip_grad, layout)
             gnorm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])) \
@@ -264,17 +275,18 @@ def _main(args: argparse.Namespace) -> int:
             else:
                 raise poisoned
             sched.step()
-            st = pipe.last_stats
             if args.trace and trace_lo <= k + 1 <= trace_hi:
                 # Labelled with the training step (evaluations are pipeline steps too).
                 records += [r if r.step == k else dataclasses.replace(r, step=k) for r in st.records]
                 step_log.append([k, st.wall, st.busy])
             meta = {"kind": "stats", "step": k, "busy": st.busy, "wall": st.wall, "peak": st.peak_mb_inflight,
-                    "loss": None if loss is None else float(loss)}
+                    "loss": None if loss is None else float(loss), **rank_fields(lr, grad_sq, flops)}
             if metrics is not None:
                 metrics.observe(st, loss=meta["loss"], tokens=sum(mb.n_tokens for mb in mbs) if 0 in stage_ids else 0,
                                 seconds=time.perf_counter() - t_step, transport=_transport_counts(pipe.transport),
                                 runtime_rejected=pipe.runtime.rejected)
+                tflops = flops / st.wall / 1e12 if st.wall > 0 else 0.0
+                metrics.observe_rates(lr=lr, tflops=tflops, mfu=tflops / peak if peak else None)
             if reporter is None:
                 if reports(layout):
                     pipe.runtime.send_control(0, k, meta)
