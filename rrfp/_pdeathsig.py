@@ -15,15 +15,16 @@ LAUNCHER_PID_ENV = "RRFP_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+def die_with_parent(sig: int = signal.SIGKILL, *, launched_only: bool = True) -> bool:
     """Ask the kernel to send ``sig`` to this process when its parent exits (Linux only).
 
     The parent may have died before the call (the race the check closes): then the process
     has been reparented, and it exits at once with status 128 + ``sig``. Returns True when
-    the signal is set. Only inside a launched rank (``LOCAL_RANK`` set): a user's own shell
-    is never the parent that matters.
+    the signal is set. With ``launched_only``, only inside a launched rank (``LOCAL_RANK``
+    set): a user's own shell is never the parent that matters; a worker process pool passes
+    False.
     """
-    if not sys.platform.startswith("linux") or "LOCAL_RANK" not in os.environ:
+    if not sys.platform.startswith("linux") or (launched_only and "LOCAL_RANK" not in os.environ):
         return False
     import ctypes
 

@@ -121,3 +121,10 @@ def test_slow_link_scenario_slows_one_link_both_ways() -> None:
     comm = cfg.comm_model()
     assert comm(0, 3, 4, Task(3, F, 0)) == comm(0, 4, 3, Task(4, B, 0)) == pytest.approx(SLOW_LINK * 0.002)
     assert comm(0, 2, 3, Task(2, F, 0)) == pytest.approx(0.002)
+
+
+def test_worker_processes_give_the_same_rows() -> None:
+    kw = dict(scenarios=["J1", "slow-link"], ranks=[4], layouts=[(1, "loop")], seeds=[0, 1])
+    one, two = run_suite(["auto", "bf"], **kw), run_suite(["auto", "bf"], jobs=2, **kw)
+    assert [(r.scenario, r.memory, r.seed, r.auto_choice, r.makespan) for r in one] == \
+        [(r.scenario, r.memory, r.seed, r.auto_choice, r.makespan) for r in two]

@@ -104,8 +104,8 @@ def register(subparsers: Any) -> None:
     g.add_argument("--jitter-levels", default="J0,J1,J2,J3", help="jitter levels")
     g.add_argument("--imbalance", default="1", help="encoder-scale values (encoder/LLM imbalance)")
     g.add_argument("--seeds", type=int, default=None,
-                   help="seeds per point: a sweep averages its makespans (default 1); the suite runs each "
-                   "(default 3, from --seed)")
+                   help="seeds per point, from --seed: a sweep averages its makespans (none given: 1); the suite runs "
+                   "each (none given: 3)")
     g.add_argument("--out", default="sweep", help="sweep output prefix: writes PREFIX.csv and PREFIX.md")
 
     g = p.add_argument_group("scenario suite (docs/suite.md)")

@@ -190,12 +190,13 @@ def run_suite(
     """
     if jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
+        from functools import partial
 
         from .._pdeathsig import die_with_parent
 
         groups = [(sc, p) for sc in scenarios for p in ranks]
         # Workers die with this process: a killed suite leaves no simulations running.
-        with ProcessPoolExecutor(jobs, initializer=die_with_parent) as ex:
+        with ProcessPoolExecutor(jobs, initializer=partial(die_with_parent, launched_only=False)) as ex:
             # Deepest pipelines first: they take longest, so the workers finish together.
             futs = {g: ex.submit(run_suite, hints, scenarios=[g[0]], ranks=[g[1]], layouts=layouts,
                                  memories=memories, seeds=seeds) for g in sorted(groups, key=lambda g: -g[1])}

@@ -277,7 +277,7 @@ def validate(args: argparse.Namespace) -> None:
         resolve_hint(args.hint if args.hint != AUTO else "bf", Placement(args.stages, args.virtual_stages, args.placement), args.microbatches,
                      inflight_limit=inflight_limits(args, args.stages), backpressure=args.backpressure)
     except (ValueError, OSError) as e:
-        raise UsageError(f"--hint={args.hint!r}: {e}") from None
+        raise UsageError(f"--hint={args.hint!r}: {e}" + (f", or {AUTO} (the default)" if "unknown hint" in str(e) else "")) from None
     from . import device
 
     device.validate(args)
