@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -136,10 +137,14 @@ def test_accumulated_steps_equal_one_big_batch():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_rrfp_train_grad_accum_and_checkpointing_follow_one_big_batch(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "hf:gpt2"])
+def test_rrfp_train_grad_accum_and_checkpointing_follow_one_big_batch(tmp_path, model):
     """`--grad-accum 2 --batch-size 4` with selective checkpointing prints the loss and the
-    gradient norm of the unsplit model on the 8 samples of its first optimizer step."""
+    gradient norm of the unsplit model on the 8 samples of its first optimizer step (hf:gpt2:
+    its head and embedding are one weight, two copies summed by the tie each pipeline step)."""
     pytest.importorskip("tensorboard")
+    if model.startswith("hf:"):
+        pytest.importorskip("transformers")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from rrfp.data.batches import BatchSampler, pad_batch
@@ -148,20 +153,26 @@ def test_rrfp_train_grad_accum_and_checkpointing_follow_one_big_batch(tmp_path):
     from rrfp.train.worker import SAMPLE_POOL
 
     p = subprocess.run(
-        [sys.executable, "-m", "rrfp", "train", "--stages", "2", "--steps", "1", "--batch-size", "4",
+        [sys.executable, "-m", "rrfp", "train", "--model", model, "--stages", "2", "--steps", "1", "--batch-size", "4",
          "--grad-accum", "2", "--microbatches", "2", "--max-len", "64", "--activation-checkpointing", "selective",
          "--tensorboard", str(tmp_path / "tb"), "--loss-file", str(tmp_path / "loss.txt")],
-        capture_output=True, text=True, timeout=840, cwd=tmp_path,
+        capture_output=True, text=True, timeout=840, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert p.returncode == 0, p.stderr[-3000:]
     acc = EventAccumulator(str(tmp_path / "tb"))
     acc.Reload()
     samples = load_samples(None, 64, 0, limit=SAMPLE_POOL)
     tokens, targets = pad_batch(BatchSampler(samples, 8, 0).batch(0))
-    model = GPT(dataclasses.replace(GPT_PRESETS["tiny"], max_len=64), seed=0)
-    loss = lm_loss(model(tokens), targets)
+    if model == "tiny":
+        ref = GPT(dataclasses.replace(GPT_PRESETS["tiny"], max_len=64), seed=0)
+        loss = lm_loss(ref(tokens), targets)
+    else:
+        from rrfp.hf import hf_model
+
+        ref = hf_model("gpt2", seed=0, max_len=64)
+        loss = lm_loss(ref(tokens).logits, targets)
     loss.backward()
-    norm = float(torch.nn.utils.get_total_norm([q.grad for q in model.parameters()]))
+    norm = float(torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()]))
     got_loss = float.fromhex((tmp_path / "loss.txt").read_text().split()[1])
     assert got_loss == pytest.approx(loss.item(), rel=1e-5)
     assert acc.Scalars("train/grad_norm")[0].value == pytest.approx(norm, rel=1e-5)

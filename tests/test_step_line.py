@@ -167,3 +167,26 @@ def test_a_run_prints_torchs_gradient_norm_and_the_learning_rate(tmp_path):
     assert norm == pytest.approx(want, rel=1e-5)
     assert f"grad norm {want:7.4f}" in line
     assert mfu == pytest.approx(tflops / 3, rel=1e-5)
+
+
+def test_rank_zero_prints_the_fields_and_drops_a_peers_forged_ones(capsys):
+    import io
+    from types import SimpleNamespace
+
+    from rrfp.scheduler.tasks import Placement
+    from rrfp.train.progress import Output
+    from rrfp.train.report import Reporter
+
+    args = SimpleNamespace(steps=1, microbatches=2, quiet=False, hint="bf", skip_nonfinite=False)
+    out = io.StringIO()
+    rep = Reporter(args, 2, Placement(2, 1, "loop"), Output(1, stream=out, bar=False))
+    rep.extras = StepExtras(argparse.Namespace(peak_tflops=None, tensorboard=None))
+    rep.step_time[0], rep.tokens[0] = 1.0, 10
+    base = {"kind": "stats", "step": 0, "busy": 0.5, "wall": 1.0, "peak": 1}
+    rep.add({**base, "loss": None, **rank_fields(1e-3, 3.0, 2e12)}, 0)
+    rep.add({**base, "loss": 2.0, "lr": 1e-3, "grad_sq": float("inf"), "flops": 1e12}, 1)  # forged: dropped
+    rep.flush()
+    assert out.getvalue() == "" and "grad_sq=inf is not a finite non-negative number" in capsys.readouterr().err
+    rep.add({**base, "loss": 2.0, **rank_fields(1e-3, 1.0, 1e12)}, 1)
+    rep.flush()
+    assert "lr 1.00e-03  grad norm  2.0000  TFLOP/s/rank  1.5000  step" in out.getvalue()
