@@ -160,7 +160,8 @@ class MetricsServer:
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout_s)
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-                self.dropped["bad request"] += 1
+                if writer in self._open:  # not one closed above to make room: counted there
+                    self.dropped["bad request"] += 1
                 return
             if writer in self._open:
                 self._open[writer] = True
