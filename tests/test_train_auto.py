@@ -25,6 +25,17 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
+@pytest.fixture(autouse=True)
+def three_candidates(monkeypatch):
+    """The trial's arithmetic below is hand-computed for three candidates (the strict schedule,
+    bf, bfw-mem): the registry's other candidates are left out, whatever this build has."""
+    from rrfp.sim import auto as sim_auto
+
+    full = sim_auto.known_candidates
+    monkeypatch.setattr(sim_auto, "known_candidates", lambda n_ranks, n_virtual, placement, n_microbatches, *_, **__:
+                        full(n_ranks, n_virtual, placement, n_microbatches, (sim_auto.STRICT, "bf", "bfw-mem")))
+
+
 def _pipe():
     spec, hint, strict = resolve_hint("strict-1f1b", Placement(2), M)
     rt = SimpleNamespace(stages={}, hooks=SimpleNamespace(final_kind="B"), loop=SimpleNamespace(record=False),
