@@ -336,3 +336,24 @@ def test_a_stalled_tp_rank_is_named_by_its_global_rank_everywhere():
     assert ("2", "1", "0", "0") in named, err[-3000:]  # rank 0's report of its pipeline peer
     assert all(int(r) == int(p) * 2 + int(t) and d == "0" for r, p, d, t in named), named
     assert not re.search(r"rank \d+ lost", err), err[-3000:]  # no rank named without coordinates
+
+
+def test_blame_follows_global_ranks_named_with_coordinates():
+    """A rank's one-line message names the lost peer as ``rank G (pp p, dp d, tp t)``: the
+    launcher follows it to global rank G (no error file read back here), and names it the
+    same way. Coordinates are pp-major: rank = (pp x dp_degree + dp) x tp_degree + tp."""
+    from types import SimpleNamespace as NS
+
+    from rrfp.parallel.layout import ParallelLayout
+    from rrfp.train.cli import describe_failures
+    from rrfp.train.guard import blamed_rank
+
+    assert [ParallelLayout.name(r, 2, 2) for r in (0, 3, 6)] == [
+        "rank 0 (pp 0, dp 0, tp 0)", "rank 3 (pp 0, dp 1, tp 1)", "rank 6 (pp 1, dp 1, tp 0)"]
+    assert all(ParallelLayout.global_rank(3, 2, 2, *map(int, re.findall(r"\d+", ParallelLayout.name(r, 2, 2))[1:])) == r
+               for r in range(12))
+    line = "rrfp train: rank 0: error: PeerLost: rank 2 (pp 1, dp 0, tp 0) lost: connection closed"
+    assert blamed_rank(RuntimeError(line), 0) == 2
+    failures = {0: NS(exitcode=1, timestamp=10.0, message=line), 2: NS(exitcode=-15, timestamp=11.0, message=None)}
+    assert describe_failures(failures, set(), (1, 2)) == \
+        "rank 2 (pp 1, dp 0, tp 0) died (SIGTERM); rank 0 stopped too"
