@@ -300,7 +300,7 @@ async def test_polled_completion_reports_each_work_once_in_any_order() -> None:
 
 def test_unknown_data_plane_is_one_line_naming_the_choices(capsys, monkeypatch) -> None:
     from rrfp.cli import main
-    from rrfp.runtime.dist import default_transport
+    from rrfp.parallel.bootstrap import default_transport
 
     with pytest.raises(ValueError, match="unknown data plane 'nccl': expected one of zmq, torch"):
         default_transport(0, 2, "j", data_plane="nccl")

@@ -22,7 +22,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from ..cli import UsageError
+from ..errors import UsageError
 
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_RDZV_PORT = 29500

@@ -19,7 +19,7 @@ import torch
 
 from ..scheduler.tasks import B, F, I, Task
 from ..transport.keys import Direction
-from .errors import PipelineError
+from ..errors import PipelineError
 from .split import WeightGradStore, deferring
 from .stage import PipelineStage, as_tuple, detach_for_next
 

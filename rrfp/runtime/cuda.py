@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..scheduler.tasks import Task
-from .executor import Pending, RunFn
+from .pending import Pending, RunFn
 
 
 class CudaExecutor:

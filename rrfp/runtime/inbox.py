@@ -19,7 +19,7 @@ from typing import Callable, Mapping, Sequence
 from ..scheduler.arbiter import Arbiter, SchedulingError
 from ..transport.base import Message
 from ..transport.keys import Direction
-from .errors import PipelineError
+from ..errors import PipelineError
 from .stage import PipelineStage
 from .timer import DeadlineTimers
 

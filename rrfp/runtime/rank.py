@@ -31,7 +31,7 @@ from ..scheduler.hints import Hint
 from ..scheduler.tasks import B, W, PipelineSpec, TaskRecord
 from ..transport.base import Message, Transport
 from .compute import LossFn, TaskCompute, run_backward
-from .errors import PipelineError, WatchdogTimeout
+from ..errors import PipelineError, WatchdogTimeout
 from .executor import Executor, InlineExecutor
 from .forward import ForwardArbiter
 from .hooks import HookRunner, StepHooks

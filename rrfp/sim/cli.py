@@ -21,7 +21,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .. import _json as strict_json
-from ..cli import UsageError
+from ..errors import UsageError
 from ..resources import doc_path
 from .compare import SimConfig, compare, default_baseline, sweep, sweep_table
 from .costs import MAX_BYTES, MAX_SECONDS, CostModel, StageCost, load_costs, short

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .._paths import output_file_problem
-from ..cli import UsageError
+from ..errors import UsageError
 from ..scheduler.hints import DEFAULT_HINT, HINT_NAMES
 from .lines import say
 

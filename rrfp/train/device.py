@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ..cli import UsageError
+from ..errors import UsageError
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import Message, PeerLost, Transport, TransportClosed
+from ..errors import PeerLost, TransportClosed
+from .base import Message, Transport
 from .codec import DTYPES, CodecError, parse_descriptors
 from .keys import Direction, MsgKey
 

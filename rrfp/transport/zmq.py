@@ -44,7 +44,8 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from . import auth as _auth
-from .base import PeerLost, Transport, TransportClosed
+from ..errors import PeerLost, TransportClosed
+from .base import Transport
 from .codec import DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_TENSORS, Frame, encode, frames_nbytes
 from .keys import MsgKey
 from .zmq_gate import Gatekeeper

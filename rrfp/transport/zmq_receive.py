@@ -15,7 +15,7 @@ import logging
 
 import zmq
 
-from .base import TransportClosed
+from ..errors import TransportClosed
 from .zmq_rendezvous import LOST_NOTICE
 from .zmq_wire import BYE, NOBLOCK, raw_recv
 

@@ -20,7 +20,7 @@ import socket
 import time
 
 from . import auth as _auth
-from .base import PeerLost, TransportClosed
+from ..errors import PeerLost, TransportClosed
 
 log = logging.getLogger("rrfp.transport.zmq")
 
