@@ -1,7 +1,7 @@
 """Die with the launcher: ``PR_SET_PDEATHSIG`` from a rank's first lines.
 
 Imported by ``rrfp/__main__.py`` before anything heavy (torch takes seconds to import, and a
-launcher SIGKILLed meanwhile used to leave ranks running for minutes). Standard library only.
+launcher SIGKILLed meanwhile would otherwise leave ranks running for minutes). Standard library only.
 """
 
 from __future__ import annotations
