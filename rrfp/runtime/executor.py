@@ -1,6 +1,6 @@
 """Executors: where and how a rank's compute tasks run, observed without blocking the loop.
 
-The protocol (ARCHITECTURE.md, "One rank, one event loop"):
+The protocol (docs/architecture.md, "One rank"):
 
 - ``launch(task, run_fn) -> Pending``: start ``run_fn(task)`` (the task's compute; it returns
   the task's outputs, a list the runtime hands on afterwards). Called on the event loop thread.
@@ -21,24 +21,42 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from ..scheduler.tasks import Task
 from .pending import Pending, RunFn
 
+class DeviceCopies(Protocol):
+    """Host <-> device copies an executor makes on its own stream, never blocking the loop."""
+
+    def to_device(self, device: torch.device, tensors: Sequence[torch.Tensor | None]) -> tuple:
+        """An arrival's tensors on ``device`` (requires_grad kept)."""
+
+    def to_host(self, tensors: Sequence[torch.Tensor | None]) -> tuple[list, Any]:
+        """Host copies of a task's outputs and an event (``query() -> bool``) that fires once
+        they are valid."""
+
+    def ready_event(self) -> Any:
+        """An event that fires once every task launched so far is done."""
+
+
 class Executor(Protocol):
-    """What the scheduler loop needs from an executor (see the module docstring).
+    """What the rank runtime and its scheduler loop need from an executor (see the module
+    docstring).
 
     Attributes:
         name: ``inline``, ``thread`` or ``cuda``.
         window: how many launched tasks may be unfinished at once (the launch-ahead window;
             1 means the next task launches only when the previous one is done).
+        copies: the executor's own host <-> device copies (:class:`DeviceCopies`), or None:
+            arrivals then go through the stage's ``to_device`` and sends through ``.cpu()``.
     """
 
     name: str
     window: int
+    copies: DeviceCopies | None
 
     def bind(self, wake: Callable[[], None]) -> None:
         """Called once on the loop thread before the first launch: ``wake()`` (loop thread
@@ -63,7 +81,10 @@ class Executor(Protocol):
 
 
 class _NoDeviceWork:
-    """Step boundaries and releases for executors whose tasks leave no device work behind."""
+    """Step boundaries, releases and copies for executors whose tasks leave no device work
+    behind."""
+
+    copies = None
 
     def release(self, pending: Pending) -> None:
         pass

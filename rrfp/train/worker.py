@@ -232,7 +232,7 @@ def _main(args: argparse.Namespace) -> int:
             if metrics is not None:
                 metrics.observe(st, loss=meta["loss"], tokens=sum(mb.n_tokens for mb in mbs) if 0 in stage_ids else 0,
                                 seconds=time.perf_counter() - t_step, transport=_transport_counts(pipe.transport),
-                                runtime_rejected=pipe.runtime.rejected)
+                                runtime_rejected=pipe.runtime.inbox.rejected)
             if reporter is None:
                 if reports(layout):
                     pipe.runtime.send_control(0, k, meta)
