@@ -121,7 +121,9 @@ class TaskCompute:
         self.stages = stages
         self.last_stage = last_stage
         self.loss_fn = loss_fn
-        self._router = router
+        self._take = router.take
+        self._next = router.consumers(Direction.ACT)  # by stage: the consumer of its activations
+        self._prev = router.consumers(Direction.GRAD)  # by stage: the consumer of its input gradients
         self._inputs: dict[tuple[int, int], tuple] = {}  # a forward's inputs, until its backward
         self._ordered = ordered
         self._sizer = sizer
@@ -171,10 +173,10 @@ class TaskCompute:
         if self.forward_only:
             # No backward follows: no graph, and the inputs go at once.
             with torch.no_grad():
-                out = self._forward_graph(stage, s, m, self._router.take(s, m, Direction.ACT))
-            dst = self._router.consumer(s, Direction.ACT)
+                out = self._forward_graph(stage, s, m, self._take(s, m, Direction.ACT))
+            dst = self._next[s]
             return [] if out is None or dst is None else [(dst, m, Direction.ACT, list(as_tuple(out)))]
-        inputs = self._inputs[(s, m)] = self._router.take(s, m, Direction.ACT)
+        inputs = self._inputs[(s, m)] = self._take(s, m, Direction.ACT)
         if self._sizer is not None:
             with self._sizer.measure(s, m, inputs), torch.enable_grad():
                 out = self._forward_graph(stage, s, m, inputs)
@@ -187,7 +189,7 @@ class TaskCompute:
             return []
         outs = out if type(out) is tuple else as_tuple(out)
         self._out[(s, m)] = outs
-        return [(self._router.consumer(s, Direction.ACT), m, Direction.ACT, [detach_for_next(o) for o in outs])]
+        return [(self._next[s], m, Direction.ACT, [detach_for_next(o) for o in outs])]
 
     def _forward_graph(self, stage, s: int, m: int, inputs):
         kw = self.kwargs
@@ -214,7 +216,7 @@ class TaskCompute:
         outs = self._out.pop((s, m))
         if s == self.last_stage:
             return list(outs), [torch.full_like(outs[0], self._seed.pop(m))]
-        grads = self._router.take(s, m, Direction.GRAD)
+        grads = self._take(s, m, Direction.GRAD)
         if len(grads) != len(outs):
             raise PipelineError(
                 f"rank {self.rank}: stage {s} microbatch {m} got {len(grads)} gradients for {len(outs)} outputs"
@@ -255,7 +257,7 @@ class TaskCompute:
             with self._capture(s, m):
                 if outs:
                     run_backward(outs, grads, (self.rank, s, m))
-        dst = self._router.consumer(s, Direction.GRAD)
+        dst = self._prev[s]
         if dst is None:
             return []
         in_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]

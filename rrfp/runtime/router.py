@@ -73,6 +73,10 @@ class Router:
         input gradients backward), or None at the ends of the pipeline."""
         return self._consumer[direction][stage]
 
+    def consumers(self, direction: Direction) -> tuple[int | None, ...]:
+        """:meth:`consumer` for every stage, as a table indexed by stage (for the hot paths)."""
+        return self._consumer[direction]
+
     def producer(self, stage: int, direction: Direction) -> int | None:
         """The stage whose output is ``stage``'s input in ``direction``, or None (the data, the
         loss)."""
