@@ -275,19 +275,14 @@ def _tensor_bytes(t: Tensor) -> memoryview:
         # A zero-size view may keep any strides (an empty slice's is 2), which the uint8
         # view refuses for 2-byte dtypes; there are no bytes to ship anyway.
         return _EMPTY
-    b = wire_bytes(t)
-    # The ndarray keeps the bytes, and so their storage, alive as long as the memoryview lives.
+    b = wire_bytes(t)  # the ndarray keeps the bytes alive as long as the memoryview lives
     return memoryview((b if b.device.type == "cpu" else b.cpu()).numpy())
 
 
 def wire_bytes(t: Tensor) -> Tensor:
-    """The bytes of ``t`` as every transport sends them: a flat uint8 view of its data on its
-    own device, in C order (a copy only when ``t`` is not contiguous or is a lazy
-    conjugate/negative view, whose storage is unresolved). Zero-size tensors give an empty view.
-
-    Raises:
-        CodecError: a tensor on the meta device (shapes without data).
-    """
+    """The bytes of ``t`` as every transport sends them: a flat uint8 view of its data on its own
+    device in C order (copied only if not contiguous or a lazy conjugate/negative view). Raises
+    CodecError for a tensor on the meta device (shapes without data)."""
     t = t.detach()
     if t.device.type == "meta":
         raise CodecError(f"a tensor on the meta device has no data to send (shape {tuple(t.shape)})")
