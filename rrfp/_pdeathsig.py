@@ -1,7 +1,7 @@
 """Die with the launcher: ``PR_SET_PDEATHSIG`` from a rank's first lines.
 
 Imported by ``rrfp/__main__.py`` before anything heavy (torch takes seconds to import, and a
-launcher SIGKILLed meanwhile used to leave ranks running for minutes). Standard library only.
+launcher SIGKILLed meanwhile would otherwise leave ranks running for minutes). Standard library only.
 """
 
 from __future__ import annotations
@@ -26,15 +26,23 @@ def die_with_parent(sig: int = signal.SIGKILL, *, launched_only: bool = True) ->
     """
     if not sys.platform.startswith("linux") or (launched_only and "LOCAL_RANK" not in os.environ):
         return False
-    import ctypes
-
-    try:
-        if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
+    if not set_parent_death_signal(sig):
         return False
     expected = os.environ.get(LAUNCHER_PID_ENV, "")
     ppid = os.getppid()
     if (expected.isdigit() and ppid != int(expected)) or ppid == 1:
         os._exit(128 + int(sig))
     return True
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` for this process (kept across ``exec``); True when set,
+    False where Linux's prctl is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False

@@ -16,26 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from ._paths import output_file_problem
-from .cli import UsageError
-from .train.lines import say
+from .errors import UsageError
+from .lines import say
 
-def _run_all():
-    import os
+PROGRAM = "benchmarks.run_all"
+"""The benchmark program, run as ``python -m`` from the folder :func:`~rrfp.resources.bench_root`
+finds: the package runs it as a child process and never imports it."""
 
-    from .resources import bench_root
-
-    root = bench_root()
-    if root is None:
-        raise UsageError("this installation has no benchmarks: run rrfp bench from a clone of the rrfp repository")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    # The rank processes import ``benchmarks`` too (python -m benchmarks.harness).
-    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    if str(root) not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, paths)])
-    from benchmarks import run_all
-
-    return run_all
+LAUNCHED_ENV = "RRFP_BENCH_LAUNCHED"
+"""Set in the program's environment by ``rrfp bench``, so that its errors read ``rrfp bench: ...``."""
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
@@ -77,7 +66,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_options(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=launch)
 
 
 class Stopped(KeyboardInterrupt):
@@ -98,22 +87,88 @@ def _on_signal(signum: int, frame: Any) -> None:
     raise Stopped(signum)
 
 
-def run(args: argparse.Namespace) -> int:
-    import signal
-
-    run_all = _run_all()
-    err = run_all.options_error(args)
-    if err:
-        raise UsageError(err)
+def _check_paths(args: argparse.Namespace) -> None:
     for flag, path in (("--out", args.out), ("--json", args.json)):
         if path is not None and (problem := output_file_problem(path)):
             raise UsageError(f"{flag} {path}: {problem}")
     if args.from_json and not Path(args.from_json).is_file():
         what = "is a folder, expected a file" if Path(args.from_json).is_dir() else "no such file"
         raise UsageError(f"--from-json {args.from_json}: {what}")
+
+
+def launch(args: argparse.Namespace) -> int:
+    """``rrfp bench``: the benchmark program (:data:`PROGRAM`) as a child process with the same
+    arguments; SIGTERM and SIGINT are passed on to it, so it stops its rank processes itself.
+
+    Returns:
+        the program's exit status (128 + the signal when a signal ended it).
+
+    Raises:
+        UsageError: a bad output path, or an installation without the benchmarks.
+    """
+    import os
+    import signal
+    import subprocess
+
+    from .resources import bench_root
+
+    _check_paths(args)
+    root = bench_root()
+    if root is None:
+        raise UsageError("this installation has no benchmarks: run rrfp bench from a clone of the rrfp repository")
+    argv = args.argv[args.argv.index("bench") + 1:]
+    # The rank processes import ``benchmarks`` too (python -m benchmarks.harness).
+    paths = [str(root), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), LAUNCHED_ENV: "1"}
+    child = subprocess.Popen([sys.executable, "-m", PROGRAM, *argv], env=env, preexec_fn=_die_with_parent)
+    previous = {s: signal.signal(s, lambda signum, frame: child.send_signal(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - code if code < 0 else code
+
+
+def _die_with_parent() -> None:
+    # In the forked child: a SIGKILLed ``rrfp bench`` takes the program (and, through the
+    # program's own parent-death signal, its ranks) with it.
+    from ._pdeathsig import set_parent_death_signal
+
+    set_parent_death_signal()
+
+
+def run(args: argparse.Namespace) -> int:
+    """The benchmark program's run under ``rrfp bench``'s checks and stop handling; called by the
+    program's ``main`` (``python -m benchmarks.run_all``), which is the ``__main__`` module.
+
+    Returns:
+        the program's exit status; 2 after an error line when started by :func:`launch`;
+        128 + the signal when SIGTERM or SIGINT stopped it (its rank processes stopped too).
+
+    Raises:
+        UsageError: a bad option, when not started by :func:`launch`.
+    """
+    import os
+    import signal
+
+    program = sys.modules["__main__"]
+    if not (hasattr(program, "options_error") and hasattr(program, "run")):
+        raise RuntimeError(f"rrfp.bench_cli.run runs inside {PROGRAM} (its main calls it); use rrfp bench")
+    try:
+        err = program.options_error(args)
+        if err:
+            raise UsageError(err)
+        _check_paths(args)
+    except UsageError as e:
+        if os.environ.get(LAUNCHED_ENV) != "1":
+            raise
+        say(f"rrfp bench: error: {e}", sys.stderr)
+        return 2
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return run_all.run(args)
+        return program.run(args)
     except KeyboardInterrupt as e:
         sig = signal.Signals(getattr(e, "signum", signal.SIGINT))
         say(f"rrfp bench: stopped by {sig.name}; its rank processes were stopped too", sys.stderr)

@@ -13,6 +13,9 @@ import os
 import sys
 from typing import NoReturn
 
+from .errors import UsageError
+from .lines import say
+
 SUBCOMMANDS = {
     "train": "rrfp.train.cli",
     "simulate": "rrfp.sim.cli",
@@ -26,10 +29,6 @@ SUBCOMMANDS = {
 EARLY_CHECKS = {
     "train": "rrfp.train.early",
 }
-
-
-class UsageError(Exception):
-    """Bad input found before any process starts: printed as one line, exit code 2."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -92,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         return code
     except UsageError as e:
-        from .train.lines import say
-
         say(f"rrfp {args.command}: error: {e}", sys.stderr)
         return 2
     except BrokenPipeError:

@@ -42,13 +42,13 @@ def test_output_paths_are_checked_before_the_benchmark_runs(flag, case, problem,
     assert err == [f"rrfp bench: error: {flag} {path}: {problem.replace('MISSING', str(tmp_path / 'no' / 'dir'))}"]
 
 
-def test_a_missing_hint_file_or_a_folder_for_from_json_is_one_line(tmp_path, capsys, no_run):
+def test_a_missing_hint_file_or_a_folder_for_from_json_is_one_line(tmp_path, capfd, no_run):
     missing = tmp_path / "no_such.csv"
-    assert main(["bench", "--quick", "--hint", str(missing)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    assert main(["bench", "--quick", "--hint", str(missing)]) == 2  # refused by the benchmark program
+    err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"rrfp bench: error: --hint {str(missing)!r}: ") and "No such file" in err[0]
     assert main(["bench", "--from-json", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == f"rrfp bench: error: --from-json {tmp_path}: is a folder, expected a file"
+    assert capfd.readouterr().err.strip() == f"rrfp bench: error: --from-json {tmp_path}: is a folder, expected a file"
 
 
 def test_the_launcher_removes_its_temporary_folder(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from rrfp.model.gpt import IGNORE_INDEX, count_tokens, lm_loss
 from rrfp.model.multimodal import MULTIMODAL, build_multimodal_stage
 from rrfp.runtime.local import LocalPipeline
 
-RTOL, ATOL = 1e-5, 1e-6
+from reference import ATOL, RTOL, assert_stage_grads
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +69,7 @@ def test_pipeline_gradients_equal_one_stage_reference(digits, hint):
     with LocalPipeline(stages, 4, lm_loss, hint=hint, loss_weight_fn=count_tokens, delay=(0.0, 0.001), seed=4) as pipe:
         loss = pipe.step(microbatches=[mb.inputs for mb in mbs], targets=[mb.targets for mb in mbs])
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    seen = set()
-    for st in stages:
-        for name, p in st.named_parameters():
-            full = st.stage_param_names[name]
-            seen.add(full)
-            torch.testing.assert_close(p.grad, ref_grads[full], rtol=RTOL, atol=ATOL, msg=lambda m: f"{full}: {m}")
-    assert seen == set(ref_grads)
+    assert_stage_grads(stages, ref_grads)
 
 
 def test_bad_inputs_are_refused(digits):

@@ -12,7 +12,7 @@ from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
 from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
 from rrfp.runtime.local import LocalPipeline
 
-RTOL, ATOL = 1e-5, 1e-6
+from reference import ATOL, RTOL, assert_stage_grads, gpt_reference
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)
 
 
@@ -24,32 +24,13 @@ def _samples(n: int, seed: int = 0) -> list[bytes]:
     return [text[i : i + n_] for i, n_ in enumerate(lengths)]
 
 
-def _reference(model: GPT, samples: list[bytes]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    ref = copy.deepcopy(model)
-    tokens, targets = pad_batch(samples)
-    loss = lm_loss(ref(tokens), targets)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
-
-
-def _assert_grads_match(stages, ref_grads) -> None:
-    seen = set()
-    for st in stages:
-        for name, p in st.named_parameters():
-            full = st.stage_param_names[name]
-            seen.add(full)
-            assert p.grad is not None, f"{full} got no gradient"
-            torch.testing.assert_close(p.grad, ref_grads[full], rtol=RTOL, atol=ATOL, msg=lambda m: f"{full}: {m}")
-    assert seen == set(ref_grads)
-
-
 @pytest.mark.parametrize("hint", ["bf", "strict-1f1b", "strict-gpipe"])
 @pytest.mark.parametrize("n_microbatches", [1, 2, 3, 8])
 @pytest.mark.parametrize("n_stages", [1, 2, 4])
 def test_gpt_gradients_equal_single_process_reference(n_stages, n_microbatches, hint):
     model = GPT(CFG, seed=1)
     samples = _samples(8, seed=n_stages * 10 + n_microbatches)
-    ref_loss, ref_grads = _reference(model, samples)
+    ref_loss, ref_grads = gpt_reference(model, samples)
     stages = split_gpt(model, n_stages)
     mbs = make_microbatches(samples, n_microbatches)
     assert len({mb.tokens.shape[1] for mb in mbs}) > 1 or n_microbatches == 1  # unequal lengths
@@ -58,7 +39,7 @@ def test_gpt_gradients_equal_single_process_reference(n_stages, n_microbatches, 
     ) as pipe:
         loss = pipe.step(microbatches=[(mb.tokens,) for mb in mbs], targets=[mb.targets for mb in mbs])
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    _assert_grads_match(stages, ref_grads)
+    assert_stage_grads(stages, ref_grads)
 
 
 def test_losses_list_gets_each_microbatch_loss():
@@ -90,7 +71,7 @@ def test_mixed_dtype_tuple_io_passes_unchanged(hint):
     with LocalPipeline(stages, 4, toy_loss, hint=hint, delay=(0.0, 0.001), seed=5) as pipe:
         loss = pipe.step(x, ids, mask, scale, target=target)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=RTOL, atol=ATOL)
-    _assert_grads_match(stages, ref_grads)
+    assert_stage_grads(stages, ref_grads)
 
 
 def test_two_steps_accumulate_like_reference():
@@ -106,7 +87,7 @@ def test_two_steps_accumulate_like_reference():
         for s in (a, b):
             mbs = make_microbatches(s, 2)
             pipe.step(microbatches=[(m.tokens,) for m in mbs], targets=[m.targets for m in mbs])
-    _assert_grads_match(stages, {n: p.grad for n, p in ref.named_parameters()})
+    assert_stage_grads(stages, {n: p.grad for n, p in ref.named_parameters()})
 
 
 def test_too_many_microbatches_is_a_clear_error():
@@ -127,7 +108,7 @@ def test_forged_messages_are_rejected_and_the_step_still_matches():
 
     model = GPT(CFG, seed=6)
     samples = _samples(4, 3)
-    ref_loss, ref_grads = _reference(model, samples)
+    ref_loss, ref_grads = gpt_reference(model, samples)
     stages = split_gpt(model, 2)
     mbs = make_microbatches(samples, 2)
     with LocalPipeline(stages, 2, lm_loss, loss_weight_fn=count_tokens, delay=(0.0, 0.002)) as pipe:
@@ -139,7 +120,7 @@ def test_forged_messages_are_rejected_and_the_step_still_matches():
         ]
         for key in forged:
             rt1.inbox.on_message(Message(0, key, junk, {}))
-        assert rt1.rejected == 2
+        assert rt1.inbox.rejected == 2
         loss = pipe.step(microbatches=[(m.tokens,) for m in mbs], targets=[m.targets for m in mbs])
         rt1.inbox.step = 1  # as during step 1: routing errors are refused, not fatal
         rt1.inbox.arb = __import__("rrfp.scheduler.arbiter", fromlist=["Arbiter"]).Arbiter(
@@ -153,10 +134,10 @@ def test_forged_messages_are_rejected_and_the_step_still_matches():
             rt1.inbox.on_message(Message(0, key, junk, {}))
         rt1.inbox.on_message(Message(0, MsgKey(job, 1, 0, 1, Direction.ACT), junk, {}))
         rt1.inbox.on_message(Message(0, MsgKey(job, 1, 0, 1, Direction.ACT), junk, {}))  # duplicate
-        assert rt1.rejected == 2 + 5
+        assert rt1.inbox.rejected == 2 + 5
         rt1.inbox.step = None
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    _assert_grads_match(stages, ref_grads)
+    assert_stage_grads(stages, ref_grads)
 
 
 def _toy_pipe(delay, watchdog: float, n_microbatches: int = 4, inflight_limit: int = 32,
@@ -192,7 +173,7 @@ def test_watchdog_names_the_missing_message():
     WatchdogTimeout that names what the waiting rank waits for, instead of hanging. Simulated
     time, every message 0.1 s: rank 1 runs microbatches 1-3 at 0.1 s, then gives up one period
     later (the held activation is due at 10.1 s, which closing the pipeline waits for)."""
-    from rrfp.runtime.rank import WatchdogTimeout
+    from rrfp.errors import WatchdogTimeout
 
     from virtual_time import VirtualTimeLoop
 
@@ -240,7 +221,7 @@ def test_watchdog_fires_one_period_after_the_last_progress():
     """The same step with one gap of 0.55 s (> 0.5 s) after rank 1's progress at 0.7 s (F and
     B of microbatch 3): rank 1 gives up at 0.7 + 0.5 s, waiting for microbatch 4's activation,
     not at 0.5 s (the step's start) nor when the late activation comes (1.25 s)."""
-    from rrfp.runtime.rank import WatchdogTimeout
+    from rrfp.errors import WatchdogTimeout
 
     from virtual_time import VirtualTimeLoop
 
@@ -281,7 +262,7 @@ def test_a_forged_gradient_fails_the_step_naming_rank_stage_and_microbatch(chang
     """A correct pipeline sends each output's gradient in that output's shape and dtype:
     anything else is a clear PipelineError, not a torch error from inside the engine nor a
     silent cast."""
-    from rrfp.runtime.rank import PipelineError
+    from rrfp.errors import PipelineError
     from rrfp.transport.keys import Direction
 
     pipe, _, x, y = _toy_pipe((0.0, 0.0), watchdog=10)
@@ -297,7 +278,7 @@ def test_closing_a_rank_during_its_step_fails_that_step_at_once():
     import asyncio
 
     from rrfp.runtime.pipeline import split_microbatches
-    from rrfp.runtime.rank import PipelineError
+    from rrfp.errors import PipelineError
 
     from virtual_time import VirtualTimeLoop
 
@@ -366,7 +347,7 @@ def test_a_rank_killed_mid_step_fails_the_others_naming_it(delay):
         return 0.0
 
     for rt in pipe.runtimes:
-        rt.task_delay = kill_after_rank0_f1
+        rt.loop.task_delay = kill_after_rank0_f1
     mbs = split_microbatches(x, 4)
     tgs = [t[0] for t in split_microbatches([y], 4, "target")]
 
@@ -391,7 +372,7 @@ def test_a_flood_of_next_step_messages_is_bounded_and_the_step_still_matches():
 
     model = GPT(CFG, seed=6)
     samples = _samples(4, 3)
-    ref_loss, ref_grads = _reference(model, samples)
+    ref_loss, ref_grads = gpt_reference(model, samples)
     stages = split_gpt(model, 2)
     mbs = make_microbatches(samples, 2)
     with LocalPipeline(stages, 2, lm_loss, loss_weight_fn=count_tokens) as pipe:
@@ -401,6 +382,6 @@ def test_a_flood_of_next_step_messages_is_bounded_and_the_step_still_matches():
         for k in range(2 * 1 * 2 + 7):  # rank 1 holds 1 stage; 2 microbatches
             rt1.inbox.on_message(Message(0, MsgKey(job, 2, k % 2, 1, Direction.ACT), junk, {}))
         assert len(rt1.inbox.pending[2]) == 4
-        assert rt1.rejected == 7
+        assert rt1.inbox.rejected == 7
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    _assert_grads_match(stages, ref_grads)
+    assert_stage_grads(stages, ref_grads)

@@ -12,7 +12,7 @@ from rrfp.data.batches import Microbatch, pad_batch
 from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
 from rrfp.runtime.local import LocalPipeline
 
-RTOL, ATOL = 1e-5, 1e-6
+from reference import ATOL, RTOL, assert_stage_grads, gpt_reference
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)
 TEXT = b"class A:\n    def f(self, x):\n        return [x] * 3\n" * 4
 
@@ -27,14 +27,6 @@ def _batch(n_microbatches: int, seed: int) -> tuple[list[bytes], list[Microbatch
     return samples, mbs
 
 
-def _reference(model, samples):
-    ref = copy.deepcopy(model)
-    tokens, targets = pad_batch(samples)
-    loss = lm_loss(ref(tokens), targets)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
-
-
 def _run(n_ranks, n_virtual, placement, hint, M, *, seed=0, delay=(0.0, 0.002), deterministic=False, model=None):
     model = model or GPT(CFG, seed=3)
     samples, mbs = _batch(M, seed)
@@ -46,16 +38,9 @@ def _run(n_ranks, n_virtual, placement, hint, M, *, seed=0, delay=(0.0, 0.002), 
 
 
 def _check(model, samples, stages, loss):
-    ref_loss, ref_grads = _reference(model, samples)
+    ref_loss, ref_grads = gpt_reference(model, samples)
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    seen = set()
-    for st in stages:
-        for name, p in st.named_parameters():
-            full = st.stage_param_names[name]
-            seen.add(full)
-            assert p.grad is not None, full
-            torch.testing.assert_close(p.grad, ref_grads[full], rtol=RTOL, atol=ATOL, msg=lambda m: f"{full}: {m}")
-    assert seen == set(ref_grads)
+    assert_stage_grads(stages, ref_grads)
 
 
 ONE_STAGE_PER_RANK = ["bf", "bfw", "fb", "b-priority", "f-priority", "gpipe", "1f1b", "zb-h1"]

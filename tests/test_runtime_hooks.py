@@ -4,17 +4,15 @@ ends, and that they see final gradients: in-process, fake transport, fixed per-r
 from __future__ import annotations
 
 import asyncio
-import copy
 
 import pytest
-import torch
 
 from rrfp.data.batches import Microbatch, pad_batch
 from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
 from rrfp.runtime.hooks import StepHooks
 from rrfp.runtime.local import LocalPipeline
 
-RTOL, ATOL = 1e-5, 1e-6
+from reference import assert_stage_grads, gpt_reference
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)
 TEXT = b"def g(a, b):\n    return {a: b for _ in range(2)}\n" * 4
 
@@ -35,13 +33,6 @@ EXPECTED = {
 def _batch(M: int) -> tuple[list[bytes], list[Microbatch]]:
     samples = [TEXT[m: m + 6 + 5 * m] for m in range(M)]  # a different length per microbatch
     return samples, [Microbatch(*pad_batch([s])) for s in samples]
-
-
-def _reference(model, samples) -> dict[str, torch.Tensor]:
-    ref = copy.deepcopy(model)
-    tokens, targets = pad_batch(samples)
-    lm_loss(ref(tokens), targets).backward()
-    return {n: p.grad for n, p in ref.named_parameters()}
 
 
 class Recorder(StepHooks):
@@ -77,7 +68,7 @@ class Recorder(StepHooks):
 def test_stage_hooks_fire_after_the_stage_last_w_and_their_awaitables_end_the_step():
     model = GPT(CFG, seed=5)
     samples, mbs = _batch(2)
-    ref = _reference(model, samples)
+    _, ref = gpt_reference(model, samples)
     stages = split_gpt(model, 4)
     logs = {0: [], 1: []}
     with LocalPipeline(stages, 2, lm_loss, hint=ORDER, n_virtual=2, loss_weight_fn=count_tokens,
@@ -85,7 +76,7 @@ def test_stage_hooks_fire_after_the_stage_last_w_and_their_awaitables_end_the_st
         assert pipe.spec.split_backward
         for r, rt in enumerate(pipe.runtimes):
             rt.add_step_hooks(Recorder(r, rt.stages, logs[r]))
-            rt.task_delay = lambda step, rank, task: logs[rank].append(str(task)) or 0.0
+            rt.loop.task_delay = lambda step, rank, task: logs[rank].append(str(task)) or 0.0
         pipe.step(microbatches=[(mb.tokens,) for mb in mbs], targets=[mb.targets for mb in mbs])
     for r in (0, 1):
         log = logs[r]
@@ -96,10 +87,7 @@ def test_stage_hooks_fire_after_the_stage_last_w_and_their_awaitables_end_the_st
         assert sorted(e for e in log if e.startswith("R")) == sorted(f"R{s}" for s in stage_ids)
         assert all(log.index(f"R{s}") > log.index(f"G{s}") for s in stage_ids)
     # The hooks saw final gradients: doubling them then gives twice the reference exactly.
-    for st in stages:
-        for name, p in st.named_parameters():
-            full = st.stage_param_names[name]
-            torch.testing.assert_close(p.grad, 2 * ref[full], rtol=RTOL, atol=ATOL, msg=lambda m: f"{full}: {m}")
+    assert_stage_grads(stages, ref, scale=2.0)
 
 
 def test_hooks_with_a_full_backward_fire_after_the_last_b():
@@ -111,7 +99,7 @@ def test_hooks_with_a_full_backward_fire_after_the_last_b():
     with LocalPipeline(split_gpt(model, 2), 2, lm_loss, hint=order, loss_weight_fn=count_tokens) as pipe:
         for r, rt in enumerate(pipe.runtimes):
             rt.add_step_hooks(Recorder(r, rt.stages, logs[r]))
-            rt.task_delay = lambda step, rank, task: logs[rank].append(str(task)) or 0.0
+            rt.loop.task_delay = lambda step, rank, task: logs[rank].append(str(task)) or 0.0
         for _ in range(2):  # hooks fire every step
             pipe.step(microbatches=[(mb.tokens,) for mb in mbs], targets=[mb.targets for mb in mbs])
     one = {0: ["0F0", "0F1", "0B0", "0B1", "G0", "R0", "end", "end done"],

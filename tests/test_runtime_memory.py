@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
-from rrfp.data.batches import make_microbatches, pad_batch
+from rrfp.data.batches import make_microbatches
 from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
 from rrfp.runtime.memory import ForwardSizer, WeightBytes
 from rrfp.runtime.local import LocalPipeline
 
-RTOL, ATOL = 1e-5, 1e-6
+from reference import ATOL, RTOL, assert_stage_grads, gpt_reference
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)
 
 
@@ -21,21 +20,13 @@ def _samples(n: int) -> list[bytes]:
     return [text[i : i + 5 + 4 * i] for i in range(n)]
 
 
-def _reference(model, samples):
-    ref = copy.deepcopy(model)
-    tokens, targets = pad_batch(samples)
-    loss = lm_loss(ref(tokens), targets)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in ref.named_parameters()}
-
-
 @pytest.mark.parametrize("hint", ["bf", "bfw-df", "bfw-alt-df"])
 def test_one_byte_budget_holds_one_microbatch_and_keeps_gradients(hint):
     # A budget below any microbatch's size admits a microbatch only when none is held: every
     # rank then runs one microbatch at a time, and the gradients stay the reference's.
     model = GPT(CFG, seed=1)
     samples = _samples(8)
-    ref_loss, ref_grads = _reference(model, samples)
+    ref_loss, ref_grads = gpt_reference(model, samples)
     stages = split_gpt(model, 4)
     mbs = make_microbatches(samples, 4)
     with LocalPipeline(stages, 4, lm_loss, hint=hint, loss_weight_fn=count_tokens, delay=(0.0, 0.002), seed=3,
@@ -47,10 +38,7 @@ def test_one_byte_budget_holds_one_microbatch_and_keeps_gradients(hint):
             assert [s.peak_mb_inflight for s in pipe.last_stats] == [1, 1, 1, 1]
             assert all(s.peak_bytes > 1 for s in pipe.last_stats)
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    for st in stages:
-        for name, p in st.named_parameters():
-            full = st.stage_param_names[name]
-            torch.testing.assert_close(p.grad, ref_grads[full], rtol=RTOL, atol=ATOL)
+    assert_stage_grads(stages, ref_grads)
 
 
 def _peaks_v2(stages, mbs, budget: int, steps: int = 1):
@@ -72,7 +60,7 @@ def test_banker_budget_with_virtual_stages_keeps_gradients_and_bytes():
     # the gradients stay the reference's.
     model = GPT(CFG, seed=1)
     samples = _samples(8)
-    ref_loss, ref_grads = _reference(model, samples)
+    ref_loss, ref_grads = gpt_reference(model, samples)
     stages = split_gpt(model, 4)
     mbs = make_microbatches(samples, 4)
     _, free = _peaks_v2(stages, mbs, 2**40)
@@ -83,9 +71,7 @@ def test_banker_budget_with_virtual_stages_keeps_gradients_and_bytes():
     assert all(p <= max(budget, s) for p, s in zip(peaks, single)), (peaks, budget, single)
     assert peaks[0] <= budget < free[0]
     torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
-    for st in stages:
-        for name, p in st.named_parameters():
-            torch.testing.assert_close(p.grad, ref_grads[st.stage_param_names[name]], rtol=RTOL, atol=ATOL)
+    assert_stage_grads(stages, ref_grads)
 
 
 def test_sizer_measures_saved_activations_and_scales_by_input():

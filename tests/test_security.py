@@ -323,9 +323,11 @@ def test_atomic_writes_leave_no_half_file(tmp_path):
 
 def test_an_activation_or_gradient_is_accepted_only_from_the_rank_of_its_producing_stage():
     from rrfp.runtime.inbox import Inbox
+    from rrfp.runtime.router import Router
+    from rrfp.scheduler.tasks import Placement
     from rrfp.transport.base import Message
 
-    inbox = Inbox(1, "j", {1: None}, 4, rank_of=[0, 1, 2, 3])
+    inbox = Inbox(Router(Placement(4), 1), "j", {1: None}, 4)
     for src, direction, why in [(3, Direction.ACT, "stage 0 belongs to rank 0"),
                                 (0, Direction.GRAD, "stage 2 belongs to rank 2"),
                                 (2, Direction.ACT, "stage 0 belongs to rank 0")]:

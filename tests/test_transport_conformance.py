@@ -92,9 +92,8 @@ def assert_bit_exact(got: torch.Tensor | None, want: torch.Tensor | None) -> Non
         return
     assert got.dtype == want.dtype and got.shape == want.shape and got.device == want.device
     assert got.requires_grad == want.requires_grad
-    assert got.detach().contiguous().view(-1).view(torch.uint8).tolist() == (
-        want.detach().contiguous().view(-1).view(torch.uint8).tolist()
-    )
+    assert torch.equal(got.detach().contiguous().view(-1).view(torch.uint8),
+                       want.detach().contiguous().view(-1).view(torch.uint8))
 
 
 @pytest.mark.timeout(60)
@@ -132,6 +131,37 @@ async def test_all_to_all_variable_shapes_mixed_dtypes_bit_exact_any_order(kind:
         for t in ts:
             assert not t.lost_peers and rejected(t) == 0
         assert sum(t.stats["messages_received"] for t in ts) == len(sent)
+        assert sum(t.stats["messages_sent"] for t in ts) == len(sent)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+async def test_sizes_around_the_zero_copy_threshold_bit_exact(kind: str) -> None:
+    """Frames of 64 KiB and more leave the zmq data plane without a copy; 16 MiB crosses
+    every plane's buffering."""
+    sizes = [1 << 10, 64 << 10, (64 << 10) + 4, 1 << 20, 16 << 20]
+    async with group(kind, 3, seed=2) as ts:
+        job = ts[0].job
+        sent = {}
+        for i, n in enumerate(sizes):
+            for s in range(3):
+                d = (s + 1 + i) % 3  # includes loopback when i % 3 == 2
+                g = torch.Generator().manual_seed(i * 3 + s)
+                x = torch.randn(n // 4, generator=g)
+                ids = torch.randint(-(2**62), 2**62, (7,), generator=g)
+                sent[(s, i)] = (d, x, ids)
+                ts[s].send(d, MsgKey(job, 0, i, d, Direction.ACT), [x, None, ids], {"n": n})
+        await asyncio.gather(*(t.flush() for t in ts))
+        for d in range(3):
+            for _ in range(sum(1 for v in sent.values() if v[0] == d)):
+                m = await asyncio.wait_for(ts[d].recv(), 20)
+                dd, x, ids = sent[(m.src, m.key.microbatch)]
+                assert dd == d and m.key.stage == d and m.meta == {"n": sizes[m.key.microbatch]}
+                for got, want in zip(m.tensors, [x, None, ids]):
+                    assert_bit_exact(got, want)
+        await asyncio.wait_for(asyncio.gather(*(t.close() for t in ts)), 30)
+        for t in ts:
+            assert not t.lost_peers and rejected(t) == 0
 
 
 @pytest.mark.timeout(60)
@@ -150,6 +180,10 @@ async def test_lost_peer_is_reported_by_rank(kind: str) -> None:
                     await asyncio.wait_for(ts[r].recv(), 20)
             assert ei.value.rank == 2 and "rank 2 lost" in str(ei.value)
             assert 2 in ts[r].lost_peers
+            with pytest.raises(PeerLost):  # sticky: every later recv says so at once
+                await asyncio.wait_for(ts[r].recv(), 20)
+        with pytest.raises(TransportClosed):
+            await ts[2].recv()
 
 
 @pytest.mark.timeout(60)
@@ -165,6 +199,8 @@ async def test_close_with_messages_in_flight(kind: str) -> None:
                 ts[d].send(s, MsgKey(job, 0, i, s, Direction.GRAD), payload(d, s, i))
         # Nobody receives: close must still end cleanly on every rank, then recv says closed.
         await asyncio.wait_for(asyncio.gather(*(t.close() for t in ts)), 30)
+        for t in ts:
+            t.abort()  # after the goodbyes, a disconnect is not an error
         for t in ts:
             assert not t.lost_peers
             with pytest.raises(TransportClosed):
@@ -300,7 +336,7 @@ async def test_polled_completion_reports_each_work_once_in_any_order() -> None:
 
 def test_unknown_data_plane_is_one_line_naming_the_choices(capsys, monkeypatch) -> None:
     from rrfp.cli import main
-    from rrfp.runtime.dist import default_transport
+    from rrfp.parallel.bootstrap import default_transport
 
     with pytest.raises(ValueError, match="unknown data plane 'nccl': expected one of zmq, torch"):
         default_transport(0, 2, "j", data_plane="nccl")

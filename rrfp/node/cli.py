@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from .. import _net
-from ..cli import UsageError
+from ..errors import UsageError
 
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_RDZV_PORT = 29500

@@ -55,7 +55,7 @@ def _exchange(layout: ParallelLayout, kind: str, job: str, run):
         return GlooExchange(layout.tp_control_group, layout.tp)
     if kind != "control":
         raise ValueError(f"tp_exchange={kind!r}: expected 'control' or 'gloo'")
-    from ..runtime.dist import default_store
+    from .bootstrap import default_store
     from ..transport.zmq import ZmqTransport
     from .exchange import ControlExchange
 

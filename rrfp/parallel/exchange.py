@@ -5,7 +5,7 @@ Two implementations of one call, ``await exchange(code) -> [code of TP rank 0, 1
 
 - :class:`GlooExchange`: an asynchronous gloo all-gather on a CPU group of the TP ranks (a
   group of its own, so proposals never interleave with the layers' TP collectives). gloo's
-  ``Work.is_completed()`` stays False until ``wait()`` (ARCHITECTURE.md "Facts"): ``wait()``
+  ``Work.is_completed()`` stays False until ``wait()`` (docs/architecture.md, "Facts"): ``wait()``
   runs in a helper thread and the loop awaits it, so the rank keeps receiving meanwhile.
 - :class:`ControlExchange`: the same over the control plane, a ZeroMQ transport between the TP
   ranks (small control messages, one per peer per round; no helper thread: arrivals come in

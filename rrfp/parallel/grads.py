@@ -5,7 +5,7 @@
 - ``on_stage_grads_final(s)``: stage ``s``'s gradients are final in this step (its last B or
   W): start the stage's all-reduce over its DP group, one flat bucket, as an asynchronous
   gloo collective. gloo's ``Work.is_completed()`` stays False until ``wait()`` (torch 2.13 CPU,
-  ARCHITECTURE.md "Facts"), so ``wait()`` runs in a helper thread and the loop awaits it: the
+  docs/architecture.md, "Facts"), so ``wait()`` runs in a helper thread and the loop awaits it: the
   reduction overlaps the rest of the rank's drain.
 - ``on_step_end()``: every reduction is done; tied parameters' gradients are summed over the
   ranks that own them (a process group of those ranks), then the step ends and the optimizer

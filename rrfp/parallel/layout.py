@@ -66,7 +66,7 @@ class ParallelLayout:
         for name, v in (("pp", pp), ("dp", dp), ("tp", tp)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} degree {v!r}: expected an integer >= 1")
-        from ..runtime.dist import init_distributed
+        from .bootstrap import init_distributed
 
         init_distributed()
         world = dist.get_world_size()

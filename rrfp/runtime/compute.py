@@ -5,8 +5,8 @@
 task: a forward on the stage module (the loss on the last stage), a full backward (B), its
 input-gradient half (I) or weight-gradient half (W, from what I left: a
 :class:`~rrfp.runtime.split.WeightGradStore`, a ``dw_builder`` runner, or the whole backward
-deferred). It reads the step's inputs from the inbox's buffers and keeps what the tasks hand
-each other within the rank (outputs awaiting their backward, the W state, loss seeds); the
+deferred). It takes the step's inputs from the router's receive buffers, asks the router which
+stage consumes what a task produces, and keeps what the tasks hand each other within the rank (outputs awaiting their backward, the W state, loss seeds); the
 rank runtime sets the step's targets, weights and options and sends what a task returns.
 """
 
@@ -19,7 +19,8 @@ import torch
 
 from ..scheduler.tasks import B, F, I, Task
 from ..transport.keys import Direction
-from .errors import PipelineError
+from ..errors import PipelineError
+from .router import Router
 from .split import WeightGradStore, deferring
 from .stage import PipelineStage, as_tuple, detach_for_next
 
@@ -97,8 +98,9 @@ class TaskCompute:
         stages: the rank's :class:`PipelineStage` objects by stage index.
         last_stage: the pipeline's last stage index (its forward computes the loss).
         loss_fn: ``loss_fn(output, target) -> scalar tensor`` (last stage; None: no loss).
-        act, grad: the inbox's input buffers, ``(stage, microbatch) -> tensors``
-            (:class:`~rrfp.runtime.inbox.Inbox`); tasks pop what they consume.
+        router: the rank's :class:`~rrfp.runtime.router.Router`: tasks take their inputs from its
+            buffers (a forward's inputs are kept here until its backward) and hand their
+            outputs to the stage it names.
         ordered: per stage, a :class:`~rrfp.runtime.ordered._OrderedGrads` (deterministic
             weight-gradient accumulation), or None.
         sizer: a :class:`~rrfp.runtime.memory.ForwardSizer` measuring each forward's
@@ -114,13 +116,15 @@ class TaskCompute:
     """
 
     def __init__(self, rank: int, stages: Mapping[int, PipelineStage], last_stage: int, loss_fn: LossFn | None,
-                 act: dict, grad: dict, ordered: dict | None = None, sizer=None) -> None:
+                 router: Router, ordered: dict | None = None, sizer=None) -> None:
         self.rank = rank
         self.stages = stages
         self.last_stage = last_stage
         self.loss_fn = loss_fn
-        self._act = act
-        self._grad = grad
+        self._take = router.take
+        self._next = router.consumers(Direction.ACT)  # by stage: the consumer of its activations
+        self._prev = router.consumers(Direction.GRAD)  # by stage: the consumer of its input gradients
+        self._inputs: dict[tuple[int, int], tuple] = {}  # a forward's inputs, until its backward
         self._ordered = ordered
         self._sizer = sizer
         self._out: dict[tuple[int, int], tuple] = {}
@@ -136,7 +140,7 @@ class TaskCompute:
     def begin_step(self, kwargs: Sequence[dict] | None, outputs: dict[int, Any] | None, forward_only: bool) -> None:
         """A new step: its options, and nothing left from the last one."""
         self.kwargs, self.outputs, self.forward_only = kwargs, outputs, forward_only
-        self._out.clear(), self._wstate.clear(), self._seed.clear()
+        self._out.clear(), self._wstate.clear(), self._seed.clear(), self._inputs.clear()
 
     def end_step(self) -> None:
         """The step's tasks are over (or failed): drop its options."""
@@ -169,9 +173,10 @@ class TaskCompute:
         if self.forward_only:
             # No backward follows: no graph, and the inputs go at once.
             with torch.no_grad():
-                out = self._forward_graph(stage, s, m, self._act.pop((s, m)))
-            return [] if out is None else [(s + 1, m, Direction.ACT, list(as_tuple(out)))]
-        inputs = self._act[(s, m)]
+                out = self._forward_graph(stage, s, m, self._take(s, m, Direction.ACT))
+            dst = self._next[s]
+            return [] if out is None or dst is None else [(dst, m, Direction.ACT, list(as_tuple(out)))]
+        inputs = self._inputs[(s, m)] = self._take(s, m, Direction.ACT)
         if self._sizer is not None:
             with self._sizer.measure(s, m, inputs), torch.enable_grad():
                 out = self._forward_graph(stage, s, m, inputs)
@@ -184,7 +189,7 @@ class TaskCompute:
             return []
         outs = out if type(out) is tuple else as_tuple(out)
         self._out[(s, m)] = outs
-        return [(s + 1, m, Direction.ACT, [detach_for_next(o) for o in outs])]
+        return [(self._next[s], m, Direction.ACT, [detach_for_next(o) for o in outs])]
 
     def _forward_graph(self, stage, s: int, m: int, inputs):
         kw = self.kwargs
@@ -211,7 +216,7 @@ class TaskCompute:
         outs = self._out.pop((s, m))
         if s == self.last_stage:
             return list(outs), [torch.full_like(outs[0], self._seed.pop(m))]
-        grads = self._grad.pop((s, m))
+        grads = self._take(s, m, Direction.GRAD)
         if len(grads) != len(outs):
             raise PipelineError(
                 f"rank {self.rank}: stage {s} microbatch {m} got {len(grads)} gradients for {len(outs)} outputs"
@@ -220,7 +225,7 @@ class TaskCompute:
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     def _backward(self, s: int, m: int, split: bool) -> list:
-        inputs = self._act.pop((s, m))
+        inputs = self._inputs.pop((s, m))
         outs, grads = self._grad_pairs(s, m)
         dw_builder = self.stages[s].dw_builder
         if dw_builder is not None:
@@ -252,10 +257,11 @@ class TaskCompute:
             with self._capture(s, m):
                 if outs:
                     run_backward(outs, grads, (self.rank, s, m))
-        if s == 0:
+        dst = self._prev[s]
+        if dst is None:
             return []
         in_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-        return [(s - 1, m, Direction.GRAD, in_grads)]
+        return [(dst, m, Direction.GRAD, in_grads)]
 
     def _weight(self, s: int, m: int) -> None:
         state = self._wstate.pop((s, m))

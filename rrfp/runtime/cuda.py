@@ -39,7 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..scheduler.tasks import Task
-from .executor import Pending, RunFn
+from .pending import Pending, RunFn
 
 
 class CudaExecutor:
@@ -151,6 +151,12 @@ class CudaExecutor:
             self._timer = None
 
     # ------------------------------------------------------------ copies
+    @property
+    def copies(self) -> CudaExecutor:
+        """This executor makes its own copies, on its compute stream
+        (:class:`~rrfp.runtime.executor.DeviceCopies`)."""
+        return self
+
     def to_device(self, device: torch.device, tensors: Sequence[torch.Tensor | None]) -> tuple:
         """Host -> ``device`` on the compute stream, from pinned memory, without blocking.
 

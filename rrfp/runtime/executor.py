@@ -1,6 +1,6 @@
 """Executors: where and how a rank's compute tasks run, observed without blocking the loop.
 
-The protocol (ARCHITECTURE.md, "One rank, one event loop"):
+The protocol (docs/architecture.md, "One rank"):
 
 - ``launch(task, run_fn) -> Pending``: start ``run_fn(task)`` (the task's compute; it returns
   the task's outputs, a list the runtime hands on afterwards). Called on the event loop thread.
@@ -21,53 +21,42 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from ..scheduler.tasks import Task
+from .pending import Pending, RunFn
 
-RunFn = Callable[[Task], list]
-"""``run_fn(task)``: runs a task's compute and returns its outputs (handed on by the loop)."""
+class DeviceCopies(Protocol):
+    """Host <-> device copies an executor makes on its own stream, never blocking the loop."""
 
+    def to_device(self, device: torch.device, tensors: Sequence[torch.Tensor | None]) -> tuple:
+        """An arrival's tensors on ``device`` (requires_grad kept)."""
 
-class Pending:
-    """One launched task, as the scheduler loop sees it.
+    def to_host(self, tensors: Sequence[torch.Tensor | None]) -> tuple[list, Any]:
+        """Host copies of a task's outputs and an event (``query() -> bool``) that fires once
+        they are valid."""
 
-    Attributes:
-        task: the task.
-        t0: ``time.perf_counter()`` at launch (seconds).
-        outputs: what ``run_fn`` returned, once ``launched``.
-        error: the exception ``run_fn`` raised (the loop re-raises it), or None.
-        launched: the host part is over (outputs and ``error`` are set).
-        done: the task is over, device work included; implies ``launched``.
-        completed: set by the loop once the arbiter has been told.
-    """
-
-    __slots__ = ("task", "t0", "outputs", "error", "launched", "done", "completed", "handle")
-
-    def __init__(self, task: Task, t0: float) -> None:
-        self.task = task
-        self.t0 = t0
-        self.outputs: list = []
-        self.error: BaseException | None = None
-        self.launched = False
-        self.done = False
-        self.completed = False
-        self.handle = None  # executor-private (a CUDA event, a thread's future)
+    def ready_event(self) -> Any:
+        """An event that fires once every task launched so far is done."""
 
 
 class Executor(Protocol):
-    """What the scheduler loop needs from an executor (see the module docstring).
+    """What the rank runtime and its scheduler loop need from an executor (see the module
+    docstring).
 
     Attributes:
         name: ``inline``, ``thread`` or ``cuda``.
         window: how many launched tasks may be unfinished at once (the launch-ahead window;
             1 means the next task launches only when the previous one is done).
+        copies: the executor's own host <-> device copies (:class:`DeviceCopies`), or None:
+            arrivals then go through the stage's ``to_device`` and sends through ``.cpu()``.
     """
 
     name: str
     window: int
+    copies: DeviceCopies | None
 
     def bind(self, wake: Callable[[], None]) -> None:
         """Called once on the loop thread before the first launch: ``wake()`` (loop thread
@@ -92,7 +81,10 @@ class Executor(Protocol):
 
 
 class _NoDeviceWork:
-    """Step boundaries and releases for executors whose tasks leave no device work behind."""
+    """Step boundaries, releases and copies for executors whose tasks leave no device work
+    behind."""
+
+    copies = None
 
     def release(self, pending: Pending) -> None:
         pass

@@ -40,7 +40,7 @@ import asyncio
 from typing import Awaitable, Iterable
 
 from ..scheduler.tasks import Task
-from .errors import WatchdogTimeout
+from ..errors import WatchdogTimeout
 
 
 class StepHooks:

@@ -1,9 +1,11 @@
-"""A rank's inbox: every arrival, routed by its key into the step's input buffers.
+"""A rank's inbox: every arrival, admitted by its key into the router's receive buffers.
 
 The transport hands each message to :meth:`Inbox.on_message` inside its delivery callback, on the
 event loop thread. The inbox decides whether the message may be admitted (right job, this step
-or the next, a stage and microbatch this rank runs, not a duplicate), buffers its tensors per
-(stage, microbatch), tells the arbiter that an input arrived, and wakes the scheduler loop.
+or the next, a stage and microbatch this rank runs, sent by the rank the
+:class:`~rrfp.runtime.router.Router` names, not a duplicate), puts its tensors in the router's
+slot for (stage, microbatch, direction), tells the arbiter that an input arrived, and wakes the
+scheduler loop.
 Control messages (``Direction.CTL``) go to a bounded queue. Anything a correct pipeline cannot
 send is refused and counted (:attr:`Inbox.rejected`), never fatal: a forged or replayed message
 must not stop a job.
@@ -19,7 +21,8 @@ from typing import Callable, Mapping, Sequence
 from ..scheduler.arbiter import Arbiter, SchedulingError
 from ..transport.base import Message
 from ..transport.keys import Direction
-from .errors import PipelineError
+from ..errors import PipelineError
+from .router import Router
 from .stage import PipelineStage
 from .timer import DeadlineTimers
 
@@ -30,17 +33,17 @@ MAX_CONTROL_BACKLOG = 4096
 
 
 class Inbox:
-    """Arrivals of one rank: step admission, per-(stage, microbatch) buffers, control queue.
+    """Arrivals of one rank: step admission into the router's buffers, control queue.
 
     Args:
-        rank: this rank's pipeline index (for log lines and errors).
+        router: the rank's :class:`~rrfp.runtime.router.Router` (who may send what; the
+            buffers admitted inputs go to).
         job: the job id every admitted key must carry.
         stages: this rank's stages by stage index (their ``to_device`` places arrivals).
         n_microbatches: microbatches per step (keys outside ``[0, M)`` are refused).
 
     Attributes:
-        act: ``(stage, microbatch) -> tuple of tensors``, the forward inputs of this step.
-        grad: ``(stage, microbatch) -> list of tensors``, the output gradients of this step.
+        rank: this rank's pipeline index (for log lines and errors).
         step: the step being run, or None between steps.
         last_step: the last finished step (-1 before the first).
         arb: the running step's arbiter (inputs are marked on it).
@@ -50,19 +53,14 @@ class Inbox:
         wake: set whenever something the scheduler loop waits for happens.
     """
 
-    def __init__(self, rank: int, job: str, stages: Mapping[int, PipelineStage], n_microbatches: int,
-                 rank_of: Sequence[int] | None = None) -> None:
-        self.rank = rank
+    def __init__(self, router: Router, job: str, stages: Mapping[int, PipelineStage], n_microbatches: int) -> None:
+        self.router = router
+        self.rank = router.rank
         self.job = job
         self.stages = stages
         self.n_microbatches = n_microbatches
-        # The rank holding each stage: an activation or gradient is accepted only from the
-        # rank of the stage that produces it (the transport authenticates ``msg.src``).
-        self.rank_of = list(rank_of) if rank_of is not None else None
         # A step brings at most one activation and one gradient per stage and microbatch here.
         self._early_cap = 2 * len(stages) * n_microbatches
-        self.act: dict[tuple[int, int], tuple] = {}
-        self.grad: dict[tuple[int, int], list] = {}
         self.step: int | None = None
         self.last_step = -1
         self.arb: Arbiter | None = None
@@ -126,12 +124,10 @@ class Inbox:
                 return self.reject(msg, "control message with tensors, or control backlog full")
             self._control.put_nowait(msg)
             return
-        if self.rank_of is not None:
-            sender = key.stage + (1 if key.direction == Direction.GRAD else -1)
-            owner = self.rank_of[sender] if 0 <= sender < len(self.rank_of) else None
-            if owner != msg.src:
-                return self.reject(msg, f"sent by rank {msg.src}, but stage {sender} "
-                                        f"{'does not exist' if owner is None else f'belongs to rank {owner}'}")
+        # Only the rank holding the producing stage may send (the transport authenticates ``msg.src``).
+        problem = self.router.sender_problem(msg.src, key.stage, key.direction)
+        if problem is not None:
+            return self.reject(msg, f"sent by rank {msg.src}, but {problem}")
         # A peer can be at most one step ahead: it needs this rank's step-k outputs to finish
         # step k. Anything else is a stale, forged or corrupt message.
         current = self.step if self.step is not None else self.last_step + 1
@@ -185,10 +181,7 @@ class Inbox:
         except SchedulingError as e:  # a duplicate: the first copy stands
             return self.reject(msg, str(e))
         tensors = self.place_on(stage, msg.tensors)
-        if grad:
-            self.grad[(key.stage, key.microbatch)] = list(tensors)
-        else:
-            self.act[(key.stage, key.microbatch)] = tensors
+        self.router.put(key.stage, key.microbatch, key.direction, list(tensors) if grad else tensors)
         self.wake.set()
 
     def place_on(self, stage: PipelineStage, tensors: Sequence) -> tuple:
@@ -199,9 +192,9 @@ class Inbox:
         """A same-rank handover between virtual stages: no serialization, no admission checks
         (this rank produced it). Called on the loop thread."""
         if direction == Direction.ACT:
-            self.act[(dst_stage, m)] = tuple(tensors)
+            self.router.put(dst_stage, m, direction, tuple(tensors))
         else:
-            self.grad[(dst_stage, m)] = [None if t is None else t.detach() for t in tensors]
+            self.router.put(dst_stage, m, direction, [None if t is None else t.detach() for t in tensors])
         self.arb.mark_input(dst_stage, m, direction == Direction.GRAD)
 
     # ------------------------------------------------------------ steps
@@ -209,8 +202,7 @@ class Inbox:
         """Start admitting ``step``'s inputs (clears the buffers, then admits the early
         arrivals kept for it)."""
         self.arb, self.step = arb, step
-        self.act.clear()
-        self.grad.clear()
+        self.router.clear()
         for msg in self.pending.pop(step, []):
             self.accept(msg)
 

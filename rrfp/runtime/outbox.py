@@ -45,7 +45,7 @@ class Outbox:
         self.job = job
         self.to_host = to_host
         self.ready_event = ready_event
-        self.device_tensors = bool(getattr(transport, "device_tensors", False))
+        self.device_tensors = transport.device_tensors
         self.in_flight: list = []
         self._copying: deque = deque()  # (event, dst, key, host tensors), in send order
         self._timer: asyncio.Handle | None = None

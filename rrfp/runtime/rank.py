@@ -2,8 +2,10 @@
 
 :class:`RankRuntime` wires the parts together and runs the steps:
 
-- :mod:`~rrfp.runtime.inbox`: the transport's delivery callback routes arrivals by key into
-  the step's input buffers and marks readiness (step admission, early-message cap, refusals);
+- :mod:`~rrfp.runtime.router`: the stage graph (which stage consumes a task's outputs, which
+  rank holds it, who may send an input) and the receive buffers;
+- :mod:`~rrfp.runtime.inbox`: the transport's delivery callback admits arrivals by key into
+  the router's buffers and marks readiness (step admission, early-message cap, refusals);
 - :mod:`~rrfp.runtime.loop`: one scheduler coroutine asks the
   :class:`~rrfp.scheduler.arbiter.Arbiter` for the next task, hands it to the executor, waits for
   readiness events; the watchdog;
@@ -15,7 +17,7 @@
 - :mod:`~rrfp.runtime.compute`: the tasks themselves (F, B, I, W on the stage modules) and
   ``run_backward``.
 
-This module keeps :meth:`RankRuntime.run_step`, the errors (re-exported) and :class:`StepStats`.
+This module keeps :meth:`RankRuntime.run_step` and :class:`StepStats`.
 """
 
 from __future__ import annotations
@@ -30,22 +32,22 @@ from ..scheduler.arbiter import Arbiter
 from ..scheduler.hints import Hint
 from ..scheduler.tasks import B, W, PipelineSpec, TaskRecord
 from ..transport.base import Message, Transport
+from ..transport.keys import Direction
 from .compute import LossFn, TaskCompute, run_backward
-from .errors import PipelineError, WatchdogTimeout
 from .executor import Executor, InlineExecutor
 from ..scheduler.forward import ForwardArbiter
 from .hooks import HookRunner, StepHooks
-from .inbox import MAX_CONTROL_BACKLOG, Inbox
+from .inbox import Inbox
 from .loop import DelayFn, SchedulerLoop
-from .ordered import _OrderedGrads  # noqa: F401 - importable from here, as before the split
+from .ordered import _OrderedGrads
 from .outbox import Outbox
+from .router import Router
 from .split import enable_split_backward
 from .stage import PipelineStage, as_tuple
 
-__all__ = [
-    "RankRuntime", "StepStats", "run_backward", "PipelineError", "WatchdogTimeout", "LossFn", "DelayFn",
-    "MAX_CONTROL_BACKLOG", "TaskRecord", "StepHooks",
-]
+# run_backward, LossFn, DelayFn and TaskRecord are imported from here by the front doors, the
+# train loop and the benchmarks.
+__all__ = ["RankRuntime", "StepStats", "run_backward", "LossFn", "DelayFn", "TaskRecord"]
 
 @dataclass
 class StepStats:
@@ -107,8 +109,10 @@ class RankRuntime:
             by each forward's measured size (:mod:`rrfp.runtime.memory`).
 
     Attributes:
-        inbox, loop (the SchedulerLoop, not an asyncio loop), outbox, executor, compute (the
-            :class:`~rrfp.runtime.compute.TaskCompute`): the parts (see the module docstring).
+        router, inbox, loop (the SchedulerLoop, not an asyncio loop), outbox, executor, compute
+            (the :class:`~rrfp.runtime.compute.TaskCompute`): the parts (see the module
+            docstring). The knobs live on their parts: ``loop.watchdog``, ``loop.task_delay``,
+            ``loop.record``, ``compute.loss_fn``; refusals are counted in ``inbox.rejected``.
     """
 
     def __init__(
@@ -151,21 +155,20 @@ class RankRuntime:
                     enable_split_backward(st.submod)
         self.last_stage = spec.n_stages - 1
         self.executor = executor if executor is not None else InlineExecutor()
-        self.inbox = Inbox(rank, job, self.stages, spec.n_microbatches,
-                           rank_of=[spec.placement.rank_of(st) for st in range(spec.n_stages)])
-        self.outbox = Outbox(transport, job, getattr(self.executor, "to_host", None),
-                             getattr(self.executor, "ready_event", None))
-        to_device = getattr(self.executor, "to_device", None)
-        if to_device is not None:  # the executor copies on its own stream
-            self.inbox.place = lambda stage, tensors: to_device(stage.device, tensors)
+        self.router = Router(spec.placement, rank)
+        self.inbox = Inbox(self.router, job, self.stages, spec.n_microbatches)
+        copies = self.executor.copies
+        self.outbox = Outbox(transport, job, copies and copies.to_host, copies and copies.ready_event)
+        if copies is not None:  # the executor copies on its own stream
+            self.inbox.place = lambda stage, tensors: copies.to_device(stage.device, tensors)
         self.loop = SchedulerLoop(rank, self.inbox, self.executor, watchdog=watchdog, task_delay=task_delay,
                                   record=record)
         self._loss_total = self._loss_global = None
         self.hooks = HookRunner(self.stages, spec.n_microbatches, W if spec.split_backward else B)
         self._receiving = False
-        # The inbox buffers arrivals (the tasks' inputs); the tasks keep what they produce.
-        self._act = self.inbox.act
-        self._rank_of = [spec.placement.rank_of(st) for st in range(spec.n_stages)]
+        inbox, outbox = self.inbox, self.outbox
+        self.router.connect(inbox.deliver_local, lambda dst_rank, dst_stage, m, direction, tensors: outbox.send(
+            dst_rank, inbox.step, m, dst_stage, direction, tensors))
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self.memory_budget = memory_budget
         self._sizer = None
@@ -173,37 +176,12 @@ class RankRuntime:
             from .memory import ForwardSizer, WeightBytes
 
             self._sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()}, got[0])
-        self.compute = TaskCompute(rank, self.stages, self.last_stage, loss_fn, self.inbox.act, self.inbox.grad,
-                                   self._ordered, self._sizer)
+        self.compute = TaskCompute(rank, self.stages, self.last_stage, loss_fn, self.router, self._ordered,
+                                   self._sizer)
         # Under a budget the ledger frees at I all but what W's store holds (measured).
         self._wbytes = None if self._sizer is None else WeightBytes(self.compute._wstate)
 
-    @property
-    def loss_fn(self) -> LossFn | None:
-        """``loss_fn(output, target) -> scalar`` on the last stage (the tasks' own)."""
-        return self.compute.loss_fn
-
-    @loss_fn.setter
-    def loss_fn(self, fn: LossFn | None) -> None:
-        self.compute.loss_fn = fn
-
-    # The loop owns these; they stay settable here (tests and experiments change them).
-    @property
-    def watchdog(self) -> float:
-        return self.loop.watchdog
-
-    @watchdog.setter
-    def watchdog(self, value: float) -> None:
-        self.loop.watchdog = value
-
-    @property
-    def task_delay(self) -> DelayFn | None:
-        return self.loop.task_delay
-
-    @task_delay.setter
-    def task_delay(self, fn: DelayFn | None) -> None:
-        self.loop.task_delay = fn
-
+    # Benchmarks inject communication delay through this name (benchmarks/compare.py).
     @property
     def message_delay(self) -> Callable[[Message], float] | None:
         """``fn(message) -> seconds``: each arriving activation or gradient is held that long
@@ -213,19 +191,6 @@ class RankRuntime:
     @message_delay.setter
     def message_delay(self, fn: Callable[[Message], float] | None) -> None:
         self.inbox.hold = fn
-
-    @property
-    def record(self) -> bool:
-        return self.loop.record
-
-    @record.setter
-    def record(self, value: bool) -> None:
-        self.loop.record = value
-
-    @property
-    def rejected(self) -> int:
-        """Messages refused for their routing (wrong job, step, stage, duplicates...)."""
-        return self.inbox.rejected
 
     def set_loss_reduction(self, total_fn: Callable[[float], float], loss_fn: Callable[[float], float]) -> None:
         """Data parallelism (:mod:`rrfp.parallel.grads`): ``total_fn(local total)`` gives the
@@ -304,29 +269,14 @@ class RankRuntime:
             and whatever a step hook raised.
         """
         M = self.spec.n_microbatches
-        if 0 in self.stages and (inputs is None or len(inputs) != M):
-            raise ValueError(f"stage 0 needs {M} microbatch inputs, got {None if inputs is None else len(inputs)}")
-        last = self.last_stage in self.stages
-        if last and not forward_only and self.loss_fn is None:
-            raise ValueError("a training step needs a loss_fn on the rank holding the last stage (eval() runs forwards only)")
-        if last and (targets is None and not forward_only or targets is not None and len(targets) != M):
-            raise ValueError(f"the last stage needs {M} microbatch targets, got {None if targets is None else len(targets)}")
-        if kwargs is not None and len(kwargs) != M:
-            raise ValueError(f"keyword inputs for {len(kwargs)} microbatches, expected {M}")
-        if self.loss_fn is None:
+        self._check_step_inputs(inputs, targets, kwargs, forward_only)
+        if self.compute.loss_fn is None:
             targets = None
         self.start()
         inbox = self.inbox
         if inbox.error is not None:
             raise inbox.error
-        if forward_only:
-            arb = ForwardArbiter(self.spec, self.rank)
-        else:
-            arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit,
-                          memory_budget=self.memory_budget, act_bytes=self._sizer,
-                          w_bytes=self._wbytes)
-            if self._sizer is not None:
-                self._sizer.begin_step(self._act)
+        arb = self._arbiter(forward_only)
         compute = self.compute
         compute.begin_step(kwargs, outputs, forward_only)
         self.executor.begin_step()
@@ -334,7 +284,7 @@ class RankRuntime:
         if 0 in self.stages:
             first = self.stages[0]
             for m, x in enumerate(inputs):
-                self._act[(0, m)] = inbox.place_on(first, as_tuple(x))
+                self.router.put(0, m, Direction.ACT, inbox.place_on(first, as_tuple(x)))
         compute.targets = targets
         weights = None
         if targets is not None:
@@ -347,7 +297,7 @@ class RankRuntime:
         stats = StepStats(step, 0.0, 0.0, 0)
         t_start = time.perf_counter()
         try:
-            await self.loop.run(arb, step, stats, compute.run, self._emit, hooks)
+            await self.loop.run(arb, step, stats, compute.run, self.router.hand_on, hooks)
         finally:
             compute.end_step()
         self.executor.end_step()
@@ -363,15 +313,38 @@ class RankRuntime:
         if weights is not None:
             if losses is not None:
                 losses.extend(mb_losses)
-            # One reduction in float64 instead of M scalar tensor ops (and M device syncs).
-            flat = torch.stack([l.reshape(()) for l in mb_losses]).to("cpu", torch.float64)
-            stats.loss = float(flat.dot(torch.tensor(weights, dtype=torch.float64)))
-            if self._loss_global is not None:
-                stats.loss = self._loss_global(stats.loss)
+            stats.loss = self._step_loss(mb_losses, weights)
         compute.targets = compute.weights = None
         await self.outbox.flush()
         inbox.end_step(step)
         return stats
+
+    def _check_step_inputs(self, inputs, targets, kwargs, forward_only: bool) -> None:
+        M = self.spec.n_microbatches
+        if 0 in self.stages and (inputs is None or len(inputs) != M):
+            raise ValueError(f"stage 0 needs {M} microbatch inputs, got {None if inputs is None else len(inputs)}")
+        last = self.last_stage in self.stages
+        if last and not forward_only and self.compute.loss_fn is None:
+            raise ValueError("a training step needs a loss_fn on the rank holding the last stage (eval() runs forwards only)")
+        if last and (targets is None and not forward_only or targets is not None and len(targets) != M):
+            raise ValueError(f"the last stage needs {M} microbatch targets, got {None if targets is None else len(targets)}")
+        if kwargs is not None and len(kwargs) != M:
+            raise ValueError(f"keyword inputs for {len(kwargs)} microbatches, expected {M}")
+
+    def _arbiter(self, forward_only: bool):
+        if forward_only:
+            return ForwardArbiter(self.spec, self.rank)
+        arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit,
+                      memory_budget=self.memory_budget, act_bytes=self._sizer, w_bytes=self._wbytes)
+        if self._sizer is not None:
+            self._sizer.begin_step(self.router.waiting(Direction.ACT))
+        return arb
+
+    def _step_loss(self, mb_losses: list, weights: list[float]) -> float:
+        # One reduction in float64 instead of M scalar tensor ops (and M device syncs).
+        flat = torch.stack([l.reshape(()) for l in mb_losses]).to("cpu", torch.float64)
+        loss = float(flat.dot(torch.tensor(weights, dtype=torch.float64)))
+        return loss if self._loss_global is None else self._loss_global(loss)
 
     def _loss_weights(self, targets: Sequence[Any]) -> list[float]:
         M = len(targets)
@@ -385,17 +358,6 @@ class RankRuntime:
         if total <= 0:
             raise ValueError(f"loss weights {raw} sum to {total}: expected a positive total")
         return [r / total for r in raw]
-
-    # ------------------------------------------------------------ executing
-    def _emit(self, outputs: list) -> None:
-        """Hand a finished task's outputs on (loop thread): to a same-rank virtual stage
-        directly, else through the outbox."""
-        for dst_stage, m, direction, tensors in outputs:
-            dst_rank = self._rank_of[dst_stage]
-            if dst_rank == self.rank:
-                self.inbox.deliver_local(dst_stage, m, direction, tensors)
-            else:
-                self.outbox.send(dst_rank, self.inbox.step, m, dst_stage, direction, tensors)
 
     async def close(self) -> None:
         """Stop receiving (the caller closes the transport).

@@ -21,7 +21,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .. import _json as strict_json
-from ..cli import UsageError
+from ..errors import UsageError
 from ..resources import doc_path
 from .compare import SimConfig, compare, default_baseline, sweep, sweep_table
 from .costs import MAX_BYTES, MAX_SECONDS, CostModel, StageCost, load_costs, short
@@ -41,7 +41,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("pipeline")
-    g.add_argument("-p", "--ranks", type=int, default=4, help="pipeline ranks (PP degree)")
+    g.add_argument("--pp", "-p", "--ranks", dest="ranks", type=int, default=4, help="pipeline ranks (PP degree)")
     g.add_argument("-v", "--virtual", type=int, default=1, help="virtual stages per rank")
     g.add_argument("--placement", choices=("loop", "v"), default="loop", help="stage placement")
     g.add_argument("-m", "--microbatches", type=int, default=None, help="microbatches per step; without -m, 4 x --ranks")

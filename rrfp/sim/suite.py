@@ -421,12 +421,12 @@ def run_suite_command(args: Any, hints: Sequence[str] | None, ranks: Sequence[in
     """``rrfp simulate --suite``: print the table and targets; ``--markdown`` writes the document.
 
     Raises:
-        rrfp.cli.UsageError: an unknown scenario or a hint that does not fit.
+        rrfp.errors.UsageError: an unknown scenario or a hint that does not fit.
     """
     import sys
     import time
 
-    from ..cli import UsageError
+    from ..errors import UsageError
     from .engine import DeadlockError
     from .metrics import format_text
 

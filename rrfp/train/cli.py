@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .._paths import output_file_problem
-from ..cli import UsageError
+from ..errors import UsageError
 from ..scheduler.hints import HINT_NAMES
 from ..sim.auto import AUTO
 from .lines import say

@@ -18,7 +18,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from ..cli import UsageError
+from ..errors import UsageError
 
 NOT_FROM_FILE = {"config", "help", "func", "command", "argv"}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..cli import UsageError
+from ..errors import UsageError
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:

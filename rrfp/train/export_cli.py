@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import UsageError
+from ..errors import UsageError
 from .checkpoint import export
 
 

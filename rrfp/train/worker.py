@@ -284,7 +284,7 @@ def _main(args: argparse.Namespace) -> int:
             if metrics is not None:
                 metrics.observe(st, loss=meta["loss"], tokens=sum(mb.n_tokens for mb in mbs) if 0 in stage_ids else 0,
                                 seconds=time.perf_counter() - t_step, transport=_transport_counts(pipe.transport),
-                                runtime_rejected=pipe.runtime.rejected)
+                                runtime_rejected=pipe.runtime.inbox.rejected)
                 tflops = flops / st.wall / 1e12 if st.wall > 0 else 0.0
                 metrics.observe_rates(lr=lr, tflops=tflops, mfu=tflops / peak if peak else None)
             if reporter is None:

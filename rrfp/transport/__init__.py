@@ -10,7 +10,8 @@
 - :mod:`.factory`: transports by data-plane name for in-process use.
 """
 
-from .base import Message, PeerLost, Transport, TransportClosed
+from ..errors import PeerLost, TransportClosed
+from .base import Message, Transport
 from .codec import CodecError, decode, encode
 from .fake import FakeNetwork, FakeTransport
 from .keys import Direction, MsgKey

@@ -20,10 +20,11 @@ from typing import Any
 
 from torch import Tensor
 
+from ..errors import PeerLost, TransportClosed
 from .codec import DEFAULT_MAX_BYTES, CodecError, decode, frames_nbytes
 from .keys import MsgKey
 
-__all__ = ["Message", "PeerLost", "Transport", "TransportClosed"]
+__all__ = ["Message", "Transport"]
 
 log = logging.getLogger("rrfp.transport")
 
@@ -52,23 +53,6 @@ class Message:
     key: MsgKey
     tensors: list[Tensor | None]
     meta: dict[str, Any] = field(default_factory=dict)
-
-
-class PeerLost(RuntimeError):
-    """A peer disconnected (died, hung past the heartbeat timeout, or aborted)
-    without saying goodbye. ``rank`` is the lost peer."""
-
-    def __init__(self, rank: int, reason: str = "connection closed") -> None:
-        self.rank = rank
-        self.reason = reason
-        super().__init__(f"rank {rank} lost: {reason}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (PeerLost, (self.rank, self.reason))
-
-
-class TransportClosed(RuntimeError):
-    """The local transport was closed or aborted; no more messages will arrive."""
 
 
 class _Mailbox:

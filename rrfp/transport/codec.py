@@ -38,9 +38,11 @@ __all__ = [
     "CodecError",
     "Frame",
     "decode",
+    "descriptor",
     "encode",
     "frames_nbytes",
     "parse_descriptors",
+    "wire_bytes",
 ]
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -213,7 +215,7 @@ def encode(
         ck = (t.dtype, t.shape, rg)
         desc = _desc_cache.get(ck)
         if desc is None:
-            desc = _pack_desc(i, t, rg)
+            desc = _pack_desc(i, t)
             if len(_desc_cache) >= _CACHE_MAX:
                 _desc_cache.clear()
             _desc_cache[ck] = desc
@@ -236,13 +238,22 @@ def encode(
     return frames
 
 
-def _pack_desc(i: int, t: Tensor, rg: bool) -> bytes:
+def descriptor(i: int, t: Tensor) -> list:
+    """``[dtype name, shape, requires_grad]``: how the wire describes tensor ``i`` of a message.
+
+    Raises:
+        CodecError: a dtype outside :data:`DTYPES`, or more than :data:`MAX_NDIM` dims.
+    """
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise CodecError(f"tensor {i}: unsupported dtype {t.dtype}")
     if t.dim() > MAX_NDIM:
         raise CodecError(f"tensor {i}: ndim {t.dim()} > {MAX_NDIM}")
-    return msgpack.packb([name, list(t.shape), bool(rg)])
+    return [name, list(t.shape), bool(t.requires_grad)]
+
+
+def _pack_desc(i: int, t: Tensor) -> bytes:
+    return msgpack.packb(descriptor(i, t))
 
 
 def _tensor_frame(t: Tensor, rg: bool) -> memoryview:
@@ -262,26 +273,30 @@ def _tensor_frame(t: Tensor, rg: bool) -> memoryview:
 def _tensor_bytes(t: Tensor) -> memoryview:
     if t.numel() == 0:
         # A zero-size view may keep any strides (an empty slice's is 2), which the uint8
-        # view below refuses for 2-byte dtypes; there are no bytes to ship anyway.
+        # view refuses for 2-byte dtypes; there are no bytes to ship anyway.
         return _EMPTY
+    b = wire_bytes(t)  # the ndarray keeps the bytes alive as long as the memoryview lives
+    return memoryview((b if b.device.type == "cpu" else b.cpu()).numpy())
+
+
+def wire_bytes(t: Tensor) -> Tensor:
+    """The bytes of ``t`` as every transport sends them: a flat uint8 view of its data on its own
+    device in C order (copied only if not contiguous or a lazy conjugate/negative view). Raises
+    CodecError for a tensor on the meta device (shapes without data)."""
     t = t.detach()
-    if t.device.type != "cpu":
-        if t.device.type == "meta":  # shapes without data: nothing to send
-            raise CodecError(f"a tensor on the meta device has no data to send (shape {tuple(t.shape)})")
-        t = t.cpu()
-    # Lazy conjugate/negative views would otherwise ship their unresolved storage.
+    if t.device.type == "meta":
+        raise CodecError(f"a tensor on the meta device has no data to send (shape {tuple(t.shape)})")
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
     t = t.contiguous().reshape(-1)
-    if t.stride(0) != 1:
+    if t.numel() and t.stride(0) != 1:
         # One element whose view kept another stride (x[0:1, 0]): contiguous() leaves it
-        # as is, and the uint8 view below refuses a last stride other than 1.
+        # as is, and the uint8 view refuses a last stride other than 1.
         t = t.as_strided((1,), (1,))
-    # Viewing as uint8 sidesteps dtypes numpy lacks (bfloat16); the ndarray keeps
-    # the tensor, and so its storage, alive as long as the memoryview lives.
-    return memoryview(t.view(torch.uint8).numpy())
+    # Viewing as uint8 sidesteps dtypes numpy lacks (bfloat16).
+    return t.view(torch.uint8)
 
 
 def _check_key(key: MsgKey) -> None:

@@ -1,6 +1,6 @@
 """Building transports by data-plane name, for in-process use (tests, LocalPipeline).
 
-Across processes, :func:`rrfp.runtime.dist.default_transport` builds them from the torchrun
+Across processes, :func:`rrfp.parallel.bootstrap.default_transport` builds them from the torchrun
 environment. Names: ``zmq`` (tensors ride the control plane's frames), ``torch``
 (torch.distributed point-to-point), ``fake`` (in-process, tagged), ``fake-nccl``
 (in-process, order-matched and tagless like NCCL).

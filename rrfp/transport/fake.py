@@ -21,7 +21,8 @@ from typing import Any
 
 from torch import Tensor
 
-from .base import Message, Transport, TransportClosed
+from ..errors import TransportClosed
+from .base import Message, Transport
 from .codec import DEFAULT_MAX_BYTES, _check_meta, encode, frames_nbytes
 from .keys import MsgKey
 

@@ -28,7 +28,7 @@ send can never wait on a receive queued behind it in the same communicator.
 Announcements are checked with the codec's limits (dtype, ndim, sizes, payload cap, the
 message's job) before anything is allocated; a bad one is refused and counted in
 ``stats["rejected"]`` (the control plane counts what its codec refuses in its own stats).
-Source: ../shared/ARCHITECTURE.md (transport contract v2), issue 14.
+Source: docs/architecture.md ("Facts": NCCL matches point-to-point messages by order).
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import Message, PeerLost, Transport, TransportClosed
-from .codec import DTYPES, CodecError, parse_descriptors
+from ..errors import PeerLost, TransportClosed
+from .base import Message, Transport
+from .codec import CodecError, descriptor, parse_descriptors, wire_bytes
 from .keys import Direction, MsgKey
 
-__all__ = ["ANNOUNCE", "DataPlane", "PlaneTransport", "SendHandle", "channel_of", "wire_bytes"]
+__all__ = ["ANNOUNCE", "DataPlane", "PlaneTransport", "SendHandle", "channel_of"]
 
 log = logging.getLogger("rrfp.transport.planes")
 
@@ -56,7 +57,6 @@ N_CHANNELS = 4
 MAX_EARLY = 4096
 """Most announcements held back per (peer, channel) while an earlier one is missing."""
 
-_DTYPE_NAME = {v: k for k, v in DTYPES.items()}
 Done = Callable[[BaseException | None], None]
 """Completion callback of a data-plane operation; called once, on the event loop thread."""
 
@@ -64,20 +64,6 @@ Done = Callable[[BaseException | None], None]
 def channel_of(direction: Direction, src: int, dst: int) -> int:
     """The data-plane channel (0..3) of a message from ``src`` to ``dst``."""
     return 2 * int(direction) + (dst < src)
-
-
-def wire_bytes(t: Tensor) -> Tensor:
-    """A flat uint8 view of ``t``'s data on ``t``'s device (a copy only when ``t`` is not
-    contiguous or is a lazy conjugate/negative view). Zero-size tensors give an empty view."""
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    t = t.contiguous().reshape(-1)
-    if t.numel() and t.stride(0) != 1:  # one element that kept another stride
-        t = t.as_strided((1,), (1,))
-    return t.view(torch.uint8)
 
 
 class DataPlane(abc.ABC):
@@ -234,12 +220,7 @@ class PlaneTransport(Transport):
                 continue
             if not isinstance(t, Tensor):
                 raise CodecError(f"tensor {i}: expected a Tensor or None, got {type(t).__name__}")
-            name = _DTYPE_NAME.get(t.dtype)
-            if name is None:
-                raise CodecError(f"tensor {i}: unsupported dtype {t.dtype}")
-            if t.device.type == "meta":
-                raise CodecError(f"a tensor on the meta device has no data to send (shape {tuple(t.shape)})")
-            descs.append([name, list(t.shape), bool(t.requires_grad)])
+            descs.append(descriptor(i, t))
             if t.numel():
                 bufs.append(wire_bytes(t))
         ch = channel_of(key.direction, self.rank, dst)

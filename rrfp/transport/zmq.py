@@ -16,23 +16,27 @@ accepted only when its routing id names the rank that authenticated the connecti
 Endpoints in the store are signed; a forged entry is refused, counted and waited past.
 Without a secret a rank binds only a loopback address unless ``insecure`` is set.
 
-Limits before work: a message is refused by routing id and size (frames counted as they
-are read, ZMQ_MAXMSGSIZE per frame) before anything is decoded (:mod:`.zmq_receive`, the
-receive half; :mod:`.zmq_rendezvous` the rendezvous, :mod:`.zmq_gate` the ZAP handler,
-:mod:`.zmq_wire` the control frames and raw socket calls both halves share).
+Parts, each with its own state and a declared interface: :class:`~.zmq_receive.Receiver`
+reads the ROUTER and refuses a message by routing id and size (frames counted as they are
+read, ZMQ_MAXMSGSIZE per frame) before anything is decoded; :class:`~.zmq_rendezvous.Rendezvous`
+publishes and collects the endpoints; :class:`~.zmq_gate.Gatekeeper` is the ZAP handler;
+:mod:`.zmq_wire` holds the control frames and raw socket calls they share.
 
 Peer loss: a socket monitor on each DEALER reports EVENT_DISCONNECTED when the
 connection to that peer drops, either because its process exited (the kernel
 closes its sockets) or because ZMTP heartbeats went unanswered for
 ``heartbeat_timeout`` seconds (a hung host). Unless the peer said BYE, ``recv``
 then raises :class:`PeerLost`.
+
+Root cause: the first peer a rank loses is the one it names, and it tells its other peers
+("leaving because rank X was lost", :data:`~.zmq_wire.LOST_NOTICE`), so a cascade of exits
+names the rank that really failed rather than the last one to leave.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -44,13 +48,14 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from . import auth as _auth
-from .base import PeerLost, Transport, TransportClosed
+from ..errors import PeerLost, TransportClosed
+from .base import Transport
 from .codec import DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_TENSORS, Frame, encode, frames_nbytes
 from .keys import MsgKey
 from .zmq_gate import Gatekeeper
-from .zmq_receive import RouterReceiver
-from .zmq_rendezvous import LOST_NOTICE, SecureRendezvous, _is_loopback, _tcp_endpoint, default_host
-from .zmq_wire import BYE, ZERO_COPY_MIN, send_now
+from .zmq_receive import Receiver
+from .zmq_rendezvous import Rendezvous, _is_loopback, _tcp_endpoint, default_host
+from .zmq_wire import BYE, LOST_NOTICE, ZERO_COPY_MIN, send_now
 
 __all__ = ["ZmqTransport", "default_host"]
 
@@ -74,7 +79,7 @@ _HANDSHAKE_FAILED = (
 )
 
 
-class ZmqTransport(RouterReceiver, SecureRendezvous, Transport):
+class ZmqTransport(Transport):
     """Transport over ZeroMQ TCP sockets (``zmq.asyncio``; works under uvloop).
 
     Args:
@@ -130,14 +135,12 @@ class ZmqTransport(RouterReceiver, SecureRendezvous, Transport):
         for k in ("rejected_handshake", "rejected_identity", "rejected_oversize", "rejected_store",
                   "rejected_unknown_peer"):
             self.stats[k] = 0
-        self._forged_seen: set[bytes] = set()
-        # Checked frame by frame as a message is read: routing id + header + tensors.
-        self._max_frames, self._max_wire = MAX_TENSORS + 2, max_bytes + MAX_HEADER_BYTES
         # Lost-rank notices received: sender -> the rank it says was lost first.
         self._notices: dict[int, int] = {}
-        self._published: str | None = None
         self._notice_sent = False
-        self._store = store
+        self._rendezvous = Rendezvous(store, job, rank, sorted(self._peers()), auth, connect_timeout, self.stats,
+                                      self._reject)
+        self._receiver: Receiver | None = None
         self._host = host
         self._hwm = hwm
         self._connect_timeout = connect_timeout
@@ -151,8 +154,6 @@ class ZmqTransport(RouterReceiver, SecureRendezvous, Transport):
         self.peer_endpoints: dict[int, str] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.Socket | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._router_fd: int | None = None
         # Routing id -> rank, canonical spellings only: b"01" must not pass for rank 1.
         self._rank_of = {str(r).encode(): r for r in range(world_size)}
         self._dealers: dict[int, zmq.asyncio.Socket] = {}
@@ -165,10 +166,6 @@ class ZmqTransport(RouterReceiver, SecureRendezvous, Transport):
         # Set after every frame handed to ZeroMQ and on failures; waiters re-check.
         self._progress = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._stop_rendezvous = threading.Event()
-
-    def _store_key(self, rank: int) -> str:
-        return f"rrfp/{self.job}/zmq/{rank}"
 
     # -- start -----------------------------------------------------------------
 
@@ -204,7 +201,7 @@ class ZmqTransport(RouterReceiver, SecureRendezvous, Transport):
             keys = {z85.decode(self._auth.curve_keypair(self.job, r)[0]): r
                     for r in range(self.world_size)}
             self._gate = Gatekeeper(self._ctx, self.rank, keys, self.stats, self.world_size,
-                                    guard=self._guard_own_entry)
+                                    guard=self._rendezvous.guard_own_entry)
         # A plain socket: arrivals are read from an event-loop reader on its FD, not
         # through zmq.asyncio's future per receive.
         router = self._router = self._ctx.socket(zmq.ROUTER, socket_class=zmq.Socket)
@@ -222,9 +219,14 @@ class ZmqTransport(RouterReceiver, SecureRendezvous, Transport):
             router.setsockopt(zmq.IPV6, 1)
         router.bind(_tcp_endpoint(host))
         self.endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._start_receiving(loop)
+        # Checked frame by frame as a message is read: routing id + header + tensors.
+        self._receiver = Receiver(router, self.rank, self._rank_of, self._auth is not None, MAX_TENSORS + 2,
+                                  self.max_bytes + MAX_HEADER_BYTES, self.stats, reject=self._reject,
+                                  on_bye=self._on_bye, on_lost_notice=self._on_lost_notice,
+                                  deliver=self._deliver_frames, fail=self._mailbox.fail, closed=lambda: self._closed)
+        self._receiver.start(loop)
 
-        self.peer_endpoints = await asyncio.to_thread(self._rendezvous, self.endpoint)
+        self.peer_endpoints = await asyncio.to_thread(self._rendezvous.exchange, self.endpoint)
         self._check_alive()
 
         for p in sorted(self._peers()):
@@ -324,7 +326,7 @@ class ZmqTransport(RouterReceiver, SecureRendezvous, Transport):
                     if not self._connected[p].done():
                         self._connected[p].set_result(None)
                 elif what == zmq.EVENT_DISCONNECTED:
-                    self._drain_router()  # a lost-rank notice may already be waiting
+                    self._receiver.drain()  # a lost-rank notice may already be waiting
                     self._on_disconnect(
                         p,
                         f"connection to {self.peer_endpoints.get(p)} closed (process "
@@ -352,6 +354,56 @@ class ZmqTransport(RouterReceiver, SecureRendezvous, Transport):
         else:
             # The peer's notice naming the rank it lost first may still be on its way.
             asyncio.get_running_loop().call_later(_LOST_NOTICE_GRACE, self._on_peer_lost, p, reason)
+
+    # -- root cause ------------------------------------------------------------
+
+    def _on_lost_notice(self, src: int, body: bytes) -> None:
+        """``src`` is leaving because it lost rank X first: fail with X, not with src."""
+        x = self._rank_of.get(body)
+        if x is None or x == self.rank:
+            self._reject(src, f"malformed lost-rank notice {body[:16]!r}")
+            return
+        self._notices[src] = x
+        if x not in self._lost:
+            self._on_peer_lost(x, f"reported by rank {src}, which stopped because of it")
+
+    def _on_peer_lost(self, src: int, reason: str) -> None:
+        first = not self._lost
+        if src in self._notices and src not in self._lost and self._notices[src] in self._lost:
+            return  # src left because of a loss we already report
+        super()._on_peer_lost(src, reason)
+        if first and self._lost:
+            # Tell the others why we are about to leave, straight to ZeroMQ (the sender
+            # coroutines may never run again): they then name the same root cause.
+            self._send_lost_notices(next(iter(self._lost)))
+
+    async def wait_lost(self, timeout: float | None = None) -> PeerLost | None:
+        """The first peer lost, waiting up to ``timeout`` s for one to be noticed.
+
+        For a rank whose step failed elsewhere (a collective over another channel whose
+        connection a dying peer reset): the root cause is then named, not the symptom.
+        ``None``: as long as this transport can take to notice a lost peer at worst (its
+        heartbeat timeout, plus a second for a lost-rank notice), however loaded the
+        machine; a dead process's connections close at once, so it usually returns sooner."""
+        if timeout is None:
+            timeout = self._hb_timeout_ms / 1000 + 1.0
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while not self._lost and not self._closed and (left := end - loop.time()) > 0:
+            self._bye_event.clear()
+            try:
+                await asyncio.wait_for(self._bye_event.wait(), left)
+            except TimeoutError:
+                break
+        return self._first_lost() if self._lost else None
+
+    def _first_lost(self) -> PeerLost:
+        return next(iter(self._lost.values()))
+
+    def _close_outcome(self, missing: set[int], timeout: float) -> None:
+        if self._lost:
+            raise self._first_lost()
+        super()._close_outcome(missing, timeout)
 
     def _wake_flush(self) -> None:
         self._progress.set()
@@ -452,10 +504,11 @@ class ZmqTransport(RouterReceiver, SecureRendezvous, Transport):
         if self._closed:
             return
         self._closed = True
-        self._stop_rendezvous.set()
+        self._rendezvous.stop()
         for t in self._tasks:
             t.cancel()
-        self._stop_receiving()
+        if self._receiver is not None:
+            self._receiver.stop()
         if self._gate is not None:
             self._gate.stop()
         # Lost-rank notices just handed to ZeroMQ get a second to leave; nothing else waits.
@@ -472,11 +525,12 @@ class ZmqTransport(RouterReceiver, SecureRendezvous, Transport):
 
     async def _teardown(self, graceful: bool) -> None:
         self._closed = True
-        self._stop_rendezvous.set()
+        self._rendezvous.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._stop_receiving()
+        if self._receiver is not None:
+            self._receiver.stop()
         if self._gate is not None:
             self._gate.stop()
         self._close_sockets(linger_ms=self._close_linger_ms if graceful else 0)

@@ -1,32 +1,27 @@
-"""The ZeroMQ transport's rendezvous and root-cause halves (a mixin of :class:`ZmqTransport`).
+"""The ZeroMQ transport's rendezvous: a part of :class:`~rrfp.transport.zmq.ZmqTransport`,
+and the address a rank binds.
 
-- Rendezvous: each rank publishes its endpoint in the store, signed with the job secret
-  (:meth:`JobAuth.sign <rrfp.transport.auth.JobAuth.sign>`), and reads every peer's; a forged
-  entry is refused, counted once per distinct value (``rejected_store``) and waited past,
-  while the owner writes its own entry back from the gatekeeper thread until every peer has
-  authenticated.
-- Root cause: the first peer a rank loses is the one it names, and it tells its other peers
-  ("leaving because rank X was lost", :data:`LOST_NOTICE`), so a cascade of exits names the
-  rank that really failed rather than the last one to leave.
+Each rank publishes its endpoint in the store, signed with the job secret
+(:meth:`JobAuth.sign <rrfp.transport.auth.JobAuth.sign>`), and reads every peer's; a forged
+entry is refused, counted once per distinct value (``rejected_store``) and waited past, while
+the owner writes its own entry back from the gatekeeper thread until every peer has
+authenticated.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
+import threading
 import time
+from typing import Any, Callable
 
 from .. import _net
 from .._net import is_loopback as _is_loopback  # noqa: F401 - zmq.py imports it from here
 from . import auth as _auth
-from .base import PeerLost, TransportClosed
+from ..errors import TransportClosed
 
 log = logging.getLogger("rrfp.transport.zmq")
-
-LOST_NOTICE = b"\x00rrfp-lost"
-"""First frame of a lost-rank notice; the second is the lost rank in ASCII. A msgpack
-header starts with a map marker, so this never parses as data."""
 
 
 def default_host() -> str:
@@ -41,24 +36,57 @@ def _tcp_endpoint(host: str) -> str:
     return f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
 
 
-class SecureRendezvous:
-    """Methods of :class:`~rrfp.transport.zmq.ZmqTransport` that need its attributes
-    (``_store``, ``_auth``, ``job``, ``stats``, ``_lost``...)."""
+class Rendezvous:
+    """Publishes this rank's endpoint in the store and collects every peer's.
 
-    def _rendezvous(self, endpoint: str) -> dict[int, str]:
-        """Publish our endpoint and collect every peer's (runs in a worker thread).
+    Args:
+        store: the torch.distributed Store every rank shares.
+        job, rank: entries live under ``rrfp/{job}/zmq/{rank}``.
+        peers: the ranks whose endpoints to collect.
+        auth: the job secret's keys (entries signed and verified), or None.
+        timeout: seconds :meth:`exchange` waits for every peer.
+        stats: the transport's counters (``rejected_store`` is added to).
+        reject: ``reject(src, why)``: log and count a refusal.
+    """
+
+    def __init__(self, store: Any, job: str, rank: int, peers: list[int], auth: _auth.JobAuth | None,
+                 timeout: float, stats: dict[str, int], reject: Callable[[int, str], None]) -> None:
+        self._store = store
+        self.job, self.rank = job, rank
+        self._peers = sorted(peers)
+        self._auth = auth
+        self._timeout = timeout
+        self._stats = stats
+        self._reject = reject
+        self._published: str | None = None
+        self._forged_seen: set[bytes] = set()
+        self._stop = threading.Event()
+
+    def key(self, rank: int) -> str:
+        """The store key of ``rank``'s endpoint."""
+        return f"rrfp/{self.job}/zmq/{rank}"
+
+    def stop(self) -> None:
+        """Stop :meth:`exchange` (it raises TransportClosed) and the guard (idempotent)."""
+        self._stop.set()
+
+    def exchange(self, endpoint: str) -> dict[int, str]:
+        """Publish ``endpoint`` and collect every peer's (blocking: run it in a worker thread).
 
         Polls ``store.check`` (one round trip for all missing keys) with a growing
-        interval, rather than blocking in ``store.wait``: abort() can then stop it,
+        interval, rather than blocking in ``store.wait``: :meth:`stop` can then stop it,
         and no timed-out wait spams C++ warnings.
+
+        Raises:
+            TimeoutError: naming the ranks that did not publish within the timeout.
+            TransportClosed: :meth:`stop` was called.
         """
         store = self._store
-        self._published = endpoint if self._auth is None else self._auth.sign(
-            self.job, self._store_key(self.rank), endpoint)
-        store.set(self._store_key(self.rank), self._published)
-        keys = {p: self._store_key(p) for p in sorted(self._peers())}
+        self._published = endpoint if self._auth is None else self._auth.sign(self.job, self.key(self.rank), endpoint)
+        store.set(self.key(self.rank), self._published)
+        keys = {p: self.key(p) for p in self._peers}
         found: dict[int, str] = {}
-        deadline = time.monotonic() + self._connect_timeout
+        deadline = time.monotonic() + self._timeout
         interval = 0.002
         while True:
             if len(keys) == len(found) or not store.check(list(keys.values())):
@@ -69,15 +97,15 @@ class SecureRendezvous:
                         found[p] = v
             if len(found) == len(keys):
                 return found
-            if self._stop_rendezvous.is_set():
+            if self._stop.is_set():
                 raise TransportClosed(f"rank {self.rank}: aborted during rendezvous")
             if time.monotonic() > deadline:
                 missing = sorted(set(keys) - set(found))
                 raise TimeoutError(
                     f"rank {self.rank}: ranks {missing} did not publish "
-                    f"{'signed ' if self._auth else ''}endpoints within {self._connect_timeout} s"
+                    f"{'signed ' if self._auth else ''}endpoints within {self._timeout} s"
                 )
-            self._stop_rendezvous.wait(interval)
+            self._stop.wait(interval)
             interval = min(interval * 1.5, 0.1)
 
     def _read_entry(self, p: int, raw: bytes) -> str | None:
@@ -85,83 +113,32 @@ class SecureRendezvous:
         if self._auth is None:
             return raw.decode()
         try:
-            return self._auth.verify(self.job, self._store_key(p), raw)
+            return self._auth.verify(self.job, self.key(p), raw)
         except _auth.ForgedEntry as e:
             # Once per distinct forged value: the owner writes its entry back (see
-            # _guard_own_entry) and we read again.
+            # guard_own_entry) and we read again.
             if raw not in self._forged_seen:
                 self._forged_seen.add(raw)
-                self.stats["rejected_store"] += 1
+                self._stats["rejected_store"] += 1
                 self._reject(p, f"{e}; waiting for rank {p} to publish it again")
             return None
 
-    def _guard_own_entry(self) -> bool:
+    def guard_own_entry(self) -> bool:
         """Gatekeeper thread: write our signed entry back if someone overwrote it.
 
-        Returns False once there is nothing left to guard (closed)."""
-        if self._closed or self._stop_rendezvous.is_set():
+        Returns False once there is nothing left to guard (stopped)."""
+        if self._stop.is_set():
             return False
         published = self._published
         if published is None:
             return True
-        key = self._store_key(self.rank)
+        key = self.key(self.rank)
         try:
             if bytes(self._store.get(key)).decode("utf-8", "replace") != published:
-                self.stats["rejected_store"] += 1
+                self._stats["rejected_store"] += 1
                 log.warning("rank %d: store entry %r was overwritten; writing it back", self.rank, key)
                 self._store.set(key, published)
         except Exception as e:  # the store went away: peers will time out and say so
             log.warning("rank %d: cannot check store entry %r: %s", self.rank, key, e)
             return False
         return True
-
-    # -- root cause --------------------------------------------------------------
-
-    def _on_lost_notice(self, src: int, body: bytes) -> None:
-        """``src`` is leaving because it lost rank X first: fail with X, not with src."""
-        x = self._rank_of.get(body)
-        if x is None or x == self.rank:
-            self._reject(src, f"malformed lost-rank notice {body[:16]!r}")
-            return
-        self._notices[src] = x
-        if x not in self._lost:
-            self._on_peer_lost(x, f"reported by rank {src}, which stopped because of it")
-
-    def _on_peer_lost(self, src: int, reason: str) -> None:
-        first = not self._lost
-        if src in self._notices and src not in self._lost and self._notices[src] in self._lost:
-            return  # src left because of a loss we already report
-        super()._on_peer_lost(src, reason)
-        if first and self._lost:
-            # Tell the others why we are about to leave, straight to ZeroMQ (the sender
-            # coroutines may never run again): they then name the same root cause.
-            self._send_lost_notices(next(iter(self._lost)))
-
-    async def wait_lost(self, timeout: float | None = None) -> PeerLost | None:
-        """The first peer lost, waiting up to ``timeout`` s for one to be noticed.
-
-        For a rank whose step failed elsewhere (a collective over another channel whose
-        connection a dying peer reset): the root cause is then named, not the symptom.
-        ``None``: as long as this transport can take to notice a lost peer at worst (its
-        heartbeat timeout, plus a second for a lost-rank notice), however loaded the
-        machine; a dead process's connections close at once, so it usually returns sooner."""
-        if timeout is None:
-            timeout = self._hb_timeout_ms / 1000 + 1.0
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        while not self._lost and not self._closed and (left := end - loop.time()) > 0:
-            self._bye_event.clear()
-            try:
-                await asyncio.wait_for(self._bye_event.wait(), left)
-            except TimeoutError:
-                break
-        return self._first_lost() if self._lost else None
-
-    def _first_lost(self) -> PeerLost:
-        return next(iter(self._lost.values()))
-
-    def _close_outcome(self, missing: set[int], timeout: float) -> None:
-        if self._lost:
-            raise self._first_lost()
-        super()._close_outcome(missing, timeout)
-

@@ -1,7 +1,6 @@
 """What both halves of the ZeroMQ transport put on or take off the wire, below the codec.
 
-The control frames (:data:`BYE`; the lost-rank notice is :data:`.zmq_rendezvous.LOST_NOTICE`)
-and the raw socket calls of the hot paths. Those call the Cython socket methods with plain int
+The control frames (:data:`BYE`, :data:`LOST_NOTICE`) and the raw socket calls of the hot paths. Those call the Cython socket methods with plain int
 flags: pyzmq's Python layer (send_multipart, recv_multipart) adds argument checks, a RCVMORE
 getsockopt per frame and enum flag arithmetic, which together cost more than ZeroMQ itself for
 a small message.
@@ -16,6 +15,9 @@ from .codec import Frame
 BYE = b"\x00rrfp-bye"
 """The one frame of a goodbye. A msgpack header always starts with a map marker, so this
 never parses as data."""
+LOST_NOTICE = b"\x00rrfp-lost"
+"""First frame of a lost-rank notice; the second is the lost rank in ASCII. A msgpack
+header starts with a map marker, so this never parses as data."""
 ZERO_COPY_MIN = 64 * 1024
 """Frames at least this big are sent without copying (smaller ones copy faster)."""
 raw_send = zmq.backend.Socket.send
