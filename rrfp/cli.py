@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     early = EARLY_CHECKS.get(args.command)
     problem = importlib.import_module(early).check(args) if early else None
     if problem:
-        print(f"rrfp {args.command}: error: {' '.join(problem.split())}", file=sys.stderr)
+        say(f"rrfp {args.command}: error: {' '.join(problem.split())}", sys.stderr)
         return 2
     try:
         code = int(args.func(args) or 0)

@@ -136,27 +136,27 @@ def test_tiny_comparison_runs_every_system_with_equal_gradients():
     assert summaries["J2"]["fastest_torch"].startswith("torch")
 
 
-def test_rrfp_bench_bad_input_is_a_usage_error(capsys):
+def test_rrfp_bench_bad_input_is_a_usage_error(capfd):
     from rrfp.cli import main
 
     assert main(["bench", "--settings", "nope"]) == 2
-    assert "--settings 'nope'" in capsys.readouterr().err
+    assert "--settings 'nope'" in capfd.readouterr().err
     assert main(["bench", "--rounds", "0"]) == 2
     assert main(["bench", "--hint", "nope"]) == 2
-    assert "--hint 'nope': unknown hint" in capsys.readouterr().err
+    assert "--hint 'nope': unknown hint" in capfd.readouterr().err
     assert main(["bench", "--candidates", "bfw-alt-df,nope"]) == 2
-    assert "--candidates 'nope': unknown hint" in capsys.readouterr().err
+    assert "--candidates 'nope': unknown hint" in capfd.readouterr().err
     for bad in ("nan", "inf", "-1", "0", "1e300"):
-        capsys.readouterr()
+        capfd.readouterr()
         assert main(["bench", "--timeout", bad]) == 2
-        err = capsys.readouterr().err
+        err = capfd.readouterr().err
         assert err.startswith(f"rrfp bench: error: --timeout {float(bad)}: expected a positive number") and err.count("\n") == 1
     assert main(["bench", "--out", "/no/such/dir/x.md"]) == 2
     assert main(["bench", "--from-json", "/no/such/results.json"]) == 2
-    assert "--from-json /no/such/results.json: no such file" in capsys.readouterr().err
+    assert "--from-json /no/such/results.json: no such file" in capfd.readouterr().err
 
 
-def test_report_renders_again_from_raw_results(tmp_path, capsys):
+def test_report_renders_again_from_raw_results(tmp_path, capfd):
     """``--from-json`` writes the report of an earlier run without running anything: the same
     text as the run itself would write, and a clear error for a file that is not results."""
     from benchmarks import report, run_all
@@ -174,7 +174,7 @@ def test_report_renders_again_from_raw_results(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
     assert main(["bench", "--from-json", str(bad)]) == 2
-    assert "not the raw results of a benchmark run" in capsys.readouterr().err
+    assert "not the raw results of a benchmark run" in capfd.readouterr().err
 
 
 def test_overhead_reference_runs_the_pipelines_tasks():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import profile_comm
+from benchmarks.settings import setting_config
 
 
 @pytest.mark.timeout(180)
@@ -16,12 +17,13 @@ def test_profile_records_releases_sends_and_replays(tmp_path, capsys):
     assert profile_comm.main(["--quick", "--rounds", "2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     summary = profile_comm.summarize(tmp_path, 4)
+    m = setting_config("comm4", quick=True, systems=profile_comm.SYSTEMS)["n_microbatches"]
     for r in range(4):
         rrfp = summary[r]["rrfp default, 1F1B memory"]
-        assert rrfp["task F"]["n"] == 2 * 4 and rrfp["task B"]["n"] == 2 * 4  # 2 steps x 4 microbatches
-        assert summary[r]["torch 1F1B"]["call forward_one_chunk"]["n"] == 2 * 4
+        assert rrfp["task F"]["n"] == 2 * m and rrfp["task B"]["n"] == 2 * m  # 2 steps x m microbatches
+        assert summary[r]["torch 1F1B"]["call forward_one_chunk"]["n"] == 2 * m
         if r < 3:  # every rank but the last sends each microbatch's activation
-            assert rrfp["send wall"]["n"] >= 2 * 4 and rrfp["send cpu"]["p50"] >= 0
+            assert rrfp["send wall"]["n"] >= 2 * m and rrfp["send cpu"]["p50"] >= 0
         for name in ("rrfp default, 1F1B memory", "rrfp strict-1f1b"):
             for k in ("release late, idle", "release late, busy"):
                 if k in summary[r][name]:

@@ -62,7 +62,7 @@ def test_launcher_summary_names_the_rank_that_died_first():
         (["train", "--placement", "zigzag"], "rrfp train: error: argument --placement: invalid choice: 'zigzag'"),
         (["train", "--lr", "fast"], "rrfp train: error: argument --lr: invalid float value: 'fast'"),
         (["train", "--no-such-flag", "3"], "rrfp train: error: unrecognized arguments: --no-such-flag 3"),
-        (["simulate", "-p", "x"], "rrfp simulate: error: argument -p/--ranks: invalid int value: 'x'"),
+        (["simulate", "-p", "x"], "rrfp simulate: error: argument --pp/-p/--ranks: invalid int value: 'x'"),
         (["simulate", "--latency", "soon"], "rrfp simulate: error: argument --latency: invalid float value: 'soon'"),
         (["bench", "--rounds", "q"], "rrfp bench: error: argument --rounds: invalid int value: 'q'"),
         (["nosuch"], "rrfp: error: argument {train,simulate,bench,node,export}: invalid choice: 'nosuch'"),

@@ -50,7 +50,7 @@ def test_node_good_addresses_pass(no_launch):
     for addr in ("head-0.job.svc", "10.0.0.1", "::1", "fe80::1"):
         ns = argparse.Namespace(nnodes=None, nproc_per_node=None, node_rank=None, master_addr=addr,
                                 master_port=None, max_restarts=3, metrics_port=0, metrics_linger=0.0,
-                                metrics_addr="127.0.0.1", heartbeat_timeout=60.0, node_addr="10.0.0.2",
+                                metrics_addr="127.0.0.1", heartbeat_timeout=60.0, node_addr="127.0.0.1",
                                 extra=["--", "--stages", "2"])
         assert resolve(ns).master_addr == addr
 

@@ -16,7 +16,7 @@ ROOT = Path(rrfp.__file__).resolve().parent
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Lowest first; a module may import its own layer and the layers below it.
-    ("leaves", ("rrfp.errors", "rrfp.lines", "rrfp._json", "rrfp._paths", "rrfp._pdeathsig", "rrfp.resources")),
+    ("leaves", ("rrfp.errors", "rrfp.lines", "rrfp._json", "rrfp._paths", "rrfp._pdeathsig", "rrfp.resources", "rrfp._net")),
     ("scheduler", ("rrfp.scheduler",)),
     ("model", ("rrfp.model",)),
     ("data", ("rrfp.data",)),
@@ -30,10 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("rrfp.cli", "rrfp.__main__", "rrfp.bench_cli", "rrfp.gpu_check", "rrfp.node")),
 ]
 
-KNOWN_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"rrfp.scheduler.arbiter", "rrfp.scheduler.hints"}):
-        "removed by the scheduler's redesign (ready set and policies); delete this entry once it is merged",
-}
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:

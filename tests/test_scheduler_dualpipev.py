@@ -123,7 +123,7 @@ def test_matches_the_single_process_reference(n_ranks, M, split, strict):
 
 
 def test_pytorchs_class_names_the_order():
-    from rrfp.runtime.compat import hint_text
+    from rrfp.runtime.names import hint_text
 
     S, _ = _torch()
     if not hasattr(S, "ScheduleDualPipeV"):

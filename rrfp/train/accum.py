@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..cli import UsageError
+from ..errors import UsageError
 
 __all__ = ["add_flags", "check_flags", "accumulated_step"]
 

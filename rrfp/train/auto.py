@@ -79,13 +79,21 @@ class AutoHint:
 
     def __init__(self, pipe: Any, limits: Sequence[int], *, memory_budget: int | None = None,
                  backpressure: str = "admission", say: Callable[[str], None] | None = None,
-                 recheck_every: int = RECHECK_EVERY, rank: int = 0) -> None:
+                 recheck_every: int = RECHECK_EVERY, rank: int = 0, same_backward: bool = False) -> None:
         place = pipe.spec.placement
         self.pipe, self.limits, self.budget, self.backpressure = pipe, list(limits), memory_budget, backpressure
         self.say = say if rank == 0 else None
         self.recheck_every = recheck_every
         self.place, self.M = place, pipe.n_microbatches
         self.known, self.skipped = sim_auto.known_candidates(place.n_ranks, place.n_virtual, place.kind, self.M)
+        if same_backward:
+            # --deterministic promises the numbers of a run that never stopped, whatever ran
+            # when; a split backward computes the same gradients by another path (other bits),
+            # so only the placement's strict schedule's backward form stays a candidate.
+            form = self._splits(self.known[0])
+            self.skipped += [(c, "another backward form than --deterministic keeps")
+                             for c in self.known if self._splits(c) != form]
+            self.known = [c for c in self.known if self._splits(c) == form]
         self.strict = next((c for c in self.known if c.startswith("strict-")), self.known[0])
         self.split = next((c for c in self.known if self._splits(c)), None)
         self.current = self.strict
@@ -175,7 +183,7 @@ class AutoHint:
         budget = self.budget if self.budget is not None and all(self.act.get(s) for s in range(S)) else None
         self.ranking = sim_auto.rank(prof, n_ranks=self.place.n_ranks, n_virtual=self.place.n_virtual,
                                      placement=self.place.kind, n_microbatches=self.M, limit=self.limits,
-                                     memory_budget=budget, backpressure=self.backpressure)
+                                     memory_budget=budget, backpressure=self.backpressure, candidates=self.known)
         self.profile = prof
         top = [h for h, _ in self.ranking.order[:2]]
         self.trial = list(dict.fromkeys([self.strict, *top]))

@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cli import UsageError
+from ..errors import UsageError
 
 HF_PREFIX = "hf:"
 

@@ -23,8 +23,8 @@ __all__ = ["grad_norm_share", "rank_fields", "fields_problem", "StepExtras", "ad
 def add_flags(p: argparse.ArgumentParser) -> None:
     """``--peak-tflops`` and ``--tensorboard``."""
     p.add_argument("--peak-tflops", type=float, default=None, metavar="TFLOPS",
-                   help="peak TFLOP/s of one rank's device, for the step line's MFU; default: a table of known GPUs "
-                   "by name on CUDA (rrfp/train/flops.py), none on CPU")
+                   help="peak TFLOP/s of one rank's device, for the step line's MFU; without it, a table of known "
+                   "GPUs by name on CUDA (rrfp/train/flops.py), none on CPU")
     p.add_argument("--tensorboard", metavar="DIR", default=None,
                    help="rank 0 writes the step line's values (loss, lr, grad norm, tok/s, TFLOP/s, MFU, bubble) "
                    "as TensorBoard scalars to DIR")

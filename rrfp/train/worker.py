@@ -209,7 +209,7 @@ def _main(args: argparse.Namespace) -> int:
     )
     chooser = None if args.hint != AUTO else AutoHint(
         pipe, inflight_limits(args, n_ranks), memory_budget=pipe.runtime.memory_budget, backpressure=args.backpressure,
-        say=say, rank=layout.rank)
+        say=say, rank=layout.rank, same_backward=args.deterministic)
     # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
     out_bytes = record_output_bytes(stages) if args.trace else None
     params = [p for s in stages for p in s.submod.parameters()]
