@@ -123,7 +123,8 @@ class Ranks:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "rrfp", "train", "--stages", str(RANKS), "--steps", str(STEPS), "--batch-size",
                  "4", "--microbatches", "4", "--max-len", "16", "--data", str(data), "--quiet", "--trace",
-                 str(tmp_path / "tr"), "--metrics-port", "0", "--metrics-linger", "300"],
+                 str(tmp_path / "tr"), "--metrics-port", "0", "--metrics-linger", "300",
+                 "--hint", "bf"],  # one hint throughout: auto would add a split backward's I and W tasks
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
             threading.Thread(target=lambda p=proc: self.lines.extend(ln.rstrip("\n") for ln in p.stdout),
                              daemon=True).start()

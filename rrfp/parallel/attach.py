@@ -60,7 +60,9 @@ def _exchange(layout: ParallelLayout, kind: str, job: str, run):
     from .exchange import ControlExchange
 
     # One namespace per TP group: its ranks address each other by tp_rank.
-    ex = ControlExchange(ZmqTransport(layout.tp_rank, layout.tp, default_store(),
-                                      f"{job}.agree.pp{layout.pp_rank}.dp{layout.dp_rank}"), layout.tp)
+    t = ZmqTransport(layout.tp_rank, layout.tp, default_store(), f"{job}.agree.pp{layout.pp_rank}.dp{layout.dp_rank}")
+    # Its ranks are tp_ranks: a lost peer is logged by global rank and coordinates instead.
+    t.rank_name = lambda r: ParallelLayout.name(layout.rank_at(layout.pp_rank, layout.dp_rank, r), layout.dp, layout.tp)
+    ex = ControlExchange(t, layout.tp)
     run(ex.start())
     return ex

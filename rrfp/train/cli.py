@@ -43,8 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pipeline rank, on real text (default: this Python's standard-library sources).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--stages", type=int, default=None,
-                   help=f"pipeline ranks (processes); without it, the world size under torchrun, else {DEFAULTS['stages']}")
+    p.add_argument("--pp", "--stages", dest="stages", type=int, default=None,
+                   help=f"pipeline degree: pipeline ranks (processes); without it, the world size under torchrun, else {DEFAULTS['stages']}")
     p.add_argument("--virtual-stages", type=int, default=DEFAULTS["virtual_stages"], help="virtual stages per rank")
     p.add_argument("--placement", choices=["loop", "v"], default="loop", help="virtual-stage placement")
     p.add_argument("--transport", choices=["zmq", "torch"], default="zmq",

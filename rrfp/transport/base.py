@@ -147,6 +147,9 @@ class Transport(abc.ABC):
     rank: int
     world_size: int
     stats: dict[str, int]
+    rank_name: Callable[[int], str] | None = None
+    """How log lines name a rank of this transport (``rank 2 (pp 1, dp 0, tp 0)``) where its
+    ranks are not global ones (a TP group's agreement transport); None: ``rank N``."""
     device_tensors: bool = False
     """True when :meth:`send` takes device (CUDA) tensors as they are and receivers get them on
     their own device (the ``torch`` data plane); False: send host tensors (the codec would copy
@@ -305,7 +308,10 @@ class Transport(abc.ABC):
         exc = PeerLost(src, reason)
         self._lost[src] = exc
         self.stats["peers_lost"] += 1
-        log.error("rank %d: %s", self.rank, exc)
+        if self.rank_name is None:
+            log.error("rank %d: %s", self.rank, exc)
+        else:
+            log.error("%s: %s lost: %s", self.rank_name(self.rank), self.rank_name(src), reason)
         self._mailbox.fail(exc)
         self._bye_event.set()
         self._wake_flush()
