@@ -154,3 +154,13 @@ def test_a_commit_keeps_another_jobs_half_written_folder(tmp_path):
     assert ck.committed(d) == [ck.step_dir(d, 2)]
     assert (theirs / "__0_0.distcp").read_bytes() == b"half written"
     assert sorted(x.name for x in d.iterdir()) == [theirs.name, "step-00000002"]
+
+
+@pytest.mark.parametrize("pid", [99999999999999999999, -1, 0, True])
+def test_a_pid_no_process_can_have_is_no_live_holder(pid):
+    """A hand-written lock naming this host and an impossible pid is stale, not a traceback
+    (os.kill raised OverflowError) nor a live job (pid -1 signals a process group, True is 1)."""
+    from rrfp.train.ckpt_lock import _pid_alive
+
+    assert _pid_alive(pid) is False
+    assert _pid_alive(os.getpid()) is True

@@ -59,6 +59,10 @@ def remove_tmp(root: str | os.PathLike, job: str | None = None) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    # A pid no process can have (0, negative, a JSON true, beyond a C long) is no live holder:
+    # os.kill would signal a process group, probe pid 1, or raise OverflowError.
+    if isinstance(pid, bool) or not 0 < pid < 2**31:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

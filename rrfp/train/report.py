@@ -33,6 +33,10 @@ class Reporter:
         self.notes: dict[int, list[str]] = {}
         self.extras = None  # lr, grad norm, TFLOP/s, MFU: a StepExtras (rrfp/train/stepline.py) the worker sets
 
+    hint_detail = ""
+    """Said after the hint's name in the summary (``auto``: what it kept, or that the run ended
+    before it chose)."""
+
     def note(self, step: int, line: str) -> None:
         """Show ``line`` (an evaluation, a committed checkpoint) right after the line of step
         ``step`` (1-based: the step it follows), at once if that line is out already. Step
@@ -120,7 +124,7 @@ class Reporter:
         self.out.message(
             f"done: {len(rows)} steps in {total:.1f} s, {tok_s:.0f} tok/s {which}; "
             f"loss {first:.4f} -> {last:.4f} ({_change(first, last)}); "
-            f"per-step mean bubble/rank [{' '.join(f'{b:.2f}' for b in mean_bubble)}]; hint {self.args.hint}{val}"
+            f"per-step mean bubble/rank [{' '.join(f'{b:.2f}' for b in mean_bubble)}]; hint {self.args.hint}{self.hint_detail}{val}"
         )
 
 

@@ -327,6 +327,9 @@ def _main(args: argparse.Namespace) -> int:
                 msg = pipe.run(pipe.runtime.control(timeout=args.watchdog))
                 reporter.add(msg.meta, msg.src)
                 reporter.flush()
+            if chooser is not None:
+                reporter.hint_detail = (f" (kept {chooser.chosen})" if chooser.chosen else
+                                        f" (still measuring: too few steps to choose; last ran {chooser.current})")
             reporter.summary(time.perf_counter() - t_begin)
         if metrics is not None:
             metrics.stop_heartbeat()
