@@ -199,6 +199,12 @@ class RankRuntime:
         from this replica's part (both on the rank holding the last stage)."""
         self._loss_total, self._loss_global = total_fn, loss_fn
 
+    @property
+    def loss_reduction(self) -> tuple[Callable[[float], float] | None, Callable[[float], float] | None]:
+        """``(total_fn, loss_fn)`` as :meth:`set_loss_reduction` set them (None, None: one
+        replica), so a caller can wrap them and put them back."""
+        return self._loss_total, self._loss_global
+
     def set_tp_agreement(self, exchange) -> None:
         """Tensor parallelism: agree with the TP group before every F and B (RRFP §4.2;
         :class:`~rrfp.runtime.loop.SchedulerLoop`), ``exchange`` all-gathering the proposals

@@ -61,7 +61,7 @@ def accumulated_step(pipe, mbs, per_step: int, n: int, first: bool, last: bool):
         run(mbs)
         return pipe.last_loss, pipe.last_stats
     rt = pipe.runtime
-    saved = rt._loss_total, rt._loss_global
+    saved = rt.loss_reduction
     if last:
         local, reduce_total, total = sum(count_tokens(mb.targets) for mb in mbs), saved[0], []
 
