@@ -1,4 +1,5 @@
-"""``auto``'s pure half (rrfp.sim.auto): the profile, the candidates, the ranking."""
+"""``auto``'s pure half (rrfp.sim.auto): the profile, the candidates, the ranking, the trial and
+the rule that keeps a hint from trial step times."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import logging
 
 import pytest
 
-from rrfp.sim.auto import CANDIDATES, PROFILE_SEED, Profile, known_candidates, profile_from_samples, profile_of_config, rank
+from rrfp.sim.auto import (CANDIDATES, PROFILE_SEED, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, medians,
+                           forward_seconds, profile_from_samples, profile_of_config, rank, scaled, simulate_auto, trial_candidates, trial_order)
 from rrfp.sim.compare import SimConfig, run_one
 from rrfp.sim.costs import CostModel, StageCost
+from rrfp.scheduler.tasks import F, Task
 from rrfp.sim.suite import SLOW_LINK, suite_config
 
 
@@ -67,3 +70,68 @@ def test_profile_from_samples_means_spread_and_errors() -> None:
 
 def test_candidates_are_data() -> None:
     assert CANDIDATES[0] == "strict" and "strict-split" in CANDIDATES and "backfill" in CANDIDATES
+
+
+def _steps(*times: float, work: float = 0.0) -> list[tuple[float, float]]:
+    return [(t, work) for t in times]
+
+
+def test_keep_takes_the_smallest_median_and_never_a_policy_slower_than_strict() -> None:
+    # Medians: strict 1.0, bf 0.9 (its 5.0 is one outlier step), bfw-mem 0.98 (no forward
+    # figures: the times are compared as measured).
+    walls = {"strict-1f1b": _steps(1.0, 1.1, 0.9), "bf": _steps(0.9, 5.0, 0.8), "bfw-mem": _steps(0.98, 0.98, 0.98)}
+    assert medians(walls) == {"strict-1f1b": 1.0, "bf": 0.9, "bfw-mem": 0.98}
+    assert keep(walls, "strict-1f1b") == "bf"
+    # Faster than strict by less than TIE: strict stays; slower: strict stays.
+    assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.0 - TIE / 2)}, "strict-1f1b") == "strict-1f1b"
+    assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.0 - 2 * TIE)}, "strict-1f1b") == "bf"
+    assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.2)}, "strict-1f1b") == "strict-1f1b"
+    # Without a strict schedule the smallest median wins.
+    assert keep({"bf": _steps(1.0), "bfw-mem": _steps(0.999)}, None) == "bfw-mem"
+    with pytest.raises(ValueError, match="no trial step"):
+        keep({"bf": []}, "strict-1f1b")
+
+
+def test_keep_compares_steps_at_equal_forward_work() -> None:
+    # bf drew the short batches (forwards 0.8 s against strict's 1.2 s): per unit of work it is
+    # slower, so strict is kept although bf's raw times are smaller.
+    trial = {"strict-1f1b": [(1.2, 1.2), (1.2, 1.2), (1.2, 1.2)], "bf": [(0.9, 0.8), (0.9, 0.8), (0.9, 0.8)]}
+    # The trial's median forward work is 1.0 (three steps at 0.8, three at 1.2): strict 1.2 x 1.0 / 1.2,
+    # bf 0.9 x 1.0 / 0.8.
+    assert scaled(trial) == {"strict-1f1b": pytest.approx([1.0] * 3), "bf": pytest.approx([1.125] * 3)}
+    assert keep(trial, "strict-1f1b") == "strict-1f1b"
+    assert keep({h: [(t, 0.0) for t, _ in s] for h, s in trial.items()}, "strict-1f1b") == "bf"
+
+
+def test_trial_candidates_and_rotation() -> None:
+    assert trial_candidates(["bf", "strict-1f1b", "bfw-mem"], "strict-1f1b") == ["strict-1f1b", "bf"]
+    assert trial_candidates(["bf", "bfw-mem", "strict-1f1b"], "strict-1f1b") == ["strict-1f1b", "bf", "bfw-mem"]
+    t = ["a", "b", "c"]
+    rounds = [trial_order(t, r) for r in range(TRIAL_ROUNDS)]
+    assert rounds[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    # Three rounds of three: every candidate once in every position.
+    assert all(sorted(r[i] for r in rounds[:3]) == t for i in range(3))
+
+
+def test_simulate_auto_runs_the_trial_on_draws_of_its_own() -> None:
+    cfg = suite_config("J2", 4, 1, "1f1b", seed=0)
+    run = simulate_auto(cfg)
+    trial = trial_candidates([h for h, _ in run.ranking.order], run.ranking.strict)
+    assert run.ranking.strict == "strict-1f1b" and set(run.walls) == set(trial)
+    # Independent reference: step j of the trial is the point's workload under TRIAL_SEED + j,
+    # at 1F1B's memory for that step's own sizes, with its forward seconds (one stage per rank:
+    # stage s on rank s); the kept hint follows keep() on those steps.
+    j, ref = 0, {h: [] for h in trial}
+    for r in range(TRIAL_ROUNDS):
+        for h in trial_order(trial, r):
+            step = suite_config("J2", 4, 1, "1f1b", seed=TRIAL_SEED + j)
+            fwd = sum(step.duration_model()(0, s, Task(s, F, m)) for s in range(4) for m in range(16))
+            assert forward_seconds(step) == pytest.approx(fwd)
+            ref[h].append((run_one(step, h, record=False)[0].makespan, fwd))
+            j += 1
+    assert {h: [t for t, _ in v] for h, v in run.walls.items()} == {h: [t for t, _ in v] for h, v in ref.items()}
+    assert all(run.walls[h][i][1] == pytest.approx(f) for h, v in ref.items() for i, (_, f) in enumerate(v))
+    assert run.chosen == keep(ref, "strict-1f1b")
+    # The judged seed's draws are not among the trial's: another seed gives the same choice.
+    assert simulate_auto(suite_config("J2", 4, 1, "1f1b", seed=7)).walls == run.walls
+    assert cfg.seed not in range(TRIAL_SEED, TRIAL_SEED + j) and cfg.seed != PROFILE_SEED

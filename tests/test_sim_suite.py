@@ -1,4 +1,4 @@
-"""``rrfp simulate --memory-budget`` and ``--suite`` (rrfp issue 13)."""
+"""``rrfp simulate --memory-budget`` and ``--suite``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from rrfp.scheduler.hints import DEFAULT_HINT
 from rrfp.sim.compare import SimConfig, run_one
 from rrfp.sim.costs import CostModel
 from rrfp.sim.duration import Dist
+from rrfp.sim.auto import simulate_auto
 from rrfp.sim.suite import SLOW_LINK, auto_within, run_suite, suite_config, suite_targets
 from rrfp.scheduler.tasks import B, F, I, Task
 
@@ -99,8 +100,10 @@ def test_auto_in_the_suite_takes_its_choice_and_chooses_once_per_point() -> None
     assert len(rows) == 2 * 3
     for mem in ("1f1b", "unlimited"):
         pts = [r for r in rows if r.memory == mem]
-        # Chosen from the profile (its own seed), so the same at every realised seed.
+        # Ranked on its profile and kept by its trial (seeds of their own), so the same at every
+        # judged seed: what simulate_auto keeps on the point's workload.
         assert len({r.auto_choice for r in pts}) == 1
+        assert pts[0].auto_choice == simulate_auto(suite_config("J2", 4, 1, mem, seed=0)).chosen
         for r in pts:
             assert r.makespan["auto"] == r.makespan[r.auto_choice]
             assert r.baseline in r.candidates and "bf" in r.candidates

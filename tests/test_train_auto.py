@@ -78,11 +78,19 @@ def test_measures_ranks_tries_and_keeps_the_faster(one_rank_group) -> None:
     trial = ran[3:3 + 3 * TRIAL_ROUNDS]
     assert all(sorted(trial[3 * r:3 * r + 3]) == sorted(walls) for r in range(TRIAL_ROUNDS))
     assert ctl.chosen == "bf" and ran[-2:] == ["bf", "bf"]
-    assert len(lines) == 1 and lines[0].startswith("rrfp train: hint auto chose bf:") and "simulated step" in lines[0]
+    # Announced before they run: the measuring steps, then the trial's steps and candidates.
+    assert len(lines) == 3
+    assert lines[0].startswith("rrfp train: hint auto: steps 1-3 of this run measure costs (strict-1f1b warms up, "
+                               "then strict-1f1b, bfw-mem)")
+    assert lines[1].startswith(f"rrfp train: hint auto: steps 4-{3 + 3 * TRIAL_ROUNDS} of this run are the trial: ")
+    assert lines[1].split(" are the trial: ")[1].startswith(f"{', '.join(ctl.trial)}, {TRIAL_ROUNDS} rounds of one step each")
+    # One choice, made once the trial's last round is in.
+    assert lines[2].startswith(f"rrfp train: hint auto chose bf: median step over {TRIAL_ROUNDS} trial steps")
+    assert "simulated step" in lines[2]
 
 
 def test_never_keeps_a_policy_not_clearly_faster_than_strict(one_rank_group) -> None:
     # bf is faster by less than the tie margin: the strict schedule stays.
     ctl, ran, lines = _run({"strict-1f1b": 1.0, "bf": 0.995, "bfw-mem": 1.2}, 3 + 3 * TRIAL_ROUNDS + 1)
     assert ctl.chosen == "strict-1f1b" and ran[-1] == "strict-1f1b"
-    assert "chose strict-1f1b" in lines[0]
+    assert [x for x in lines if "chose" in x] == [lines[-1]] and "chose strict-1f1b" in lines[-1]

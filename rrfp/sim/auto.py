@@ -1,12 +1,22 @@
-"""``auto``: rank the candidate hints with the simulator on a measured cost profile.
+"""``auto``: rank the candidate hints with the simulator on a measured cost profile, then keep
+the one whose trial steps were fastest.
 
-The pure half of the ``auto`` hint (the other half, which measures a job's costs and tries the
-best two on real steps, is :mod:`rrfp.train.auto`). Given a :class:`Profile` (per stage the mean
-``F``, ``B``, ``I``, ``W`` seconds and activation bytes, per link the mean message seconds, and
-the spread of both) and the user's memory (in-flight limit, byte budget), :func:`rank` simulates
-every candidate of :data:`CANDIDATES` on that profile and orders them by simulated makespan.
-The spread enters as lognormal noise with the measured coefficient of variation, so a
-candidate that only wins on steady durations is not preferred under a noisy profile.
+The pure half of the ``auto`` hint (the other half, which measures a job's costs and runs the
+trial on real steps, is :mod:`rrfp.train.auto`; the suite runs the same two steps on simulated
+steps, :func:`simulate_auto`):
+
+1. Ranking: given a :class:`Profile` (per stage the mean ``F``, ``B``, ``I``, ``W`` seconds and
+   activation bytes, per link the mean message seconds, and the spread of both) and the user's
+   memory (in-flight limit, byte budget), :func:`rank` simulates every candidate of
+   :data:`CANDIDATES` on that profile and orders them by simulated makespan. The spread enters
+   as lognormal noise with the measured coefficient of variation, so a candidate that only
+   wins on steady durations is not preferred under a noisy profile.
+2. Trial: the strict schedule and the best two by simulation (:func:`trial_candidates`) run
+   :data:`TRIAL_ROUNDS` rounds of one step each, in rotating order (:func:`trial_order`);
+   :func:`keep` keeps the smallest median step time (each rescaled to the trial's median
+   forward work, :func:`scaled`, so a step's batch size does not pick the winner), the strict
+   schedule on a tie within :data:`TIE`, so a policy measured slower than the strict schedule
+   is never kept.
 
 Candidates are data: a name the hint registry does not resolve (a policy of another version,
 or one that does not fit the placement) is skipped and reported, never an error.
@@ -20,7 +30,7 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..scheduler.hints import resolve_hint
 from ..scheduler.tasks import B, F, I, W, Task
@@ -42,6 +52,21 @@ RRFP's BF, and the memory-aware split-backward policy."""
 
 PROFILE_SEED = 1_000_003
 """Seed of the ranking's noise: the ranking never sees a run's own draws."""
+
+TRIAL_SEED = 2_000_003
+"""First seed of the simulated trial steps (:func:`simulate_auto`): step ``j`` of the trial
+draws under ``TRIAL_SEED + j``, never under the seed of the run it is judged on."""
+
+TRIAL_ROUNDS = 3
+"""Rounds of the trial, one step per candidate each. Three: with the strict schedule and the
+best two there are three candidates, so the rotation puts every candidate once in every
+position of a round (a position effect, e.g. the step after a switch, cancels), and the median
+of three step times ignores one outlier step (a collection pause, a neighbour's burst). The
+cost is nine steps, most of them of candidates within a few percent of the kept one."""
+
+TIE = 0.01
+"""Within this fraction of the strict schedule's median trial step time, the strict schedule
+is kept (:func:`keep`)."""
 
 _NS = 1e9  # message seconds travel as "bytes" at 1 byte/ns (CommModel's size term)
 
@@ -255,3 +280,107 @@ def rank(
     times.sort()
     strict = default_baseline(n_virtual, placement)
     return Ranking([(n, t) for t, _, n in times], strict if strict in known else None, skipped)
+
+
+def trial_candidates(order: Sequence[str], strict: str | None, n: int = 2) -> list[str]:
+    """The trial's hints: ``strict`` (when there is one), then the best ``n`` of ``order``
+    (fastest first), each once."""
+    return list(dict.fromkeys([*([strict] if strict else []), *order[:n]]))
+
+
+def trial_order(trial: Sequence[str], r: int) -> list[str]:
+    """Round ``r``'s order: ``trial`` rotated by ``r`` (each candidate leads one round in turn)."""
+    k = r % len(trial)
+    return [*trial[k:], *trial[:k]]
+
+
+Step = tuple[float, float]
+"""One trial step: ``(seconds, forward seconds)``, the step's time (the slowest rank's) and the
+sum of its forward tasks' seconds over every rank (0: not measured)."""
+
+
+def scaled(trial: Mapping[str, Sequence[Step]]) -> dict[str, list[float]]:
+    """Per hint, its trial steps' times rescaled to the trial's median forward work:
+    ``seconds * median(forward seconds) / forward seconds``.
+
+    A step's forwards are the same work under every hint (the backward's form differs, the
+    forwards do not), so their sum measures how much work the step's batch was (its sequence
+    lengths, its image counts); rescaling removes that from the comparison, as a paired run
+    on one batch would. Steps without a forward figure keep their time."""
+    ref = statistics.median([f for steps in trial.values() for _, f in steps if f > 0] or [0.0])
+    return {h: [t * ref / f if f > 0 and ref > 0 else t for t, f in steps] for h, steps in trial.items()}
+
+
+def medians(trial: Mapping[str, Sequence[Step]]) -> dict[str, float]:
+    """Per hint, the median of its :func:`scaled` trial step times (hints without any left out)."""
+    return {h: statistics.median(w) for h, w in scaled(trial).items() if w}
+
+
+def keep(trial: Mapping[str, Sequence[Step]], strict: str | None, tie: float = TIE) -> str:
+    """Which hint to keep from trial steps: the smallest median of :func:`scaled` step times;
+    ``strict`` on a tie, and whenever the best is not faster than ``strict``'s median by more
+    than ``tie`` (a fraction), so a policy measured slower than the strict schedule is never
+    kept.
+
+    Args:
+        trial: hint -> its trial steps (:data:`Step`; one per round).
+        strict: the placement's strict schedule (None: none; the smallest median wins).
+
+    Raises:
+        ValueError: no hint has a step.
+    """
+    med = medians(trial)
+    if not med:
+        raise ValueError("auto: no trial step time to choose from")
+    best = min(med, key=lambda h: (med[h], h != strict))
+    if strict in med and best != strict and med[best] > (1 - tie) * med[strict]:
+        return strict
+    return best
+
+
+def forward_seconds(cfg: SimConfig) -> float:
+    """The sum of the forward tasks' seconds of ``cfg``'s step (what the runtime reads off a
+    step's task records; draws are keyed by task, so they do not depend on the hint)."""
+    model, place = cfg.duration_model(), cfg.make_placement()
+    return sum(model(0, place.rank_of(s), Task(s, F, m))
+               for s in range(cfg.n_ranks * cfg.n_virtual) for m in range(cfg.n_microbatches))
+
+
+@dataclass
+class AutoRun:
+    """What :func:`simulate_auto` did: the ranking, the trial's steps per hint (:data:`Step`,
+    one per round), and the hint kept."""
+
+    ranking: Ranking
+    walls: dict[str, list[Step]]
+    chosen: str
+
+
+def simulate_auto(cfg: SimConfig, *, rounds: int = TRIAL_ROUNDS, seed: int = TRIAL_SEED,
+                  candidates: Sequence[str] = CANDIDATES) -> AutoRun:
+    """``auto`` as it runs on ``cfg``'s workload, with simulated steps for real ones: rank the
+    candidates on the profile :func:`profile_of_config` measures, then run the trial's
+    ``rounds`` rounds, step ``j`` simulated on ``cfg`` under seed ``seed + j`` (none of them
+    ``cfg.seed``'s draws, so the choice never sees the run it is judged on) with its forward
+    seconds (:func:`forward_seconds`), and :func:`keep`.
+
+    A named memory budget (``"1f1b"``) is resolved per trial step on that step's own sizes,
+    as the run it stands for resolves it.
+
+    Raises:
+        ValueError: no candidate is known, or a bad configuration.
+    """
+    rk = rank(profile_of_config(cfg), n_ranks=cfg.n_ranks, n_virtual=cfg.n_virtual, placement=cfg.placement,
+              n_microbatches=cfg.n_microbatches, limit=cfg.limit, memory_budget=cfg.memory_budget,
+              backpressure=cfg.backpressure, candidates=candidates)
+    trial = trial_candidates([h for h, _ in rk.order], rk.strict)
+    walls: dict[str, list[Step]] = {h: [] for h in trial}
+    j = 0
+    for r in range(rounds):
+        for h in trial_order(trial, r):
+            step = replace(cfg, seed=seed + j)
+            if isinstance(step.memory_budget, str):
+                step = replace(step, memory_budget=step.memory_budgets())
+            walls[h].append((run_one(step, h, record=False)[0].makespan, forward_seconds(step)))
+            j += 1
+    return AutoRun(rk, walls, keep(walls, rk.strict))

@@ -30,9 +30,12 @@ Two ceilings per point: the *ideal*, the baseline over the memory-blind lower bo
 bound (the larger of that and :func:`rrfp.sim.metrics.memory_bound`), each the smallest over
 the point's runs so that it holds for every hint run there.
 
-``auto`` (:mod:`rrfp.sim.auto`) is judged as it would run: it ranks its candidates on a profile
-measured under its own seed (:func:`rrfp.sim.auto.profile_of_config`), never on the draws it is
-judged on, and its makespan at each seed is that of the candidate it chose.
+``auto`` (:mod:`rrfp.sim.auto`) is judged as it runs (:func:`rrfp.sim.auto.simulate_auto`): it
+ranks its candidates on a profile measured under its own seed, then runs its trial (the strict
+schedule and the best two, :data:`~rrfp.sim.auto.TRIAL_ROUNDS` rounds of one simulated step
+each, every step under a seed of its own) and keeps by :func:`rrfp.sim.auto.keep`. Neither step
+sees the draws it is judged on; the choice is made once per point and its makespan at each seed
+is that of the candidate it kept.
 
 Pure module: no torch.
 """
@@ -218,10 +221,8 @@ def run_suite(
                     base = default_baseline(v, pl) or "strict-1f1b"
                     names, choice, cands = list(plain), None, ()
                     if want_auto:
-                        rk = auto.rank(auto.profile_of_config(cfg0), n_ranks=p, n_virtual=v, placement=pl,
-                                       n_microbatches=cfg0.n_microbatches, limit=cfg0.limit,
-                                       memory_budget=cfg0.memory_budget)
-                        choice, cands = rk.best, tuple(h for h, _ in rk.order)
+                        run = auto.simulate_auto(cfg0)
+                        choice, cands = run.chosen, tuple(h for h, _ in run.ranking.order)
                         names = list(dict.fromkeys(names + list(cands)))
                     for seed in (seeds[:1] if sc in STEADY else seeds):
                         cfg = suite_config(sc, p, v, mem, seed, pl)
@@ -371,8 +372,14 @@ def suite_markdown(rows: Sequence[SuiteRow], hints: Sequence[str], wall_s: float
         "memory-aware bound (`rrfp.sim.metrics.memory_bound`: at 1F1B's budget with one stage per",
         "rank the last rank holds one microbatch, so its F, I, W run back to back). Both are the",
         "smallest over the point's runs, so no hint run there can beat them.",
-        "`auto` chooses from a profile measured under its own seed (`rrfp.sim.auto.profile_of_config`),",
-        "never from the draws it is judged on" + (f"; candidates not known to this build: {', '.join(skipped)}." if skipped else "."),
+        "`auto` is modelled as `rrfp train` runs it (`rrfp.sim.auto.simulate_auto`): it ranks its",
+        "candidates with the simulator on a profile measured under a seed of its own, then runs its",
+        f"trial, the strict schedule and the best two by simulation, {auto.TRIAL_ROUNDS} rounds of one step each in",
+        "rotating order, every trial step simulated on the point's workload under a seed of its own,",
+        "and keeps the smallest median step time (the strict schedule when the best is not faster by",
+        f"more than {100 * auto.TIE:g}%: `rrfp.sim.auto.keep`, the rule `rrfp train` uses). Neither step sees the",
+        "draws `auto` is judged on; it chooses once per point and is judged at every seed by the",
+        "makespan of the hint it kept" + (f"; candidates not known to this build: {', '.join(skipped)}." if skipped else "."),
         "",
         "## Targets",
         "",

@@ -11,16 +11,21 @@ default process group, so every rank switches to the same hint before the same s
    smallest gap per link, since a larger one includes the consumer's wait).
 3. :func:`rrfp.sim.auto.rank` simulates every known candidate on that profile at this job's
    in-flight limit and memory budget.
-4. Trial: the best two by simulation and the strict schedule run in rounds, one step each,
-   in rotating order (paired: each round's steps are neighbours, so machine drift cancels);
-   the step time is the slowest rank's. The hint with the smallest median keeps running; on a
-   tie within 1% the strict schedule wins, so a policy measured slower than it is never kept.
-5. Every ``recheck_every`` steps one more round of the three is measured and the choice is
-   made again over every round so far.
+4. Trial: the strict schedule and the best two by simulation
+   (:func:`rrfp.sim.auto.trial_candidates`) run :data:`rrfp.sim.auto.TRIAL_ROUNDS` rounds,
+   one step each, in rotating order (paired: each round's steps are neighbours, so machine
+   drift cancels); the step time is the slowest rank's, and the step's forward seconds over
+   every rank measure its batch's work. :func:`rrfp.sim.auto.keep` decides (the smallest
+   median of step times rescaled to the trial's median work; the strict schedule on a tie
+   within :data:`rrfp.sim.auto.TIE`, so a policy measured slower than it is never kept), the
+   rule the suite's ``auto`` uses too.
+5. Every ``recheck_every`` steps one more round is measured and the choice is made again over
+   every round so far.
 
-One line on rank 0 says what was chosen and why. The candidates are
+Rank 0 says, one line each, which steps measure and which run the trial (with the candidates)
+before they run, and what was kept and why. The candidates are
 :data:`rrfp.sim.auto.CANDIDATES`; names this build's registry does not know are skipped and
-named in that line.
+named in the last line.
 """
 
 from __future__ import annotations
@@ -34,14 +39,13 @@ import torch.distributed as dist
 from ..scheduler.hints import resolve_hint
 from ..scheduler.tasks import B, F, I, W
 from ..sim import auto as sim_auto
-from ..sim.auto import AUTO
+from ..sim.auto import AUTO, TIE, TRIAL_ROUNDS
 
-__all__ = ["AUTO", "AutoHint", "switch_hint"]
+__all__ = ["AUTO", "TIE", "TRIAL_ROUNDS", "AutoHint", "switch_hint"]
 
-TRIAL_ROUNDS = 2
 RECHECK_EVERY = 50
-TIE = 0.01
-"""Within this fraction of the strict schedule's median step time, the strict schedule is kept."""
+"""Steps between re-checks: one more trial round (three steps) per 50, about 6% of steps run a
+candidate other than the kept one, most of them within a few percent of it."""
 
 
 def switch_hint(pipe: Any, text: str, limits: Sequence[int], backpressure: str = "admission") -> None:
@@ -102,7 +106,7 @@ class AutoHint:
         self.gaps: dict[int, list[float]] = {}
         self.act: dict[int, int] = {}
         self.trial: list[str] = []
-        self.walls: dict[str, list[float]] = {}
+        self.walls: dict[str, list[sim_auto.Step]] = {}
         self.chosen: str | None = None
         self.ranking: sim_auto.Ranking | None = None
         self._record = pipe.runtime.loop.record
@@ -118,6 +122,10 @@ class AutoHint:
 
     def before_step(self, k: int) -> None:
         """Set the hint of step ``k`` (0-based, counted from this run's first step)."""
+        if k == 0 and self.say and self.ranking is None:
+            n = len(self.plan)
+            self.say(f"rrfp train: hint auto: steps 1-{n} of this run measure costs ({self.plan[0]} warms up, "
+                     f"then {', '.join(self.plan[1:])}), then {TRIAL_ROUNDS} trial rounds of one step per candidate")
         if self.plan:
             want = self.plan[0]
         else:
@@ -125,14 +133,14 @@ class AutoHint:
         if want != self.current:
             switch_hint(self.pipe, want, self.limits, self.backpressure)
             self.current = want
-        # Task records only while measuring costs (the trial needs step times alone).
-        self.pipe.runtime.loop.record = self._record or (bool(self.plan) and self.ranking is None)
+        # Task records while measuring costs and in trial steps (their forward seconds).
+        self.pipe.runtime.loop.record = self._record or bool(self.plan)
 
     def after_step(self, k: int, stats: Any) -> None:
         """Book step ``k``'s figures (every rank calls it: it holds collectives)."""
         if not self.plan:
             if self.recheck_every and (k + 1) % self.recheck_every == 0 and self.trial:
-                self.plan = self._rotated(len(self.walls.get(self.trial[0], [])))
+                self.plan = sim_auto.trial_order(self.trial, len(self.walls.get(self.trial[0], [])))
             return
         step_hint = self.plan.pop(0)
         wall = torch.tensor([float(stats.wall)], dtype=torch.float64)
@@ -143,14 +151,19 @@ class AutoHint:
                 self._gather(stats)
             if not self.plan:
                 self._rank()
-                self.plan = [h for r in range(TRIAL_ROUNDS) for h in self._rotated(r)]
+                self.plan = [h for r in range(TRIAL_ROUNDS) for h in sim_auto.trial_order(self.trial, r)]
+                if self.say:
+                    assert self.ranking is not None
+                    self.say(f"rrfp train: hint auto: steps {k + 2}-{k + 1 + len(self.plan)} of this run are the trial: "
+                             f"{', '.join(self.trial)}, {TRIAL_ROUNDS} rounds of one step each "
+                             f"({self.ranking.reason()})")
             return
-        self.walls.setdefault(step_hint, []).append(float(wall.item()))
-        if len({len(self.walls.get(h, ())) for h in self.trial}) == 1:  # a round is complete
+        # The step's forward seconds over every rank: its batch's work (rrfp.sim.auto.scaled).
+        fwd = torch.tensor([sum(rec.end - rec.start for rec in stats.records if rec.task.kind == F)], dtype=torch.float64)
+        dist.all_reduce(fwd, op=dist.ReduceOp.SUM)
+        self.walls.setdefault(step_hint, []).append((float(wall.item()), float(fwd.item())))
+        if not self.plan:  # the trial's last round (or a re-check's round) is complete
             self._choose()
-
-    def _rotated(self, r: int) -> list[str]:
-        return self.trial[r % len(self.trial):] + self.trial[:r % len(self.trial)]
 
     def _gather(self, stats: Any) -> None:
         mine = [(rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end) for rec in stats.records]
@@ -185,14 +198,11 @@ class AutoHint:
                                      placement=self.place.kind, n_microbatches=self.M, limit=self.limits,
                                      memory_budget=budget, backpressure=self.backpressure, candidates=self.known)
         self.profile = prof
-        top = [h for h, _ in self.ranking.order[:2]]
-        self.trial = list(dict.fromkeys([self.strict, *top]))
+        self.trial = sim_auto.trial_candidates([h for h, _ in self.ranking.order], self.strict)
 
     def _choose(self) -> None:
-        med = {h: statistics.median(w) for h, w in self.walls.items()}
-        best = min(med, key=lambda h: (med[h], h != self.strict))
-        if best != self.strict and med[best] > (1 - TIE) * med[self.strict]:
-            best = self.strict
+        med = sim_auto.medians(self.walls)
+        best = sim_auto.keep(self.walls, self.strict)
         changed = best != self.chosen
         self.chosen = best
         if self.say and changed:
