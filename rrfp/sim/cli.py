@@ -17,12 +17,13 @@ import math
 import os
 import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from .. import _json as strict_json
 from ..errors import UsageError
 from ..resources import doc_path
+from .auto import AUTO, TRIAL_ROUNDS, medians, simulate_auto
 from .compare import SimConfig, compare, default_baseline, sweep, sweep_table
 from .costs import MAX_BYTES, MAX_SECONDS, CostModel, StageCost, load_costs, short
 from .duration import Dist
@@ -49,7 +50,7 @@ def register(subparsers: Any) -> None:
     g.add_argument("--step-overhead", type=float, default=0.0, help="seconds between a rank's steps (optimizer)")
 
     g = p.add_argument_group("scheduling")
-    g.add_argument("--hint", action="append", default=[], help="a hint (repeatable): bf, bfw, strict-1f1b, ...")
+    g.add_argument("--hint", action="append", default=[], help="a hint (repeatable): auto, bf, bfw, strict-1f1b, ...")
     g.add_argument("--hints", default=None, help="comma-separated hints, side by side; without --hint/--hints, bf,bfw (and the baseline)")
     g.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
                    help="with virtual stages: admission (the limit counts microbatches in flight) or "
@@ -459,21 +460,26 @@ def _check_suite_flags(args: argparse.Namespace) -> None:
 
 
 def _check_hint_files(cfg: SimConfig, hints: list[str]) -> None:
-    """Read every hint that names a CSV file (``x.csv``, ``strict-x.csv``, ``csv:x``) before
-    simulating, so an unreadable one is named as the hint's file, not blamed on ``--trace``.
+    """Resolve every hint before simulating: an unknown name is one line listing the known ones
+    (``auto`` first, as in the README's hint table), and an unreadable CSV file (``x.csv``,
+    ``strict-x.csv``, ``csv:x``) is named as the hint's file, not blamed on ``--trace``.
 
     Raises:
-        UsageError: one line naming the hint and its file.
+        UsageError: one line naming the hint (and its file).
     """
     from ..scheduler.hints import resolve_hint
 
     for h in hints:
+        if h == AUTO:
+            continue
         try:
             resolve_hint(h, cfg.make_placement(), cfg.n_microbatches)
         except OSError as e:
             raise UsageError(f"hint {h!r}: cannot read {e.filename or h}: {e.strerror or e}") from None
-        except ValueError:
-            pass  # reported by the run itself, with its limits
+        except ValueError as e:
+            if str(e).startswith("unknown hint"):  # simulate also takes auto (README's hint table)
+                raise UsageError(f"hint {h!r}: {str(e).replace('expected one of ', 'expected auto or one of ', 1)}") from None
+            # else reported by the run itself, with its limits
 
 
 def _describe(cfg: SimConfig) -> dict[str, Any]:
@@ -520,11 +526,16 @@ def run(args: argparse.Namespace) -> int:
 
     _check_hint_files(cfg, [*hints, *([baseline] if baseline else [])])
     try:
-        rows = compare(cfg, hints, baseline, on_result=on_result)
+        chosen = simulate_auto(cfg) if AUTO in hints else None  # rrfp.sim.auto: ranking, then trial
+        ran = list(dict.fromkeys(chosen.chosen if h == AUTO and chosen else h for h in hints))
+        rows = compare(cfg, ran, baseline, on_result=on_result)
     except (ValueError, DeadlockError) as e:
         raise UsageError(str(e)) from None
     except OSError as e:
         raise UsageError(f"--trace {args.trace}: cannot write the trace: {e.strerror or e}") from None
+    if chosen is not None:  # auto's row: the run of the hint it kept, judged on this seed
+        kept = next(r for r in rows if r.hint == chosen.chosen)
+        rows.insert(hints.index(AUTO), replace(kept, hint=f"{AUTO} ({chosen.chosen})", extra=dict(kept.extra)))
     header, cells = table_rows(rows)
     jit = cfg.jitter.name if cfg.jitter else "J0"
     print(f"# {cfg.n_ranks} ranks x {cfg.n_virtual} virtual stages ({cfg.placement}), "
@@ -533,6 +544,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_text(header, cells))
     if baseline:
         print(f"# speedup = makespan of {baseline} / makespan; bound = lower bound of that run (docs/simulator.md)")
+    if chosen is not None:
+        med = ", ".join(f"{h} {v:.4g} s" for h, v in sorted(medians(chosen.walls).items(), key=lambda x: x[1]))
+        print(f"# auto kept {chosen.chosen}: median of {TRIAL_ROUNDS} trial steps (seeds of their own; at their median forward work): {med}; "
+              f"{chosen.ranking.reason()}")
     if args.csv:
         _write(args.csv, format_csv(header, cells))
     if args.markdown:
@@ -551,6 +566,8 @@ def _run_sweep(args: argparse.Namespace, cfg: SimConfig) -> int:
         raise UsageError(str(e)) from None
     imbalances = _floats(args.imbalance, "imbalance")
     hints = _hints(args)
+    if AUTO in hints:
+        raise UsageError("--sweep --hints auto: auto runs in single simulations and in --suite, not in a sweep")
     baseline = _baseline(args)
     try:
         points = sweep(cfg, depths=depths, mb_per_stage=mps, jitters=jitters, imbalances=imbalances,

@@ -110,7 +110,7 @@ class SimConfig:
         if mb is None:
             return None
         if not any(c.act_bytes for c in self.cost_model().stages):
-            raise ValueError(f"memory budget {mb!r} needs activation sizes: give act_bytes (--act-bytes or a cost file)")
+            raise ValueError(f"--memory-budget {mb}: needs activation sizes: give --act-bytes SIZE (or a cost file with act_bytes)")
         P = self.n_ranks
         if isinstance(mb, (list, tuple)):
             if len(mb) != P:

@@ -217,21 +217,32 @@ def set_speedups(rows: Sequence[RunSummary], baseline: RunSummary | None) -> Non
 
 
 _COLUMNS = (
-    ("policy", lambda r: r.hint),
-    ("makespan_s", lambda r: f"{r.makespan:.6g}"),
-    ("speedup", lambda r: "" if r.speedup is None else f"{r.speedup:.3f}"),
-    ("lower_bound_s", lambda r: f"{r.lower_bound:.6g}"),
-    ("makespan/bound", lambda r: f"{r.ratio:.3f}"),
-    ("bubble_mean", lambda r: f"{r.bubble_mean:.3f}"),
-    ("bubble_max", lambda r: f"{max(r.bubble):.3f}"),
-    ("peak_inflight_max", lambda r: str(max(r.peak_inflight))),
-    ("peak_act_MiB_max", lambda r: f"{max(r.peak_memory_rank) / 2**20:.1f}"),
+    ("policy", lambda r, d: r.hint),
+    ("makespan_s", lambda r, d: f"{r.makespan:.{d}f}"),
+    ("speedup", lambda r, d: "" if r.speedup is None else f"{r.speedup:.3f}"),
+    ("lower_bound_s", lambda r, d: f"{r.lower_bound:.{d}f}"),
+    ("makespan/bound", lambda r, d: f"{r.ratio:.3f}"),
+    ("bubble_mean", lambda r, d: f"{r.bubble_mean:.3f}"),
+    ("bubble_max", lambda r, d: f"{max(r.bubble):.3f}"),
+    ("peak_inflight_max", lambda r, d: str(max(r.peak_inflight))),
+    ("peak_act_MiB_max", lambda r, d: f"{max(r.peak_memory_rank) / 2**20:.1f}"),
 )
 
 
+def seconds_decimals(values: Sequence[float], digits: int = 4) -> int:
+    """Decimals that show the smallest positive finite value with ``digits`` significant
+    digits (0 to 9), so one table's seconds all print with the same decimals."""
+    pos = [v for v in values if v > 0 and math.isfinite(v)]
+    if not pos:
+        return digits - 1
+    return min(9, max(0, digits - 1 - math.floor(math.log10(min(pos)))))
+
+
 def table_rows(rows: Sequence[RunSummary]) -> tuple[list[str], list[list[str]]]:
-    """Header and formatted cells of a side-by-side table."""
-    return [c for c, _ in _COLUMNS], [[f(r) for _, f in _COLUMNS] for r in rows]
+    """Header and formatted cells of a side-by-side table (seconds with the same decimals in
+    every row: :func:`seconds_decimals`)."""
+    d = seconds_decimals([x for r in rows for x in (r.makespan, r.lower_bound)])
+    return [c for c, _ in _COLUMNS], [[f(r, d) for _, f in _COLUMNS] for r in rows]
 
 
 def format_text(header: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
