@@ -209,5 +209,6 @@ class AutoHint:
             walls = ", ".join(f"{h} {1e3 * med[h]:.1f} ms" for h in sorted(med, key=med.get))
             assert self.ranking is not None
             n = len(self.walls[best])
-            self.say(f"rrfp train: hint auto chose {best}: median step over {n} trial step{'s' if n != 1 else ''}: {walls} "
+            self.say(f"rrfp train: hint auto chose {best}: median step over {n} trial step{'s' if n != 1 else ''} "
+                     f"(at the trial's median forward work): {walls} "
                      f"(measured {self.profile.describe()}; {self.ranking.reason()})")
