@@ -58,11 +58,13 @@ TRIAL_SEED = 2_000_003
 draws under ``TRIAL_SEED + j``, never under the seed of the run it is judged on."""
 
 TRIAL_ROUNDS = 3
-"""Rounds of the trial, one step per candidate each. Three: with the strict schedule and the
-best two there are three candidates, so the rotation puts every candidate once in every
-position of a round (a position effect, e.g. the step after a switch, cancels), and the median
-of three step times ignores one outlier step (a collection pause, a neighbour's burst). The
-cost is nine steps, most of them of candidates within a few percent of the kept one."""
+"""Rounds of the trial, one step per candidate each. Three: the trial has at most three
+candidates (the strict schedule and the best two), so the rotation puts each of three once in
+every position of a round (a position effect, e.g. the step after a switch, cancels), and the
+median of three step times ignores one outlier step (a collection pause, a neighbour's burst).
+The cost is at most nine steps, most of them of candidates within a few percent of the kept
+one; more rounds would not resolve smaller differences against a step-to-step spread of
+several percent, which the rescaling to equal forward work (:func:`scaled`) removes instead."""
 
 TIE = 0.01
 """Within this fraction of the strict schedule's median trial step time, the strict schedule
