@@ -192,7 +192,7 @@ def run_suite(
             from a hint that does not fit (named).
     """
     if jobs > 1:
-        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures import ProcessPoolExecutor, as_completed
         from functools import partial
 
         from .._pdeathsig import die_with_parent
@@ -203,13 +203,12 @@ def run_suite(
             # Deepest pipelines first: they take longest, so the workers finish together.
             futs = {g: ex.submit(run_suite, hints, scenarios=[g[0]], ranks=[g[1]], layouts=layouts,
                                  memories=memories, seeds=seeds) for g in sorted(groups, key=lambda g: -g[1])}
-            out = []
-            for (sc, p) in groups:
-                f = futs[(sc, p)]
-                out += f.result()
-                if progress:
-                    progress(f"{sc} ranks={p}: done")
-        return out
+            if progress:  # as they finish (the deepest first), not in the rows' order
+                done = {f: g for g, f in futs.items()}
+                for i, f in enumerate(as_completed(done), 1):
+                    f.result()
+                    progress(f"{done[f][0]} ranks={done[f][1]}: done ({i} of {len(groups)})")
+            return [row for g in groups for row in futs[g].result()]
     rows = []
     want_auto = auto.AUTO in hints
     plain = [h for h in hints if h != auto.AUTO]
