@@ -161,7 +161,7 @@ def check_compatible(meta: dict, args: argparse.Namespace, what: str) -> str | N
     for key in LAYOUT_KEYS + DATA_KEYS:
         have, want = meta["args"].get(key, _DEFAULTS.get(key)), getattr(args, key, _DEFAULTS.get(key))
         if have != want:
-            flag = "--" + key.replace("_", "-")
+            flag = "--pp" if key == "stages" else "--" + key.replace("_", "-")  # --stages: an alias
             why = " (a checkpoint resumes under another --dp only)" if key in LAYOUT_KEYS else ""
             return f"{what} was written with {flag} {have}, this run has {flag} {want}: expected the same{why}"
     return None

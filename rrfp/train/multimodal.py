@@ -1,4 +1,4 @@
-"""The ``rrfp train --model multimodal`` workload: stage modules and batches (rrfp issue 13).
+"""The ``rrfp train --model multimodal`` workload: stage modules and batches.
 
 The model is :mod:`rrfp.model.multimodal` (image encoder on stage 0, GPT decoder after it);
 the data :mod:`rrfp.data.digits` (scikit-learn's digits, 0-6 images and a caption per sample).
