@@ -1,8 +1,9 @@
-"""The ``rrfp`` command: ``rrfp train | simulate | bench``.
+"""The ``rrfp`` command: ``rrfp train | simulate | bench | node | export``.
 
 Each subcommand lives in its own module exposing ``register(subparsers)``, which adds an
 argparse parser whose ``func`` default takes the parsed namespace and returns an exit code.
-Modules are imported only when listed, so ``rrfp simulate`` never imports torch.
+Modules are imported only when listed, and every flag is checked before torch is imported
+(:data:`EARLY_CHECKS`), so a bad flag is one line within a fraction of a second.
 """
 
 from __future__ import annotations
@@ -25,10 +26,31 @@ SUBCOMMANDS = {
 }
 
 
-# Checks a subcommand's flags need before its heavy imports (torch): module with check(args).
+# Checks of a subcommand's flags before its heavy imports (torch): "module:function", the
+# function taking the parsed namespace and returning one line naming the first problem, or
+# None. rrfp node checks its flags and its rrfp train arguments in rrfp.node.cli.resolve,
+# torch-free up to the host checks; rrfp bench imports torch only in the benchmarks it runs.
 EARLY_CHECKS = {
-    "train": "rrfp.train.early",
+    "train": "rrfp.train.early:check",
+    "simulate": "rrfp.cli:check_simulate",
+    "export": "rrfp.train.export_cli:check",
 }
+
+
+def check_simulate(args: argparse.Namespace) -> str | None:
+    """``rrfp simulate``'s pipeline degree and in-flight limit, named as ``rrfp train`` names
+    them (``--pp``, ``--inflight-limit``), or None."""
+    for flag, value in (("--pp", args.ranks), ("--virtual", args.virtual)):
+        if value < 1:
+            return f"{flag}={value}: expected a positive integer"
+    limit = getattr(args, "limit", "1f1b")
+    try:
+        ok = limit == "1f1b" or int(limit) >= 1
+    except ValueError:
+        ok = False
+    if not ok:
+        return f"--inflight-limit={limit!r}: expected a positive integer or '1f1b'"
+    return None
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -82,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     early = EARLY_CHECKS.get(args.command)
-    problem = importlib.import_module(early).check(args) if early else None
+    if early:
+        module, _, function = early.partition(":")
+        problem = getattr(importlib.import_module(module), function)(args)
+    else:
+        problem = None
     if problem:
         say(f"rrfp {args.command}: error: {' '.join(problem.split())}", sys.stderr)
         return 2

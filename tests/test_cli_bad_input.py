@@ -189,7 +189,7 @@ def test_resume_past_or_at_the_end(checkpoint, capsys, no_launch):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flags,needle", [
-    (["--stages", "4"], "was written with --stages 2, this run has --stages 4: expected the same"),
+    (["--stages", "4"], "was written with --pp 2, this run has --pp 4: expected the same"),
     (["--seed", "3"], "was written with --seed 0, this run has --seed 3"),
     (["--max-len", "64"], "was written with --max-len 32, this run has --max-len 64"),
     (["--batch-size", "8"], "was written with --batch-size 4, this run has --batch-size 8"),

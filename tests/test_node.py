@@ -257,7 +257,7 @@ def test_node_reads_kubernetes_environment(monkeypatch, tmp_path):
     assert resolve(args()).node_rank == 0
     assert resolve(args(node_rank=1, master_addr="x")).master_addr == "x"
     monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
-    with pytest.raises(UsageError, match=r"--nproc-per-node=3 x 2 nodes != --stages=4"):
+    with pytest.raises(UsageError, match=r"--nproc-per-node=3 x 2 nodes != --pp=4"):
         resolve(args())
     monkeypatch.setenv("PET_NPROC_PER_NODE", "two")
     with pytest.raises(UsageError, match="PET_NPROC_PER_NODE='two': expected an integer"):

@@ -93,7 +93,7 @@ def test_bad_config_is_one_line(tmp_path, monkeypatch, capsys, text, needle):
 
 
 def test_stages_default_to_the_world_size_under_torchrun(monkeypatch, capsys):
-    from rrfp.train import cli
+    from rrfp.train import early
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
@@ -104,11 +104,11 @@ def test_stages_default_to_the_world_size_under_torchrun(monkeypatch, capsys):
     assert main(["train"]) == 0 and seen == [2]
     assert main(["train", "--stages", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["rrfp train: error: --stages=4 but this torchrun job has 2 processes (world size): "
-                   "drop --stages or launch 4 processes per pipeline"]
+    assert err == ["rrfp train: error: --pp=4 but this torchrun job has 2 processes (world size): "
+                   "drop --pp or launch 4 processes per pipeline"]
     monkeypatch.delenv("WORLD_SIZE")
-    args = cli.argparse.Namespace(stages=None)
-    cli.resolve_stages(args)
+    args = early.argparse.Namespace(stages=None)
+    early.resolve_stages(args)
     assert args.stages == 4
 
 

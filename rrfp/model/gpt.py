@@ -19,11 +19,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .spec import GPT_PRESETS, GPTConfig
 
 __all__ = [
     "IGNORE_INDEX",
@@ -43,63 +44,6 @@ IGNORE_INDEX = -100
 """Target id of positions that carry no loss (padding); matches ``F.cross_entropy``."""
 
 _INIT_STD = 0.02
-
-
-@dataclass
-class GPTConfig:
-    """Hyper-parameters of :class:`GPT`.
-
-    Attributes:
-        vocab_size: number of token ids; 256 for byte-level text.
-        max_len: longest sequence (tokens per sample) the position embedding covers.
-        n_layer: number of transformer blocks; also the most pipeline stages
-            the model can be split into.
-        n_head: attention heads; must divide ``d_model``.
-        d_model: width of the residual stream (hidden size D).
-        d_ff: width of the MLP; ``None`` means ``4 * d_model``.
-        dropout: dropout probability on attention weights, attention output and
-            MLP output; only active in ``train()`` mode.
-
-    Raises:
-        ValueError: if a size is not positive, ``n_head`` does not divide
-            ``d_model`` or ``dropout`` is outside ``[0, 1)``.
-    """
-
-    vocab_size: int = 256
-    max_len: int = 256
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 128
-    d_ff: int | None = None
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "max_len", "n_layer", "n_head", "d_model"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"GPTConfig.{name}={value} must be >= 1")
-        if self.d_ff is not None and self.d_ff < 1:
-            raise ValueError(f"GPTConfig.d_ff={self.d_ff} must be >= 1 or None")
-        if self.d_model % self.n_head:
-            raise ValueError(
-                f"GPTConfig.n_head={self.n_head} must divide d_model={self.d_model}"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
-
-    @property
-    def ff_width(self) -> int:
-        """Width of the MLP hidden layer (``d_ff`` or ``4 * d_model``)."""
-        return self.d_ff if self.d_ff is not None else 4 * self.d_model
-
-
-GPT_PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(n_layer=4, n_head=2, d_model=64),
-    "small": GPTConfig(n_layer=8, n_head=4, d_model=128),
-    "medium": GPTConfig(n_layer=12, n_head=8, d_model=256),
-}
-"""Named configurations (byte vocabulary, ``max_len`` 256); copy with
-``dataclasses.replace`` before changing a field."""
 
 
 def _part_generator(seed: int, part: str) -> torch.Generator:

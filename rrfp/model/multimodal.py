@@ -24,8 +24,6 @@ bit-identical stages without building the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
@@ -39,40 +37,12 @@ from .gpt import (
     _rng_untouched,
     stage_layer_ranges,
 )
+from .spec import MULTIMODAL, MultimodalConfig
 
 __all__ = ["MultimodalConfig", "MULTIMODAL", "MultimodalStage", "build_multimodal_stage", "multimodal_units"]
 
 IMAGE_SIDE = 8
 PATCH = 2
-
-
-@dataclass
-class MultimodalConfig:
-    """Hyper-parameters.
-
-    Attributes:
-        decoder: the GPT decoder's configuration (byte vocabulary).
-        enc_layers: bidirectional encoder blocks over one image's patches.
-        enc_heads, enc_width: the encoder's heads and width.
-        max_images: most images per sample (image slots at most).
-    """
-
-    decoder: GPTConfig = field(default_factory=lambda: GPTConfig(n_layer=3, n_head=2, d_model=64, max_len=32))
-    enc_layers: int = 1
-    enc_heads: int = 2
-    enc_width: int = 32
-    max_images: int = 6
-
-    @property
-    def n_units(self) -> int:
-        """Split units: the encoder plus each decoder block (the most stages)."""
-        return 1 + self.decoder.n_layer
-
-
-MULTIMODAL = MultimodalConfig()
-"""The ``rrfp train --model multimodal`` preset: one encoder block of width 32, 3 decoder blocks
-of width 64 (4 units). Its stage 0 costs about 1.5-2.5x a decoder stage, following the image
-count."""
 
 
 def multimodal_units(cfg: MultimodalConfig, n_stages: int) -> list[range]:

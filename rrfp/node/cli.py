@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nnodes", type=int, default=None, help="nodes in the job (env PET_NNODES; default 1)")
     p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="ranks on this node (env PET_NPROC_PER_NODE; default --stages / nodes)")
+                   help="ranks on this node (env PET_NPROC_PER_NODE; default --pp / nodes)")
     p.add_argument("--node-rank", type=int, default=None,
                    help="this node's index, 0 hosts the rendezvous store (env PET_NODE_RANK, JOB_COMPLETION_INDEX; default 0)")
     p.add_argument("--master-addr", default=None,
@@ -91,13 +91,15 @@ def _from_env(args: argparse.Namespace, name: str, default, kind=str):
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the job's shape from flags, environment and defaults, and check the train
-    arguments (:func:`rrfp.train.cli.validate`) before anything starts.
+    arguments (:func:`rrfp.train.cli.validate`) before anything starts: every check that needs
+    no torch first (:func:`rrfp.train.early.check_flags`, then this command's own flags).
 
     Raises:
         UsageError: one line naming the bad flag or environment variable.
     """
     from ..cli import ArgumentParser
     from ..train import cli as train_cli
+    from ..train.early import check_flags, port_problem
 
     train_args = list(getattr(args, "extra", None) or [])
     if "--" in train_args:
@@ -110,15 +112,15 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     auto_resume = targs.checkpoint_dir is not None and targs.resume is None
     if auto_resume:
         targs.resume = "auto"  # as the ranks will run (below): a checkpoint that does not fit is refused now
-    train_cli.validate(targs)
+    check_flags(targs)
     nnodes = _from_env(args, "nnodes", 1, int)
     if nnodes < 1:
         raise UsageError(f"--nnodes={nnodes}: expected a positive integer")
     if targs.stages % nnodes:
-        raise UsageError(f"--stages={targs.stages} is not a multiple of {nnodes} nodes: expected one rank per stage")
+        raise UsageError(f"--pp={targs.stages} is not a multiple of {nnodes} nodes: expected one rank per stage")
     nproc = _from_env(args, "nproc_per_node", targs.stages // nnodes, int)
     if nproc < 1 or nproc * nnodes != targs.stages:
-        raise UsageError(f"--nproc-per-node={nproc} x {nnodes} nodes != --stages={targs.stages}: "
+        raise UsageError(f"--nproc-per-node={nproc} x {nnodes} nodes != --pp={targs.stages}: "
                          "expected one rank per pipeline stage")
     node_rank = _from_env(args, "node_rank", 0, int)
     if not 0 <= node_rank < nnodes:
@@ -136,6 +138,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(problem)
     if not args.heartbeat_timeout > 0:
         raise UsageError(f"--heartbeat-timeout={args.heartbeat_timeout}: expected a positive number of seconds")
+    if args.metrics_port and (problem := port_problem(args.metrics_addr, args.metrics_port, 1,
+                                                      f"--metrics-port={args.metrics_port}")):
+        raise UsageError(problem)
+    if getattr(args, "run_dir", None) is not None:
+        _check_run_dir(args.run_dir)
+    train_cli.validate(targs)  # the checks that need torch
     if auto_resume:
         train_args += ["--resume", "auto"]  # a restarted group continues from the last checkpoint
     master_addr = _from_env(args, "master_addr", "127.0.0.1")
@@ -147,8 +155,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             raise UsageError(f"--node-addr={args.node_addr!r}: no interface of this host has address {node_addr}")
     else:
         node_addr = None  # found in run(): node 0's name may resolve only once its pod runs
-    if getattr(args, "run_dir", None) is not None:
-        _check_run_dir(args.run_dir)
     return argparse.Namespace(
         nnodes=nnodes, nproc=nproc, node_rank=node_rank, port=port, train_args=train_args, targs=targs,
         master_addr=master_addr, node_addr=node_addr,

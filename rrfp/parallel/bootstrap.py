@@ -14,12 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
-REQUIRED_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
-
-
-def in_launched_worker() -> bool:
-    """True inside a process started by torchrun / torch.distributed.run (or with its env)."""
-    return all(k in os.environ for k in REQUIRED_ENV)
+from .._launch_env import REQUIRED_ENV, in_launched_worker
 
 
 def init_distributed(timeout_s: float = 120.0) -> None:

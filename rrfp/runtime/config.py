@@ -12,10 +12,10 @@ import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 from ..scheduler.hints import DEFAULT_HINT, Hint, resolve_hint
+from ..scheduler.memory import budget_bytes
 from ..scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
 from ..scheduler.validate import order_peak_inflight
 from .names import hint_text
-from .memory import budget_bytes
 
 DEFAULT_INFLIGHT_LIMIT = 32
 DEFAULT_WATCHDOG_S = 300.0

@@ -28,24 +28,6 @@ from typing import Any, Iterator, Mapping
 import torch
 
 
-def budget_bytes(memory_budget: int | str | None) -> int | None:
-    """A memory budget in bytes (None: none), from ``Pipeline(memory_budget=...)`` or
-    ``rrfp train --memory-budget``.
-
-    Raises:
-        ValueError: a bad size, or a schedule name (the runtime learns sizes as it runs, so
-            it cannot know ahead what a schedule would hold; ``rrfp simulate`` can).
-    """
-    from ..scheduler.memory import BUDGET_NAMES, parse_size
-
-    if memory_budget is None:
-        return None
-    if memory_budget in BUDGET_NAMES:
-        raise ValueError(f"memory budget {memory_budget!r}: the runtime takes a size in bytes (e.g. 64MiB); "
-                         "schedule names need sizes known ahead (rrfp simulate --memory-budget)")
-    return parse_size(memory_budget)
-
-
 class WeightBytes:
     """``w_bytes(stage, mb)`` of :class:`~rrfp.scheduler.arbiter.Arbiter`: after a split
     backward's ``I``, the bytes its deferred weight-gradient store holds for ``W``

@@ -345,3 +345,19 @@ class MemoryLedger:
             if stage == self.stages[0]:
                 del self._hold[mb]
                 del self._left[mb]
+
+
+def budget_bytes(memory_budget: int | str | None) -> int | None:
+    """A memory budget in bytes (None: none), from ``Pipeline(memory_budget=...)`` or
+    ``rrfp train --memory-budget``.
+
+    Raises:
+        ValueError: a bad size, or a schedule name (the runtime learns sizes as it runs, so
+            it cannot know ahead what a schedule would hold; ``rrfp simulate`` can).
+    """
+    if memory_budget is None:
+        return None
+    if memory_budget in BUDGET_NAMES:
+        raise ValueError(f"memory budget {memory_budget!r}: the runtime takes a size in bytes (e.g. 64MiB); "
+                         "schedule names need sizes known ahead (rrfp simulate --memory-budget)")
+    return parse_size(memory_budget)

@@ -55,7 +55,7 @@ def register(subparsers: Any) -> None:
     g.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
                    help="with virtual stages: admission (the limit counts microbatches in flight) or "
                    "completion-order (RRFP App. C.2)")
-    g.add_argument("--limit", default="32", help="in-flight limit: an integer, or 1f1b (1F1B's p - r per rank)")
+    g.add_argument("--inflight-limit", "--limit", dest="limit", default="32", help="in-flight limit: an integer, or 1f1b (1F1B's p - r per rank)")
     g.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="activation bytes per rank: a size (64MiB, 1.5GB, 4096) or 1f1b / gpipe (what that schedule "
                    "holds on each rank with these sizes); needs --act-bytes or a cost file with act_bytes")

@@ -111,7 +111,7 @@ def check_flags(args: argparse.Namespace) -> str | None:
         if problem is None and meta["step"] > args.steps:
             problem = (f"{what} is at step {meta['step']}, past --steps={args.steps}: --steps counts every "
                        f"optimizer step of the run, expected at least {meta['step']}")
-        from ..runtime.dist import in_launched_worker
+        from .._launch_env import in_launched_worker
 
         if problem is None and not in_launched_worker():
             # Before any process starts; the ranks check again, each its share (Checkpointer.load).
@@ -161,7 +161,7 @@ def check_compatible(meta: dict, args: argparse.Namespace, what: str) -> str | N
     for key in LAYOUT_KEYS + DATA_KEYS:
         have, want = meta["args"].get(key, _DEFAULTS.get(key)), getattr(args, key, _DEFAULTS.get(key))
         if have != want:
-            flag = "--" + key.replace("_", "-")
+            flag = "--pp" if key == "stages" else "--" + key.replace("_", "-")  # --stages: an alias
             why = " (a checkpoint resumes under another --dp only)" if key in LAYOUT_KEYS else ""
             return f"{what} was written with {flag} {have}, this run has {flag} {want}: expected the same{why}"
     return None
@@ -486,34 +486,43 @@ def _crashing_writer(path, rank: int, step: int):
 
 
 # ----------------------------------------------------------------------------- export
+def export_problem(meta: dict, checkpoint: str | os.PathLike) -> str | None:
+    """Why :func:`export` cannot write the model of checkpoint ``meta`` (torch-free), or None."""
+    a = meta["args"]
+    if a.get("tp", 1) != 1:
+        return (f"checkpoint {os.fspath(checkpoint)!r} holds --tp {a['tp']} shards of each stage: export takes "
+                "checkpoints written with --tp 1")
+    if a.get("model") == "multimodal":
+        return "a --model multimodal checkpoint: export writes the text models (the GPT presets and hf:<model>)"
+    return None
+
+
 def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict:
-    """Write the model of a committed checkpoint as one state dict for :class:`~rrfp.model.gpt.GPT`.
+    """Write the model of a committed checkpoint as one state dict of the unsplit model: a
+    GPT preset's :class:`~rrfp.model.gpt.GPT`, or for ``hf:<model>`` the ``transformers``
+    model :func:`rrfp.model.hf.hf_model` builds.
 
     Reads only the ``model.*`` tensors (no process group: DCP's ``no_dist`` load), renames
     each stage's parameters to the full model's names (``stage1.blocks.0.x`` ->
     ``blocks.2.x``) and saves ``{name: tensor}`` with ``torch.save`` (written to a temporary
     file, then renamed). Load it with ``GPT(cfg).load_state_dict(torch.load(out))``, where
-    ``cfg`` is the preset named in the returned description with its ``max_len``.
+    ``cfg`` is the preset named in the returned description with its ``max_len``, or
+    ``hf_model(spec, max_len=...).load_state_dict(torch.load(out))``.
 
     Returns:
         The checkpoint's description (``rrfp.json``).
 
     Raises:
         ValueError: ``checkpoint`` is not a committed checkpoint, was written with ``--tp``
-            above 1, or its stages do not cover the model.
+            above 1 or ``--model multimodal``, or its stages do not cover the model.
     """
-    import dataclasses
-
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from ..model.gpt import GPT, GPT_PRESETS, _full_param_name, stage_layer_ranges
-
     meta = read_meta(checkpoint)
-    if meta["args"].get("tp", 1) != 1:
-        raise ValueError(f"checkpoint {os.fspath(checkpoint)!r} holds --tp {meta['args']['tp']} shards of each "
-                         "stage: export takes checkpoints written with --tp 1")
+    if (problem := export_problem(meta, checkpoint)) is not None:
+        raise ValueError(problem)
     reader = dcp.FileSystemReader(os.fspath(checkpoint))
     md = reader.read_metadata().state_dict_metadata
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()
@@ -521,16 +530,12 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP notes it loads in one process: the intent
         dcp.load(state, storage_reader=reader, no_dist=True)
-    a = meta["args"]
-    cfg = dataclasses.replace(GPT_PRESETS[a["model"]], max_len=a["max_len"])
-    ranges = stage_layer_ranges(cfg.n_layer, a["stages"] * a["virtual_stages"])
+    full_name, expected = _export_names(meta["args"])
     full = {}
     for key, t in state.items():
         stage, name = key.removeprefix("model.").split(".", 1)
-        s = int(stage.removeprefix("stage"))
-        full[_full_param_name(name, ranges[s].start)] = t
-    expected = set(GPT(cfg).state_dict())  # the reference model's names: nothing missing, nothing extra
-    if set(full) != expected:
+        full[full_name(int(stage.removeprefix("stage")), name)] = t
+    if set(full) != expected:  # the reference model's names: nothing missing, nothing extra
         missing, extra = sorted(expected - set(full)), sorted(set(full) - expected)
         raise ValueError(f"checkpoint {os.fspath(checkpoint)!r} does not hold the whole model "
                          f"(missing {missing[:3]}, unexpected {extra[:3]})")
@@ -540,3 +545,24 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict:
     torch.save(full, tmp)
     os.replace(tmp, out)
     return meta
+
+
+def _export_names(a: dict):
+    """``(full_name(stage, name), expected names)`` for the model a run of arguments ``a`` trained."""
+    import dataclasses
+
+    from ..model.gpt import GPT, GPT_PRESETS, _full_param_name, stage_layer_ranges
+    from .models import HF_PREFIX
+
+    n_stages = a["stages"] * a["virtual_stages"]
+    if a["model"].startswith(HF_PREFIX):
+        from ..model.hf import _family, _full_name, hf_layer_count, hf_model
+
+        model = hf_model(a["model"][len(HF_PREFIX):], a["seed"], a["max_len"])
+        fam = _family(model.config)
+        ranges = stage_layer_ranges(hf_layer_count(model.config), n_stages)
+        prefix = f"{fam.base}.{fam.layers}."
+        return (lambda s, name: _full_name(name, prefix, ranges[s].start)), set(model.state_dict())
+    cfg = dataclasses.replace(GPT_PRESETS[a["model"]], max_len=a["max_len"])
+    ranges = stage_layer_ranges(cfg.n_layer, n_stages)
+    return (lambda s, name: _full_param_name(name, ranges[s].start)), set(GPT(cfg).state_dict())

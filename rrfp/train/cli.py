@@ -8,20 +8,18 @@ runs each rank directly, and plain ``rrfp train`` calls torchrun's launcher on i
 from __future__ import annotations
 
 import argparse
-import math
 import signal
 import os
 import sys
-from pathlib import Path
 
-from .._paths import output_file_problem
 from ..errors import UsageError
 from ..scheduler.hints import HINT_NAMES
 from ..sim.auto import AUTO
+from .early import DEFAULT_STAGES, SAMPLE_POOL, check_flags
 from .lines import say
 
 DEFAULTS = dict(
-    stages=4,
+    stages=DEFAULT_STAGES,
     virtual_stages=1,
     microbatches=8,
     batch_size=32,
@@ -31,7 +29,7 @@ DEFAULTS = dict(
     lr=3e-3,
     seed=0,
     hint=AUTO,
-    inflight_limit="32",
+    inflight_limit=None,
 )
 
 
@@ -55,7 +53,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
     p.add_argument("--hint", default=DEFAULTS["hint"], help=f"auto (measure this job's costs, simulate and try the candidates, keep the fastest: rrfp/train/auto.py), "
                    f"{', '.join(HINT_NAMES)}; strict-<name> for the fixed order; order:<per-rank actions> or a .csv file")
-    p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], help="in-flight limit (an integer, or '1f1b' for p - rank)")
+    p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], metavar="L",
+                   help="in-flight limit: an integer, or '1f1b' for p - rank; without it, 32, except that a schedule "
+                   "used as a hint (1f1b, gpipe, PyTorch's 1F1B...) keeps that schedule's own peak unless --memory-budget is given")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="activation bytes per rank (64MiB, 1.5GB, bytes): a microbatch is admitted only if its "
                    "measured-size estimate fits (README: Memory budget)")
@@ -88,7 +88,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from .checkpoint import add_flags as add_checkpoint_flags
 
     add_checkpoint_flags(p)
-    # Security (issue 10): job secret, unauthenticated mode, poisoned steps.
+    # Security: job secret, unauthenticated mode, poisoned steps.
     p.add_argument("--job-secret-file", metavar="PATH", default=None,
                    help="file holding the job secret (e.g. a mounted Kubernetes Secret); else RRFP_JOB_SECRET; "
                    "on one machine rrfp train makes one per run")
@@ -133,168 +133,19 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
                    help="read flags from a TOML file (keys are flag names: steps = 100); the command line wins")
 
 
-def resolve_stages(args: argparse.Namespace) -> None:
-    """``--stages``: inside a torchrun job, the world size over ``--dp x --tp`` (an explicit
-    value must agree), else the default.
-
-    Raises:
-        UsageError: ``--stages`` x ``--dp`` x ``--tp`` that differs from the job's world size,
-            or a world size that ``--dp x --tp`` does not divide.
-    """
-    from ..runtime.dist import in_launched_worker
-
-    if in_launched_worker():
-        world = int(os.environ["WORLD_SIZE"])
-        dp, tp = getattr(args, "dp", 1) or 1, getattr(args, "tp", 1) or 1
-        if args.stages is not None and args.stages * dp * tp != world:
-            layout = f" x --dp={dp} x --tp={tp}" if dp * tp > 1 else ""
-            raise UsageError(
-                f"--stages={args.stages}{layout} but this torchrun job has {world} processes (world size): "
-                f"drop --stages or launch {args.stages * dp * tp} processes" + ("" if layout else " per pipeline")
-            )
-        if world % (dp * tp):
-            raise UsageError(f"world size {world} is not a multiple of --dp={dp} x --tp={tp}")
-        args.stages = world // (dp * tp)
-    elif args.stages is None:
-        args.stages = DEFAULTS["stages"]
-
-
-def parse_trace_steps(text: str | None, steps: int) -> tuple[int, int] | None:
-    """``A:B`` -> ``(A, B)`` (1-based, inclusive; ``A:`` runs to the last step).
-
-    Raises:
-        UsageError: malformed text or a range outside ``1..steps``.
-    """
-    if text is None:
-        return None
-    a, sep, b = text.partition(":")
-    try:
-        lo = int(a) if a else 1
-        hi = int(b) if b else steps
-        if not sep:
-            hi = lo
-    except ValueError:
-        raise UsageError(f"--trace-steps={text!r}: expected A:B, two step numbers (e.g. 5:8)") from None
-    if not 1 <= lo <= hi <= steps:
-        raise UsageError(f"--trace-steps={text!r}: expected 1 <= A <= B <= --steps={steps}")
-    return lo, hi
-
-
-def validate_job_flags(args: argparse.Namespace) -> None:
-    """Check the flags of :func:`add_job_flags`.
-
-    Raises:
-        UsageError: one line naming the bad value.
-    """
-    if args.eval_every < 0:
-        raise UsageError(f"--eval-every={args.eval_every}: expected 0 (never) or a positive number of steps")
-    if args.eval_batches < 1:
-        raise UsageError(f"--eval-batches={args.eval_batches}: expected a positive integer")
-    if not 0 <= args.warmup <= args.steps:
-        raise UsageError(f"--warmup={args.warmup}: expected 0..{args.steps} (--steps)")
-    if not (math.isfinite(args.min_lr) and 0 <= args.min_lr <= args.lr):
-        raise UsageError(f"--min-lr={args.min_lr}: expected 0 <= min-lr <= --lr={args.lr}")
-    if args.clip_grad is not None and not (math.isfinite(args.clip_grad) and args.clip_grad > 0):
-        raise UsageError(f"--clip-grad={args.clip_grad}: expected a positive, finite norm")
-    if args.trace_steps is not None and args.trace is None:
-        raise UsageError(f"--trace-steps={args.trace_steps!r} needs --trace DIR")
-    args.trace_range = parse_trace_steps(args.trace_steps, args.steps)
-    for flag in ("--log-file", "--loss-file"):  # rank 0 writes both: check them before any rank starts
-        path = getattr(args, flag[2:].replace("-", "_"), None)
-        if path is not None and (problem := output_file_problem(path)):
-            raise UsageError(f"{flag}={path!r}: {problem}")
-
-
 def validate(args: argparse.Namespace) -> None:
-    """Check every flag before any process starts.
+    """Check every flag before any process starts: the checks that need no torch
+    (:func:`rrfp.train.early.check_flags`, unless :func:`rrfp.cli.main` ran them already),
+    then the few that do (a CUDA device, the job secret's format, enough samples in ``--data``).
 
     Raises:
         UsageError: one line naming the bad value and what was expected.
     """
-    from ..model.gpt import GPT_PRESETS
-    from ..scheduler.hints import resolve_hint
-    from ..scheduler.tasks import Placement
-
-    resolve_stages(args)
-    for name in ("stages", "virtual_stages", "microbatches", "batch_size", "steps", "max_len", "threads", "dp", "tp"):
-        v = getattr(args, name)
-        if v < 1:
-            raise UsageError(f"--{name.replace('_', '-')}={v}: expected a positive integer")
-    from .models import hf_layers, is_hf
-
-    if args.model not in GPT_PRESETS and args.model != "multimodal" and not is_hf(args.model):
-        raise UsageError(f"--model={args.model!r}: expected one of {', '.join(GPT_PRESETS)}, multimodal, "
-                         "hf:<name> or hf:<folder>")
-    if is_hf(args.model):
-        n_layer = hf_layers(args)
-    elif args.model == "multimodal":
-        from ..model.multimodal import MULTIMODAL
-
-        if args.data is not None:
-            raise UsageError("--data with --model multimodal: the multimodal workload reads scikit-learn's digits, not text")
-        n_layer = MULTIMODAL.n_units  # the encoder and each decoder block
-    else:
-        n_layer = GPT_PRESETS[args.model].n_layer
-    n_stages = args.stages * args.virtual_stages
-    if n_stages > n_layer:
-        raise UsageError(
-            f"--stages={args.stages} x --virtual-stages={args.virtual_stages} = {n_stages} stages exceeds "
-            f"the {n_layer} layers of model {args.model!r}: each stage needs at least one layer"
-        )
-    if args.microbatches > args.batch_size:
-        raise UsageError(
-            f"--microbatches={args.microbatches} exceeds --batch-size={args.batch_size}: "
-            "each microbatch needs at least one sample"
-        )
-    _validate_layout(args)
-    if getattr(args, "memory_budget", None) is not None:
-        from ..runtime.memory import budget_bytes
-
-        try:
-            budget_bytes(args.memory_budget)
-        except ValueError as e:
-            raise UsageError(f"--memory-budget={args.memory_budget!r}: {e}") from None
-    if args.inflight_limit != "1f1b":
-        try:
-            limit = int(args.inflight_limit)
-        except ValueError:
-            limit = 0
-        if limit < 1:
-            raise UsageError(f"--inflight-limit={args.inflight_limit!r}: expected a positive integer or '1f1b'")
-    from .worker import inflight_limits
-
-    # The scheduler's own message names no flags; say which ones this command takes.
-    if args.hint.removeprefix("strict-") == "zb-v" and (
-        args.virtual_stages != 2 or (args.placement != "v" and args.stages > 1)
-    ):
-        v = args.virtual_stages
-        raise UsageError(
-            f"--hint={args.hint!r} needs --virtual-stages 2 --placement v "
-            f"(got {v} virtual stage{'s' if v != 1 else ''}, {args.placement} placement)"
-        )
-    try:
-        # With the limits the ranks will use: a strict policy is compiled under them.
-        resolve_hint(args.hint if args.hint != AUTO else "bf", Placement(args.stages, args.virtual_stages, args.placement), args.microbatches,
-                     inflight_limit=inflight_limits(args, args.stages), backpressure=args.backpressure)
-    except (ValueError, OSError) as e:
-        raise UsageError(f"--hint={args.hint!r}: {e}" + (f", or {AUTO} (the default)" if "unknown hint" in str(e) else "")) from None
+    if not getattr(args, "checked_early", False):
+        check_flags(args)
     from . import device
 
     device.validate(args)
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise UsageError(f"--lr={args.lr}: expected a finite, positive learning rate")
-    if not (math.isfinite(args.watchdog) and args.watchdog > 0):
-        raise UsageError(f"--watchdog={args.watchdog}: expected a positive number of seconds")
-    if args.threads > 4 * (os.cpu_count() or 1):
-        raise UsageError(f"--threads={args.threads}: expected at most {4 * (os.cpu_count() or 1)} on this machine")
-    if args.max_len > 65536:
-        raise UsageError(f"--max-len={args.max_len}: expected at most 65536 tokens")
-    validate_job_flags(args)
-    if args.trace is not None:
-        from .guard import check_writable_dir
-
-        if (err := check_writable_dir(args.trace, "--trace")) is not None:
-            raise UsageError(err)
     if getattr(args, "job_secret_file", None):
         from ..transport.auth import JobAuth
 
@@ -310,79 +161,36 @@ def validate(args: argparse.Namespace) -> None:
                 JobAuth(os.environ[ENV_SECRET])
             except ValueError as e:
                 raise UsageError(f"{ENV_SECRET}: {e}") from None
-    from ..obs.server import check_flags as check_metrics_flags
-
-    problem = check_metrics_flags(args, n_ports=args.stages * args.dp * args.tp, allow_any_port=True)
-    if problem:
-        raise UsageError(problem)
-    from .stepline import check_flags as check_step_line_flags
-
-    if (problem := check_step_line_flags(args)) is not None:
-        raise UsageError(problem)
-    from .accum import check_flags as check_accum_flags
-    from .models import check_flags as check_model_flags
-
-    check_model_flags(args)
-    check_accum_flags(args)
-    from .checkpoint import check_flags as check_checkpoint_flags
-
-    problem = check_checkpoint_flags(args)
-    if problem:
-        raise UsageError(problem)
-    for path in args.data or []:
-        if not path or not Path(path).exists():
-            raise UsageError(f"--data: data path {path!r} does not exist")
-        if not (Path(path).is_file() or Path(path).is_dir()):
-            raise UsageError(f"--data: data path {path!r} is not a regular file or folder")
-    from .worker import SAMPLE_POOL
-
-    if args.model != "multimodal" and args.batch_size > SAMPLE_POOL:
-        raise UsageError(f"--batch-size={args.batch_size}: expected at most {SAMPLE_POOL} (the samples a run loads)")
     if args.data:
-        # The ranks would load the same samples; finding too few here saves starting them.
-        from ..data.text import load_samples
-        from .worker import SAMPLE_POOL
-
-        try:
-            n = len(load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL))
-        except (ValueError, OSError) as e:
-            raise UsageError(f"--data: {e}") from None
-        if n < args.batch_size:
-            raise UsageError(
-                f"--batch-size={args.batch_size} exceeds the {n} samples in --data "
-                f"{' '.join(args.data)}: use a smaller batch or more text"
-            )
-        held = args.eval_batches * args.batch_size if args.eval_every else 0
-        if held and n - held < args.batch_size:
-            raise UsageError(
-                f"--eval-every holds out {held} of the {n} samples in --data (--eval-batches={args.eval_batches} "
-                f"x --batch-size={args.batch_size}), leaving fewer than a batch to train on: use more text"
-            )
+        _check_samples(args)
 
 
-def _validate_layout(args: argparse.Namespace) -> None:
-    """--dp / --tp against the model and the batch (one line each, before any process starts)."""
-    from ..model.gpt import GPT_PRESETS
+def _check_samples(args: argparse.Namespace) -> None:
+    """Enough samples in ``--data`` for a batch (and the held-out split): the ranks would load
+    the same samples, and finding too few here saves starting them."""
+    from ..data.text import load_samples
 
-    if args.model == "multimodal":
-        if args.dp * args.tp > 1 or args.eval_every:
-            raise UsageError("--model multimodal: expected --dp 1 --tp 1 and no --eval-every "
-                             "(data and tensor parallelism and evaluation cover the GPT models)")
-        return
-    cfg = GPT_PRESETS.get(args.model)  # None: hf:<model>, whose --tp is checked with the model
-    if args.tp > 1 and cfg is not None and (cfg.n_head % args.tp or cfg.ff_width % args.tp):
-        raise UsageError(f"--tp={args.tp}: expected a divisor of the {cfg.n_head} attention heads of model {args.model!r}")
-    if args.microbatches * args.dp > args.batch_size:
+    try:
+        n = len(load_samples(args.data, args.max_len, args.seed, limit=SAMPLE_POOL))
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--data: {e}") from None
+    if n < args.batch_size:
         raise UsageError(
-            f"--microbatches={args.microbatches} x --dp={args.dp} exceeds --batch-size={args.batch_size}: "
-            "each replica's microbatches need at least one sample"
+            f"--batch-size={args.batch_size} exceeds the {n} samples in --data "
+            f"{' '.join(args.data)}: use a smaller batch or more text"
         )
-    if args.trace is not None and args.dp * args.tp > 1:
-        raise UsageError(f"--trace records one pipeline: expected --dp 1 --tp 1 with it (got --dp {args.dp} --tp {args.tp})")
+    held = args.eval_batches * args.batch_size if args.eval_every else 0
+    if held and n - held < args.batch_size:
+        raise UsageError(
+            f"--eval-every holds out {held} of the {n} samples in --data (--eval-batches={args.eval_batches} "
+            f"x --batch-size={args.batch_size}), leaving fewer than a batch to train on: use more text"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.config is not None:
+    if getattr(args, "early", None) is not None:
+        args = args.early  # --config read and the torch-free checks run (rrfp.train.early.check)
+    elif args.config is not None:
         from .config import apply_config
 
         args = apply_config(args)

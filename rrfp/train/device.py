@@ -23,16 +23,17 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    """Raises UsageError (exit 2) for a device or executor this machine cannot use."""
+    """Raises UsageError (exit 2) for a device or executor this machine cannot use (torch asked;
+    ``--launch-ahead`` and ``--executor cuda --device cpu`` are refused earlier, without torch,
+    by :mod:`rrfp.train.early`)."""
+    if args.device != "cuda" and args.executor != "cuda":
+        return  # nothing to ask torch: a cpu run needs no GPU
     import torch  # here, not at import: rrfp train's parser is built before torch loads
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: torch.cuda.is_available() is False (no CUDA GPU, or a CPU-only torch)")
-    device = resolve_device(args.device)
-    if args.executor == "cuda" and device.type != "cuda":
+    if args.executor == "cuda" and resolve_device(args.device).type != "cuda":
         raise UsageError("--executor cuda: needs --device cuda (this run computes on the cpu)")
-    if args.launch_ahead not in (1, 2):
-        raise UsageError(f"--launch-ahead={args.launch_ahead}: expected 1 or 2")
 
 
 def resolve_device(name: str | None) -> "torch.device":  # noqa: F821 - torch loads here, not when the parser is built

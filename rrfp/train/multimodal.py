@@ -1,4 +1,4 @@
-"""The ``rrfp train --model multimodal`` workload: stage modules and batches (rrfp issue 13).
+"""The ``rrfp train --model multimodal`` workload: stage modules and batches.
 
 The model is :mod:`rrfp.model.multimodal` (image encoder on stage 0, GPT decoder after it);
 the data :mod:`rrfp.data.digits` (scikit-learn's digits, 0-6 images and a caption per sample).
@@ -11,8 +11,7 @@ from torch import nn
 from ..data.batches import BatchSampler
 from ..data.digits import DigitMicrobatch, load_digit_images, make_digit_microbatches, make_digit_samples
 from ..model.multimodal import MULTIMODAL, build_multimodal_stage
-
-SAMPLE_POOL = 8192
+from .early import SAMPLE_POOL
 
 
 def multimodal_stages(n_stages: int, stage_ids: list[int], seed: int) -> list[nn.Module]:

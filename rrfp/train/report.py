@@ -1,7 +1,7 @@
 """Rank 0's report of ``rrfp train``: per-step lines (loss, tokens per second, each rank's
 bubble and peak in-flight) from the statistics every rank sends as control messages, the
 evaluations, and the closing summary. Statistics from peers are validated before use: a forged
-or malformed one is counted, logged (rate-limited) and dropped (issue 10).
+or malformed one is counted, logged (rate-limited) and dropped.
 """
 
 from __future__ import annotations

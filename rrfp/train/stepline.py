@@ -37,7 +37,10 @@ def check_flags(args: argparse.Namespace) -> str | None:
         return f"--peak-tflops={peak}: expected a positive, finite TFLOP/s"
     if getattr(args, "tensorboard", None) is not None:
         import importlib.util
+        import os
 
+        if not args.tensorboard.strip() or (os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard)):
+            return f"--tensorboard={args.tensorboard!r}: expected a folder for the event files"
         if importlib.util.find_spec("tensorboard") is None:
             return "--tensorboard needs the tensorboard package (pip install 'rrfp[tensorboard]')"
     return None

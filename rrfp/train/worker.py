@@ -26,10 +26,10 @@ from ..runtime.dist import init_distributed
 from ..runtime.pipeline import Pipeline
 from ..runtime.stage import PipelineStage
 from .lines import say
-from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
 from . import device
 from .accum import accumulated_step
+from .early import SAMPLE_POOL, inflight_limits
 from .optim import lr_scheduler
 from .precision import use_autocast
 from .progress import Output
@@ -40,19 +40,6 @@ from .guard import atomic_path, atomic_write_text, check_finite, pause_for_test
 TP_IMPL = "manual"
 """Hand-written column/row-parallel layers: cheaper per task than DTensor's here
 (``benchmarks/bench_tp.py``, BENCHMARKS.md "Tensor parallelism")."""
-
-SAMPLE_POOL = 8192
-"""Samples loaded for training: a fixed pool (not tied to --steps, so the first batches of a
-run do not depend on how long it runs); the sampler reshuffles it every epoch."""
-
-
-def inflight_limits(args: argparse.Namespace, n_ranks: int) -> list[int]:
-    """Every rank's in-flight limit. All ranks get the whole list: a strict policy
-    (``strict-bf``...) is compiled from it, and every rank must compile the same orders."""
-    if args.inflight_limit == "1f1b":
-        return one_f_one_b_limits(n_ranks)
-    return [int(args.inflight_limit)] * n_ranks
-
 
 class _QuietAfterReaderLeft:
     """Drops the transport's lost-peer error records once rank 0's reader has gone: the peer
