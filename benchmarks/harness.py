@@ -171,6 +171,21 @@ class ActivationMeter:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
+    def metered(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a loss function) with what autograd saves inside it counted while
+        :attr:`active`. Both runtimes compute the loss outside the stage module, after the last
+        stage's forward, and hold its saved tensors until that microbatch's backward; rrfp's
+        ``memory_budget`` counts them as part of the last stage's forward, so the meter must
+        too, or a budget set from a PyTorch schedule's peak would be short on the last rank."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return fn(*args, **kwargs)
+            with self.hooks():
+                return fn(*args, **kwargs)
+
+        return call
+
     def _pack(self, t: torch.Tensor) -> Any:
         st = t.untyped_storage()
         ptr = st.data_ptr()
