@@ -36,15 +36,15 @@ import torch.distributed as dist
 from rrfp.model.gpt import GPT, GPTConfig, build_stage, count_tokens, lm_loss
 from rrfp.sim.jitter import LEVELS
 
-from .batches import Batch, TokenMeanLoss, make_batch  # noqa: F401 - importable from here, as before
+from .batches import Batch, TokenMeanLoss, make_batch  # noqa: F401 - importable from here
 from .harness import ActivationMeter, BenchError, ComputeTimer, Injector, JitterStage, calibrate, round_order
 from .workloads import MultimodalWorkload, TextWorkload, budgets_for, virtual_stage_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
 
 from .settings import LEGACY_SYSTEMS, QUICK, SETTINGS, setting_config  # noqa: F401 - importable from here
-from .systems import (  # noqa: F401 - importable from here, as before
-    ALL_SYSTEMS, ISSUE13_SYSTEMS, MEMORY_ROWS, RRFP_SYSTEMS, TORCH_SYSTEMS, candidate_systems, default_hint,
+from .systems import (  # noqa: F401 - importable from here
+    ALL_SYSTEMS, CORE_SYSTEMS, MEMORY_ROWS, RRFP_SYSTEMS, TORCH_SYSTEMS, candidate_systems, default_hint,
     target_groups, virtual_stage_ids,
 )
 
@@ -388,7 +388,7 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
 
 def run_setting(cfg: dict, timeout: float = 600.0) -> dict:
     """Launch the rank processes of one setting and return rank 0's result (plus wall time)."""
-    from .harness import launch
+    from .launcher import launch
 
     res = launch("benchmarks.compare:rank_main", cfg["n_ranks"], cfg, timeout=timeout, threads=cfg["threads"])
     out = res.result
@@ -431,7 +431,8 @@ def probe_rank_main(cfg: dict) -> dict | None:
 def probe_static_shapes(timeout: float = 60.0) -> dict[str, list[str]]:
     """What happens to PyTorch's pipelining when the sequence length changes after the first
     step (longer, then shorter): each rank's outcome, in words."""
-    from .harness import BenchError as _BE, launch
+    from .harness import BenchError as _BE
+    from .launcher import launch
 
     out = {}
     for label, lengths in (("longer", [16, 24]), ("shorter", [16, 8])):

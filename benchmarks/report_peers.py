@@ -185,21 +185,48 @@ def ranks_rows(compare: dict[str, dict], quick: bool = False) -> tuple[list[list
                 strict = hint.startswith("strict-")
                 tol = STRICT_TOL if strict else READY_TOL
                 ok = abs(rs["median"] - 1) <= tol
-                table.append([setting, ph["name"], n, f"`{hint}`", f"{np.median(real) * 1e3:.0f}",
+                peak = _memory(ph, n)
+                table.append([setting, ph["name"], n, f"`{hint}`", f"{max(peak) / 1024:.0f}" if peak else "-",
+                              f"{np.median(real) * 1e3:.0f}",
                               f"{np.median(sim) * 1e3:.0f}", _r(rs).replace("x (", " ("), f"within {tol:.0%}",
                               "- (quick)" if quick else "met" if ok else "**missed**"])
                 targets.append([f"{cfg['n_ranks']} real ranks, {ph['name']}, {n} (`{hint}`): real step within "
                                 f"{tol:.0%} of the simulated", _r(rs).replace("x (", " ("), "met" if ok else "**missed**",
                                 f"{np.median(sim) * 1e3:.0f} ms"])
-            a, b = "rrfp default", "rrfp strict-1f1b"
-            if a in pred and b in pred:
-                real_sp = ratio_summary(_timed(ph, b), _timed(ph, a))
-                sim_sp = float(np.median(np.asarray(pred[b]) / np.asarray(pred[a])))
-                ok = abs(real_sp["median"] - sim_sp) <= SPEEDUP_TOL
+            sp = _speedup(ph, pred)
+            if sp:
+                real_sp, sim_sp, ok = sp
                 targets.append([f"{cfg['n_ranks']} real ranks, {ph['name']}: default's speedup over strict 1F1B within "
                                 f"{SPEEDUP_TOL} of the simulated", _r(real_sp), "met" if ok else "**missed**",
                                 f"{sim_sp:.2f}x"])
     return table, targets
+
+
+def _speedup(ph: dict, pred: dict) -> tuple[dict, float, bool] | None:
+    """The default's real speedup over strict 1F1B (paired per round), the simulated one (median
+    over the rounds' delays), and whether they are within :data:`SPEEDUP_TOL`."""
+    a, b = "rrfp default", "rrfp strict-1f1b"
+    if a not in pred or b not in pred:
+        return None
+    real_sp = ratio_summary(_timed(ph, b), _timed(ph, a))
+    sim_sp = float(np.median(np.asarray(pred[b]) / np.asarray(pred[a])))
+    return real_sp, sim_sp, abs(real_sp["median"] - sim_sp) <= SPEEDUP_TOL
+
+
+def speedup_rows(compare: dict[str, dict], quick: bool = False) -> list[list[str]]:
+    """Per sleeping setting and phase: the default's real speedup over strict 1F1B beside the
+    simulated one (``quick``: no verdict)."""
+    rows = []
+    for setting, res in compare.items():
+        if not res["config"].get("sleep"):
+            continue
+        for ph in res["phases"]:
+            sp = _speedup(ph, (res.get("predicted") or {}).get(ph["name"]) or {})
+            if sp:
+                real_sp, sim_sp, ok = sp
+                rows.append([setting, ph["name"], _r(real_sp), f"{sim_sp:.2f}x", f"{real_sp['median'] - sim_sp:+.2f}",
+                             f"within {SPEEDUP_TOL}", "- (quick)" if quick else "met" if ok else "**missed**"])
+    return rows
 
 
 RANKS_NOTE = """\
@@ -224,8 +251,13 @@ def render(compare: dict[str, dict], quick: bool = False) -> tuple[list[str], li
     rtable, rtargets = ranks_rows(compare, quick)
     if rtable:
         lines += [f"## {RANKS_TITLE}", "", RANKS_NOTE, "", _table(
-            ["setting", "phase", "row", "hint", "real median ms", "simulated median ms", "real / simulated",
+            ["setting", "phase", "row", "hint", "peak KiB (largest rank)", "real median ms", "simulated median ms",
+             "real / simulated",
              "target", "verdict"], rtable), ""]
+        srows = speedup_rows(compare, quick)
+        if srows:
+            lines += ["The default's speedup over strict 1F1B, real (paired per round) and simulated:", "", _table(
+                ["setting", "phase", "real", "simulated", "real - simulated", "target", "verdict"], srows), ""]
     return lines, ptargets + rtargets
 
 

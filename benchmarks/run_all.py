@@ -74,11 +74,11 @@ def _candidates(args: argparse.Namespace) -> list[str]:
     return [h for h in (getattr(args, "candidates", "") or "").split(",") if h]
 
 
-START_S_PER_RANK = 3.2
-"""Seconds of a 2-core machine per rank process before its first round (importing torch and the
-benchmarks, about 6 CPU-seconds, and joining the process group)."""
-FIXED_S = {"probe": 12.0, "micro": 40.0, "sim_targets": 75.0, "ideal": 30.0}
-QUICK_FIXED_S = {"micro": 20.0, "sim_targets": 35.0}
+START_S, START_S_PER_RANK = 6.0, 0.5
+"""Seconds on 2 quiet cores before a setting's first round: importing torch and the benchmarks
+once (:mod:`benchmarks.launcher`'s starter), then per rank its fork, process group and pipelines."""
+FIXED_S = {"probe": 8.0, "micro": 40.0, "sim_targets": 45.0, "ideal": 30.0}
+QUICK_FIXED_S = {"micro": 20.0, "sim_targets": 20.0}
 
 
 def estimate_seconds(args: argparse.Namespace, parts: Sequence[str], settings: Sequence[str]) -> tuple[float, dict]:
@@ -93,7 +93,7 @@ def estimate_seconds(args: argparse.Namespace, parts: Sequence[str], settings: S
         for name in settings:
             cfg = compare.setting_config(name, quick=args.quick, rounds=args.rounds, candidates=_candidates(args))
             rounds = sum(2 + ph["rounds"] for ph in cfg["phases"])
-            out[name] = START_S_PER_RANK * cfg["n_ranks"] + rounds * len(cfg["systems"]) * cfg["step_s"]
+            out[name] = START_S + START_S_PER_RANK * cfg["n_ranks"] + rounds * len(cfg["systems"]) * cfg["step_s"]
         if not args.no_sim and not args.quick:
             out["ideal"] = fixed["ideal"]
     for part in ("micro", "sim_targets"):
@@ -326,6 +326,8 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
         f"flags) in {results['seconds']:.0f} s. `--quick` runs the same code at small sizes for CI. "
         + _raw_numbers(command),
         "",
+        *([f"Time per part (s, wall): {', '.join(f'{k} {v:.0f}' for k, v in results['timings'].items())}.", ""]
+          if results.get("timings") else []),
         "## Machine",
         "",
         f"- {m['nproc']} CPUs ({m['cpu']}), {m['platform']}",
@@ -420,7 +422,7 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
 TARGETS_NOTE = """\
 How to read the targets:
 
-- They are issue 13's goals for the real runtime, not figures PyTorch claims. Each compares rrfp's
+- They are rrfp's goals for the real runtime, not figures PyTorch claims. Each compares rrfp's
   default hint (whatever `rrfp.Pipeline` defaults to) with a PyTorch schedule **at equal memory**:
   rrfp gets `memory_budget` = the bytes that schedule's order holds on each rank for the setting's
   microbatches (per-microbatch activation bytes measured on the rank's stage, as rrfp's own budget

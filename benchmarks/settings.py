@@ -7,7 +7,7 @@ import copy
 import time
 from typing import Any, Sequence
 
-from .systems import ISSUE13_SYSTEMS, PEER_SYSTEMS, ZB_PEER_SYSTEMS, candidate_systems
+from .systems import CORE_SYSTEMS, PEER_SYSTEMS, ZB_PEER_SYSTEMS, candidate_systems
 
 LEGACY_SYSTEMS = ["rrfp bf", "rrfp bfw", "rrfp strict-1f1b", "rrfp bf, 1F1B limits", "torch GPipe", "torch 1F1B",
                   "torch Interleaved1F1B", "torch InterleavedZB"]
@@ -20,7 +20,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "batch_size": 32,
         "n_microbatches": 16,
         "threads": 1,
-        "systems": [*ISSUE13_SYSTEMS, "rrfp default, 1F1B limits", *PEER_SYSTEMS],
+        "systems": [*CORE_SYSTEMS, "rrfp default, 1F1B limits", *PEER_SYSTEMS],
         # J2 carries more targets: more rounds (the median's spread falls as 1/sqrt(rounds)).
         "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": n} for lv, n in (("J0", 8), ("J2", 14))],
         "step_s": 0.2,
@@ -33,7 +33,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "batch_size": 16,
         "n_microbatches": 8,
         "threads": 1,
-        "systems": [*ISSUE13_SYSTEMS, "torch Interleaved1F1B"],
+        "systems": [*CORE_SYSTEMS, "torch Interleaved1F1B"],
         "step_s": 0.4,
         "phases": [
             {"name": "fixed length", "level": "J0", "varlen": False, "rounds": 6},
@@ -47,7 +47,7 @@ SETTINGS["comm4"] = {
     **SETTINGS["jitter4"],
     "title": "4 ranks, injected message delays (J2 on every activation and gradient)",
     "comm": "J2",
-    "systems": [*ISSUE13_SYSTEMS, *ZB_PEER_SYSTEMS],
+    "systems": [*CORE_SYSTEMS, *ZB_PEER_SYSTEMS],
     "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 16}],
     "step_s": 0.14,
 }
@@ -61,7 +61,7 @@ SETTINGS["multimodal4"] = {
     "batch_size": 64,
     "n_microbatches": 16,
     "threads": 1,
-    "systems": list(ISSUE13_SYSTEMS),
+    "systems": list(CORE_SYSTEMS),
     "phases": [{"name": "images 0-6", "level": "J0", "varlen": False, "rounds": 20}],
     "step_s": 0.09,
 }

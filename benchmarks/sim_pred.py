@@ -97,10 +97,7 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
     act = None
     if stage_bytes is not None:
         pos = {s: (place.rank_of(s), i) for r in range(P) for i, s in enumerate(place.stages_of(r))}
-
-        def act(step: int, stage: int, mb: int) -> int:
-            r, i = pos[stage]
-            return int(stage_bytes[r][i])
+        act = lambda step, stage, mb: int(stage_bytes[pos[stage][0]][pos[stage][1]])  # noqa: E731
 
     for step_id in timed_step_ids(phase_index, phase):
         def duration(step: int, rank: int, t, sid=step_id) -> float:

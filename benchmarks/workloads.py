@@ -1,4 +1,4 @@
-"""What the issue-13 comparison rows add to :mod:`benchmarks.compare`: keyed message delays, the
+"""What the comparison rows add to :mod:`benchmarks.compare`: keyed message delays, the
 multimodal workload, and memory budgets in bytes matched to a schedule.
 
 **Message delays** (the communication-variability setting). Every activation and gradient

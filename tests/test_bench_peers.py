@@ -46,7 +46,7 @@ def test_virtual_stage_ids_follow_the_placements():
 def test_peer_rows_run_side_by_side():
     from benchmarks.systems import PEER_SYSTEMS
 
-    names = [*compare.ISSUE13_SYSTEMS, *PEER_SYSTEMS]
+    names = [*compare.CORE_SYSTEMS, *PEER_SYSTEMS]
     groups = compare.target_groups(names)
     for label, p in PEERS.items():
         assert [peer_default(label), p["torch"], peer_strict(label)] in groups
