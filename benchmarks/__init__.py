@@ -3,13 +3,15 @@
 One entry point regenerates ``BENCHMARKS.md``::
 
     python benchmarks/run_all.py --out BENCHMARKS.md        # or: rrfp bench --all --out BENCHMARKS.md
-    python benchmarks/run_all.py --quick                      # CI smoke run, well under a minute
+    python benchmarks/run_all.py --quick                      # CI smoke run, a few minutes
 
 Modules:
 
 - :mod:`benchmarks.harness`: the pieces every system shares: the jitter wrapper around a stage
   module (seeded delays in forward and backward), the activation-memory meter, per-rank
-  compute timers, statistics, and the multi-process launcher (timeouts, no strays).
+  compute timers and statistics.
+- :mod:`benchmarks.launcher`: the rank processes (forked from one starter that imported torch
+  once; timeouts, no strays).
 - :mod:`benchmarks.compare`: one set of rank processes runs rrfp's rows and PyTorch's
   ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` side by

@@ -38,9 +38,17 @@ class Batch:
         """The same batch with a float64 send-time stamp input after the microbatch id (the
         communication-variability setting; stage 0 ignores its value)."""
         st = torch.zeros(self.mbid.shape[0], dtype=torch.float64)
-        parts = torch.tensor_split(st, len(self.rrfp_mbs))
+        parts = own_storage(torch.tensor_split(st, len(self.rrfp_mbs)))
         return Batch(self.tokens, self.targets, self.mbid, [(*x, p) for x, p in zip(self.rrfp_mbs, parts)],
                      self.rrfp_targets, self.n_tokens, self.lengths, (*(self.torch_args or (self.tokens, self.mbid)), st))
+
+
+def own_storage(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each part copied into its own storage. rrfp's memory budget counts a saved tensor's whole
+    storage with each microbatch that saves it, so microbatches (or targets) that are views of
+    one batch (``tensor_split``) would each be charged the whole batch's bytes; the meter counts
+    a shared storage once. With their own storages both count the same bytes."""
+    return [t.clone() for t in parts]
 
 
 def _pad_to(t: torch.Tensor, length: int, value: int) -> torch.Tensor:
@@ -58,8 +66,8 @@ def make_batch(samples: Sequence[bytes], n_microbatches: int, seq_len: int, varl
         rrfp_mbs = [(mb.tokens, i) for mb, i in zip(mbs, ids)]
         rrfp_targets = [mb.targets for mb in mbs]
     else:
-        rrfp_mbs = list(zip(torch.tensor_split(tokens, n_microbatches), ids))
-        rrfp_targets = list(torch.tensor_split(targets, n_microbatches))
+        rrfp_mbs = list(zip(own_storage(torch.tensor_split(tokens, n_microbatches)), ids))
+        rrfp_targets = own_storage(torch.tensor_split(targets, n_microbatches))
     return Batch(tokens, targets, mbid, rrfp_mbs, rrfp_targets, count_tokens(targets), [t.shape[1] for t, _ in rrfp_mbs])
 
 

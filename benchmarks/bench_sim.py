@@ -4,7 +4,7 @@ Prints wall and CPU seconds per repeat and the best of them (the usual benchmark
 least disturbed run), tasks per second, and the simulated makespan against the busiest rank's
 work. Not a test: the target (under 5 s on a 2-core machine) is for a person to read.
 
-    python benchmarks/bench_sim.py                     # the issue's configuration
+    python benchmarks/bench_sim.py                     # the target's configuration
     python benchmarks/bench_sim.py --limit 100000      # without backpressure
     python benchmarks/bench_sim.py --profile           # cProfile, top 20 by own time
 """

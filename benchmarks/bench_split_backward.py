@@ -2,7 +2,7 @@
 backward B, per stage of the default GPT (``rrfp train``'s: tiny preset, 4 stages, max-len 128).
 
 Runs each variant alternately on the same microbatch so machine drift cancels out, and prints
-the median ratio (I + W) / B per stage. The goal (issue: "W must not redo the whole backward")
+the median ratio (I + W) / B per stage. The goal ("W must not redo the whole backward")
 is a ratio of at most 1.15.
 
     python benchmarks/bench_split_backward.py [--stages 4] [--model tiny] [--repeats 30]

@@ -36,15 +36,15 @@ import torch.distributed as dist
 from rrfp.model.gpt import GPT, GPTConfig, build_stage, count_tokens, lm_loss
 from rrfp.sim.jitter import LEVELS
 
-from .batches import Batch, TokenMeanLoss, make_batch  # noqa: F401 - importable from here, as before
+from .batches import Batch, TokenMeanLoss, make_batch  # noqa: F401 - importable from here
 from .harness import ActivationMeter, BenchError, ComputeTimer, Injector, JitterStage, calibrate, round_order
 from .workloads import MultimodalWorkload, TextWorkload, budgets_for, virtual_stage_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
 
 from .settings import LEGACY_SYSTEMS, QUICK, SETTINGS, setting_config  # noqa: F401 - importable from here
-from .systems import (  # noqa: F401 - importable from here, as before
-    ALL_SYSTEMS, ISSUE13_SYSTEMS, MEMORY_ROWS, RRFP_SYSTEMS, TORCH_SYSTEMS, candidate_systems, default_hint,
+from .systems import (  # noqa: F401 - importable from here
+    ALL_SYSTEMS, CORE_SYSTEMS, MEMORY_ROWS, RRFP_SYSTEMS, TORCH_SYSTEMS, candidate_systems, default_hint,
     target_groups, virtual_stage_ids,
 )
 
@@ -77,7 +77,8 @@ class System(abc.ABC):
 
 class RrfpSystem(System):
     def __init__(self, name: str, spec: dict, wrappers, inner, stage_ids, n_stages, rank, n_ranks, n_mb, job,
-                 budgets: dict[int, int] | None = None, hold=None, chosen_hint: str | None = None) -> None:
+                 budgets: dict[int, int] | None = None, hold=None, chosen_hint: str | None = None,
+                 loss_fn=lm_loss) -> None:
         from rrfp.runtime.pipeline import Pipeline
         from rrfp.runtime.stage import PipelineStage
         from rrfp.scheduler.schedules import one_f_one_b_limits
@@ -98,7 +99,7 @@ class RrfpSystem(System):
         self.budget_from = spec.get("budget_from")
         budget = max(budgets.values()) if budgets else 2**62 if self.budget_from else None
         self.pipe = Pipeline(
-            stages, n_mb, lm_loss, inflight_limit=limit, loss_weight_fn=count_tokens,
+            stages, n_mb, loss_fn, inflight_limit=limit, loss_weight_fn=count_tokens,
             rank=rank, n_ranks=n_ranks, job=job, watchdog=120.0, placement=spec.get("placement", "loop"),
             memory_budget=budget, **hint,
         )
@@ -127,7 +128,7 @@ class RrfpSystem(System):
 
 
 class TorchSystem(System):
-    def __init__(self, name: str, spec: dict, wrappers, inner, stage_ids, n_stages, n_mb, loss: TokenMeanLoss) -> None:
+    def __init__(self, name: str, spec: dict, wrappers, inner, stage_ids, n_stages, n_mb, loss) -> None:
         import torch.distributed.pipelining as pp
 
         self.name, self.inner = name, inner
@@ -234,7 +235,8 @@ def rank_main(cfg: dict) -> dict | None:
                for sp in specs.values() if sp.get("virtual", 1) > 1}.items()}
     ref_model = work.reference()
     index = GradIndex(ref_model)
-    example = work.stage_inputs(work.batch(0, False))[0]
+    batch0 = work.batch(0, False)
+    example, example_target = work.stage_inputs(batch0)[0], batch0.rrfp_targets[0]
     e: dict[str, float] = {}
     for r in range(P):  # one rank at a time: ranks share the machine's cores
         dist.barrier()
@@ -244,7 +246,8 @@ def rank_main(cfg: dict) -> dict | None:
     injector = Injector(LEVELS["J0"], seed, rank, dict(sleep) if sleep else e, base=sleep)
     delays = MessageDelays(LEVELS[cfg["comm"]], injector) if cfg.get("comm") else None
     budgets = budgets_for(work, base, cfg) if any(rrfp_systems.get(n, {}).get("budget") for n in names) else {}
-    vbytes = {pl: virtual_stage_bytes(work, mods, virtual_stage_ids(pl, rank, P), example) for pl, mods in base_v.items()}
+    vbytes = {pl: virtual_stage_bytes(work, mods, virtual_stage_ids(pl, rank, P), example, example_target)
+              for pl, mods in base_v.items()}
     meter = ActivationMeter()
     loss = TokenMeanLoss()
 
@@ -264,11 +267,11 @@ def rank_main(cfg: dict) -> dict | None:
                                         job=f"{cfg['run_id']}-{names.index(name)}",
                                         budgets=budgets.get(spec.get("budget")),
                                         hold=rrfp_hold(delays) if delays is not None else None,
-                                        chosen_hint=cfg.get("hint"))
+                                        chosen_hint=cfg.get("hint"), loss_fn=meter.metered(lm_loss))
         else:
             wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1, stage=s, delays=delays,
                                     pack=work.pack if s == 0 else None) for m, s in zip(inner, stage_ids)]
-            sysobj = TorchSystem(name, spec, wrappers, inner, stage_ids, n_stages, M, loss)
+            sysobj = TorchSystem(name, spec, wrappers, inner, stage_ids, n_stages, M, meter.metered(loss))
         meter.exclude([p for m in sysobj.inner for p in m.parameters()])
         # Every full-model parameter must be held by exactly one rank.
         cover = index.vector(sysobj.inner, name, use_grad=False)
@@ -385,7 +388,7 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
 
 def run_setting(cfg: dict, timeout: float = 600.0) -> dict:
     """Launch the rank processes of one setting and return rank 0's result (plus wall time)."""
-    from .harness import launch
+    from .launcher import launch
 
     res = launch("benchmarks.compare:rank_main", cfg["n_ranks"], cfg, timeout=timeout, threads=cfg["threads"])
     out = res.result
@@ -428,7 +431,8 @@ def probe_rank_main(cfg: dict) -> dict | None:
 def probe_static_shapes(timeout: float = 60.0) -> dict[str, list[str]]:
     """What happens to PyTorch's pipelining when the sequence length changes after the first
     step (longer, then shorter): each rank's outcome, in words."""
-    from .harness import BenchError as _BE, launch
+    from .harness import BenchError as _BE
+    from .launcher import launch
 
     out = {}
     for label, lengths in (("longer", [16, 24]), ("shorter", [16, 8])):

@@ -11,38 +11,22 @@ through the stages as an extra stage input and output, so every system sees iden
 whatever order it runs its tasks in. The paper's ``e`` (a running average of compute) would
 differ between systems, so it is fixed per (stage, kind) from a calibration of the base compute.
 
-Everything here runs inside one rank process; :func:`launch` starts those processes.
+Everything here runs inside one rank process; :func:`benchmarks.launcher.launch` starts those
+processes.
 """
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # a rank process: die with the launcher, before torch's seconds of import
-    from rrfp._pdeathsig import die_with_parent
 
-    die_with_parent()
-
-import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-import traceback
-from dataclasses import dataclass
-from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from rrfp._pdeathsig import LAUNCHER_PID_ENV
 from rrfp.sim.jitter import JitterLevel, injected_delay
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class BenchError(RuntimeError):
@@ -170,6 +154,21 @@ class ActivationMeter:
             return o_unpack(h[1])
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def metered(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a loss function) with what autograd saves inside it counted while
+        :attr:`active`. Both runtimes compute the loss outside the stage module, after the last
+        stage's forward, and hold its saved tensors until that microbatch's backward; rrfp's
+        ``memory_budget`` counts them as part of the last stage's forward, so the meter must
+        too, or a budget set from a PyTorch schedule's peak would be short on the last rank."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return fn(*args, **kwargs)
+            with self.hooks():
+                return fn(*args, **kwargs)
+
+        return call
 
     def _pack(self, t: torch.Tensor) -> Any:
         st = t.untyped_storage()
@@ -368,176 +367,3 @@ def paired_speedup(a: Sequence[float], b: Sequence[float]) -> float:
     ra = np.asarray(a, dtype=float)
     rb = np.asarray(b, dtype=float)
     return float(np.median(rb / ra)) if ra.size else float("nan")
-
-
-# --------------------------------------------------------------------------- processes
-
-
-@dataclass
-class LaunchResult:
-    result: Any
-    seconds: float
-    logs: dict[int, str]
-
-
-def _tail(text: str, n: int = 40) -> str:
-    return "\n".join(text.splitlines()[-n:])
-
-
-def launch(target: str, world: int, config: dict, timeout: float, threads: int = 1,
-           kill_on_failure: bool = True) -> LaunchResult:
-    """Run ``target`` (``"module:function"``, called with ``config``) in ``world`` rank processes.
-
-    With ``RRFP_BENCH_PYSPY=DIR`` in the environment every rank runs under ``py-spy record``
-    (collapsed stacks in ``DIR``), for finding where a benchmark's time goes.
-
-    The launcher hosts the rendezvous store on a port the OS picks; every rank joins it as a
-    client (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun) and initialises the default
-    gloo process group from ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``. Rank 0's
-    return value comes back as JSON.
-
-    Raises:
-        BenchError: a rank exited non-zero (its log's tail is in the message; the others are
-            killed at once, or with ``kill_on_failure=False`` left to finish until the timeout)
-            or the run exceeded ``timeout`` seconds (all are killed).
-    """
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
-    tmp = Path(tempfile.mkdtemp(prefix="rrfp-bench-"))
-    result_path = tmp / "result.json"
-    cfg_path = tmp / "config.json"
-    cfg_path.write_text(json.dumps({**config, "result_path": str(result_path), "threads": threads}))
-    pythonpath = os.pathsep.join([str(REPO_ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-    procs: list[subprocess.Popen] = []
-    logs: list[Path] = []
-    t0 = time.monotonic()
-    failed: str | None = None
-    try:
-        for r in range(world):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(store.port),
-                "RANK": str(r),
-                "LOCAL_RANK": str(r),
-                "WORLD_SIZE": str(world),
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
-                "OMP_NUM_THREADS": str(threads),
-                "PYTHONPATH": pythonpath,
-            }
-            prof = os.environ.get("RRFP_BENCH_PYSPY")
-            if not prof:  # under py-spy the rank's parent is py-spy, not this launcher
-                env[LAUNCHER_PID_ENV] = str(os.getpid())
-            log = tmp / f"rank{r}.log"
-            logs.append(log)
-            cmd = [sys.executable, "-m", "benchmarks.harness", target, str(cfg_path)]
-            if prof:  # sample every rank with py-spy: collapsed stacks in $RRFP_BENCH_PYSPY/<target>.rank<r>.txt
-                Path(prof).mkdir(parents=True, exist_ok=True)
-                out = Path(prof) / f"{target.replace(':', '.')}.rank{r}.txt"
-                cmd = ["py-spy", "record", "--nonblocking", "--rate", "500", "--format", "raw", "--output", str(out), "--", *cmd]
-            with open(log, "w") as fh:
-                procs.append(
-                    subprocess.Popen(
-                        cmd,
-                        env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT), start_new_session=True,
-                    )
-                )
-        _announce_ranks(procs)
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad and (kill_on_failure or all(c is not None for c in codes)):
-                r = bad[0]
-                failed = f"{target}: rank {r} exited with code {codes[r]}:\n{_tail(logs[r].read_text())}"
-                break
-            if all(c == 0 for c in codes):
-                break
-            if time.monotonic() - t0 > timeout:
-                failed = f"{target}: timed out after {timeout:.0f} s; rank 0's log:\n{_tail(logs[0].read_text())}"
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)  # the session this launcher started for the rank
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        del store
-        # Read what the ranks left, then remove their folder (logs, config, result) on every path.
-        texts = {r: log.read_text() if log.exists() else "" for r, log in enumerate(logs)}
-        result_text = result_path.read_text() if result_path.exists() else None
-        shutil.rmtree(tmp, ignore_errors=True)
-    if failed:
-        raise BenchError(failed, texts)
-    if result_text is None:
-        raise BenchError(f"{target}: rank 0 wrote no result; its log:\n{_tail(texts.get(0, ''))}")
-    return LaunchResult(json.loads(result_text), time.monotonic() - t0, texts)
-
-
-LAUNCHED_ENV = "RRFP_TEST_BENCH_LAUNCHED"
-"""Test hook (never set outside tests): a path (a FIFO) to which :func:`launch` writes its
-ranks' pids, comma-separated, once every rank is started, so a test can signal the launcher
-at that point without a timer (``tests/test_bench_cli.py``)."""
-
-
-def _announce_ranks(procs: Sequence[subprocess.Popen]) -> None:
-    path = os.environ.get(LAUNCHED_ENV)
-    if path:
-        with open(path, "w") as fh:  # a FIFO: blocks until the test reads
-            fh.write(",".join(str(p.pid) for p in procs) + "\n")
-
-
-def _worker_main(argv: list[str]) -> None:
-    """Entry point of one rank process: ``python -m benchmarks.harness module:function config.json``."""
-    import importlib
-
-    import torch.distributed as dist
-
-    target, cfg_path = argv
-    cfg = json.loads(Path(cfg_path).read_text())
-    torch.set_num_threads(int(cfg.get("threads", 1)))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=float(cfg.get("pg_timeout", 180))))
-    # Every rank through gloo's connection handshake before any may exit: a target that returns
-    # at once (a rank with nothing to do) closed its sockets while a slower peer was still in
-    # init_process_group, and that peer failed with "connectFullMesh ... closed by peer".
-    dist.barrier()
-    mod_name, fn_name = target.split(":")
-    try:
-        fn: Callable[[dict], Any] = getattr(importlib.import_module(mod_name), fn_name)
-        result = fn(cfg)
-        if dist.get_rank() == 0 and result is not None:
-            path = Path(cfg["result_path"])
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(result))
-            tmp.replace(path)
-    except BaseException:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: gloo and ZeroMQ threads are done, and exiting at once means a
-    # finished rank never waits on a peer's socket.
-    os._exit(0)
-
-
-def idle(cfg: dict) -> None:
-    """A rank target that waits ``cfg["seconds"]``, or fails at once on rank ``cfg["fail_rank"]``
-    (for testing the launcher's timeout and failure handling)."""
-    import torch.distributed as dist
-
-    if dist.get_rank() == cfg.get("fail_rank", -1):
-        raise RuntimeError("failing on purpose")
-    time.sleep(float(cfg.get("seconds", 3600)))
-
-
-if __name__ == "__main__":
-    _worker_main(sys.argv[1:])

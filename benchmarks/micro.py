@@ -463,7 +463,7 @@ def _overhead_reps(reps: int, hint: str | None = None, **kw: Any) -> dict[str, d
 
 def run_micro(quick: bool = False, timeout: float = 300.0, hint: str | None = None) -> dict[str, Any]:
     """Every micro-benchmark; the 2-process ones in freshly launched ranks."""
-    from .harness import launch
+    from .launcher import launch
 
     sizes = list(SIZES[::2]) if quick else list(SIZES)
     budget = (4 << 20) if quick else (64 << 20)

@@ -190,7 +190,7 @@ def replay(prof_dir: str | Path, cfg: dict, result: dict, latencies=(0.0, 0.001,
 
 def main(argv=None) -> int:
     from .compare import setting_config
-    from .harness import launch
+    from .launcher import launch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--setting", default="comm4", choices=["comm4"])

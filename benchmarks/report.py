@@ -267,7 +267,7 @@ def _ideal_text(ideal: dict | None, phase: str, which: str) -> str:
 
 
 def targets(compare: dict[str, dict], micro: dict | None, ideal: dict | None = None) -> list[list[str]]:
-    """[target, measured, verdict, simulator's ideal] rows: issue 13's real-runtime targets."""
+    """[target, measured, verdict, simulator's ideal] rows: the real runtime's targets."""
     ideal = ideal or {}
     rows: list[list[str]] = []
 
@@ -279,7 +279,7 @@ def targets(compare: dict[str, dict], micro: dict | None, ideal: dict | None = N
         verdict = _verdict(v >= goal)
         best = _ideal_value(ideal.get(setting), phase, which)
         if v < goal and best and best < goal:
-            # The issue: "where a target is out of reach of the simulator's zero-overhead ideal
+            # The rule: "where a target is out of reach of the simulator's zero-overhead ideal
             # for its setting, show the ideal and say so".
             verdict += f" (out of reach of the ideal, {best:.2f}x)"
         rows.append([label, _ratio(s, a, b), verdict, _ideal_text(ideal.get(setting), phase, which)])

@@ -74,6 +74,34 @@ def _candidates(args: argparse.Namespace) -> list[str]:
     return [h for h in (getattr(args, "candidates", "") or "").split(",") if h]
 
 
+START_S, START_S_PER_RANK = 6.0, 0.5
+"""Seconds on 2 quiet cores before a setting's first round: importing torch and the benchmarks
+once (:mod:`benchmarks.launcher`'s starter), then per rank its fork, process group and pipelines."""
+FIXED_S = {"probe": 8.0, "micro": 40.0, "sim_targets": 45.0, "ideal": 30.0}
+QUICK_FIXED_S = {"micro": 20.0, "sim_targets": 20.0}
+
+
+def estimate_seconds(args: argparse.Namespace, parts: Sequence[str], settings: Sequence[str]) -> tuple[float, dict]:
+    """A rough wall time of the run on 2 quiet cores (seconds, and per part), from each
+    setting's rank count, systems, rounds and ``step_s`` (a system's step time there, measured)
+    and the other parts' usual times; the report lists what each part really took."""
+    out: dict[str, float] = {}
+    fixed = QUICK_FIXED_S if args.quick else FIXED_S
+    if "compare" in parts:
+        if not args.quick:
+            out["probe"] = fixed["probe"]
+        for name in settings:
+            cfg = compare.setting_config(name, quick=args.quick, rounds=args.rounds, candidates=_candidates(args))
+            rounds = sum(2 + ph["rounds"] for ph in cfg["phases"])
+            out[name] = START_S + START_S_PER_RANK * cfg["n_ranks"] + rounds * len(cfg["systems"]) * cfg["step_s"]
+        if not args.no_sim and not args.quick:
+            out["ideal"] = fixed["ideal"]
+    for part in ("micro", "sim_targets"):
+        if part in parts:
+            out[part] = fixed[part]
+    return sum(out.values()), out
+
+
 def _log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -187,8 +215,14 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, Any] = {"machine": report.machine_info(), "quick": args.quick, "compare": {}, "micro": None,
                                "errors": [], "command": _command(args)}
 
+    timings: dict[str, float] = results.setdefault("timings", {})
+    est, est_parts = estimate_seconds(args, parts, settings)
+    _log(f"estimated {est:.0f} s on 2 quiet cores ({', '.join(f'{k} ~{v:.0f} s' for k, v in est_parts.items())}); "
+         "each part's time is logged as it ends and listed in the report")
+
     def attempt(label: str, fn):
         # A failed part is reported (and fails the run) without losing the parts that ran.
+        t0 = time.monotonic()
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - BenchError (ranks, gradients) or a runtime error
@@ -197,12 +231,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"benchmark failed: {msg}", file=sys.stderr, flush=True)
             return None
         finally:
+            timings[label] = time.monotonic() - t0
+            _log(f"{label}: {timings[label]:.0f} s")
             if args.json:  # keep what ran so far
                 Path(args.json).write_text(strict_json.dumps(results, indent=1, default=str))
 
-    if "compare" in parts:
+    if "compare" in parts and not args.quick:  # a fact of the installed torch, not a timing
         _log("probing PyTorch pipelining with a changing sequence length")
         results["probe"] = attempt("probe", compare.probe_static_shapes)
+    if "compare" in parts:
         for name in settings:
             cfg = compare.setting_config(name, quick=args.quick, seed=args.seed, rounds=args.rounds, hint=args.hint,
                                          candidates=_candidates(args))
@@ -210,10 +247,9 @@ def run(args: argparse.Namespace) -> int:
             res = attempt(f"setting {name}", lambda: compare.run_setting(cfg, timeout=args.timeout))
             if res is not None:
                 results["compare"][name] = res
-                _log(f"setting {name} done in {res['wall_seconds']:.0f} s")
     if not args.no_sim:  # in-process simulations of the zero-bubble and many-rank rows (seconds)
         for name, res in results["compare"].items():
-            res["predicted"] = attempt(f"simulated predictions of {name}", lambda: report_peers.predictions(res))
+            res["predicted"] = attempt(f"predictions of {name}", lambda: report_peers.predictions(res))
     if "micro" in parts:
         _log("micro-benchmarks")
         results["micro"] = attempt("micro-benchmarks", lambda: micro.run_micro(quick=args.quick, timeout=args.timeout,
@@ -223,7 +259,8 @@ def run(args: argparse.Namespace) -> int:
         _log("simulator and training targets")
         results["sim_targets"] = sim_targets.run(args.quick, args.timeout, attempt)
     if not args.no_sim and not args.quick:
-        results["ideal"] = {name: ideal(st) for name, st in results["compare"].items()}
+        results["ideal"] = attempt("ideal speedups (rrfp simulate)",
+                                   lambda: {name: ideal(st) for name, st in results["compare"].items()}) or {}
         if "jitter4-m64" in results["compare"]:
             st = results["compare"]["jitter4-m64"]
             results["sim"] = {"jitter4-m64": {"J2": _simulate(st, "J2")}}
@@ -289,6 +326,8 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
         f"flags) in {results['seconds']:.0f} s. `--quick` runs the same code at small sizes for CI. "
         + _raw_numbers(command),
         "",
+        *([f"Time per part (s, wall): {', '.join(f'{k} {v:.0f}' for k, v in results['timings'].items())}.", ""]
+          if results.get("timings") else []),
         "## Machine",
         "",
         f"- {m['nproc']} CPUs ({m['cpu']}), {m['platform']}",
@@ -383,7 +422,7 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
 TARGETS_NOTE = """\
 How to read the targets:
 
-- They are issue 13's goals for the real runtime, not figures PyTorch claims. Each compares rrfp's
+- They are rrfp's goals for the real runtime, not figures PyTorch claims. Each compares rrfp's
   default hint (whatever `rrfp.Pipeline` defaults to) with a PyTorch schedule **at equal memory**:
   rrfp gets `memory_budget` = the bytes that schedule's order holds on each rank for the setting's
   microbatches (per-microbatch activation bytes measured on the rank's stage, as rrfp's own budget

@@ -7,7 +7,7 @@ import copy
 import time
 from typing import Any, Sequence
 
-from .systems import ISSUE13_SYSTEMS, PEER_SYSTEMS, ZB_PEER_SYSTEMS, candidate_systems
+from .systems import CORE_SYSTEMS, PEER_SYSTEMS, ZB_PEER_SYSTEMS, candidate_systems
 
 LEGACY_SYSTEMS = ["rrfp bf", "rrfp bfw", "rrfp strict-1f1b", "rrfp bf, 1F1B limits", "torch GPipe", "torch 1F1B",
                   "torch Interleaved1F1B", "torch InterleavedZB"]
@@ -20,9 +20,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "batch_size": 32,
         "n_microbatches": 16,
         "threads": 1,
-        "systems": [*ISSUE13_SYSTEMS, "rrfp default, 1F1B limits", *PEER_SYSTEMS],
-        # J2 carries two targets: twice the rounds (the median's spread falls as 1/sqrt(rounds)).
-        "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": n} for lv, n in (("J0", 10), ("J2", 20))],
+        "systems": [*CORE_SYSTEMS, "rrfp default, 1F1B limits", *PEER_SYSTEMS],
+        # J2 carries more targets: more rounds (the median's spread falls as 1/sqrt(rounds)).
+        "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": n} for lv, n in (("J0", 8), ("J2", 14))],
+        "step_s": 0.2,
     },
     "compute2": {
         "title": "2 ranks, real CPU compute only",
@@ -32,7 +33,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "batch_size": 16,
         "n_microbatches": 8,
         "threads": 1,
-        "systems": [*ISSUE13_SYSTEMS, "torch Interleaved1F1B"],
+        "systems": [*CORE_SYSTEMS, "torch Interleaved1F1B"],
+        "step_s": 0.4,
         "phases": [
             {"name": "fixed length", "level": "J0", "varlen": False, "rounds": 6},
             {"name": "variable length", "level": "J0", "varlen": True, "rounds": 6},
@@ -45,8 +47,9 @@ SETTINGS["comm4"] = {
     **SETTINGS["jitter4"],
     "title": "4 ranks, injected message delays (J2 on every activation and gradient)",
     "comm": "J2",
-    "systems": [*ISSUE13_SYSTEMS, *ZB_PEER_SYSTEMS],
-    "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 20}],
+    "systems": [*CORE_SYSTEMS, *ZB_PEER_SYSTEMS],
+    "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 16}],
+    "step_s": 0.14,
 }
 # The multimodal model (ViT-style encoder on stage 0, 3 decoder blocks) on digit captions.
 SETTINGS["multimodal4"] = {
@@ -58,8 +61,9 @@ SETTINGS["multimodal4"] = {
     "batch_size": 64,
     "n_microbatches": 16,
     "threads": 1,
-    "systems": list(ISSUE13_SYSTEMS),
+    "systems": list(CORE_SYSTEMS),
     "phases": [{"name": "images 0-6", "level": "J0", "varlen": False, "rounds": 20}],
+    "step_s": 0.09,
 }
 # The jitter4 model and microbatch size with 4x the microbatches, J2 only: the simulator's ideal
 # speedup of readiness grows with the number of microbatches (docs in BENCHMARKS.md).
@@ -70,6 +74,7 @@ SETTINGS["jitter4-m64"] = {
     "n_microbatches": 64,
     "systems": LEGACY_SYSTEMS,
     "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 8}],
+    "step_s": 0.5,
 }
 # Many real ranks on few cores: every task sleeps for its compute (F 10 ms, B 20 ms) on a tiny GPT
 # (one layer per stage), so injected jitter dominates and 16 processes fit on 2 cores; each row
@@ -89,20 +94,23 @@ for _p in (8, 16):
         # percent of the sleeps, so 16 ranks on 2 cores rarely wait for a core.
         "sleep": {"F": 0.010, "B": 0.020},
         "systems": list(RANKS_SYSTEMS),
-        "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": n} for lv, n in (("J0", 3), ("J2", 8))],
+        # Sleep-dominated steps vary little round to round: few rounds pin the real/simulated ratio.
+        "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": n} for lv, n in (("J0", 2), ("J2", 6))],
+        "step_s": 0.035 * (15 + _p),  # (M + p - 1) tasks of 30 ms on the slowest rank, plus jitter
     }
 # 8 microbatches: ScheduleDualPipeV refuses fewer than its 8 stages.
 _TINY = {"model": {"n_layer": 8, "n_head": 2, "d_model": 16}, "seq_len": 16, "batch_size": 8, "n_microbatches": 8}
 QUICK: dict[str, dict[str, Any]] = {
-    "jitter4": {**_TINY, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 1}]},
-    "comm4": {**_TINY, "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 1}]},
+    "jitter4": {**_TINY, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 1}], "step_s": 0.12},
+    "comm4": {**_TINY, "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 1}], "step_s": 0.12},
     "multimodal4": {"model": {"n_layer": 3, "n_head": 2, "d_model": 16, "enc_width": 8, "enc_layers": 1},
-                    "batch_size": 8, "n_microbatches": 4,
+                    "batch_size": 8, "n_microbatches": 4, "step_s": 0.05,
                     "phases": [{"name": "images 0-6", "level": "J0", "varlen": False, "rounds": 1}]},
     "jitter4-m64": {"model": {"n_layer": 8, "n_head": 2, "d_model": 16}, "seq_len": 16, "batch_size": 32,
-                    "n_microbatches": 32, "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 2}]},
+                    "n_microbatches": 32, "step_s": 0.3,
+                    "phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 2}]},
     "compute2": {"model": {"n_layer": 4, "n_head": 2, "d_model": 32}, "seq_len": 32, "batch_size": 8, "n_microbatches": 4,
-                 "phases": [{"name": "variable length", "level": "J0", "varlen": True, "rounds": 2}]},
+                 "step_s": 0.1, "phases": [{"name": "variable length", "level": "J0", "varlen": True, "rounds": 2}]},
     **{f"ranks{p}": {"phases": [{"name": "J2", "level": "J2", "varlen": False, "rounds": 1}]} for p in (8, 16)},
 }
 

@@ -53,6 +53,36 @@ def predict(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dic
     Raises:
         ValueError: a hint that does not fit the placement (from the scheduler).
     """
+    return [res.makespan for res, _ in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement,
+                                               limit, budgets, stage_bytes, None)]
+
+
+def predict_bounded(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, hint: str, *,
+                    bound_budgets: Sequence[int], stage_bytes: Sequence[Sequence[int]], n_virtual: int = 1,
+                    placement: str = "loop", limit: int | str = 32,
+                    budgets: Sequence[int] | None = None) -> tuple[list[float], list[float]]:
+    """:func:`predict`'s step times, and per round the memory-aware lower bound (seconds) on any
+    schedule of the same tasks that keeps each rank within ``bound_budgets`` bytes: the larger of
+    :func:`rrfp.sim.metrics.lower_bound` and :func:`rrfp.sim.metrics.memory_bound` over that
+    round's task durations (the suite's memory-aware ceiling, :mod:`rrfp.sim.suite`).
+
+    Raises:
+        ValueError: a hint that does not fit the placement (from the scheduler).
+    """
+    steps, bounds = [], []
+    for res, bound in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, limit, budgets,
+                              stage_bytes, bound_budgets):
+        steps.append(res.makespan)
+        bounds.append(bound)
+    return steps, bounds
+
+
+def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, limit, budgets, stage_bytes,
+            bound_budgets):
+    """Per timed round: (the simulation's result, its memory-aware bound at ``bound_budgets`` or
+    None without them)."""
+    from rrfp.sim.metrics import lower_bound, memory_bound
+
     from .systems import torch_order_hint
 
     P, M, seed = cfg["n_ranks"], cfg["n_microbatches"], cfg["seed"]
@@ -65,14 +95,10 @@ def predict(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dic
     share = 1.0 / n_virtual
     e = [dict(sleep) if cfg.get("sleep") else c for c in calibration]
     act = None
-    if budgets is not None:
+    if stage_bytes is not None:
         pos = {s: (place.rank_of(s), i) for r in range(P) for i, s in enumerate(place.stages_of(r))}
+        act = lambda step, stage, mb: int(stage_bytes[pos[stage][0]][pos[stage][1]])  # noqa: E731
 
-        def act(step: int, stage: int, mb: int) -> int:
-            r, i = pos[stage]
-            return int(stage_bytes[r][i])
-
-    out = []
     for step_id in timed_step_ids(phase_index, phase):
         def duration(step: int, rank: int, t, sid=step_id) -> float:
             kind = F if t.kind == F else B
@@ -88,10 +114,15 @@ def predict(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dic
             return injected_delay(comm, seed, sid, t.stage, t.mb, F if t.kind == F else B, 0.0,
                                   streams=(STREAM_COMM_HIT, STREAM_COMM_SIZE))
 
-        res = simulate(spec, h, duration, strict=strict, inflight_limit=limits, delay=delay, record=False,
-                       memory_budget=list(budgets) if budgets is not None else None, act_bytes=act)
-        out.append(float(res.makespan))
-    return out
+        res = simulate(spec, h, duration, strict=strict, inflight_limit=limits, delay=delay,
+                       record=bound_budgets is not None,
+                       memory_budget=list(budgets) if budgets is not None else None,
+                       act_bytes=act if budgets is not None else None)
+        bound = None
+        if bound_budgets is not None:
+            bound = max(lower_bound(spec, res.records, delay=delay),
+                        memory_bound(spec, res.records, list(bound_budgets), act, delay=delay))
+        yield res, bound
 
 
 def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict:

@@ -46,7 +46,7 @@ def candidate_systems(hints: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Rows of candidate hints (``--candidates``), run beside the default hint in the same
     rounds at both memory budgets: ``rrfp <hint>, 1F1B memory`` and ``rrfp <hint>, GPipe memory``."""
     return {f"rrfp {h}, {label}": {"hint": h, "limit": 32, "budget": b} for h in hints for b, label in MEMORY_ROWS.items()}
-ISSUE13_SYSTEMS = ["rrfp default", "rrfp default, 1F1B memory", "rrfp default, GPipe memory", "rrfp strict-1f1b",
+CORE_SYSTEMS = ["rrfp default", "rrfp default, 1F1B memory", "rrfp default, GPipe memory", "rrfp strict-1f1b",
                    "torch GPipe", "torch 1F1B"]
 
 

@@ -1,4 +1,4 @@
-"""What the issue-13 comparison rows add to :mod:`benchmarks.compare`: keyed message delays, the
+"""What the comparison rows add to :mod:`benchmarks.compare`: keyed message delays, the
 multimodal workload, and memory budgets in bytes matched to a schedule.
 
 **Message delays** (the communication-variability setting). Every activation and gradient
@@ -54,7 +54,7 @@ from rrfp.data.text import load_samples
 from rrfp.model.gpt import GPT, GPTConfig, build_stage, count_tokens, lm_loss
 from rrfp.scheduler.tasks import B, F
 
-from .batches import Batch, make_batch
+from .batches import Batch, make_batch, own_storage
 
 MAX_IMAGES = 6
 
@@ -145,14 +145,18 @@ class ConsumeStamp(torch.autograd.Function):
 # --------------------------------------------------------------------------- memory budgets
 
 
-def saved_bytes(module: torch.nn.Module, inputs: Sequence[torch.Tensor]) -> int:
+def saved_bytes(module: torch.nn.Module, inputs: Sequence[torch.Tensor], target: torch.Tensor | None = None) -> int:
     """Bytes of the storages autograd saves for backward in ``module(*inputs)`` (each once,
-    parameters excluded): what rrfp's ``ForwardSizer`` and the benchmarks' meter count."""
+    parameters excluded), and, with ``target`` (the last stage's), in the loss
+    ``lm_loss(output, target)`` after it: what rrfp's ``ForwardSizer`` counts for one forward
+    and the benchmarks' meter counts for it (:meth:`benchmarks.harness.ActivationMeter.metered`)."""
     from rrfp.runtime.memory import SavedBytes
 
     counter = SavedBytes({p.untyped_storage().data_ptr() for p in module.parameters()})
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         out = module(*inputs)
+        if target is not None:
+            out = lm_loss(out, target)
     del out
     return counter.total
 
@@ -172,18 +176,20 @@ def schedule_budget(schedule: str, n_ranks: int, rank: int, sizes: Sequence[Sequ
 
 
 def virtual_stage_bytes(work: "TextWorkload", modules: Sequence[torch.nn.Module], stage_ids: Sequence[int],
-                        example: tuple) -> list[int]:
+                        example: tuple, target: torch.Tensor) -> list[int]:
     """Saved bytes of one microbatch on each of this rank's virtual stages (``modules`` at global
     ``stage_ids``): stage 0 on ``example`` (this rank's first-stage input), the others on a
-    hidden state of the example's batch and length."""
+    hidden state of the example's batch and length; the last stage with its loss on ``target``
+    (the example's targets, ``[samples, length]``)."""
     out = []
+    last = 2 * work.P - 1
     for m, s in zip(modules, stage_ids):
         if s == 0:
             x = example
         else:
-            b, T = example[0].shape[0], example[0].shape[1]
+            b, T = target.shape
             x = (torch.randn(b, T, work.gcfg.d_model, requires_grad=True),)
-        out.append(saved_bytes(m, x))
+        out.append(saved_bytes(m, x, target if s == last else None))
     return out
 
 
@@ -297,8 +303,8 @@ class MultimodalWorkload(TextWorkload):
         split = [torch.tensor_split(t[k], M) for k in ("images", "counts", "tokens")] + [torch.tensor_split(mbid, M)]
         # rrfp takes each microbatch's images packed (its inputs may have any shape); PyTorch
         # the padded batch, packed inside its stage 0 (the same indexing).
-        mbs = [(*pack_images(*x[:3]), x[3]) for x in zip(*split)]
-        return Batch(t["tokens"], t["targets"], mbid, mbs, list(torch.tensor_split(t["targets"], M)),
+        mbs = [(*own_storage(pack_images(*x[:3])), x[3]) for x in zip(*split)]
+        return Batch(t["tokens"], t["targets"], mbid, mbs, own_storage(torch.tensor_split(t["targets"], M)),
                      count_tokens(t["targets"]), [int(c.sum()) for c in split[1]],
                      (t["images"], t["counts"], t["tokens"], mbid))
 
@@ -320,10 +326,12 @@ def budgets_for(work: TextWorkload, base, cfg: dict) -> dict[str, dict[int, int]
     for pi, ph in enumerate(cfg["phases"]):
         for k in range(2 + ph["rounds"]):
             row = []
-            for x in work.stage_inputs(work.batch(1000 * pi + k, ph["varlen"])):
-                shapes = tuple(tuple(t.shape) for t in x)
+            batch = work.batch(1000 * pi + k, ph["varlen"])
+            for x, y in zip(work.stage_inputs(batch), batch.rrfp_targets):
+                y = y if rank == P - 1 else None  # the last stage's forward includes its loss
+                shapes = tuple(tuple(t.shape) for t in (*x, *([y] if y is not None else [])))
                 if shapes not in memo:  # bytes follow shapes
-                    memo[shapes] = saved_bytes(base, x)
+                    memo[shapes] = saved_bytes(base, x, y)
                 row.append(memo[shapes])
             for n in out:
                 out[n][1000 * pi + k] = schedule_budget(n, P, rank, [row])

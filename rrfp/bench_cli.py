@@ -3,8 +3,10 @@
 The benchmarks live in the source tree (``benchmarks/``, next to the ``rrfp`` package); this
 subcommand runs ``benchmarks/run_all.py`` with the same options::
 
-    rrfp bench --all --out BENCHMARKS.md     # regenerate BENCHMARKS.md (~10 minutes on 2 cores)
-    rrfp bench --quick                       # CI smoke run, printed
+    rrfp bench --all --out BENCHMARKS.md     # regenerate BENCHMARKS.md (under 10 minutes on 2 quiet cores)
+    rrfp bench --quick                       # CI smoke run at small sizes (a few minutes), printed
+
+Each prints its estimated time first and every part's time as it ends.
     rrfp bench --micro                       # only the micro-benchmarks
 """
 
@@ -34,9 +36,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true", help="rrfp against PyTorch's pipeline schedules")
     p.add_argument("--micro", action="store_true", help="arbiter, runtime overhead and transport micro-benchmarks")
     p.add_argument("--sim-targets", action="store_true",
-                   help="issue 13's simulator targets: the scenario suite, the simulator's speed, and the "
+                   help="the simulator and training targets: the scenario suite, the simulator's speed, and the "
                    "`rrfp train --model multimodal` run")
-    p.add_argument("--quick", action="store_true", help="small sizes and few rounds (CI smoke test)")
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes and one timed round, no verdicts (CI smoke test, a few minutes)")
     p.add_argument("--settings", default="jitter4,comm4,multimodal4,compute2,ranks8,ranks16",
                    help="comparison settings, comma-separated (jitter4, comm4, multimodal4, compute2, ranks8, "
                    "ranks16, jitter4-m64)")
@@ -117,7 +120,7 @@ def launch(args: argparse.Namespace) -> int:
     if root is None:
         raise UsageError("this installation has no benchmarks: run rrfp bench from a clone of the rrfp repository")
     argv = args.argv[args.argv.index("bench") + 1:]
-    # The rank processes import ``benchmarks`` too (python -m benchmarks.harness).
+    # The rank processes import ``benchmarks`` too (python -m benchmarks.launcher).
     paths = [str(root), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), LAUNCHED_ENV: "1"}
     child = subprocess.Popen([sys.executable, "-m", PROGRAM, *argv], env=env, preexec_fn=_die_with_parent)

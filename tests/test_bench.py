@@ -13,7 +13,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import compare, harness, micro  # noqa: E402
+from benchmarks import compare, harness, launcher, micro  # noqa: E402
 from benchmarks.harness import ActivationMeter, BenchError, Injector, JitterStage  # noqa: E402
 from rrfp.sim.jitter import LEVELS  # noqa: E402
 
@@ -103,11 +103,11 @@ def test_arbiter_micro_benchmark_runs():
 @pytest.mark.timeout(60)
 def test_launcher_kills_ranks_on_timeout_and_reports_failures():
     with pytest.raises(BenchError, match="timed out"):
-        harness.launch("benchmarks.harness:idle", 2, {"seconds": 600}, timeout=6)
+        launcher.launch("benchmarks.launcher:idle", 2, {"seconds": 600}, timeout=6)
     # A failing rank is reported at once and the idle one is killed, before the timeout: the
     # launcher says "exited with code 1", not "timed out" (50 s is only a deadline for a hang).
     with pytest.raises(BenchError, match="rank 1 exited with code 1") as err:
-        harness.launch("benchmarks.harness:idle", 2, {"seconds": 600, "fail_rank": 1}, timeout=50)
+        launcher.launch("benchmarks.launcher:idle", 2, {"seconds": 600, "fail_rank": 1}, timeout=50)
     assert "failing on purpose" in str(err.value)
 
 
@@ -297,7 +297,7 @@ def test_inbox_hold_delays_the_input_not_the_result():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting", ["comm4", "multimodal4"])
-def test_issue13_settings_run_at_equal_memory_with_equal_gradients(setting):
+def test_core_settings_run_at_equal_memory_with_equal_gradients(setting):
     """The tiny comm4 / multimodal4 settings in real processes: every system's gradients match
     (checked inside the run), the injected totals are equal, and the default hint held to 1F1B's
     bytes holds no more than PyTorch's Schedule1F1B on any rank (sizes here are exact)."""
@@ -315,7 +315,12 @@ def test_issue13_settings_run_at_equal_memory_with_equal_gradients(setting):
     for r, (mine, theirs) in enumerate(zip(mem["rrfp default, 1F1B memory"]["peak_bytes"], mem["torch 1F1B"]["peak_bytes"])):
         assert 0 < mine <= budgets[r] and mine <= theirs, (r, mine, theirs, budgets[r])
         if r > 0:  # fixed shapes after stage 0: the budget is what 1F1B measured (within 5%)
-            assert theirs <= budgets[r] <= 1.05 * theirs, (r, theirs, budgets[r])
+            # but for one thing: PyTorch's loss saves each microbatch's targets as a view of
+            # the batch's (its own split), so its peak holds the whole batch's targets; rrfp's
+            # targets have their own storages, which its budget counts (benchmarks.batches).
+            B, T, M = cfg["batch_size"], cfg["seq_len"], cfg["n_microbatches"]
+            shared = 8 * T * (B - B // M) if r == len(budgets) - 1 else 0  # int64 targets
+            assert theirs - shared <= budgets[r] <= 1.05 * theirs, (r, theirs, shared, budgets[r])
     from benchmarks.report import equal_memory, phase_summary
 
     s = phase_summary(ph)

@@ -15,7 +15,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import harness, run_all  # noqa: E402
+from benchmarks import launcher, run_all  # noqa: E402
+from benchmarks.harness import BenchError  # noqa: E402
+from benchmarks.launcher import LAUNCHED_ENV  # noqa: E402
 from rrfp.cli import main  # noqa: E402
 
 
@@ -53,11 +55,11 @@ def test_a_missing_hint_file_or_a_folder_for_from_json_is_one_line(tmp_path, cap
 
 def test_the_launcher_removes_its_temporary_folder(tmp_path, monkeypatch):
     """Each launch (the probe, every setting) made an ``rrfp-bench-*`` folder and left it."""
-    monkeypatch.setattr(harness.tempfile, "tempdir", str(tmp_path))
-    with pytest.raises(harness.BenchError, match="wrote no result"):  # idle returns nothing
-        harness.launch("benchmarks.harness:idle", 2, {"seconds": 0}, timeout=120)
-    with pytest.raises(harness.BenchError, match="failing on purpose"):
-        harness.launch("benchmarks.harness:idle", 2, {"fail_rank": 1}, timeout=120)
+    monkeypatch.setattr(launcher.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(BenchError, match="wrote no result"):  # idle returns nothing
+        launcher.launch("benchmarks.launcher:idle", 2, {"seconds": 0}, timeout=120)
+    with pytest.raises(BenchError, match="failing on purpose"):
+        launcher.launch("benchmarks.launcher:idle", 2, {"fail_rank": 1}, timeout=120)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -73,7 +75,7 @@ def test_a_stopped_bench_leaves_no_rank_running(sig, tmp_path):
     rank that outlived its launcher ended by its own error (exit 1) or a timeout, before."""
     fifo = tmp_path / "launched"
     os.mkfifo(fifo)
-    env = {**os.environ, harness.LAUNCHED_ENV: str(fifo), "TMPDIR": str(tmp_path)}
+    env = {**os.environ, LAUNCHED_ENV: str(fifo), "TMPDIR": str(tmp_path)}
     reaper = subprocess.Popen([sys.executable, str(Path(__file__).with_name("reaper.py")), sys.executable, "-m",
                                "rrfp", "bench", "--quick", "--compare", "--settings", "compute2", "--no-sim"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -141,3 +143,20 @@ def test_a_quick_run_gives_no_verdict_on_speed_targets(quick, monkeypatch):
     verdicts = [ln.split(" | ")[2] for ln in text.splitlines() if ln.startswith("| runtime overhead") or
                 ln.startswith("| arbiter decision")]
     assert verdicts == (["- (quick)", "- (quick)"] if quick else ["**missed**", "met"])
+
+
+def test_the_estimate_names_every_part_it_runs_and_the_report_lists_their_times():
+    full = run_all.build_parser().parse_args([])
+    quick = run_all.build_parser().parse_args(["--quick"])
+    settings = full.settings.split(",")
+    total, parts = run_all.estimate_seconds(full, run_all.PARTS, settings)
+    assert set(parts) == {*settings, "probe", "ideal", "micro", "sim_targets"}
+    assert total == pytest.approx(sum(parts.values()))
+    q_total, q_parts = run_all.estimate_seconds(quick, run_all.PARTS, settings)
+    assert "probe" not in q_parts and all(q_parts[s] < parts[s] for s in settings) and q_total < total
+    from benchmarks import report
+
+    results = {"machine": report.machine_info(), "quick": True, "compare": {}, "micro": None, "errors": [],
+               "seconds": 3.0, "timings": {"setting ranks8": 1.4, "micro-benchmarks": 1.6}}
+    text = run_all.render(results, quick)
+    assert "Time per part (s, wall): setting ranks8 1, micro-benchmarks 2." in text

@@ -1,4 +1,4 @@
-"""The ``--sim-targets`` part of ``rrfp bench``: issue 13's simulator and training targets in
+"""The ``--sim-targets`` part of ``rrfp bench``: the simulator and training targets in
 the generated report (benchmarks/sim_targets.py)."""
 
 from __future__ import annotations
