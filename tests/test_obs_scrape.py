@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 RANKS, STEPS = 2, 5
-DEADLINE = 200.0  # seconds for the whole run on a loaded 2-core machine
+DEADLINE = 900.0  # seconds for the whole run: a hang bound, generous for a 2-core machine at load 10-40
 
 
 def free_port_block(n: int) -> int:
@@ -139,7 +139,7 @@ class Ranks:
         """Until every rank waits in the pause (the default process group's keys on the store)."""
         import datetime
 
-        self.store.wait([f"default_pg/0//rrfp/test/paused/{r}" for r in range(RANKS)], datetime.timedelta(seconds=150))
+        self.store.wait([f"default_pg/0//rrfp/test/paused/{r}" for r in range(RANKS)], datetime.timedelta(seconds=600))
 
     def resume(self) -> None:
         self.store.set("default_pg/0//rrfp/test/resume", "1")
@@ -158,7 +158,7 @@ class Ranks:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)
 def test_scraped_counters_give_the_runtimes_bubble(tmp_path) -> None:
     """Forced order, no race with the run: every rank pauses after step ``PAUSE`` (test hook
     RRFP_TEST_PAUSE_AFTER_STEP) while the first scrape is taken, so the window of the rate
@@ -195,7 +195,7 @@ def test_scraped_counters_give_the_runtimes_bubble(tmp_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="no prometheus binary on PATH")
 def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_path) -> None:
     """Forced order: every rank pauses after step 1 until Prometheus has scraped it there, so
@@ -257,7 +257,7 @@ def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)
 def test_multiprocess_ranks_are_served_by_one_endpoint(tmp_path) -> None:
     """As under ``rrfp node``: the ranks write to PROMETHEUS_MULTIPROC_DIR, serve nothing
     themselves, and one server over :func:`node_registry` serves them all, also after the
@@ -272,7 +272,7 @@ def test_multiprocess_ranks_are_served_by_one_endpoint(tmp_path) -> None:
     p = subprocess.run(
         [sys.executable, "-m", "rrfp", "train", "--stages", str(RANKS), "--steps", str(STEPS), "--batch-size", "4",
          "--microbatches", "4", "--max-len", "16", "--data", str(data), "--quiet", "--trace", str(tmp_path / "tr")],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(prom_dir)},
+        capture_output=True, text=True, timeout=900, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(prom_dir)},
     )
     assert p.returncode == 0, p.stderr[-3000:]
     srv = MetricsServer(node_registry(prom_dir), port=0)

@@ -29,7 +29,7 @@ from procs import Proc
 
 from rrfp.train import checkpoint as ck
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 TRAIN = ["--stages", "2", "--steps", "4", "--batch-size", "8", "--microbatches", "4", "--deterministic",
          "--threads", "1", "--max-len", "64"]
@@ -139,7 +139,7 @@ def test_two_hosts_both_planes_sigterm_and_resume(hosts, tmp_path):
     env = _clean_env()
     ref = Proc([sys.executable, "-m", "rrfp", "train", *TRAIN, "--loss-file", str(tmp_path / "ref.txt"), "--quiet"],
                env)
-    assert ref.finish(300) == 0, ref.output()
+    assert ref.finish(900) == 0, ref.output()
     want = _losses(tmp_path / "ref.txt")
     assert sorted(want) == [1, 2, 3, 4]
     secret = tmp_path / "secret"
@@ -151,9 +151,9 @@ def test_two_hosts_both_planes_sigterm_and_resume(hosts, tmp_path):
     d0, d1 = _daemons(hosts, tmp_path, ["--transport", "zmq", "--loss-file", str(tmp_path / "zmq.txt")],
                       dict(env, RRFP_TEST_HOLD_AFTER_STEP="1"))
     try:
-        d0.wait_for("holding after step 1", 300)
+        d0.wait_for("holding after step 1", 900)
         d1.p.send_signal(signal.SIGTERM)
-        rc = _finish([d1, d0], 180)
+        rc = _finish([d1, d0], 600)
     finally:
         d0.kill()
         d1.kill()
@@ -167,7 +167,7 @@ def test_two_hosts_both_planes_sigterm_and_resume(hosts, tmp_path):
 
     # Both resume, over the torch data plane (gloo across the veth pair), and finish.
     d0, d1 = _daemons(hosts, tmp_path, ["--transport", "torch", "--loss-file", str(tmp_path / "torch.txt")], env)
-    rc = _finish([d0, d1], 300)
+    rc = _finish([d0, d1], 900)
     out = d0.output() + "\n--- node 1 ---\n" + d1.output()
     assert rc == [0, 0], out
     assert f"resumed from {ck.step_dir(tmp_path / 'ck', 2)} at step 2" in d0.output(), out
