@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..scheduler.tasks import B, F, I, Task
+from ..scheduler.readyset import ACT, GRAD, KINDS
+from ..scheduler.tasks import Task
 from ..transport.keys import Direction
 from ..errors import PipelineError
 from .router import Router
@@ -159,12 +160,11 @@ class TaskCompute:
                 shape that does not match the stage's outputs (``run_backward``).
         """
         s, kind, m = task
-        if kind == F:
+        k = KINDS[kind]
+        if k.input == ACT:
             return self._forward(s, m)
-        if kind == B:
-            return self._backward(s, m, split=False)
-        if kind == I:
-            return self._backward(s, m, split=True)
+        if k.input == GRAD:  # B finalises the weight gradients; I leaves them to W
+            return self._backward(s, m, split=not k.finalises)
         self._weight(s, m)
         return []
 

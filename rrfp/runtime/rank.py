@@ -30,7 +30,8 @@ import torch
 
 from ..scheduler.arbiter import Arbiter
 from ..scheduler.hints import Hint
-from ..scheduler.tasks import B, W, PipelineSpec, TaskRecord
+from ..scheduler.readyset import finalising_kind
+from ..scheduler.tasks import PipelineSpec, TaskRecord
 from ..transport.base import Message, Transport
 from ..transport.keys import Direction
 from .compute import LossFn, TaskCompute, run_backward
@@ -164,7 +165,7 @@ class RankRuntime:
         self.loop = SchedulerLoop(rank, self.inbox, self.executor, watchdog=watchdog, task_delay=task_delay,
                                   record=record)
         self._loss_total = self._loss_global = None
-        self.hooks = HookRunner(self.stages, spec.n_microbatches, W if spec.split_backward else B)
+        self.hooks = HookRunner(self.stages, spec.n_microbatches, finalising_kind(spec.split_backward))
         self._receiving = False
         inbox, outbox = self.inbox, self.outbox
         self.router.connect(inbox.deliver_local, lambda dst_rank, dst_stage, m, direction, tensors: outbox.send(

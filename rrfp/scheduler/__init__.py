@@ -1,9 +1,10 @@
-"""The pure scheduler: tasks, dependency rules, hints, the arbiter, named schedules and their
-validation (RRFP §3-5, App. A, App. C). No torch, no asyncio, no I/O (a CSV schedule file is
-the one thing it may read)."""
+"""The pure scheduler: tasks, dependency rules, the ready set, policies and guards, hints,
+the arbiter, named schedules and their validation (RRFP §3-5, App. A, App. C). No torch, no
+asyncio, no I/O (a CSV schedule file is the one thing it may read)."""
 
 from .arbiter import Arbiter, SchedulingError
 from .hints import DEFAULT_HINT, HINT_NAMES, NOMINAL_DURATIONS, POLICIES, Hint, compile_policy, resolve_hint
+from .policy import POLICY_REGISTRY, Policy, register
 from .schedules import (
     SCHEDULES,
     SPLIT_BACKWARD_DEFAULT,
@@ -27,6 +28,7 @@ from .validate import ScheduleError, order_peak_inflight, validate_schedule
 __all__ = [
     "Arbiter", "SchedulingError",
     "DEFAULT_HINT", "HINT_NAMES", "NOMINAL_DURATIONS", "POLICIES", "Hint", "compile_policy", "resolve_hint",
+    "POLICY_REGISTRY", "Policy", "register",
     "SCHEDULES", "SPLIT_BACKWARD_DEFAULT", "Order", "dump_order_csv", "format_orders", "gpipe",
     "interleaved_1f1b", "load_order_csv", "looped_bfs", "microbatches_per_round", "one_f_one_b",
     "one_f_one_b_limits", "parse_orders", "zb_h1", "zb_v",

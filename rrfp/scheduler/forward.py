@@ -3,16 +3,15 @@
 
 No backward follows, so nothing is held in flight and no in-flight limit applies; a ready
 forward of a deeper virtual stage goes first, so microbatches leave the rank as early as they
-can. It keeps its state in the same :class:`~rrfp.scheduler.readyset.ReadySet` as
-:class:`~rrfp.scheduler.arbiter.Arbiter` and has its interface (``next``, ``propose``,
+can: the ready set's forward heap, depth-first. It keeps its state in the same
+:class:`~rrfp.scheduler.readyset.ReadySet` as :class:`~rrfp.scheduler.arbiter.Arbiter` and
+has its interface (``next``, ``propose``,
 ``commit``, ``mark_input``, ``complete``, ``waiting_for``).
 
 Pure module: no torch, no asyncio, no I/O.
 """
 
 from __future__ import annotations
-
-import heapq
 
 from .errors import SchedulingError
 from .readyset import ReadySet
@@ -30,18 +29,17 @@ class ForwardArbiter:
     def __init__(self, spec: PipelineSpec, rank: int) -> None:
         self.spec, self.rank = spec, rank
         self.stages = spec.placement.stages_of(rank)
-        self.ready = ReadySet(self.stages, spec.n_microbatches)
+        self.ready = ReadySet(self.stages, spec.n_microbatches, queues=True, depth_first=True)
         self._n_mb = spec.n_microbatches
         self.n_tasks = len(self.stages) * self._n_mb
         self.n_done = 0
         self.running: Task | None = None
         # Forwards only keep no activations for a backward: nothing is held, nothing counted.
         self.peak_inflight = self.peak_mb_inflight = self.peak_bytes = 0
-        self._heap: list[tuple[int, int, int]] = []  # (-virtual index, mb, stage)
         if self.stages[0] == 0:
             for m in range(self._n_mb):
                 self.ready.act[m] = 1
-                heapq.heappush(self._heap, (0, m, 0))
+                self.ready.add(Task(0, F, m))
 
     @property
     def finished(self) -> bool:
@@ -64,7 +62,7 @@ class ForwardArbiter:
         if self.ready.act[i]:
             raise SchedulingError(f"rank {self.rank}: duplicate activation for stage {stage} microbatch {mb}")
         self.ready.act[i] = 1
-        heapq.heappush(self._heap, (-v, mb, stage))
+        self.ready.add(Task(stage, F, mb))
 
     def propose(self) -> Task | None:
         """The ready forward of the deepest virtual stage (lowest microbatch first), not
@@ -75,9 +73,9 @@ class ForwardArbiter:
         """
         if self.running is not None:
             raise SchedulingError(f"rank {self.rank}: propose() while {self.running} is running")
-        if not self._heap:
+        if not self.ready.f:
             return None
-        _, m, s = self._heap[0]
+        _, m, s = self.ready.f[0]
         return Task(s, F, m)
 
     def commit(self, task: Task) -> None:
@@ -86,14 +84,12 @@ class ForwardArbiter:
         Raises:
             SchedulingError: a task is running, or ``task`` is not a ready forward.
         """
-        if self.running is not None or task.kind != F:
+        if self.running is not None:
             raise SchedulingError(f"rank {self.rank}: commit of {task} while {self.running} is running")
-        e = (-self.ready.vidx.get(task.stage, 0), task.mb, task.stage)
-        try:
-            self._heap.remove(e)
-        except ValueError:
-            raise SchedulingError(f"rank {self.rank}: commit of {task}, which is not ready") from None
-        heapq.heapify(self._heap)
+        if task.kind != F or task.stage not in self.ready.vidx or not 0 <= task.mb < self._n_mb \
+                or not self.ready.is_ready(task):
+            raise SchedulingError(f"rank {self.rank}: commit of {task}, which is not ready")
+        self.ready.take(task)
         self.running = task
 
     def next(self) -> Task | None:
@@ -105,7 +101,7 @@ class ForwardArbiter:
         """
         t = self.propose()
         if t is not None:
-            heapq.heappop(self._heap)  # the proposal is the heap's top
+            self.ready.take(t)
             self.running = t
         return t
 

@@ -1,9 +1,9 @@
 """Hints: a rank's ordered preference over its ready tasks (RRFP §4, App. A).
 
 A hint is either a *policy* (``bf``, ``bfw``, ``bfw-alt``, ``fb``, ``b-priority``,
-``f-priority``, the depth-first ``-df`` variants and the memory-aware ``bfw-mem``), which ranks
-whatever is ready by kind,
-or a *total order* per rank: compiled from a named schedule
+``f-priority``, the depth-first ``-df`` variants and the memory-aware ``bfw-mem``: the
+kind-ranking policies registered in :mod:`rrfp.scheduler.policy`), which ranks whatever is
+ready by kind, or a *total order* per rank: compiled from a named schedule
 (:data:`~rrfp.scheduler.schedules.SCHEDULES`: ``gpipe``, ``looped-bfs``, ``1f1b``,
 ``interleaved-1f1b``, ``zb-h1``, ``zb-v``) or given by the user as text or a CSV file.
 
@@ -31,40 +31,14 @@ import heapq
 from typing import Sequence, Union
 
 from .arbiter import Arbiter
-from .policy import Hint, placement_schedule
+from .policy import KIND_POLICIES, Hint, placement_schedule
 from .schedules import SCHEDULES, SPLIT_BACKWARD_DEFAULT, Order, load_order_csv, parse_orders
 from .tasks import B, F, I, W, PipelineSpec, Placement
 from .validate import ScheduleError, validate_schedule
 
-POLICIES = {
-    # name: (first preferred kind when both are ready first, alternate?, split backward?)
-    "bf": ("B", True, False),
-    "fb": ("F", True, False),
-    "bfw": ("B", False, True),
-    "b-priority": ("B", False, False),
-    "f-priority": ("F", False, False),
-    # bfw-alt: bf's rounds (one ready I, then one ready F) with the split backward, W only
-    # when neither is ready. Under a memory budget the forward a round may run is capped by
-    # the budget, so a ready F goes downstream as soon as memory allows instead of waiting
-    # behind every ready I (bfw): measured on the suite (rrfp issue 13, docs/suite.md).
-    "bfw-alt": ("B", True, True),
-}
-DEPTH_FIRST = {"bf-df": "bf", "bfw-df": "bfw", "bfw-alt-df": "bfw-alt"}
-"""Depth-first variants of policies (name -> the policy they vary): among ready forwards they
-prefer the *latest* virtual stage, so a microbatch already admitted moves on to its backward
-(and frees its memory) before a new one is started; critical-path priority across virtual
-stages. With one stage per rank they equal their base policy."""
-POLICIES.update({k: POLICIES[v] for k, v in DEPTH_FIRST.items()})
-FREE_FIRST = {"bfw-mem": "bfw-alt-df"}
-"""Memory-aware variants (name -> the policy they vary): under a memory budget, with one stage
-per rank, when the ledger refuses a ready forward a ready ``W`` runs first (it frees the bytes
-the forward waits for; :mod:`rrfp.scheduler.backpressure`); otherwise, and with virtual stages,
-they equal their base policy. ``bfw-alt-df`` runs every ready ``I`` before the ``W`` that frees
-the refused forward's bytes, which holds back the forward the next rank waits for. Measured on
-the suite at 1F1B's memory (rrfp issue 13, ``docs/suite.md``): median speedup 1.085x -> 1.098x
-(one stage per rank: 1.124x -> 1.132x), min 1.005x both; with virtual stages the rule was mixed
-(J3 down to -2%, J1 up to +2%), so it is not applied there."""
-POLICIES.update({k: POLICIES[v] for k, v in FREE_FIRST.items()})
+POLICIES = {name: (p.first, p.alternate, p.split) for name, p in KIND_POLICIES.items()}
+"""The kind-ranking policies (:data:`rrfp.scheduler.policy.KIND_POLICIES`), name ->
+``(kind the first round prefers, alternates?, split backward?)``."""
 HINT_NAMES = tuple(POLICIES) + tuple(SCHEDULES)
 
 STRICT_SPLIT = "split"
@@ -74,8 +48,8 @@ same bytes, but the gradient leaves after ``I``. ``strict-split`` runs it strict
 BACKFILL = "backfill"
 """``backfill`` and ``backfill:<strict order>``: a strict order (default ``split``) with
 conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict. The simulator
-backfills (its "started" notices are instant); the runtime has no "started" notices on its
-control plane yet, so there it runs the strict order and never backfills."""
+backfills (its "started" notices are instant); the runtime sends no "started" notices on its
+control plane, so there it runs the strict order and never backfills."""
 ORDER_HINTS = (STRICT_SPLIT, BACKFILL)
 """Hint names beside :data:`HINT_NAMES` whose order depends on the placement."""
 
@@ -85,10 +59,6 @@ DEFAULT_HINT = "bf"
 when none is given (the one definition). RRFP's BF: needs no split backward. ``bfw-mem`` is the
 best hint of the scenario suite (``docs/suite.md``): never below 1.00x at 1F1B's memory, but
 short of the 1.15x median there; README says which hint to use when."""
-
-
-def _depth_first(name: str) -> bool:
-    return name in DEPTH_FIRST or FREE_FIRST.get(name) in DEPTH_FIRST
 
 
 NOMINAL_DURATIONS = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}
@@ -134,7 +104,7 @@ def compile_policy(
     if len(limits) != P:
         raise ValueError(f"{len(limits)} in-flight limits given for {P} ranks")
     dur = NOMINAL_DURATIONS if durations is None else durations
-    policy = Hint(hint.name, hint.first, hint.alternate, depth_first=hint.depth_first, free_first=hint.free_first)
+    policy = Hint(hint.name, hint.policy)
     arbs = [Arbiter(spec, r, policy, inflight_limit=limits[r]) for r in range(P)]
     orders: Order = [[] for _ in range(P)]
     events: list[tuple[float, int, int]] = []  # (end time, seq, rank)
@@ -245,12 +215,11 @@ def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, ba
             validate_schedule(spec, hint.order)
         return spec, hint, strict
     if name in POLICIES:
-        first, alternate, split = POLICIES[name]
+        split = KIND_POLICIES[name].split
         spec = PipelineSpec(placement, n_microbatches, split if split_backward is None else split_backward)
-        hint = Hint(name, first, alternate, backpressure=backpressure, depth_first=_depth_first(name),
-                    free_first=name in FREE_FIRST)
+        hint = Hint(name, name, backpressure=backpressure)
         if strict:
-            hint = Hint(name, first, alternate, order=compile_policy(spec, hint, inflight_limit))
+            hint = Hint(name, name, order=compile_policy(spec, hint, inflight_limit))
         return spec, hint, strict
     if name in SCHEDULES:
         split = SPLIT_BACKWARD_DEFAULT[name] if split_backward is None else split_backward

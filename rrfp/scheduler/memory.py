@@ -1,4 +1,5 @@
-"""The memory budget: activation bytes a rank may hold, counted per microbatch (rrfp issue 13).
+"""The memory budget: activation bytes a rank may hold, counted per microbatch (RRFP §4.3,
+App. C).
 
 The in-flight limit counts microbatches; a memory budget counts the bytes they hold, which
 differ with sequence length and image count. Sizes come per ``(stage, microbatch)`` from a
@@ -33,7 +34,7 @@ backward task on the rank's first virtual stage (``B``, or ``W`` when split).
 
 Reserving every virtual stage's bytes at admission (the overcommit at 1.0) would also be safe,
 but a microbatch holds its later stages' bytes only for the last part of its time on the rank,
-so that reservation left a fifth to a third of the budget unused (rrfp issue 13). The banker's
+so that reservation left a fifth to a third of the budget unused (measured on the suite). The banker's
 check alone admits as long as any completion order exists, and then younger microbatches wait
 at their later stages for the oldest: the overcommit bound between the two is measured on the
 suite (``docs/suite.md``).
@@ -84,17 +85,18 @@ input backward; None when not known yet (the runtime before it measured the stag
 microbatch with an unknown size is admitted only when nothing is reserved."""
 
 BUDGET_NAMES = ("1f1b", "gpipe")
+"""Budget names: what that schedule would hold on the rank (:func:`order_peak_bytes`)."""
+
 ADMISSION_OVERCOMMIT = 1.5
 """How far admissions may reserve beyond the budget: held bytes plus every in-flight
 microbatch's remaining forwards, the new one's included, stay within this many budgets (the
 banker's check keeps what is actually held within one). Measured on the suite at 1F1B's memory
-(``bfw-alt-df``, 2 virtual stages, 4-16 ranks, every scenario; rrfp issue 13), mean speedup
+(``bfw-alt-df``, 2 virtual stages, 4-16 ranks, every scenario), mean speedup
 over strict interleaved 1F1B at 1.0 / 1.25 / 1.5 / 1.75 / 2.0: 1.054x / 1.087x / 1.089x /
-1.074x / 1.026x. At 1.0 (every virtual stage reserved at admission, the previous rule) a
+1.074x / 1.026x. At 1.0 (every virtual stage reserved at admission) a
 fifth to a third of the budget stays unused; from 2.0 on the bound never binds and the
 banker's check alone lets younger microbatches wait at their later stages for the oldest
 (worst point 0.797x)."""
-"""Budget names: what that schedule would hold on the rank (:func:`order_peak_bytes`)."""
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -1,0 +1,123 @@
+"""Policies and guards (rrfp.scheduler.policy, rrfp.scheduler.guards): the registry, a policy
+added from outside, choose() without side effects, and the guards' verdicts, each against a
+hand-computed order."""
+
+from __future__ import annotations
+
+import pytest
+
+from rrfp.scheduler import Arbiter, Placement, PipelineSpec, Task, resolve_hint
+from rrfp.scheduler.guards import LATER, REFUSED, Admission, ByteBudget, RankState
+from rrfp.scheduler.hints import POLICIES
+from rrfp.scheduler.memory import MemoryLedger
+from rrfp.scheduler.policy import KIND_POLICIES, POLICY_REGISTRY, Hint, register
+from rrfp.scheduler.readyset import KINDS, ReadySet, finalising_kind
+from rrfp.scheduler.tasks import B, F, W
+
+
+def drain(arb: Arbiter, inputs=()) -> list[str]:
+    """Dispatch and complete until nothing is ready, delivering ``inputs`` first."""
+    for s, m, g in inputs:
+        arb.mark_input(s, m, g)
+    seen = []
+    while (t := arb.next()) is not None:
+        seen.append(str(t))
+        arb.complete(t)
+    return seen
+
+
+def test_every_hint_policy_is_registered_with_its_backward_form():
+    assert set(POLICIES) <= set(POLICY_REGISTRY) and {"order", "strict", "backfill"} <= set(POLICY_REGISTRY)
+    assert set(KIND_POLICIES) == set(POLICIES)
+    for name in POLICIES:
+        spec, hint, strict = resolve_hint(name, Placement(2), 4)
+        assert hint.policy == name and not strict
+        assert spec.split_backward == ("bfw" in name)
+    with pytest.raises(ValueError, match="already registered"):
+        register("bf", lambda **_: None)
+
+
+def test_choose_has_no_side_effects():
+    # Rank 0 of 2, two virtual stages: propose any number of times, the ready set and the
+    # counters are unchanged, and next() takes exactly the proposal.
+    cases = [(n, "admission") for n in list(POLICIES) + ["interleaved-1f1b", "split", "strict-interleaved-1f1b"]]
+    cases += [("bf", "completion-order"), ("interleaved-1f1b", "completion-order")]
+    for name, bp in cases:
+        spec, hint, strict = resolve_hint(name, Placement(2, 2), 4, inflight_limit=2, backpressure=bp)
+        arb = Arbiter(spec, 0, hint, strict=strict, inflight_limit=1)
+        for _ in range(3):
+            before = ([bytes(x) for x in arb.ready.ready], list(arb.ready.f), arb.state.phase, arb.inflight)
+            t = arb.propose()
+            if t is None:
+                break
+            assert arb.propose() == t
+            assert ([bytes(x) for x in arb.ready.ready], list(arb.ready.f), arb.state.phase, arb.inflight) == before
+            assert arb.next() == t
+            arb.complete(t)
+
+
+class LatestMicrobatchFirst:
+    """A policy from outside: a ready forward before a backward, each the highest microbatch
+    (the guard filters the forwards); no W (the spec has none)."""
+
+    name, queues, depth_first, alternate, first = "latest-mb", False, False, False, B
+
+    def choose(self, ready, state):
+        best = None
+        M = state.n_mb
+        for c, kind in ((0, F), (1, state.backward_kind)):
+            for i, r in enumerate(ready.ready[c]):
+                if r and (c != 0 or state.guard.permits(ready, state, i)):
+                    key = (-c, i % M)
+                    if best is None or key > best[0]:
+                        best = (key, Task(ready.stages[i // M], kind, i % M))
+        return None if best is None else best[1]
+
+
+def test_a_registered_policy_runs_through_the_arbiter_and_its_guard():
+    POLICY_REGISTRY.setdefault("latest-mb", lambda **_: LatestMicrobatchFirst())
+    spec = PipelineSpec(Placement(1), 4)
+    # One stage per rank, limit 2: F3 F2 (limit), B3 frees one, F1 (limit), B2, F0, B1, B0.
+    arb = Arbiter(spec, 0, Hint("latest", policy="latest-mb"), inflight_limit=2)
+    assert " ".join(drain(arb)) == "0F3 0F2 0B3 0F1 0B2 0F0 0B1 0B0"
+
+
+def test_admission_guard_admits_nothing_new_at_the_limit():
+    # Rank 0 of 2 with 2 virtual stages (stages 0, 2), limit 1: after 0F0, only later-stage
+    # forwards (none ready yet) and backwards may run; 2F0, once its input arrives, runs.
+    spec, hint, _ = resolve_hint("bf", Placement(2, 2), 3)
+    arb = Arbiter(spec, 0, hint, inflight_limit=1)
+    assert drain(arb) == ["0F0"]
+    assert isinstance(arb.state.guard, Admission) and arb.state.guard.forward(arb.ready, arb.state) is LATER
+    assert drain(arb, [(2, 0, False)]) == ["2F0"]
+
+
+def test_byte_budget_refusal_lets_bfw_mem_free_bytes_first():
+    # One stage per rank, 2 bytes per forward, budget 3: after 0F0 the next admission
+    # (2 + 2 > 3) is refused; once 0I0 ran (its W still holds the bytes: w_bytes unknown),
+    # bfw-mem runs 0W0, which frees them, and then admits microbatch 1.
+    spec, hint, _ = resolve_hint("bfw-mem", Placement(2), 3)
+    arb = Arbiter(spec, 0, hint, memory_budget=3, act_bytes=lambda s, m: 2)
+    assert drain(arb) == ["0F0"]  # 0F1 refused: 4 bytes > 3
+    assert arb.state.guard.forward(arb.ready, arb.state) is REFUSED
+    assert drain(arb, [(0, 0, True)]) == ["0I0", "0W0", "0F1"]
+
+
+def test_guard_verdicts_from_a_hand_built_ready_set():
+    ready = ReadySet([0], 2, queues=True)
+    ready.add(Task(0, F, 0))
+    ready.add(Task(0, F, 1))
+    st = RankState([0], 2, 5, B, B)
+    ledger = MemoryLedger([0], lambda s, m: 4, 6)
+    budget = ByteBudget(ledger)
+    assert budget.forward(ready, st) == (0, 0, 0)  # nothing in flight: the first admission
+    ledger.forward_done(0, 0)
+    st.mb_inflight = st.inflight = 1
+    ready.take(Task(0, F, 0))
+    assert budget.forward(ready, st) is REFUSED  # 4 + 4 > 6
+
+
+def test_kind_table():
+    assert finalising_kind(False) == B and finalising_kind(True) == W
+    assert [k.name for k in KINDS.values() if k.needs_agreement] == ["F", "B", "I"]
+    assert [k.name for k in KINDS.values() if k.frees_input] == ["B", "I"]
