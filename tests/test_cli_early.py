@@ -1,4 +1,4 @@
-"""Every refused flag of rrfp train / node / simulate / export / bench is one line and exit code 2 before
+"""Every refused flag of rrfp train / node / simulate / export is one line and exit code 2 before
 torch is imported: each case runs in a child process that reports, at exit, whether ``torch``
 is in ``sys.modules`` and its CPU seconds (``resource.getrusage``, printed, never asserted:
 timing goals live in benchmarks/)."""
@@ -88,8 +88,6 @@ CASES = [
     (["simulate", "--inflight-limit", "x"], "--inflight-limit='x': expected a positive integer or '1f1b'"),
     (["simulate", "--limit", "0"], "--inflight-limit='0': expected a positive integer or '1f1b'"),
     (["export", "/no/such/ckpt", "--out", "m.pt"], "'/no/such/ckpt': not a committed checkpoint"),
-    (["bench", "--hint", "nope"], "--hint 'nope': unknown hint 'nope'"),
-    (["bench", "--rounds", "0"], "--rounds 0: expected at least 1"),
 ]
 
 

@@ -141,8 +141,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.metrics_port and (problem := port_problem(args.metrics_addr, args.metrics_port, 1,
                                                       f"--metrics-port={args.metrics_port}")):
         raise UsageError(problem)
-    if getattr(args, "run_dir", None) is not None:
-        _check_run_dir(args.run_dir)
     train_cli.validate(targs)  # the checks that need torch
     if auto_resume:
         train_args += ["--resume", "auto"]  # a restarted group continues from the last checkpoint
@@ -155,6 +153,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             raise UsageError(f"--node-addr={args.node_addr!r}: no interface of this host has address {node_addr}")
     else:
         node_addr = None  # found in run(): node 0's name may resolve only once its pod runs
+    if getattr(args, "run_dir", None) is not None:
+        _check_run_dir(args.run_dir)  # last: it makes the folder
     return argparse.Namespace(
         nnodes=nnodes, nproc=nproc, node_rank=node_rank, port=port, train_args=train_args, targs=targs,
         master_addr=master_addr, node_addr=node_addr,

@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "pipeline rank, on real text (default: this Python's standard-library sources).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--pp", "--stages", dest="stages", type=int, default=None,
+    p.add_argument("--pp", "--stages", dest="stages", type=int, default=None, metavar="N",
                    help=f"pipeline degree: pipeline ranks (processes); without it, the world size under torchrun, else {DEFAULTS['stages']}")
     p.add_argument("--virtual-stages", type=int, default=DEFAULTS["virtual_stages"], help="virtual stages per rank")
     p.add_argument("--placement", choices=["loop", "v"], default="loop", help="virtual-stage placement")
@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
                    help="with virtual stages: what a rank does at the in-flight limit (see README)")
     p.add_argument("--model", default=DEFAULTS["model"], help="model preset: tiny (4 layers), small (8), medium (12), or multimodal (an image encoder + 3 decoder "
-                   "blocks on scikit-learn's digits, 0-6 images and a caption per sample); --stages x --virtual-stages "
+                   "blocks on scikit-learn's digits, 0-6 images and a caption per sample), hf:<name> or hf:<folder>; --pp x --virtual-stages "
                    "must not exceed its layers")
     p.add_argument("--max-len", type=int, default=DEFAULTS["max_len"], help="longest sample, in tokens (bytes)")
     p.add_argument("--data", nargs="+", metavar="PATH", default=None, help="text files or folders; without --data, the Python standard library's sources")
