@@ -51,7 +51,8 @@ def test_a_tp_checkpoint_resumes_bit_for_bit_and_refuses_another_tp(tmp_path, ca
     d = tmp_path / "ck"
     tp = ["--stages", "1", "--tp", "2"]
     # The uninterrupted run writes the step-2 checkpoint that the second run resumes from.
-    _train(*tp, "--steps", "4", "--checkpoint-dir", str(d), "--checkpoint-every", "2", "--loss-file", str(tmp_path / "ref"))
+    _train(*tp, "--steps", "4", "--checkpoint-dir", str(d), "--checkpoint-every", "2",
+           "--loss-file", str(tmp_path / "ref"))
     out = _train(*tp, "--steps", "4", "--checkpoint-dir", str(tmp_path / "ck2"), "--resume", str(ck.step_dir(d, 2)),
                  "--loss-file", str(tmp_path / "res"))
     assert f"resumed from {ck.step_dir(d, 2)} at step 2" in out, out
