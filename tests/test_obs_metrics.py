@@ -114,7 +114,7 @@ async def _until(cond) -> None:
 
 def get(url: str) -> tuple[int, str, str]:
     try:
-        with urllib.request.urlopen(url, timeout=10) as r:
+        with urllib.request.urlopen(url, timeout=60) as r:
             return r.status, r.headers["Content-Type"], r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.headers["Content-Type"], e.read().decode()

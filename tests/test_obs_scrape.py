@@ -52,7 +52,7 @@ def free_port_block(n: int) -> int:
 def scrape(port: int) -> dict | None:
     """``{(name, frozenset(labels)): value}`` of one rank's endpoint, or None while it is down."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as r:
             text = r.read().decode()
     except OSError:
         return None
@@ -224,7 +224,7 @@ def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_pat
     def query(q: str) -> dict[str, float] | None:
         url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": q})
         try:
-            with urllib.request.urlopen(url, timeout=5) as r:
+            with urllib.request.urlopen(url, timeout=60) as r:
                 res = json.load(r)["data"]["result"]
         except OSError:
             return None
