@@ -77,7 +77,7 @@ def _candidates(args: argparse.Namespace) -> list[str]:
 START_S, START_S_PER_RANK = 6.0, 0.5
 """Seconds on 2 quiet cores before a setting's first round: importing torch and the benchmarks
 once (:mod:`benchmarks.launcher`'s starter), then per rank its fork, process group and pipelines."""
-FIXED_S = {"probe": 8.0, "micro": 40.0, "sim_targets": 45.0, "ideal": 30.0}
+FIXED_S = {"probe": 15.0, "micro": 40.0, "sim_targets": 45.0, "ideal": 30.0}
 QUICK_FIXED_S = {"micro": 20.0, "sim_targets": 20.0}
 
 
