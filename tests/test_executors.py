@@ -15,7 +15,7 @@ from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
 from rrfp.runtime.cuda import CudaExecutor, no_stream
 from rrfp.runtime.executor import InlineExecutor, ThreadExecutor, make_executor
 from rrfp.runtime.local import LocalPipeline
-from rrfp.runtime.pipeline import split_microbatches
+from rrfp.runtime.compat import split_microbatches
 from rrfp.scheduler.tasks import F, Task
 from rrfp.transport.keys import Direction
 

@@ -111,7 +111,7 @@ def check_flags(args: argparse.Namespace) -> str | None:
         if problem is None and meta["step"] > args.steps:
             problem = (f"{what} is at step {meta['step']}, past --steps={args.steps}: --steps counts every "
                        f"optimizer step of the run, expected at least {meta['step']}")
-        from ..runtime.dist import in_launched_worker
+        from ..parallel.bootstrap import in_launched_worker
 
         if problem is None and not in_launched_worker():
             # Before any process starts; the ranks check again, each its share (Checkpointer.load).
@@ -465,7 +465,7 @@ def _crashing_writer(path, rank: int, step: int):
 
     import torch.distributed.checkpoint as dcp
 
-    from .lines import say
+    from ..lines import say
 
     class CrashingWriter(dcp.FileSystemWriter):
         """DCP's file writer that SIGKILLs its process once its shard is written (:data:`CRASH_ENV`)."""

@@ -18,7 +18,7 @@ from .._paths import output_file_problem
 from ..errors import UsageError
 from ..scheduler.hints import HINT_NAMES
 from ..sim.auto import AUTO
-from .lines import say
+from ..lines import say
 
 DEFAULTS = dict(
     stages=4,
@@ -141,7 +141,7 @@ def resolve_stages(args: argparse.Namespace) -> None:
         UsageError: ``--stages`` x ``--dp`` x ``--tp`` that differs from the job's world size,
             or a world size that ``--dp x --tp`` does not divide.
     """
-    from ..runtime.dist import in_launched_worker
+    from ..parallel.bootstrap import in_launched_worker
 
     if in_launched_worker():
         world = int(os.environ["WORLD_SIZE"])
@@ -387,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
 
         args = apply_config(args)
     validate(args)
-    from ..runtime.dist import in_launched_worker
+    from ..parallel.bootstrap import in_launched_worker
 
     if in_launched_worker():
         from .worker import main as worker_main
