@@ -18,7 +18,7 @@ import rrfp
 from handover import rank_env, run_ranks
 from rrfp.parallel.mesh import mesh_grid
 from rrfp.runtime.config import RuntimeConfig, plan
-from test_api import _reference as unpipelined
+from reference import sequential_reference
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -98,7 +98,7 @@ def test_the_schedules_limits_give_way_to_the_users_limit_or_budget():
 
 
 def _reference(modules, x, y):
-    _, loss, grads = unpipelined(modules, x, y)
+    _, loss, grads = sequential_reference(modules, x, y)
     return loss, grads
 
 
