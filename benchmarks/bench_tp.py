@@ -83,7 +83,7 @@ def _task_worker(args) -> None:
     ex = GlooExchange(dist.new_group([0, 1], backend="gloo"), 2)
 
     from rrfp.parallel.exchange import ControlExchange
-    from rrfp.runtime.dist import default_store
+    from rrfp.parallel.bootstrap import default_store
     from rrfp.runtime.pipeline import new_event_loop
     from rrfp.transport.zmq import ZmqTransport
 

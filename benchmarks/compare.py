@@ -103,7 +103,7 @@ class RrfpSystem(System):
             rank=rank, n_ranks=n_ranks, job=job, watchdog=120.0, placement=spec.get("placement", "loop"),
             memory_budget=budget, **hint,
         )
-        self.pipe.runtime.message_delay = hold
+        self.pipe.runtime.inbox.hold = hold
 
     def set_budget(self, nbytes: int) -> None:
         """This rank's ``memory_budget`` from now on (the bytes ``budget_from`` measured here)."""

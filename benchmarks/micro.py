@@ -423,7 +423,7 @@ def fake_transport_bench(sizes: Sequence[int] = SIZES, budget: int = 64 << 20) -
 
 def rank_main(cfg: dict) -> dict | None:
     """Two rank processes: transports (ZeroMQ, gloo), then the runtime's overhead per task."""
-    from rrfp.runtime.dist import default_transport
+    from rrfp.parallel.bootstrap import default_transport
     from rrfp.runtime.pipeline import new_event_loop
 
     rank = dist.get_rank()

@@ -490,7 +490,7 @@ How these numbers are made (`benchmarks/compare.py`):
   forward and, first thing in the backward, before a backward: PyTorch's schedules wait on each
   receive right before the task it feeds, so for them this is the delayed delivery. rrfp's inbox
   holds each arrival until the same delivery time before the arbiter learns of it
-  (`RankRuntime.message_delay`), so a late input is not ready and other ready tasks run; when the
+  (`RankRuntime.inbox.hold`), so a late input is not ready and other ready tasks run; when the
   wrapper runs, its sleep is zero. The wrapper sums every delay it draws, and the run fails unless
   the sums are equal for every system on every rank and round.
 - Multimodal (`multimodal4`): `rrfp/model/multimodal.py` on `rrfp/data/digits.py` captions; every

@@ -19,7 +19,7 @@ level's 10 ms floor ``b``). The message may not be consumed before ``t_sent + d`
   before the forward or backward it feeds, so for them this *is* the delayed delivery.
 - rrfp additionally gets the same delay on its receive path: the rank's inbox holds each
   arrival until ``t_sent + d`` before the arbiter learns of it
-  (``RankRuntime.message_delay``, :func:`rrfp_hold`), so a delayed input is not ready and the
+  (``RankRuntime.inbox.hold``, :func:`rrfp_hold`), so a delayed input is not ready and the
   rank can run other ready tasks meanwhile; by the time the wrapper runs, its sleep is zero.
 
 The wrapper counts every delay it draws (sum and number, per rank and round); the harness checks
@@ -92,7 +92,7 @@ class MessageDelays:
 
 
 def rrfp_hold(delays: MessageDelays) -> Callable[[Any], float]:
-    """An rrfp inbox hold (``RankRuntime.message_delay``): seconds until an arriving activation
+    """An rrfp inbox hold (``RankRuntime.inbox.hold``): seconds until an arriving activation
     or gradient's ``t_sent + d``, from the stamp it carries as its last tensor."""
     from rrfp.transport.keys import Direction
 

@@ -21,8 +21,8 @@ _LAZY = {
     "RuntimeConfig": "rrfp.runtime.config",
     "ParallelLayout": "rrfp.parallel.layout",
     "StepHooks": "rrfp.runtime.hooks",
-    "PipelineError": "rrfp.runtime.errors",
-    "WatchdogTimeout": "rrfp.runtime.errors",
+    "PipelineError": "rrfp.errors",
+    "WatchdogTimeout": "rrfp.errors",
     "PeerLost": "rrfp.transport.base",
 }
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from rrfp.runtime.names import hint_text
 from rrfp.runtime.local import LocalPipeline
+from reference import sequential_reference
 from rrfp.runtime.split import CONV1D, disable_split_backward, enable_split_backward, layout_of, register_split_layer
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -52,14 +53,7 @@ def _model(n_stages: int, d: int = 8, conv: bool = False, seed: int = 0) -> list
     return [Block(d, conv) for _ in range(n_stages)]
 
 
-def _reference(modules, x, y):
-    ref = copy.deepcopy(modules)
-    h = x
-    for m in ref:
-        h = m(h)
-    loss = F.mse_loss(h, y)
-    loss.backward()
-    return h.detach(), loss.detach(), [[p.grad for p in m.parameters()] for m in ref]
+_reference = sequential_reference
 
 
 def _assert_grads(modules, ref_grads):

@@ -11,11 +11,12 @@ import pytest
 import torch
 from torch import nn
 
+from reference import reference_run
 from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
 from rrfp.runtime.cuda import CudaExecutor, no_stream
 from rrfp.runtime.executor import InlineExecutor, ThreadExecutor, make_executor
 from rrfp.runtime.local import LocalPipeline
-from rrfp.runtime.pipeline import split_microbatches
+from rrfp.runtime.compat import split_microbatches
 from rrfp.scheduler.tasks import F, Task
 from rrfp.transport.keys import Direction
 
@@ -24,9 +25,7 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def _reference(cfg, seed, x, y) -> dict[str, torch.Tensor]:
-    ref = ToyModel(cfg, seed=seed)
-    toy_loss(ref(*x), y).backward()
-    return {n: p.grad for n, p in ref.named_parameters()}
+    return reference_run(ToyModel(cfg, seed=seed), lambda m: toy_loss(m(*x), y))[1]
 
 
 def _assert_grads(stages, ref) -> None:

@@ -18,7 +18,7 @@ import rrfp
 from handover import rank_env, run_ranks
 from rrfp.parallel.mesh import mesh_grid
 from rrfp.runtime.config import RuntimeConfig, plan
-from test_api import _reference as unpipelined
+from reference import sequential_reference
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -98,7 +98,7 @@ def test_the_schedules_limits_give_way_to_the_users_limit_or_budget():
 
 
 def _reference(modules, x, y):
-    _, loss, grads = unpipelined(modules, x, y)
+    _, loss, grads = sequential_reference(modules, x, y)
     return loss, grads
 
 
@@ -168,7 +168,7 @@ def test_a_mesh_in_any_dimension_order_maps_coordinates_to_its_ranks():
 def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
-    from rrfp.runtime.dist import init_distributed
+    from rrfp.parallel.bootstrap import init_distributed
 
     init_distributed()
     torch.manual_seed(0)
@@ -214,3 +214,20 @@ def test_the_package_exports_what_the_readme_uses():
     for name in ("Pipeline", "LocalPipeline", "PipelineStage", "ParallelLayout", "StepHooks", "RuntimeConfig",
                  "PipelineError", "WatchdogTimeout", "PeerLost"):
         assert name in rrfp.__all__ and getattr(rrfp, name).__name__ == name
+
+
+class _Broken(nn.Module):
+    def forward(self, x):
+        raise ValueError("the user's own bug")
+
+
+@pytest.mark.parametrize("data_plane", [None, "fake"])
+def test_a_users_error_in_local_pipeline_is_the_only_thing_said(caplog, data_plane):
+    """A stage's own exception reaches the caller as it was raised, and the ranks of the one
+    process, aborted together, log no "rank 0 lost" for each other before it."""
+    caplog.set_level("WARNING", logger="rrfp")
+    with pytest.raises(ValueError, match="^the user's own bug$"):
+        with rrfp.LocalPipeline([nn.Linear(2, 2), _Broken()], 2, lambda y, t: F.mse_loss(y, t),
+                                data_plane=data_plane) as pipe:
+            pipe.step(torch.ones(4, 2), target=torch.ones(4, 2))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []

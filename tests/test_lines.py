@@ -1,5 +1,5 @@
 """Every line a rank (or the launcher or node agent beside them) writes reaches the stream in
-one write call (rrfp.train.lines.say), so that lines of processes sharing a stderr never
+one write call (rrfp.lines.say), so that lines of processes sharing a stderr never
 interleave."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import rrfp
-from rrfp.train.lines import say
+from rrfp.lines import say
 
 # Tools that run as a process of their own, with no rank beside them: their output may be
 # tables and multi-line text, and nothing else writes between their lines.
@@ -75,7 +75,7 @@ def test_rank_0_progress_lines_go_out_in_one_write(method):
 
 def test_no_print_where_ranks_write():
     """A ``print`` call anywhere in rrfp outside the single-process tools would split its
-    line in two writes again: every line goes through rrfp.train.lines.say."""
+    line in two writes again: every line goes through rrfp.lines.say."""
     root = Path(rrfp.__file__).parent
     found = []
     for path in sorted(root.rglob("*.py")):
@@ -85,5 +85,5 @@ def test_no_print_where_ranks_write():
         for node in ast.walk(ast.parse(path.read_text(), rel)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
                 found.append(f"{rel}:{node.lineno}")
-    assert not found, f"print() where ranks write (use rrfp.train.lines.say): {found}"
+    assert not found, f"print() where ranks write (use rrfp.lines.say): {found}"
     assert (root / "train" / "worker.py").is_file()  # the scan saw the rank's own code

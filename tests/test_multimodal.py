@@ -11,7 +11,7 @@ from rrfp.model.gpt import IGNORE_INDEX, count_tokens, lm_loss
 from rrfp.model.multimodal import MULTIMODAL, build_multimodal_stage
 from rrfp.runtime.local import LocalPipeline
 
-from reference import ATOL, RTOL, assert_stage_grads
+from reference import ATOL, RTOL, assert_stage_grads, reference_run
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +51,9 @@ def test_collate_hand_computed(digits):
 
 
 def _reference(mbs, seed):
-    full = build_multimodal_stage(MULTIMODAL, 1, 0, seed)
     total = sum(count_tokens(mb.targets) for mb in mbs)
-    loss = sum(lm_loss(full(*mb.inputs), mb.targets) * count_tokens(mb.targets) / total for mb in mbs)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in full.named_parameters()}
+    return reference_run(build_multimodal_stage(MULTIMODAL, 1, 0, seed), lambda full: sum(
+        lm_loss(full(*mb.inputs), mb.targets) * count_tokens(mb.targets) / total for mb in mbs))
 
 
 @pytest.mark.parametrize("hint", ["bfw-df", "strict-1f1b"])

@@ -277,7 +277,7 @@ def test_closing_a_rank_during_its_step_fails_that_step_at_once():
     (nothing is received after close), and so does any later step."""
     import asyncio
 
-    from rrfp.runtime.pipeline import split_microbatches
+    from rrfp.runtime.compat import split_microbatches
     from rrfp.errors import PipelineError
 
     from virtual_time import VirtualTimeLoop
@@ -326,7 +326,7 @@ def test_a_rank_killed_mid_step_fails_the_others_naming_it(delay):
     the watchdog (the loss reaches the runtime through the transport's on_error callback)."""
     import asyncio
 
-    from rrfp.runtime.pipeline import split_microbatches
+    from rrfp.runtime.compat import split_microbatches
     from rrfp.transport.base import PeerLost
 
     from unittest import mock

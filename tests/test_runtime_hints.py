@@ -175,10 +175,15 @@ def test_strict_policy_with_per_rank_limits_compiles_one_schedule_for_all_ranks(
 
 def test_bad_inflight_limits_are_one_line_errors():
     stages = split_gpt(GPT(CFG), 2)
-    with pytest.raises(ValueError, match="in-flight limit '1f1b'"):
-        LocalPipeline(stages, 2, lm_loss, inflight_limit="1f1b")
-    with pytest.raises(ValueError, match="expected 2 integers >= 1, one per rank"):
-        LocalPipeline(stages, 2, lm_loss, inflight_limit=[1, 2, 3])
+    for bad, said in [
+        ("1f1b", "inflight_limit='1f1b': expected an integer >= 1 or a list of 2, one per rank"),
+        (0, "inflight_limit=0: expected an integer >= 1 or a list of 2, one per rank"),
+        ([1, 2, 3], "inflight_limit=[1, 2, 3]: 3 limits for 2 ranks; expected one integer >= 1 per rank"),
+        ([1, 0], "inflight_limit=[1, 0]: 0 is not an integer >= 1; expected one integer >= 1 per rank"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            LocalPipeline(stages, 2, lm_loss, inflight_limit=bad)
+        assert str(err.value) == said
 
 
 def test_split_backward_under_bf16_autocast_matches_autocasts_own_backward():

@@ -162,7 +162,7 @@ def test_abort_frees_the_hold_timer_of_a_pipeline():
         th.start()
         try:
             pipes[1] = make(1)
-            pipes[1].runtime.message_delay = lambda msg: held.append(msg.key) or 1e-4
+            pipes[1].runtime.inbox.hold = lambda msg: held.append(msg.key) or 1e-4
             pipes[1].step(target=y)
         finally:
             th.join(60)

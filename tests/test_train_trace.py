@@ -13,7 +13,7 @@ from rrfp.model.gpt import GPT_PRESETS
 from rrfp.runtime.stage import PipelineStage
 from rrfp.scheduler.tasks import parse_action
 from rrfp.sim.costs import load_profile
-from rrfp.train.worker import profile_from_records, record_output_bytes
+from rrfp.train.tracing import profile_from_records, record_output_bytes
 
 
 def test_output_bytes_are_recorded_per_forward_and_their_median_is_act_bytes() -> None:

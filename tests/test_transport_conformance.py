@@ -60,6 +60,8 @@ async def group(kind: str, n: int, seed: int = 0) -> AsyncIterator[list[Any]]:
             ts, _ = wrap_fake(ts, "fake" if kind == "fake-plane" else "fake-nccl", seed=seed + 7, delay=DELAY)
     for t in ts:
         t.job = job  # FakeTransport has no job of its own; the keys below use it
+        if isinstance(t, PlaneTransport):
+            t.control.job = job  # and checks arrivals against it
     try:
         await asyncio.wait_for(asyncio.gather(*(t.start() for t in ts)), 30)
         yield ts
@@ -182,8 +184,15 @@ async def test_lost_peer_is_reported_by_rank(kind: str) -> None:
             assert 2 in ts[r].lost_peers
             with pytest.raises(PeerLost):  # sticky: every later recv says so at once
                 await asyncio.wait_for(ts[r].recv(), 20)
+            with pytest.raises(PeerLost):
+                await asyncio.wait_for(ts[r].flush(), 20)
         with pytest.raises(TransportClosed):
             await ts[2].recv()
+        # The survivors still say goodbye to each other; close reports the loss.
+        results = await asyncio.wait_for(
+            asyncio.gather(*(t.close(timeout=10) for t in ts[:2]), return_exceptions=True), 20)
+        assert all(isinstance(r, PeerLost) and r.rank == 2 for r in results), results
+        assert set(ts[0].lost_peers) == {2} and set(ts[1].lost_peers) == {2}
 
 
 @pytest.mark.timeout(60)
@@ -216,7 +225,8 @@ def _hostile(t: Any, job: str) -> list[list[bytes]]:
             "tensors": [["float32", [1 << 20, 1 << 20], False]], "meta": {}}
     import msgpack
 
-    out = [[msgpack.packb(huge)], [b"\x93not a header"]]
+    foreign = encode(MsgKey(f"other-{job}", 0, 0, t.rank, Direction.ACT), [torch.ones(2)])
+    out = [[msgpack.packb(huge)], [b"\x93not a header"], [b"\xc1"], foreign, [foreign[0], b"\x00"]]
     if isinstance(t, PlaneTransport):
         for ann in (
             {"seq": 0, "tensors": [["float32", [1 << 30, 1 << 30], False]]},  # over the payload cap

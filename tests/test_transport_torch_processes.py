@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from reference import reference_run
 from rrfp.model.toy import ToyConfig, ToyModel
 
 pytestmark = pytest.mark.slow
@@ -109,17 +110,19 @@ def _rank_main(rank: int, port: int, out: str) -> None:
 
 
 def _reference() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model = ToyModel(CFG, seed=5)
     mbs, tgts = microbatches()
     total = sum(t.numel() for t in tgts)
-    loss = torch.zeros(())
-    for io, t in zip(mbs, tgts):
-        x = io
-        for layer in model.layers:
-            x = layer(x)
-        loss = loss + seq_loss(model.head(x[0]), t) * (t.numel() / total)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    def loss_of(model):
+        loss = torch.zeros(())
+        for io, t in zip(mbs, tgts):
+            x = io
+            for layer in model.layers:
+                x = layer(x)
+            loss = loss + seq_loss(model.head(x[0]), t) * (t.numel() / total)
+        return loss
+
+    return reference_run(ToyModel(CFG, seed=5), loss_of)
 
 
 @pytest.mark.timeout(120)

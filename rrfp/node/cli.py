@@ -270,32 +270,15 @@ def run(args: argparse.Namespace) -> int:
     node_addr = job.node_addr or node_address(job.master_addr, job.port or DEFAULT_RDZV_PORT)
     os.environ[_net.NODE_ADDR_ENV] = node_addr
     os.environ.update(_net.socket_ifname_env(node_addr))
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
-    from ..obs.metrics import clear_multiprocess_dir
+    from ..lines import say
     from ..obs.server import linger, serve_node
-    from ..train.cli import _quiet_launcher_logs, describe_failures
-    from ..train.lines import say
-    from ..train.stop import STOP_FILE_ENV
     from .health import Health
-    from .sigterm import no_restart_after, saved
 
     own_dir = args.run_dir is None
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rrfp-node-"))
-    metrics_dir = run_dir / "metrics"
-    clear_multiprocess_dir(metrics_dir)  # a previous job's values are not this one's
-    stop_file = run_dir / "stop-requested"
-    stop_file.unlink(missing_ok=True)
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-    os.environ[STOP_FILE_ENV] = str(stop_file)
-    os.environ.setdefault("OMP_NUM_THREADS", str(job.targs.threads))
-    # A fresh worker store per rendezvous round (rank 0 of each round hosts it). The agent's
-    # shared store keeps the previous round's keys, and restarted ranks that start at
-    # different times read a dead peer's gloo address from them ("connection refused").
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    metrics_dir, stop_file = _ranks_env(run_dir, job)
 
     health = Health(str(metrics_dir), job.nproc, args.heartbeat_timeout)
     try:
@@ -325,13 +308,61 @@ def run(args: argparse.Namespace) -> int:
         f"{job.master_addr}:{rdzv_port} ({args.job_id}); serving http://{endpoint.addr}:{endpoint.port} "
         "(/metrics /healthz /readyz)")
 
-    ckdir = job.targs.checkpoint_dir
-    then = ", checkpoint" if ckdir else ""
+    signal.signal(signal.SIGTERM, _on_sigterm(health, stop_file, ", checkpoint" if job.targs.checkpoint_dir else ""))
+    config = LaunchConfig(
+        min_nodes=job.nnodes, max_nodes=job.nnodes, nproc_per_node=job.nproc, run_id=args.job_id,
+        rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
+        # With rdzv_store this daemon already hosts the store: its agent joins it as a client.
+        rdzv_configs={"is_host": job.node_rank == 0 and rdzv_store is None}, max_restarts=args.max_restarts, monitor_interval=0.5,
+        local_addr=node_addr,
+        # SIGTERM stays the daemon's own (above): the agent would forward it as "die now".
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
+    )
+    code = 0
+    try:
+        code = _launch(config, job, health)
+    finally:
+        watching.set()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if code == 0:
+            linger(args.metrics_linger)  # the last scrape sees the last step
+        endpoint.close()
+        if lease is not None:
+            lease.release()
+        if own_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    return code
+
+
+def _ranks_env(run_dir: Path, job) -> tuple[Path, Path]:
+    """The environment the ranks inherit: their metrics folder and stop file in ``run_dir``
+    (returned, emptied), thread count and rendezvous store settings."""
+    from ..obs.metrics import clear_multiprocess_dir
+    from ..train.stop import STOP_FILE_ENV
+
+    metrics_dir = run_dir / "metrics"
+    clear_multiprocess_dir(metrics_dir)  # a previous job's values are not this one's
+    stop_file = run_dir / "stop-requested"
+    stop_file.unlink(missing_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    os.environ[STOP_FILE_ENV] = str(stop_file)
+    os.environ.setdefault("OMP_NUM_THREADS", str(job.targs.threads))
+    # A fresh worker store per rendezvous round (rank 0 of each round hosts it). The agent's
+    # shared store keeps the previous round's keys, and restarted ranks that start at
+    # different times read a dead peer's gloo address from them ("connection refused").
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return metrics_dir, stop_file
+
+
+def _on_sigterm(health, stop_file: Path, then: str):
+    """The daemon's SIGTERM handler: the ranks stop after their current step (and
+    checkpoint, ``then``), told by ``stop_file`` (rrfp/train/stop.py); from then on no rank
+    is restarted (sigterm.no_restart_after)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from ..lines import say
 
     def on_sigterm(signum, frame) -> None:
-        # The ranks stop after their current step and checkpoint (rrfp/train/stop.py); the
-        # file tells them (and ranks still starting) that this SIGTERM asks for that. From
-        # here on no rank is restarted (sigterm.no_restart_after).
         if health.stopping:
             return
         health.stopping = True
@@ -347,46 +378,39 @@ def run(args: argparse.Namespace) -> int:
             except ProcessLookupError:
                 pass
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-    config = LaunchConfig(
-        min_nodes=job.nnodes, max_nodes=job.nnodes, nproc_per_node=job.nproc, run_id=args.job_id,
-        rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
-        # With rdzv_store this daemon already hosts the store: its agent joins it as a client.
-        rdzv_configs={"is_host": job.node_rank == 0 and rdzv_store is None}, max_restarts=args.max_restarts, monitor_interval=0.5,
-        local_addr=node_addr,
-        # SIGTERM stays the daemon's own (above): the agent would forward it as "die now".
-        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
-    )
-    from ..train.guard import LauncherSignals
+    return on_sigterm
 
+
+def _launch(config, job, health) -> int:
+    """Run the job's ranks under torch's elastic agent; returns the daemon's exit code after
+    one line on how it ended."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from ..lines import say
+    from ..train.cli import _quiet_launcher_logs, describe_failures
+    from ..train.guard import LauncherSignals
+    from .sigterm import no_restart_after, saved
+
+    ckdir = job.targs.checkpoint_dir
     signalled = LauncherSignals()  # which ranks the agent stopped, so blame skips them
     _quiet_launcher_logs(signalled)
-    code = 0
     try:
         with no_restart_after(lambda: health.stopping):
             elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
         say("rrfp node: " + (f"stopped on SIGTERM, all ranks exited 0; {saved(ckdir)}" if health.stopping else "done"))
+        return 0
     except (ChildFailedError, SignalException) as e:
         if health.stopping:
             say(f"rrfp node: stopped on SIGTERM before every rank could finish a step; {saved(ckdir)}", sys.stderr)
-            code = 128 + signal.SIGTERM
-        elif isinstance(e, ChildFailedError):
+            return 128 + signal.SIGTERM
+        if isinstance(e, ChildFailedError):
             say(f"rrfp node: error: {describe_failures(e.failures, signalled.pids, (job.targs.dp, job.targs.tp))}", sys.stderr)
-            code = 1
-        else:
-            say(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", sys.stderr)
-            code = 128 + int(e.sigval)
+            return 1
+        say(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", sys.stderr)
+        return 128 + int(e.sigval)
     except (RendezvousError, RuntimeError, OSError) as e:  # a rendezvous timeout and the like: one line
         say(f"rrfp node: error: {type(e).__name__}: {e}", sys.stderr)
-        code = 1
-    finally:
-        watching.set()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        if code == 0:
-            linger(args.metrics_linger)  # the last scrape sees the last step
-        endpoint.close()
-        if lease is not None:
-            lease.release()
-        if own_dir:
-            shutil.rmtree(run_dir, ignore_errors=True)
-    return code
+        return 1

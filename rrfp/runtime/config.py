@@ -38,7 +38,7 @@ class RuntimeConfig:
         memory_budget: activation bytes per rank (``64MiB``, ``1.5GB``, an int; None: none).
         loss_weight_fn: ``fn(target) -> float`` weighting microbatch losses; None: the
             microbatch's samples (dim 0 of its target).
-        watchdog: seconds without progress before :class:`~rrfp.runtime.errors.WatchdogTimeout`
+        watchdog: seconds without progress before :class:`~rrfp.errors.WatchdogTimeout`
             (0 disables).
         record: keep per-task timestamps in ``last_stats`` (for traces).
         task_delay: ``fn(step, rank, task) -> seconds`` of injected delay (experiments).
@@ -118,15 +118,22 @@ def inflight_limits(inflight_limit: int | Sequence[int], n_ranks: int) -> list[i
     Raises:
         ValueError: for a limit that is not an integer >= 1, or a list of the wrong length.
     """
-    if isinstance(inflight_limit, int) and not isinstance(inflight_limit, bool):
-        limits = [inflight_limit] * n_ranks
-    elif isinstance(inflight_limit, (list, tuple)):
-        limits = list(inflight_limit)
-    else:
-        raise ValueError(f"in-flight limit {inflight_limit!r}: expected an integer >= 1 or one per rank")
-    if len(limits) != n_ranks or not all(isinstance(x, int) and x >= 1 for x in limits):
-        raise ValueError(f"in-flight limits {inflight_limit!r}: expected {n_ranks} integers >= 1, one per rank")
-    return limits
+    def one(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+    if one(inflight_limit):
+        return [inflight_limit] * n_ranks  # type: ignore[list-item]
+    if not isinstance(inflight_limit, (list, tuple)):
+        raise ValueError(f"inflight_limit={inflight_limit!r}: expected an integer >= 1 or a list of {n_ranks}, "
+                         f"one per rank")
+    if len(inflight_limit) != n_ranks:
+        raise ValueError(f"inflight_limit={list(inflight_limit)!r}: {len(inflight_limit)} limits for {n_ranks} "
+                         f"ranks; expected one integer >= 1 per rank")
+    bad = [x for x in inflight_limit if not one(x)]
+    if bad:
+        raise ValueError(f"inflight_limit={list(inflight_limit)!r}: {bad[0]!r} is not an integer >= 1; "
+                         f"expected one integer >= 1 per rank")
+    return list(inflight_limit)
 
 
 def schedule_limits(spec: PipelineSpec, hint: Hint) -> list[int]:

@@ -266,13 +266,16 @@ class FrontDoor:
             await rt.close()
         await asyncio.gather(*(t.close() for t in self._transports))
 
+    def _abort_transports(self) -> None:
+        for t in self._transports:
+            t.abort()
+
     def _close_parts(self) -> None:
         """Helpers a process model adds (threads of the DP reduction...), closed last."""
 
     def abort(self) -> None:
         """Close at once without waiting for peers (error path)."""
-        for t in self._transports:
-            t.abort()
+        self._abort_transports()
         for rt in self._runtimes:
             rt.stop()  # the inbox's timer fd, the executor's threads: before the loop closes
         if not self._loop.is_closed():

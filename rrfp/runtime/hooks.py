@@ -29,7 +29,7 @@ When they fire, on every rank, for the stages that rank holds:
   ``Pipeline.step``, so the optimizer sees the reduced gradients).
 - An exception raised by a hook or its awaitable fails the step with that exception. The
   awaitables are waited for at most the runtime's watchdog period (then
-  :class:`~rrfp.runtime.errors.WatchdogTimeout` names the step hooks).
+  :class:`~rrfp.errors.WatchdogTimeout` names the step hooks).
 
 Hooks are registered with :meth:`RankRuntime.add_step_hooks` and fire in registration order.
 """

@@ -109,6 +109,13 @@ class LocalPipeline(FrontDoor):
         self.runtimes = self._runtimes = self.run(build())
         self.last_stats: list[StepStats] = []
 
+    def _abort_transports(self) -> None:
+        # All ranks are in this process and end together: none reports the others lost (the
+        # user's own error is the one thing to say).
+        self.net.abort_all()
+        for t in self._transports:
+            t.abort()
+
     def _after_backward(self) -> None:
         # Tied copies: each owner's gradient becomes the sum over the tie, as Pipeline's
         # GradSync does across processes.

@@ -26,7 +26,7 @@ from typing import Callable
 from ..scheduler.agreement import TPAgreement, decode_task, encode_task
 from ..scheduler.arbiter import Arbiter
 from ..scheduler.tasks import Task, TaskRecord
-from .errors import WatchdogTimeout
+from ..errors import WatchdogTimeout
 from .executor import Executor, Pending, RunFn
 from .hooks import HookRunner
 from .inbox import Inbox

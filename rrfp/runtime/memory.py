@@ -1,5 +1,5 @@
 """Activation bytes in the runtime: what each forward leaves saved for its backward, measured,
-and the estimate the arbiter's memory budget admits by (rrfp issue 13).
+and the estimate the arbiter's memory budget admits by (RRFP, "Backpressure and the memory bound").
 
 :class:`ForwardSizer` is the ``act_bytes(stage, mb)`` function of
 :class:`~rrfp.scheduler.arbiter.Arbiter`: after ``F(stage, mb)`` ran, the bytes it measured;

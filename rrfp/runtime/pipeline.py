@@ -20,7 +20,6 @@ from typing import Any, Sequence
 import torch
 
 from .compat import new_job_id
-from .compat import split_microbatches  # noqa: F401 - imported from here by callers
 from .config import DEFAULT_WATCHDOG_S, RuntimeConfig, plan
 from .front import FrontDoor, build_runtime, check_rank
 from .front import new_event_loop  # called through this module's name: tests replace it
@@ -102,7 +101,7 @@ class Pipeline(FrontDoor):
         if rank is None or n_ranks is None:
             import torch.distributed as dist
 
-            from .dist import init_distributed
+            from ..parallel.bootstrap import init_distributed
 
             init_distributed()
             rank = dist.get_rank(group) if rank is None else rank
@@ -179,7 +178,7 @@ def _transport(transport: Any, rank: int, n_ranks: int, job: str, device: Any, s
     named data plane, receiving on the device the stages will compute on."""
     if transport is not None and not isinstance(transport, str):
         return transport
-    from .dist import default_transport
+    from ..parallel.bootstrap import default_transport
 
     if transport is None:
         return default_transport(rank, n_ranks, job)
@@ -202,7 +201,7 @@ def _agree_on_construction(job: str, rank: int, n_ranks: int, error: BaseExcepti
         if error is not None:
             raise error
         return
-    from .dist import default_store
+    from ..parallel.bootstrap import default_store
 
     store = default_store()
     key = f"rrfp/{job}/constructed/"

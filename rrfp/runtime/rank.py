@@ -182,17 +182,6 @@ class RankRuntime:
         # Under a budget the ledger frees at I all but what W's store holds (measured).
         self._wbytes = None if self._sizer is None else WeightBytes(self.compute._wstate)
 
-    # Benchmarks inject communication delay through this name (benchmarks/compare.py).
-    @property
-    def message_delay(self) -> Callable[[Message], float] | None:
-        """``fn(message) -> seconds``: each arriving activation or gradient is held that long
-        before the arbiter sees it (injected communication delay; benchmarks). None: none."""
-        return self.inbox.hold
-
-    @message_delay.setter
-    def message_delay(self, fn: Callable[[Message], float] | None) -> None:
-        self.inbox.hold = fn
-
     def set_loss_reduction(self, total_fn: Callable[[float], float], loss_fn: Callable[[float], float]) -> None:
         """Data parallelism (:mod:`rrfp.parallel.grads`): ``total_fn(local total)`` gives the
         loss-weight total over every replica (the global token count), so microbatch weights
@@ -288,16 +277,7 @@ class RankRuntime:
         compute.begin_step(kwargs, outputs, forward_only)
         self.executor.begin_step()
         inbox.begin_step(step, arb)  # clears the input buffers, then admits early arrivals
-        if 0 in self.stages:
-            first = self.stages[0]
-            for m, x in enumerate(inputs):
-                self.router.put(0, m, Direction.ACT, inbox.place_on(first, as_tuple(x)))
-        compute.targets = targets
-        weights = None
-        if targets is not None:
-            weights = [1.0] * M if sum_losses else self._loss_weights(targets)
-        compute.weights = weights
-        compute.mb_losses = mb_losses = [None] * M
+        weights, mb_losses = self._feed(inputs, targets, sum_losses)
         hooks = self.hooks if self.hooks.hooks and not forward_only else None
         if hooks is not None:
             hooks.begin_step()
@@ -325,6 +305,23 @@ class RankRuntime:
         await self.outbox.flush()
         inbox.end_step(step)
         return stats
+
+    def _feed(self, inputs, targets, sum_losses: bool) -> tuple[list[float] | None, list]:
+        """Put the step's inputs in stage 0's buffers and its targets and loss weights in the
+        compute; returns ``(weights, the list the microbatch losses fill)``."""
+        M = self.spec.n_microbatches
+        if 0 in self.stages:
+            first, inbox = self.stages[0], self.inbox
+            for m, x in enumerate(inputs):
+                self.router.put(0, m, Direction.ACT, inbox.place_on(first, as_tuple(x)))
+        compute = self.compute
+        compute.targets = targets
+        weights = None
+        if targets is not None:
+            weights = [1.0] * M if sum_losses else self._loss_weights(targets)
+        compute.weights = weights
+        compute.mb_losses = mb_losses = [None] * M
+        return weights, mb_losses
 
     def _check_step_inputs(self, inputs, targets, kwargs, forward_only: bool) -> None:
         M = self.spec.n_microbatches

@@ -1,10 +1,10 @@
 """Where a rank's tasks send their outputs and whom it accepts inputs from, and the buffers its
 inputs wait in.
 
-The stage graph is a chain built from the placement: stage ``s``'s activations feed stage
-``s + 1``'s forward, and its input gradients feed stage ``s - 1``'s backward. This module is the
-one place that says so; the inbox, the tasks and the hand-over between virtual stages ask a
-:class:`Router`. A non-chain graph (an encoder feeding a decoder) changes only this class.
+The stage graph comes from the placement (:meth:`~rrfp.scheduler.tasks.Placement.next_stage`
+and :meth:`~rrfp.scheduler.tasks.Placement.prev_stage`, the one statement of the chain, shared
+with the scheduler and the simulator). In the runtime, the inbox, the tasks and the hand-over
+between virtual stages ask a :class:`Router`, which keeps it as tables for the hot paths.
 
 Receive buffers follow PyTorch's ``_RecvInfo`` (``torch.distributed.pipelining.stage``): one
 slot per (stage, microbatch, direction), filled once by the inbox or a same-rank hand-over and
@@ -28,13 +28,6 @@ RemoteFn = Callable[[int, int, int, Direction, list], None]
 """``remote(dst_rank, dst_stage, microbatch, direction, tensors)``: a send to another rank."""
 
 
-_DATA = (Direction.ACT, Direction.GRAD)
-
-
-def _downstream(direction: Direction) -> int:
-    # The chain: activations flow to the next stage, gradients back to the previous one.
-    return 1 if direction == Direction.ACT else -1
-
 
 class Router:
     """One rank's view of the stage graph, and its receive buffers.
@@ -55,14 +48,12 @@ class Router:
         self.n_stages = placement.n_stages
         self.rank_of: tuple[int, ...] = tuple(placement.rank_of(s) for s in range(self.n_stages))
         self.stages = [s for s, r in enumerate(self.rank_of) if r == rank]
-        n = self.n_stages
-
-        def within(s: int) -> int | None:
-            return s if 0 <= s < n else None
-
         # Looked up per task and per arrival: tables by direction (ACT, GRAD), then stage.
-        self._consumer = tuple(tuple(within(s + _downstream(d)) for s in range(n)) for d in _DATA)
-        self._producer = tuple(tuple(within(s - _downstream(d)) for s in range(n)) for d in _DATA)
+        # Activations flow to the next stage, input gradients to the previous one.
+        after = tuple(placement.next_stage(s) for s in range(self.n_stages))
+        before = tuple(placement.prev_stage(s) for s in range(self.n_stages))
+        self._consumer = (after, before)
+        self._producer = (before, after)
         self._slots: tuple[dict, dict] = ({}, {})  # by Direction.ACT, Direction.GRAD: (stage, mb) -> tensors
         self._local: LocalFn | None = None
         self._remote: RemoteFn | None = None
@@ -87,7 +78,7 @@ class Router:
         only the rank holding the producing stage may."""
         producer = self._producer[direction][stage] if 0 <= stage < self.n_stages else None
         if producer is None:
-            return f"stage {stage - _downstream(direction)} does not exist"
+            return f"stage {stage} takes no {direction.name} input from another stage"
         owner = self.rank_of[producer]
         return None if owner == src else f"stage {producer} belongs to rank {owner}"
 

@@ -78,12 +78,7 @@ class CostAverages:
 def producer(spec: PipelineSpec, task: Task) -> Task | None:
     """The task on another stage whose output ``task`` waits for, or None (stage 0's
     forward, the last stage's backward, ``W``)."""
-    s, k, m = task
-    if k == F:
-        return Task(s - 1, F, m) if s > 0 else None
-    if k == W or s == spec.n_stages - 1:
-        return None
-    return Task(s + 1, spec.backward_kind, m)
+    return spec.producer(task)
 
 
 class Backfill:

@@ -116,6 +116,17 @@ class Placement:
             return self.n_ranks - 1 - pos
         return pos
 
+    # The stage graph is a chain; these two say so for the whole package (the runtime's
+    # Router, the dependency rules below, the simulator). A non-chain graph changes them.
+    def next_stage(self, stage: int) -> int | None:
+        """The stage ``stage``'s activations feed (its forward's consumer), or None for the last."""
+        return stage + 1 if stage + 1 < self.n_ranks * self.n_virtual else None
+
+    def prev_stage(self, stage: int) -> int | None:
+        """The stage ``stage``'s input gradients feed (its input backward's consumer), or None
+        for the first."""
+        return stage - 1 if stage > 0 else None
+
     def virtual_index(self, stage: int) -> int:
         """Position of ``stage`` among its rank's stages (0 = earliest in the pipeline)."""
         return stage // self.n_ranks
@@ -166,26 +177,38 @@ class PipelineSpec:
     def dependencies(self, task: Task) -> list[Task]:
         """The tasks that must finish before ``task`` may start (RRFP §3).
 
-        ``F(s,m)`` needs ``F(s-1,m)`` (its activation); ``B/I(s,m)`` needs ``F(s,m)`` and, except
-        on the last stage (which has its own loss), ``B/I(s+1,m)`` (its gradient); ``W(s,m)``
-        needs ``I(s,m)``.
+        ``F(s,m)`` needs the forward of the stage before (its activation); ``B/I(s,m)`` needs
+        ``F(s,m)`` and, except on the last stage (which has its own loss), the input backward
+        of the stage after (its gradient); ``W(s,m)`` needs ``I(s,m)``. "Before" and "after"
+        are :meth:`Placement.prev_stage` and :meth:`Placement.next_stage`.
         """
         s, k, m = task
-        bk = self.backward_kind
+        if k == W:
+            return [Task(s, I, m)]
+        q = self.producer(task)
         if k == F:
-            return [Task(s - 1, F, m)] if s > 0 else []
+            return [q] if q is not None else []
+        return [Task(s, F, m)] if q is None else [Task(s, F, m), q]
+
+    def producer(self, task: Task) -> Task | None:
+        """The task on another stage whose output ``task`` waits for, or None (the first
+        stage's forward, the last stage's input backward, ``W``)."""
+        s, k, m = task
+        if k == F:
+            p = self.placement.prev_stage(s)
+            return None if p is None else Task(p, F, m)
         if k in BACKWARD_INPUT:
-            deps = [Task(s, F, m)]
-            if s < self.n_stages - 1:
-                deps.append(Task(s + 1, bk, m))
-            return deps
-        return [Task(s, I, m)]
+            n = self.placement.next_stage(s)
+            return None if n is None else Task(n, self.backward_kind, m)
+        return None
 
     def consumer(self, task: Task) -> Task | None:
         """The task on another stage that waits for ``task``'s output message, or None."""
         s, k, m = task
         if k == F:
-            return Task(s + 1, F, m) if s < self.n_stages - 1 else None
+            n = self.placement.next_stage(s)
+            return None if n is None else Task(n, F, m)
         if k in BACKWARD_INPUT:
-            return Task(s - 1, self.backward_kind, m) if s > 0 else None
+            p = self.placement.prev_stage(s)
+            return None if p is None else Task(p, self.backward_kind, m)
         return None

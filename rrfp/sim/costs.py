@@ -17,7 +17,7 @@ Three sources, one type (:class:`CostModel`):
 - a profile JSON (:func:`load_profile`), the format ``rrfp train --trace DIR`` writes from
   measured runs (:func:`save_profile`; its ``act_bytes`` is the median size of the stage's
   forward outputs, i.e. of the activation message it sends, a lower bound on what it holds;
-  see ``rrfp.train.worker.profile_from_records``)::
+  see ``rrfp.train.tracing.profile_from_records``)::
 
       {"stages": [{"F": 0.010, "B": 0.021, "I": 0.011, "W": 0.010, "act_bytes": 8388608}, ...],
        "meta": {...}}

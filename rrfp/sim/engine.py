@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import gc
 import heapq
+import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from ..scheduler.arbiter import Arbiter
 from ..scheduler.backfill import Backfill, CostAverages
@@ -121,193 +122,234 @@ def simulate(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(spec, hint, duration, strict, inflight_limit, delay, steps, step_overhead, record,
-                         memory_budget, act_bytes, w_bytes, cost_estimate)
+        sim = _Sim(spec, hint, strict, inflight_limit, steps, memory_budget, act_bytes, w_bytes, cost_estimate)
+        return sim.run(duration, delay, step_overhead, record)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _simulate(
-    spec: PipelineSpec,
-    hint: Hint,
-    duration: DurationFn,
-    strict: bool,
-    inflight_limit: int | Sequence[int],
-    delay: DelayFn,
-    steps: int,
-    step_overhead: float,
-    record: bool,
-    memory_budget: int | Sequence[int | None] | None = None,
-    act_bytes: BytesFn | None = None,
-    w_bytes: BytesFn | None = None,
-    cost_estimate: DurationFn | None = None,
-) -> SimResult:
-    place = spec.placement
-    P = place.n_ranks
-    S = spec.n_stages
-    limits = [inflight_limit] * P if isinstance(inflight_limit, int) else list(inflight_limit)
-    if len(limits) != P:
-        raise ValueError(f"{len(limits)} in-flight limits given for {P} ranks")
+class _Finish(NamedTuple):
+    """Event: rank ``rank``'s running task finishes at ``time``."""
 
-    budgets = list(memory_budget) if isinstance(memory_budget, (list, tuple)) else [memory_budget] * P
-    if len(budgets) != P:
-        raise ValueError(f"{len(budgets)} memory budgets given for {P} ranks")
+    time: float
+    seq: int  # unique, so the heap never compares past it
+    rank: int
 
-    rank_of = [place.rank_of(s) for s in range(S)]
-    backfilling = hint.backfill and strict
-    averages = CostAverages() if backfilling and cost_estimate is None else None
-    boards: dict[int, dict[Task, float]] = {}  # step -> started task -> estimated end ("started" notices)
 
-    def estimator(step: int):
-        if averages is not None:
-            return averages
-        return lambda t: cost_estimate(step, rank_of[t[0]], t)  # type: ignore[misc]
+class _Resume(NamedTuple):
+    """Event: rank ``rank``'s optimizer step ends at ``time`` (it may start its next step)."""
 
-    def new_arbiter(rank: int, step: int = 0) -> Arbiter:
-        size = None if act_bytes is None else (lambda s, m: act_bytes(step, s, m))
-        wsize = None if w_bytes is None else (lambda s, m: w_bytes(step, s, m))
+    time: float
+    seq: int
+    rank: int
+
+
+class _Arrival(NamedTuple):
+    """Event: an input reaches rank ``rank`` at ``time``: the activation (``grad`` False) or
+    the gradient for ``stage``'s microbatch ``mb`` in step ``step``."""
+
+    time: float
+    seq: int
+    rank: int
+    step: int
+    stage: int
+    mb: int
+    grad: bool
+
+
+def _per_rank(value, n: int, what: str, one: bool) -> list:
+    values = [value] * n if one else list(value)
+    if len(values) != n:
+        raise ValueError(f"{len(values)} {what} given for {n} ranks")
+    return values
+
+
+class _Sim:
+    """The state of one :func:`simulate` run: per rank its arbiters, running task and clocks."""
+
+    def __init__(self, spec, hint, strict, inflight_limit, steps, memory_budget, act_bytes, w_bytes,
+                 cost_estimate) -> None:
+        place = spec.placement
+        P = self.P = place.n_ranks
+        S = spec.n_stages
+        self.spec, self.hint, self.strict, self.steps = spec, hint, strict, steps
+        self.limits = _per_rank(inflight_limit, P, "in-flight limits", isinstance(inflight_limit, int))
+        self.budgets = _per_rank(memory_budget, P, "memory budgets", not isinstance(memory_budget, (list, tuple)))
+        self.act_bytes, self.w_bytes, self.cost_estimate = act_bytes, w_bytes, cost_estimate
+        self.rank_of = [place.rank_of(s) for s in range(S)]
+        # Where each stage's outputs go (the placement's chain): (rank, stage), or (-1, -1).
+        self.after = [self._where(place.next_stage(s)) for s in range(S)]
+        self.before = [self._where(place.prev_stage(s)) for s in range(S)]
+        self.backfilling = hint.backfill and strict
+        self.averages = CostAverages() if self.backfilling and cost_estimate is None else None
+        self.boards: dict[int, dict[Task, float]] = {}  # step -> started task -> estimated end
+        # A rank's arbiter for its current step, plus arbiters for later steps whose inputs
+        # arrive early (a neighbour may be a step ahead).
+        self.cur: list[Arbiter | None] = [self.new_arbiter(r) if steps >= 1 else None for r in range(P)]
+        self.ahead: list[dict[int, Arbiter]] = [{} for _ in range(P)]
+        self.cur_step = [0] * P
+        self.running: list[Task | None] = [None] * P
+        self.busy_until = [0.0] * P
+        self.busy = [0.0] * P
+        self.peak = [0] * P
+        self.peak_bytes = [0] * P
+        self.held = [0] * S
+        self.peak_held = [0] * S
+        self.step_end = [0.0] * max(steps, 0)
+        self.run_d = [0.0] * P  # seconds of each rank's running task (backfilling's averages)
+        self.records: list[TaskRecord] = []
+        self.events: list[tuple] = []
+        self.seq = itertools.count(1)  # event sequence numbers
+
+    def _where(self, stage: int | None) -> tuple[int, int]:
+        return (-1, -1) if stage is None else (self.rank_of[stage], stage)
+
+    def _estimator(self, step: int):
+        if self.averages is not None:
+            return self.averages
+        cost, rank_of = self.cost_estimate, self.rank_of
+        return lambda t: cost(step, rank_of[t[0]], t)  # type: ignore[misc]
+
+    def new_arbiter(self, rank: int, step: int = 0) -> Arbiter:
+        act, w = self.act_bytes, self.w_bytes
+        size = None if act is None else (lambda s, m: act(step, s, m))
+        wsize = None if w is None else (lambda s, m: w(step, s, m))
         bf = None
-        if backfilling:
-            bf = Backfill(spec, rank, estimator(step), boards.setdefault(step, {}), complete_notices=True)
-        return Arbiter(spec, rank, hint, strict=strict, inflight_limit=limits[rank],
-                       memory_budget=budgets[rank], act_bytes=size, w_bytes=wsize, backfill=bf)
+        if self.backfilling:
+            bf = Backfill(self.spec, rank, self._estimator(step), self.boards.setdefault(step, {}),
+                          complete_notices=True)
+        return Arbiter(self.spec, rank, self.hint, strict=self.strict, inflight_limit=self.limits[rank],
+                       memory_budget=self.budgets[rank], act_bytes=size, w_bytes=wsize, backfill=bf)
 
-    next_rank = [rank_of[s + 1] if s + 1 < S else -1 for s in range(S)]
-    prev_rank = [rank_of[s - 1] if s > 0 else -1 for s in range(S)]
-    zero_delay = delay is _zero_delay
-
-    # A rank's arbiter for its current step, plus arbiters for later steps whose inputs
-    # arrive early (a neighbour may be a step ahead).
-    cur: list[Arbiter | None] = [new_arbiter(r) for r in range(P)]
-    ahead: list[dict[int, Arbiter]] = [{} for _ in range(P)]
-    if steps < 1:
-        cur = [None] * P
-    cur_step = [0] * P
-    running: list[Task | None] = [None] * P
-    busy_until = [0.0] * P
-    busy = [0.0] * P
-    peak = [0] * P
-    peak_bytes = [0] * P
-    held = [0] * S
-    peak_held = [0] * S
-    records: list[TaskRecord] = []
-    step_end = [0.0] * max(steps, 0)
-    run_d = [0.0] * P  # seconds of each rank's running task (backfilling's averages)
-
-    # Heap entries: (time, seq, rank) a task finishes; (time, seq, rank, None) the rank's
-    # optimizer step ends; (time, seq, rank, step, stage, mb, grad) an input arrives.
-    # seq is unique, so tuples never compare past it.
-    events: list[tuple] = []
-    push, pop = heapq.heappush, heapq.heappop
-    seq = 0
-
-    def arbiter_for(r: int, step: int) -> Arbiter:
-        if step == cur_step[r]:
-            return cur[r]  # type: ignore[return-value]
-        a = ahead[r].get(step)
+    def arbiter_for(self, r: int, step: int) -> Arbiter:
+        if step == self.cur_step[r]:
+            return self.cur[r]  # type: ignore[return-value]
+        a = self.ahead[r].get(step)
         if a is None:
-            a = ahead[r][step] = new_arbiter(r, step)
+            a = self.ahead[r][step] = self.new_arbiter(r, step)
         return a
 
-    now = 0.0
-    touched: list[int] = list(range(P))
-    while True:
-        # Decisions: every idle rank touched at this instant, in rank order.
-        if len(touched) > 2:
-            touched = sorted(set(touched))
-        elif len(touched) == 2 and touched[0] >= touched[1]:
-            touched = [touched[1]] if touched[0] == touched[1] else [touched[1], touched[0]]
-        for r in touched:
-            if running[r] is not None:
-                continue
-            a = cur[r]
-            if a is None or now < busy_until[r]:
-                continue
-            if backfilling:
-                a.backfill.now = now  # type: ignore[union-attr]
-            t = a.next()
-            if t is None:
-                continue
-            step = cur_step[r]
-            d = duration(step, r, t)
-            if backfilling:
-                e = a.backfill.estimate(t)  # type: ignore[union-attr]
-                boards[step][t] = now + (e or 0.0)  # the "started, estimated end" notice
-                run_d[r] = d
-            running[r] = t
-            busy[r] += d
-            seq += 1
-            push(events, (now + d, seq, r))
-            if record:
-                records.append(TaskRecord(r, step, t, now, now + d))
-        if not events:
-            break
-        touched = []
-        now = events[0][0]
-        while events and events[0][0] == now:
-            ev = pop(events)
-            r = ev[2]
-            touched.append(r)
-            if len(ev) != 3:
-                if len(ev) == 7:
-                    _, _, _, step, stage, mb, grad = ev
-                    arbiter_for(r, step).mark_input(stage, mb, grad)
-                continue
-            t = running[r]
-            running[r] = None
-            a = cur[r]
-            a.complete(t)  # type: ignore[union-attr]
-            if averages is not None:
-                averages.observe(t, run_d[r])  # type: ignore[arg-type]
-            step = cur_step[r]
-            s, k, m = t  # type: ignore[misc]
-            if k == F:
-                held[s] += 1
-                if held[s] > peak_held[s]:
-                    peak_held[s] = held[s]
-                dst, cs, grad = next_rank[s], s + 1, False
-            elif k == W:
-                dst = -1
-            else:
-                held[s] -= 1
-                dst, cs, grad = prev_rank[s], s - 1, True
-            if dst == r:
-                a.mark_input(cs, m, grad)  # type: ignore[union-attr]
-            elif dst >= 0:
-                dd = 0.0 if zero_delay else delay(step, r, dst, t)  # type: ignore[arg-type]
-                if dd == 0.0:
-                    # Same instant: applying it now equals popping it later in this batch.
-                    if cur_step[dst] == step:
-                        cur[dst].mark_input(cs, m, grad)  # type: ignore[union-attr]
-                    else:
-                        arbiter_for(dst, step).mark_input(cs, m, grad)
+    # ------------------------------------------------------------ the run
+    def run(self, duration: DurationFn, delay: DelayFn, step_overhead: float, record: bool) -> SimResult:
+        # The per-task path stays in this one function, with its state in locals: the
+        # simulator's speed is this loop's (benchmarks/bench_sim.py).
+        events, pop, push, seq = self.events, heapq.heappop, heapq.heappush, self.seq
+        running, cur, cur_step, busy_until, busy = self.running, self.cur, self.cur_step, self.busy_until, self.busy
+        records, backfilling, averages, run_d = self.records, self.backfilling, self.averages, self.run_d
+        held, peak_held, after, before = self.held, self.peak_held, self.after, self.before
+        instant = delay is _zero_delay
+        now = 0.0
+        touched: list[int] = list(range(self.P))
+        while True:
+            # Decisions: every idle rank touched at this instant, in rank order.
+            if len(touched) > 2:
+                touched = sorted(set(touched))
+            elif len(touched) == 2 and touched[0] >= touched[1]:
+                touched = [touched[1]] if touched[0] == touched[1] else [touched[1], touched[0]]
+            for r in touched:
+                a = cur[r]
+                if running[r] is not None or a is None or now < busy_until[r]:
+                    continue
+                if backfilling:
+                    a.backfill.now = now  # type: ignore[union-attr]
+                t = a.next()
+                if t is None:
+                    continue
+                step = cur_step[r]
+                d = duration(step, r, t)
+                if backfilling:
+                    self.notice(r, step, t, now, d)
+                running[r] = t
+                busy[r] += d
+                push(events, _Finish(now + d, next(seq), r))
+                if record:
+                    records.append(TaskRecord(r, step, t, now, now + d))
+            if not events:
+                break
+            touched = []
+            now = events[0][0]
+            while events and events[0][0] == now:
+                ev = pop(events)
+                r = ev[2]
+                touched.append(r)
+                if type(ev) is not _Finish:
+                    if type(ev) is _Arrival:
+                        self.arbiter_for(r, ev.step).mark_input(ev.stage, ev.mb, ev.grad)
+                    continue
+                # Rank r's task finished: complete it and send its output on.
+                t = running[r]
+                running[r] = None
+                a = cur[r]
+                a.complete(t)  # type: ignore[union-attr]
+                if averages is not None:
+                    averages.observe(t, run_d[r])  # type: ignore[arg-type]
+                s, k, m = t  # type: ignore[misc]
+                if k == F:
+                    held[s] += 1
+                    if held[s] > peak_held[s]:
+                        peak_held[s] = held[s]
+                    dst, cs = after[s]
+                elif k == W:
+                    dst = -1
+                else:
+                    held[s] -= 1
+                    dst, cs = before[s]
+                if dst == r:
+                    a.mark_input(cs, m, k != F)  # type: ignore[union-attr]
+                elif dst >= 0 and instant and cur_step[dst] == cur_step[r]:
+                    cur[dst].mark_input(cs, m, k != F)  # type: ignore[union-attr]
                     touched.append(dst)
-                else:
-                    seq += 1
-                    push(events, (now + dd, seq, dst, step, cs, m, grad))
-            if a.n_done == a.n_tasks:  # type: ignore[union-attr]  # a.finished, without the call
-                if a.peak_inflight > peak[r]:  # type: ignore[union-attr]
-                    peak[r] = a.peak_inflight  # type: ignore[union-attr]
-                if a.memory is not None and a.memory.peak_held > peak_bytes[r]:  # type: ignore[union-attr]
-                    peak_bytes[r] = a.memory.peak_held  # type: ignore[union-attr]
-                if now > step_end[step]:
-                    step_end[step] = now
-                nxt = step + 1
-                cur_step[r] = nxt
-                if nxt < steps:
-                    cur[r] = ahead[r].pop(nxt, None) or new_arbiter(r, nxt)
-                    if step_overhead > 0:
-                        busy_until[r] = now + step_overhead
-                        seq += 1
-                        push(events, (now + step_overhead, seq, r, None))
-                else:
-                    cur[r] = None
-    unfinished = [r for r in range(P) if cur_step[r] < steps]
-    if unfinished:
-        why = "; ".join(
-            f"rank {r} step {cur_step[r]}: waits for {cur[r].waiting_for()}"  # type: ignore[union-attr]
-            for r in unfinished[:4]
-        )
-        raise DeadlockError(f"simulation cannot finish: {why}")
-    return SimResult(now, records, busy, peak, step_end, peak_held, peak_bytes)
+                elif dst >= 0:
+                    self.send(r, dst, cs, t, now, delay, touched)
+                if a.n_done == a.n_tasks:  # type: ignore[union-attr]  # a.finished, without the call
+                    self.end_step(r, a, now, step_overhead)  # type: ignore[arg-type]
+        self.check_finished()
+        return SimResult(now, records, busy, self.peak, self.step_end, peak_held, self.peak_bytes)
+
+    def notice(self, r: int, step: int, t: Task, now: float, d: float) -> None:
+        """Backfilling: rank ``r`` started ``t`` at ``now`` for ``d`` seconds; post its
+        "started, estimated end" notice."""
+        e = self.cur[r].backfill.estimate(t)  # type: ignore[union-attr]
+        self.boards[step][t] = now + (e or 0.0)
+        self.run_d[r] = d
+
+    def send(self, r: int, dst: int, cs: int, t: Task, now: float, delay: DelayFn, touched: list[int]) -> None:
+        """Rank ``r``'s finished task ``t`` feeds stage ``cs`` on rank ``dst``: deliver it now
+        (no delay) or at its arrival."""
+        step, grad = self.cur_step[r], t[1] != F
+        dd = 0.0 if delay is _zero_delay else delay(step, r, dst, t)
+        if dd == 0.0:
+            # Same instant: applying it now equals popping it later in this batch.
+            self.arbiter_for(dst, step).mark_input(cs, t[2], grad)
+            touched.append(dst)
+        else:
+            heapq.heappush(self.events, _Arrival(now + dd, next(self.seq), dst, step, cs, t[2], grad))
+
+    def end_step(self, r: int, a: Arbiter, now: float, step_overhead: float) -> None:
+        """Rank ``r`` finished its current step at ``now``: keep its peaks, start the next."""
+        if a.peak_inflight > self.peak[r]:
+            self.peak[r] = a.peak_inflight
+        if a.memory is not None and a.memory.peak_held > self.peak_bytes[r]:
+            self.peak_bytes[r] = a.memory.peak_held
+        step = self.cur_step[r]
+        if now > self.step_end[step]:
+            self.step_end[step] = now
+        nxt = self.cur_step[r] = step + 1
+        if nxt >= self.steps:
+            self.cur[r] = None
+            return
+        self.cur[r] = self.ahead[r].pop(nxt, None) or self.new_arbiter(r, nxt)
+        if step_overhead > 0:
+            self.busy_until[r] = now + step_overhead
+            heapq.heappush(self.events, _Resume(now + step_overhead, next(self.seq), r))
+
+    def check_finished(self) -> None:
+        """Raise :class:`DeadlockError` when a rank has steps left but no event is pending."""
+        unfinished = [r for r in range(self.P) if self.cur_step[r] < self.steps]
+        if unfinished:
+            why = "; ".join(
+                f"rank {r} step {self.cur_step[r]}: waits for {self.cur[r].waiting_for()}"  # type: ignore[union-attr]
+                for r in unfinished[:4]
+            )
+            raise DeadlockError(f"simulation cannot finish: {why}")

@@ -465,7 +465,7 @@ def _crashing_writer(path, rank: int, step: int):
 
     import torch.distributed.checkpoint as dcp
 
-    from .lines import say
+    from ..lines import say
 
     class CrashingWriter(dcp.FileSystemWriter):
         """DCP's file writer that SIGKILLs its process once its shard is written (:data:`CRASH_ENV`)."""

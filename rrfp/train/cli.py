@@ -15,8 +15,8 @@ import sys
 from ..errors import UsageError
 from ..scheduler.hints import HINT_NAMES
 from ..sim.auto import AUTO
+from ..lines import say
 from .early import DEFAULT_STAGES, SAMPLE_POOL, check_flags
-from .lines import say
 
 DEFAULTS = dict(
     stages=DEFAULT_STAGES,
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
         args = apply_config(args)
     validate(args)
-    from ..runtime.dist import in_launched_worker
+    from ..parallel.bootstrap import in_launched_worker
 
     if in_launched_worker():
         from .worker import main as worker_main

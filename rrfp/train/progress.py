@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import IO
 
-from .lines import say
+from ..lines import say
 
 
 class Output:
@@ -51,7 +51,7 @@ class Output:
         """A line shown whatever the mode (evaluations, the summary), above the bar."""
         self._log(line)
         if self.bar is not None:
-            self.bar.write(line + "\n", file=self.stream, end="")  # one write (rrfp.train.lines)
+            self.bar.write(line + "\n", file=self.stream, end="")  # one write (rrfp/lines.py)
         else:
             say(line, self.stream)
 

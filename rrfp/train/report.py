@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..scheduler.tasks import Placement
 from .progress import Output
-from .lines import say
+from ..lines import say
 
 
 class Reporter:

@@ -24,7 +24,7 @@ import sys
 import threading
 from datetime import timedelta
 
-from .lines import say
+from ..lines import say
 
 STOP_FILE_ENV = "RRFP_NODE_STOP_FILE"
 """Set by ``rrfp node`` in its ranks' environment: the file it creates on SIGTERM."""

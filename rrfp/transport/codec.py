@@ -179,11 +179,7 @@ def encode(
     job = key.job
     prefix = _job_prefix.get(job) if type(job) is str else None
     if prefix is None:
-        _check_key(key)
-        prefix = _H_MAP + msgpack.packb({"job": job})[1:] + _H_STEP
-        if len(_job_prefix) >= _CACHE_MAX:
-            _job_prefix.clear()
-        _job_prefix[job] = prefix
+        prefix = _new_prefix(key)
     try:
         direction = _DIRECTIONS.get(key.direction)
     except TypeError:  # unhashable
@@ -214,28 +210,47 @@ def encode(
         rg = t.requires_grad
         ck = (t.dtype, t.shape, rg)
         desc = _desc_cache.get(ck)
-        if desc is None:
-            desc = _pack_desc(i, t)
-            if len(_desc_cache) >= _CACHE_MAX:
-                _desc_cache.clear()
-            _desc_cache[ck] = desc
-        parts.append(desc)
+        parts.append(desc if desc is not None else _new_desc(i, t, ck))
         frames.append(_tensor_frame(t, rg))
     if meta is None or (type(meta) is dict and not meta):
         parts.append(_H_EMPTY_META)
     else:
-        if not isinstance(meta, dict):
-            raise CodecError(f"meta: expected a dict, got {_tname(meta)}")
-        _check_meta(meta, where="meta")
-        try:
-            parts += (_H_META, msgpack.packb(meta, use_bin_type=True))
-        except (TypeError, ValueError, OverflowError) as e:
-            raise CodecError(f"header not serializable: {e}") from e
+        parts += (_H_META, _pack_meta(meta))
     packed = b"".join(parts)
     if len(packed) > MAX_HEADER_BYTES:
         raise CodecError(f"header too big: {len(packed)} bytes > {MAX_HEADER_BYTES}")
     frames[0] = packed
     return frames
+
+
+# The rare paths of encode(), out of its per-message path: a job, a tensor description
+# or a meta dict not seen before.
+def _new_prefix(key: MsgKey) -> bytes:
+    _check_key(key)
+    job = key.job
+    prefix = _H_MAP + msgpack.packb({"job": job})[1:] + _H_STEP
+    if len(_job_prefix) >= _CACHE_MAX:
+        _job_prefix.clear()
+    _job_prefix[job] = prefix
+    return prefix
+
+
+def _new_desc(i: int, t: Tensor, ck: tuple) -> bytes:
+    desc = _pack_desc(i, t)
+    if len(_desc_cache) >= _CACHE_MAX:
+        _desc_cache.clear()
+    _desc_cache[ck] = desc
+    return desc
+
+
+def _pack_meta(meta: Any) -> bytes:
+    if not isinstance(meta, dict):
+        raise CodecError(f"meta: expected a dict, got {_tname(meta)}")
+    _check_meta(meta, where="meta")
+    try:
+        return msgpack.packb(meta, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CodecError(f"header not serializable: {e}") from e
 
 
 def descriptor(i: int, t: Tensor) -> list:

@@ -102,6 +102,14 @@ class FakeNetwork:
         ``recv``/``send`` raise TransportClosed."""
         self._gone(rank, "killed", TransportClosed(f"rank {rank} was killed"))
 
+    def abort_all(self) -> None:
+        """Every rank aborts at once (the ranks of one process ending after an error): each
+        transport closes, and none reports the others lost, since they went together."""
+        for rank, t in self._transports.items():
+            if rank not in self.dead:
+                self.dead.add(rank)
+                t._die(TransportClosed(f"rank {rank}: aborted"))
+
     # -- internals -------------------------------------------------------------
 
     def _gone(self, rank: int, reason: str, own_error: BaseException) -> None:

@@ -197,6 +197,16 @@ class ZmqTransport(Transport):
                 "or --job-secret-file, or pass --insecure to accept unauthenticated traffic"
             )
         self._ctx = zmq.asyncio.Context()
+        self._bind(host, loop)
+        self.peer_endpoints = await asyncio.to_thread(self._rendezvous.exchange, self.endpoint)
+        self._check_alive()
+        for p in sorted(self._peers()):
+            self._connect_peer(p, loop)
+        await self._await_connections(deadline, loop)
+
+    def _bind(self, host: str, loop: asyncio.AbstractEventLoop) -> None:
+        """The receiving side: the ROUTER socket bound on ``host`` (its endpoint in
+        ``self.endpoint``), its gatekeeper under a job secret, and the receiver reading it."""
         if self._auth is not None:
             keys = {z85.decode(self._auth.curve_keypair(self.job, r)[0]): r
                     for r in range(self.world_size)}
@@ -226,33 +236,37 @@ class ZmqTransport(Transport):
                                   deliver=self._deliver_frames, fail=self._mailbox.fail, closed=lambda: self._closed)
         self._receiver.start(loop)
 
-        self.peer_endpoints = await asyncio.to_thread(self._rendezvous.exchange, self.endpoint)
-        self._check_alive()
+    def _connect_peer(self, p: int, loop: asyncio.AbstractEventLoop) -> None:
+        """The sending side to peer ``p``: a DEALER socket, its monitor and its sender task."""
+        d = self._ctx.socket(zmq.DEALER)
+        self._sockopts(d)
+        d.setsockopt(zmq.ROUTING_ID, str(self.rank).encode())
+        if self._auth is not None:
+            d.curve_publickey, d.curve_secretkey = self._auth.curve_keypair(self.job, self.rank)
+            # The server is authenticated by the key derived for that rank, never by
+            # anything read from the store.
+            d.curve_serverkey = self._auth.curve_keypair(self.job, p)[0]
+        if ":" in self.peer_endpoints[p].split("//", 1)[1].rsplit(":", 1)[0]:
+            d.setsockopt(zmq.IPV6, 1)
+        # Monitor before connect, or the handshake event could be missed.
+        mon = d.get_monitor_socket(_MONITOR_EVENTS)
+        self._dealers[p], self._monitors[p] = d, mon
+        # A synchronous view of the same socket: send() hands a message straight to
+        # ZeroMQ when nothing is queued before it, skipping a coroutine hop per message.
+        self._direct[p] = zmq.Socket.shadow(d.underlying)
+        self._connected[p] = loop.create_future()
+        self._outq[p] = deque()
+        self._out_ready[p] = asyncio.Event()
+        self._tasks.append(asyncio.create_task(self._monitor(p, mon)))
+        d.connect(self.peer_endpoints[p])
+        self._tasks.append(asyncio.create_task(self._sender(p, d)))
 
-        for p in sorted(self._peers()):
-            d = self._ctx.socket(zmq.DEALER)
-            self._sockopts(d)
-            d.setsockopt(zmq.ROUTING_ID, str(self.rank).encode())
-            if self._auth is not None:
-                d.curve_publickey, d.curve_secretkey = self._auth.curve_keypair(self.job, self.rank)
-                # The server is authenticated by the key derived for that rank, never by
-                # anything read from the store.
-                d.curve_serverkey = self._auth.curve_keypair(self.job, p)[0]
-            if ":" in self.peer_endpoints[p].split("//", 1)[1].rsplit(":", 1)[0]:
-                d.setsockopt(zmq.IPV6, 1)
-            # Monitor before connect, or the handshake event could be missed.
-            mon = d.get_monitor_socket(_MONITOR_EVENTS)
-            self._dealers[p], self._monitors[p] = d, mon
-            # A synchronous view of the same socket: send() hands a message straight to
-            # ZeroMQ when nothing is queued before it, skipping a coroutine hop per message.
-            self._direct[p] = zmq.Socket.shadow(d.underlying)
-            self._connected[p] = loop.create_future()
-            self._outq[p] = deque()
-            self._out_ready[p] = asyncio.Event()
-            self._tasks.append(asyncio.create_task(self._monitor(p, mon)))
-            d.connect(self.peer_endpoints[p])
-            self._tasks.append(asyncio.create_task(self._sender(p, d)))
+    async def _await_connections(self, deadline: float, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait until every peer's handshake is done, a peer is lost, or ``deadline``.
 
+        Raises:
+            TimeoutError: naming the peers not connected by the deadline.
+        """
         # Wake on each handshake, and on loss (which sets _bye_event).
         for fut in self._connected.values():
             fut.add_done_callback(lambda _f: self._bye_event.set())

@@ -1,0 +1,115 @@
+"""How a rank of ``rrfp train`` ends when something fails: the root cause named by global
+rank, a peer's loss found when a collective only says it broke, and a quiet stop when rank 0's
+stdout reader went away (``rrfp train | head``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+class QuietAfterReaderLeft:
+    """Drops the transport's lost-peer error records once rank 0's reader has gone: the peer
+    stopped on purpose (`rrfp train | head`)."""
+
+    def filter(self, record) -> bool:
+        return record.levelno < 40 or not reader_gone()
+
+
+class GlobalRankNames:
+    """Rewords the transport's records (``"rank %d: ..."``, the rank numbered within its
+    pipeline, as is any lost peer in them) to name global ranks with their coordinates, as
+    every other report of a failure does."""
+
+    LOGGERS = ("rrfp.transport", "rrfp.transport.zmq", "rrfp.transport.planes", "rrfp.transport.torch")
+
+    def __init__(self, layout) -> None:
+        self.layout = layout
+
+    def name(self, pp_rank: int) -> str:
+        from ..parallel.layout import ParallelLayout
+
+        return ParallelLayout.name(self.layout.rank_at(pp_rank), self.layout.dp, self.layout.tp)
+
+    def filter(self, record) -> bool:
+        from ..transport.base import PeerLost
+
+        args = record.args
+        if isinstance(record.msg, str) and record.msg.startswith("rank %d: ") and isinstance(args, tuple) and args \
+                and args[0] == self.layout.pp_rank:
+            record.msg = "%s: " + record.msg.removeprefix("rank %d: ")
+            record.args = (self.name(args[0]), *(f"{self.name(a.rank)} lost: {a.reason}" if isinstance(a, PeerLost)
+                                                 else a for a in args[1:]))
+        return True
+
+
+PIPE_CLOSED = 141
+"""Exit code of a rank whose stdout reader went away (128 + SIGPIPE, as a shell reports it)."""
+_PIPE_KEY = "rrfp/train/stdout-closed"
+
+
+def mark_reader_gone() -> None:
+    """Tell the other ranks (through the launcher's store) that rank 0's reader went away."""
+    try:
+        from ..parallel.bootstrap import default_store
+
+        default_store().set(_PIPE_KEY, "1")
+    except Exception:  # noqa: BLE001 - no store: the launcher still sees exit code 141
+        pass
+
+
+def stop_quietly() -> None:
+    """Stop as Unix tools do when their reader is gone: quietly, exit code :data:`PIPE_CLOSED`."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    mark_reader_gone()
+    os._exit(PIPE_CLOSED)
+
+
+def reader_gone() -> bool:
+    """Whether rank 0's stdout reader went away (then a peer's loss is no error to report)."""
+    try:
+        from ..parallel.bootstrap import default_store
+
+        return default_store().check([_PIPE_KEY])
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def lost_peer(pipe, exc: BaseException, rank: int):
+    """The first peer the transport lost, when ``exc`` names none (a collective that failed
+    because a peer died): the transport's loop runs only inside the pipeline's calls, so it
+    is run until it notices. When ``exc`` says a peer's connection closed (gloo's "closed by
+    peer"), a peer certainly went: the wait is bounded only by the transport's own worst case
+    (its heartbeat timeout), not by a guess a loaded machine can outlast; otherwise 3 s."""
+    from .guard import blamed_rank
+
+    wait = getattr(pipe.transport, "wait_lost", None)
+    if wait is None or blamed_rank(exc, rank) != rank:
+        return None
+    try:
+        peer_gone = any(w in str(exc) for w in ("closed by peer", "reset by peer", "Broken pipe"))
+        return pipe.run(wait(None if peer_gone else 3.0))
+    except Exception:
+        return None
+
+
+def named_globally(exc: BaseException, layout):
+    """The :class:`~rrfp.transport.base.PeerLost` in ``exc``'s chain, whose ``rank`` is a
+    pp_rank of this rank's pipeline (the transport's numbering), as a new ``PeerLost`` of
+    the global rank, its message naming the coordinates (``rank 2 (pp 1, dp 0, tp 0) lost:
+    ...``); None when the chain holds none."""
+    from ..parallel.layout import ParallelLayout
+    from ..transport.base import PeerLost
+
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and not isinstance(e, PeerLost) and id(e) not in seen:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    if not isinstance(e, PeerLost):
+        return None
+    rank = layout.rank_at(e.rank)
+    named = PeerLost(rank, e.reason)
+    named.args = (f"{ParallelLayout.name(rank, layout.dp, layout.tp)} lost: {e.reason}",)
+    return named

@@ -1,0 +1,130 @@
+"""What ``rrfp train --trace`` writes: each rank's task records and output sizes, merged by
+rank 0 into a Chrome trace, a PNG timeline and a per-stage cost profile (``profile.json``) that
+``rrfp simulate --costs`` reads."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..lines import say
+from ..runtime.stage import PipelineStage
+from .guard import atomic_path, atomic_write_text
+
+
+def record_output_bytes(stages: list[PipelineStage]) -> dict[int, list[int]]:
+    """Record, for every forward of each stage, the bytes of its module's outputs.
+
+    A forward hook on each stage's module (no change to the runtime, no extra forward) adds
+    one integer per forward to the returned lists, keyed by global stage index. For a stage
+    other than the last, the outputs are exactly the activation message its forward sends
+    to the next stage (without the message header); the last stage's are its logits, which
+    stay on the rank.
+    """
+    sizes: dict[int, list[int]] = {}
+    for st in stages:
+        seen = sizes.setdefault(st.stage_index, [])
+
+        def hook(_module, _inputs, output, seen=seen) -> None:
+            outs = output if isinstance(output, (tuple, list)) else (output,)
+            seen.append(sum(t.nbytes for t in outs if isinstance(t, torch.Tensor)))
+
+        st.submod.register_forward_hook(hook)
+    return sizes
+
+
+def write_trace(
+    args: argparse.Namespace, rank: int, n_ranks: int, records: list, out_bytes: dict[int, list[int]],
+    step_log: list | None = None,
+) -> None:
+    """Every rank writes its task records, output sizes (:func:`record_output_bytes`) and
+    per-step ``[step, wall, busy]`` seconds (the runtime's bubble accounting, ``steps``);
+    rank 0 merges them into a Chrome trace, a PNG timeline and a per-stage cost profile
+    (``profile.json``, :func:`profile_from_records`) that ``rrfp simulate --costs`` reads."""
+    out = Path(args.trace)
+    out.mkdir(parents=True, exist_ok=True)
+    part = out / f"records.rank{rank}.json"
+    atomic_write_text(part, json.dumps({
+        "records": [[r.rank, r.step, str(r.task), r.start, r.end] for r in records],
+        "out_bytes": {str(s): v for s, v in out_bytes.items()},
+        "steps": step_log or [],
+    }))
+    dist.barrier()
+    if rank != 0:
+        return
+    from ..obs.trace import write_chrome_trace, write_gantt_png
+    from ..runtime.rank import TaskRecord
+    from ..scheduler.tasks import parse_action
+    from ..sim.costs import save_profile
+
+    merged, sizes = [], {}
+    for r in range(n_ranks):
+        part = json.loads((out / f"records.rank{r}.json").read_text())
+        for rk, step, task, start, end in part["records"]:
+            merged.append(TaskRecord(rk, step, parse_action(task), start, end))
+        sizes.update({int(s): v for s, v in part["out_bytes"].items()})
+    t0 = min(r.start for r in merged)
+    merged = [dataclasses.replace(r, start=r.start - t0, end=r.end - t0) for r in merged]
+    with atomic_path(out / "trace.json") as tmp:
+        write_chrome_trace(merged, tmp)
+    shown = timeline_steps(sorted({r.step for r in merged}))
+    with atomic_path(out / "timeline.png") as tmp:
+        write_gantt_png([r for r in merged if r.step in shown], tmp, n_ranks=n_ranks,
+                        title=f"rrfp train, hint {args.hint}, step{'s' if len(shown) > 1 else ''} "
+                        f"{min(shown) + 1}-{max(shown) + 1} of {args.steps}")
+    with atomic_path(out / "profile.json") as tmp:
+        save_profile(profile_from_records(merged, n_ranks * args.virtual_stages, sizes), tmp,
+                     meta={"source": "rrfp train", "model": args.model, "microbatches": args.microbatches,
+                           "batch_size": args.batch_size, "max_len": args.max_len, "hint": args.hint})
+    say(f"trace: {out / 'trace.json'} (open in Perfetto), timeline {out / 'timeline.png'}, "
+        f"costs {out / 'profile.json'}")
+
+
+TIMELINE_STEPS = 3
+"""Steps a timeline PNG shows at most: more turn the bars into an unreadable barcode."""
+
+
+def timeline_steps(recorded: list[int]) -> set[int]:
+    """The steps (0-based) the timeline PNG draws: the last :data:`TIMELINE_STEPS` recorded
+    (the first step warms up; ``--trace-steps`` picks others)."""
+    return set(recorded[-TIMELINE_STEPS:])
+
+
+def profile_from_records(records: list, n_stages: int, out_bytes: dict[int, list[int]] | None = None):
+    """The measured per-stage costs as a :class:`~rrfp.sim.costs.CostModel` (``profile.json``).
+
+    ``F``, ``B``, ``I``, ``W``: median seconds of each task kind per stage, over the steps
+    after the first (which warms up). ``act_bytes`` (and ``msg_bytes``, which defaults to
+    it): the median (low median: an observed size) over every traced forward of the bytes of
+    the stage module's outputs, from ``out_bytes`` (:func:`record_output_bytes`; stage ->
+    one size per forward). For a stage other than the last that is the activation message
+    its forward sends; the gradient coming back has the same size. It is a lower bound on
+    the memory one in-flight microbatch holds on the stage (autograd also keeps the stage's
+    inner activations). The last stage's outputs are its logits. A stage without sizes
+    gets 0.
+
+    Raises:
+        ValueError: a stage with no forward or no backward record.
+    """
+    import statistics
+
+    from ..sim.costs import CostModel, StageCost
+
+    first_step = min(r.step for r in records)
+    steady = [r for r in records if r.step > first_step] or records
+    stages = []
+    for s in range(n_stages):
+        by_kind: dict[str, list[float]] = {}
+        for r in steady:
+            if r.task.stage == s:
+                by_kind.setdefault(r.task.kind, []).append(r.end - r.start)
+        med = {k: statistics.median(v) for k, v in by_kind.items()}
+        sizes = (out_bytes or {}).get(s)
+        med["act_bytes"] = statistics.median_low(sizes) if sizes else 0
+        stages.append(StageCost.from_mapping({k: med.get(k) for k in ("F", "B", "I", "W", "act_bytes")}, f"stage {s}"))
+    return CostModel(tuple(stages))
