@@ -94,3 +94,36 @@ def test_never_keeps_a_policy_not_clearly_faster_than_strict(one_rank_group) -> 
     ctl, ran, lines = _run({"strict-1f1b": 1.0, "bf": 0.995, "bfw-mem": 1.2}, 3 + 3 * TRIAL_ROUNDS + 1)
     assert ctl.chosen == "strict-1f1b" and ran[-1] == "strict-1f1b"
     assert [x for x in lines if "chose" in x] == [lines[-1]] and "chose strict-1f1b" in lines[-1]
+
+
+def test_a_run_too_short_to_choose_runs_strict_and_says_so(one_rank_group) -> None:
+    pipe, lines = _pipe(), []
+    ctl = AutoHint(pipe, [M, M], say=lines.append, recheck_every=0)
+    need = ctl.steps_needed()
+    assert need == 3 + 2 * TRIAL_ROUNDS  # measuring (a split candidate exists), then strict + one, each round
+    ctl.run_length(need - 1)
+    ran = []
+    for k in range(need - 1):
+        ctl.before_step(k)
+        ran.append(ctl.current)
+        ctl.after_step(k, _stats(pipe, 1.0))
+    assert ran == ["strict-1f1b"] * (need - 1) and ctl.chosen == "strict-1f1b"
+    assert lines == [f"rrfp train: hint auto: a run of {need - 1} steps is too short to measure and try candidates "
+                     f"(needs at least {need}); it runs strict-1f1b"]
+
+
+def test_a_long_enough_run_is_not_cut_short(one_rank_group) -> None:
+    pipe, lines = _pipe(), []
+    ctl = AutoHint(pipe, [M, M], say=lines.append, recheck_every=0)
+    ctl.run_length(ctl.steps_needed())
+    assert not ctl.too_short and lines == [] and len(ctl.plan) == 3
+
+
+@pytest.mark.parametrize("n_ranks, n_virtual, placement, want", [
+    (4, 1, "loop", [4, 3, 2, 1]),  # 1F1B: p - r microbatches in flight (hand count)
+    (2, 1, "loop", [2, 1]),
+])
+def test_candidates_run_at_the_strict_schedules_memory(n_ranks, n_virtual, placement, want) -> None:
+    # Without --inflight-limit or --memory-budget, every candidate auto tries holds at most what
+    # the strict schedule holds (a policy at the default limit of 32 would hold up to M).
+    assert AutoHint.strict_limits(Placement(n_ranks, n_virtual, placement), 8) == want

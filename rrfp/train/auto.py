@@ -79,6 +79,9 @@ class AutoHint:
         backpressure: the job's backpressure mode.
         say: writes rank 0's line.
         recheck_every: steps between re-checks (0: never).
+
+    A run too short to measure and try the candidates (:meth:`run_length`) runs the strict
+    schedule throughout and says so, instead of announcing steps it will never make.
     """
 
     def __init__(self, pipe: Any, limits: Sequence[int], *, memory_budget: int | None = None,
@@ -110,9 +113,37 @@ class AutoHint:
         self.chosen: str | None = None
         self.ranking: sim_auto.Ranking | None = None
         self._record = pipe.runtime.loop.record
+        self.too_short = False
+
+    def run_length(self, steps: int) -> None:
+        """This run makes ``steps`` more steps (call before the first): fewer than
+        :meth:`steps_needed` keeps the strict schedule throughout, said in one line."""
+        self.too_short = steps < self.steps_needed()
+        if self.too_short:
+            self.plan, self.chosen = [], self.strict
+            if self.say:
+                self.say(f"rrfp train: hint auto: a run of {steps} step{'s' if steps != 1 else ''} is too short to "
+                         f"measure and try candidates (needs at least {self.steps_needed()}); it runs {self.strict}")
+
+    def steps_needed(self) -> int:
+        """Steps before a choice at the least: the measuring steps, then the trial's rounds of
+        the strict schedule and one more candidate."""
+        return (3 if self.split else 2) + 2 * TRIAL_ROUNDS
 
     def _splits(self, name: str) -> bool:
         return resolve_hint(name, self.place, self.M)[0].split_backward
+
+    @staticmethod
+    def strict_limits(placement: Any, n_microbatches: int, backpressure: str = "admission") -> list[int]:
+        """Every rank's in-flight limit that holds the placement's strict schedule's own peak
+        (:func:`rrfp.runtime.config.schedule_limits`; 1F1B: ``p - r``): the memory ``auto``'s
+        candidates run at when the user gives neither an in-flight limit nor a memory budget,
+        so that trying a policy never holds more activations than the fixed schedule does."""
+        from ..runtime.config import RuntimeConfig, plan
+
+        schedule = AutoHint.first_hint(placement, n_microbatches).removeprefix("strict-")
+        config = RuntimeConfig(hint=schedule, placement=placement.kind, backpressure=backpressure)
+        return list(plan(config, placement.n_ranks, placement.n_virtual, n_microbatches).limits)
 
     @staticmethod
     def first_hint(placement: Any, n_microbatches: int) -> str:
@@ -122,7 +153,7 @@ class AutoHint:
 
     def before_step(self, k: int) -> None:
         """Set the hint of step ``k`` (0-based, counted from this run's first step)."""
-        if k == 0 and self.say and self.ranking is None:
+        if k == 0 and self.say and self.ranking is None and not self.too_short:
             n = len(self.plan)
             self.say(f"rrfp train: hint auto: steps 1-{n} of this run measure costs ({self.plan[0]} warms up, "
                      f"then {', '.join(self.plan[1:])}), then {TRIAL_ROUNDS} trial rounds of one step per candidate")

@@ -44,7 +44,9 @@ def inflight_limits(args: argparse.Namespace, n_ranks: int) -> list[int] | None:
     """Every rank's in-flight limit (all ranks get the whole list: a strict policy is compiled
     from it, and every rank must compile the same orders). None: ``--inflight-limit`` not
     given and a hint other than ``auto``, so that a schedule used as a hint keeps its own
-    memory (:func:`rrfp.runtime.config.schedule_limits`) and a policy gets the default."""
+    memory (:func:`rrfp.runtime.config.schedule_limits`) and a policy gets the default.
+    ``auto`` without ``--memory-budget`` runs its candidates at the strict schedule's own
+    limits instead (:meth:`rrfp.train.auto.AutoHint.strict_limits`, set by the worker)."""
     text = getattr(args, "inflight_limit", None)
     if text is None:
         if args.hint != AUTO:

@@ -157,8 +157,11 @@ def _pipeline(args: argparse.Namespace, layout, place: Placement, data: _RankDat
     from .auto import AUTO, AutoHint
 
     n_ranks = layout.pp
+    limits = inflight_limits(args, n_ranks)
+    if args.hint == AUTO and args.inflight_limit is None and getattr(args, "memory_budget", None) is None:
+        limits = AutoHint.strict_limits(place, args.microbatches, args.backpressure)
     pipe = Pipeline(
-        data.stages, args.microbatches, lm_loss, inflight_limit=inflight_limits(args, n_ranks),
+        data.stages, args.microbatches, lm_loss, inflight_limit=limits,
         hint=AutoHint.first_hint(place, args.microbatches) if args.hint == AUTO else args.hint,
         placement=args.placement, loss_weight_fn=count_tokens, rank=layout.pp_rank, n_ranks=n_ranks,
         job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
@@ -169,7 +172,7 @@ def _pipeline(args: argparse.Namespace, layout, place: Placement, data: _RankDat
         **device.pipeline_kwargs(args),
     )
     chooser = None if args.hint != AUTO else AutoHint(
-        pipe, inflight_limits(args, n_ranks), memory_budget=pipe.runtime.memory_budget, backpressure=args.backpressure,
+        pipe, limits, memory_budget=pipe.runtime.memory_budget, backpressure=args.backpressure,
         say=say, rank=layout.rank, same_backward=args.deterministic)
     return pipe, chooser
 
@@ -223,6 +226,8 @@ class _Run:
                     say(done)  # under a launcher of one's own (torchrun, rrfp node)
         if self.reporter is not None:
             self.reporter.next_step = self.first
+        if self.chooser is not None:
+            self.chooser.run_length(args.steps - self.first)
 
     # ------------------------------------------------------------ the run
     def train(self) -> None:
