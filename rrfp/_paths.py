@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 
@@ -42,4 +43,12 @@ def output_file_problem(path: str) -> str | None:
         return f"its folder {str(parent)!r} does not exist"
     if not os.access(parent, os.W_OK):
         return f"cannot write into its folder {str(parent)!r}: permission denied"
+    # os.access says yes to root everywhere, and /proc or a read-only mount refuse anyway:
+    # create (and remove) a file there, as the command will.
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".rrfp-probe-", dir=parent)
+    except OSError as e:
+        return f"cannot write into its folder {str(parent)!r}: {e.strerror or e}"
+    os.close(fd)
+    os.unlink(probe)
     return None

@@ -513,16 +513,19 @@ def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict:
         The checkpoint's description (``rrfp.json``).
 
     Raises:
-        ValueError: ``checkpoint`` is not a committed checkpoint, was written with ``--tp``
-            above 1 or ``--model multimodal``, or its stages do not cover the model.
+        ValueError: ``checkpoint`` is not a committed checkpoint, a shard or ``.metadata`` is
+            missing, truncated or differs from its recorded digest, it was written with
+            ``--tp`` above 1 or ``--model multimodal``, or its stages do not cover the model.
     """
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from .ckpt_verify import check_files
+
     meta = read_meta(checkpoint)
-    if (problem := export_problem(meta, checkpoint)) is not None:
-        raise ValueError(problem)
+    if (problem := export_problem(meta, checkpoint) or check_files(checkpoint, meta)) is not None:
+        raise ValueError(problem)  # the same check as --resume: a damaged shard is one line, not a traceback
     reader = dcp.FileSystemReader(os.fspath(checkpoint))
     md = reader.read_metadata().state_dict_metadata
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()

@@ -39,7 +39,8 @@ def run_export(args: argparse.Namespace) -> int:
     try:
         meta = export(args.checkpoint, args.out)
     except ValueError as e:
-        raise UsageError(f"{args.checkpoint!r}: {e}") from None
+        msg = str(e)
+        raise UsageError(msg if msg.startswith("checkpoint ") else f"{args.checkpoint!r}: {msg}") from None
     except OSError as e:
         raise UsageError(f"--out={args.out!r}: {e.strerror or e}") from None
     a = meta["args"]
