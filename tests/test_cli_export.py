@@ -73,3 +73,10 @@ def test_export_refuses_a_multimodal_checkpoint_in_one_line(tmp_path):
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(err) == 1, err
     assert "a --model multimodal checkpoint: export writes the text models" in err[0]
+
+
+def test_an_output_folder_that_refuses_files_is_found_before_the_work():
+    # Root's os.access says yes to /proc; creating a file there fails, as the command's would.
+    from rrfp._paths import output_file_problem
+
+    assert output_file_problem("/proc/model.pt").startswith("cannot write into its folder '/proc'")

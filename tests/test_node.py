@@ -201,6 +201,24 @@ def test_export_loads_into_gpt_with_the_pipelined_logits(tmp_path, reference):
         assert torch.equal(model(tokens), x)
 
 
+def test_export_refuses_a_truncated_shard_in_one_line(tmp_path, reference):
+    """A damaged checkpoint is one line naming the shard and its size, exit 2, and no file
+    written (the check ``--resume`` makes), not DCP's EOFError traceback."""
+    import shutil
+
+    damaged = tmp_path / reference.name
+    shutil.copytree(reference, damaged)
+    shard = sorted(damaged.glob("*.distcp"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    out = tmp_path / "model.pt"
+    proc = Proc([sys.executable, "-m", "rrfp", "export", str(damaged), "--out", str(out)], _env())
+    assert proc.finish(600) == 2, proc.output()
+    err = proc.output().strip().splitlines()
+    assert len(err) == 1 and f"shard {shard.name} has 100 bytes, expected" in err[0], err
+    assert not out.exists()
+
+
 def test_latest_skips_uncommitted_and_half_written(tmp_path):
     def make(name: str, step: int, meta: bool) -> None:
         d = tmp_path / name
