@@ -63,8 +63,8 @@ def test_cost_file_and_trace(capsys, tmp_path) -> None:
 
 @pytest.mark.parametrize("argv,msg", [
     (["--hint", "nope"], "unknown hint 'nope'"),
-    (["--limit", "0"], "--limit '0'"),
-    (["--ranks", "0"], "--ranks 0"),
+    (["--limit", "0"], "--inflight-limit='0'"),  # --limit: an alias of --inflight-limit
+    (["--ranks", "0"], "--pp=0"),  # --ranks: an alias of --pp
     (["--jitter", "J7"], "jitter 'J7'"),
     (["--seqlen", "gauss:1"], "distribution 'gauss'"),
     (["--straggler", "9:2"], "--straggler rank 9"),

@@ -335,11 +335,9 @@ class Arbiter:
             for v, s in enumerate(self.stages):
                 i = v * self._n_mb + m
                 if not self._act[i]:
-                    missing.append(f"activation for {Task(s, F, m)} from stage {s - 1} (rank {place.rank_of(s - 1)})")
+                    missing.append(f"activation for {Task(s, F, m)} {place.source(place.prev_stage(s))}")
                 elif self._done[0][i] and s != self._last_stage and not self._grad[i]:
-                    missing.append(
-                        f"gradient for {Task(s, bk, m)} from stage {s + 1} (rank {place.rank_of(s + 1)})"
-                    )
+                    missing.append(f"gradient for {Task(s, bk, m)} {place.source(place.next_stage(s))}")
             if len(missing) >= limit:
                 break
         planned = getattr(self.policy, "planned", None)

@@ -127,7 +127,7 @@ class ForwardArbiter:
         place = self.spec.placement
         act = self.ready.act
         missing = [
-            f"activation for {Task(s, F, m)} from stage {s - 1} (rank {place.rank_of(s - 1)})"
+            f"activation for {Task(s, F, m)} {place.source(place.prev_stage(s))}"
             for m in range(self._n_mb) for v, s in enumerate(self.stages) if not act[v * self._n_mb + m]
         ]
         return "; ".join(missing[:limit]) or "no ready task"

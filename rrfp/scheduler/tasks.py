@@ -127,6 +127,11 @@ class Placement:
         for the first."""
         return stage - 1 if stage > 0 else None
 
+    def source(self, stage: int | None) -> str:
+        """Where an input comes from, for messages: ``from stage 2 (rank 1)``, or ``from the
+        step's inputs`` (``stage`` None: before the first stage)."""
+        return "from the step's inputs" if stage is None else f"from stage {stage} (rank {self.rank_of(stage)})"
+
     def virtual_index(self, stage: int) -> int:
         """Position of ``stage`` among its rank's stages (0 = earliest in the pipeline)."""
         return stage // self.n_ranks

@@ -170,9 +170,10 @@ def profile_of_config(cfg: SimConfig, seed: int = PROFILE_SEED) -> Profile:
                     d = model(0, r, Task(s, k, m))
                     if model is full or k != F:
                         samples.setdefault((s, k), []).append(d)
-            if s + 1 < S and place.rank_of(s + 1) != r:
-                r2 = place.rank_of(s + 1)
-                msgs.setdefault(s, []).extend([comm(0, r, r2, Task(s, F, m)), comm(0, r2, r, Task(s + 1, B, m))])
+            nxt = place.next_stage(s)
+            if nxt is not None and place.rank_of(nxt) != r:
+                r2 = place.rank_of(nxt)
+                msgs.setdefault(s, []).extend([comm(0, r, r2, Task(s, F, m)), comm(0, r2, r, Task(nxt, B, m))])
     act = [round(statistics.fmean(full.act_bytes(0, s, m) for m in range(M))) for s in range(S)]
     return profile_from_samples(samples, msgs, S, act)
 

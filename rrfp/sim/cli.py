@@ -91,6 +91,12 @@ def register(subparsers: Any) -> None:
     g.add_argument("--comm-noise", type=float, default=0.0, help="sigma of lognormal message noise")
     g.add_argument("--comm-jitter", default="J0", help="injected message jitter level (J0..J3 or p,b,a)")
 
+    _add_study_flags(p)
+    p.set_defaults(func=run)
+
+
+def _add_study_flags(p: argparse.ArgumentParser) -> None:
+    """``rrfp simulate``'s outputs, sweep and scenario-suite flags."""
     g = p.add_argument_group("outputs")
     g.add_argument("--csv", default=None, help="write the table as CSV")
     g.add_argument("--json", default=None, help="write every run's details as JSON")
@@ -116,7 +122,6 @@ def register(subparsers: Any) -> None:
     g.add_argument("--suite-ranks", default="4,8,16,32", help="suite pipeline depths (ranks)")
     g.add_argument("--suite-scenarios", default=None, help="comma-separated suite scenarios; without it, all")
     g.add_argument("--suite-jobs", type=int, default=1, help="worker processes for the suite (same figures for any count)")
-    p.set_defaults(func=run)
 
 
 # ---------------------------------------------------------------- argument parsing

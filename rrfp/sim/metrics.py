@@ -276,6 +276,36 @@ def to_json(rows: Sequence[RunSummary], config: dict[str, Any]) -> str:
     return strict_json.dumps({"config": config, "runs": [r.to_dict() for r in rows]}, indent=1, default=str)
 
 
+# Derivation, for one stage ``s`` on rank ``r`` with budget ``b_r``:
+#
+# - ``k``: the most microbatches whose stage-``s`` activations fit in ``b_r`` together (the
+#   ``k`` smallest sizes sum to at most ``b_r``; at least 1: the ledger admits a lone
+#   microbatch whatever its size). Other stages' bytes on ``r`` are ignored, which can only
+#   raise ``k``, so the bound stays valid.
+# - Microbatch ``m`` holds its stage-``s`` bytes from the start of ``F(s, m)`` at the
+#   earliest until its *release*: the end of its input backward ``B``/``I`` of ``s`` or, when
+#   the ledger keeps a split backward's bytes until ``W`` (``held_until_w``, the simulator's
+#   rule, :mod:`rrfp.scheduler.memory`), of ``W(s, m)``. In between lies its round trip
+#   ``RT(m)``: ``F(s..S-1, m)``, the activations' messages, ``B/I(S-1..s, m)``, the
+#   gradients' messages, and ``W(s, m)`` when held until it.
+# - Order the stage's forwards by start time, ``t_0 <= t_1 <= ...``. When ``F`` number ``j
+#   >= k`` starts, at most ``k - 1`` others are held, so one of the forwards numbered ``j -
+#   k`` or later was released before: ``t_j >= t_{j-k} + RT``. Chained from the last
+#   forward, over ``n = floor((M - 1) / k)`` distinct microbatches: ``t_{M-1} >= head +``
+#   the sum of the ``n`` smallest ``RT``, ``head`` being the earliest any ``F(s, m)`` can
+#   start (its forward chain from stage 0). With ``k = 1`` the round trips are disjoint, so
+#   the last one starts after all the others': ``head + sum(RT) - RT(m_last)``, and it
+#   ends no earlier than its own round trip.
+# - The microbatch started last still runs its whole chain from ``F(s, m)``: its round trip
+#   up to stage ``S-1`` and back down to stage 0, plus ``W(0, m)`` with a split backward.
+#
+# With one stage per rank at 1F1B's budget the last rank holds one microbatch (``k = 1``):
+# its ``F``, ``I`` and ``W`` (or ``F``, ``B``) run back to back, and with equal stages and free
+# messages the bound reads ``(S - 1) F + (M - 1)(F + I + W) + F + I + (S - 1) I + W``:
+# ``(M + S - 1)(F + B)`` with the full backward (strict 1F1B reaches it, so no full-backward
+# hint can beat it there) and ``(S - 1)(F + I) + M (F + B)`` with the split. At ``I = W = F``
+# the ceiling over strict 1F1B is 1.056x-1.070x for 4-32 ranks, not the 1.12x-1.15x of the
+# memory-blind :func:`lower_bound`.
 def memory_bound(
     spec: PipelineSpec,
     records: Sequence[TaskRecord],
@@ -289,36 +319,7 @@ def memory_bound(
     rank's activation bytes within its budget (the memory-aware ceiling), in seconds; 0 when
     no budget binds. Never above a valid bound, so ``max(lower_bound, memory_bound)`` is one.
 
-    Derivation, for one stage ``s`` on rank ``r`` with budget ``b_r``:
-
-    - ``k``: the most microbatches whose stage-``s`` activations fit in ``b_r`` together (the
-      ``k`` smallest sizes sum to at most ``b_r``; at least 1: the ledger admits a lone
-      microbatch whatever its size). Other stages' bytes on ``r`` are ignored, which can only
-      raise ``k``, so the bound stays valid.
-    - Microbatch ``m`` holds its stage-``s`` bytes from the start of ``F(s, m)`` at the
-      earliest until its *release*: the end of its input backward ``B``/``I`` of ``s`` or, when
-      the ledger keeps a split backward's bytes until ``W`` (``held_until_w``, the simulator's
-      rule, :mod:`rrfp.scheduler.memory`), of ``W(s, m)``. In between lies its round trip
-      ``RT(m)``: ``F(s..S-1, m)``, the activations' messages, ``B/I(S-1..s, m)``, the
-      gradients' messages, and ``W(s, m)`` when held until it.
-    - Order the stage's forwards by start time, ``t_0 <= t_1 <= ...``. When ``F`` number ``j
-      >= k`` starts, at most ``k - 1`` others are held, so one of the forwards numbered ``j -
-      k`` or later was released before: ``t_j >= t_{j-k} + RT``. Chained from the last
-      forward, over ``n = floor((M - 1) / k)`` distinct microbatches: ``t_{M-1} >= head +``
-      the sum of the ``n`` smallest ``RT``, ``head`` being the earliest any ``F(s, m)`` can
-      start (its forward chain from stage 0). With ``k = 1`` the round trips are disjoint, so
-      the last one starts after all the others': ``head + sum(RT) - RT(m_last)``, and it
-      ends no earlier than its own round trip.
-    - The microbatch started last still runs its whole chain from ``F(s, m)``: its round trip
-      up to stage ``S-1`` and back down to stage 0, plus ``W(0, m)`` with a split backward.
-
-    With one stage per rank at 1F1B's budget the last rank holds one microbatch (``k = 1``):
-    its ``F``, ``I`` and ``W`` (or ``F``, ``B``) run back to back, and with equal stages and free
-    messages the bound reads ``(S - 1) F + (M - 1)(F + I + W) + F + I + (S - 1) I + W``:
-    ``(M + S - 1)(F + B)`` with the full backward (strict 1F1B reaches it, so no full-backward
-    hint can beat it there) and ``(S - 1)(F + I) + M (F + B)`` with the split. At ``I = W = F``
-    the ceiling over strict 1F1B is 1.056x-1.070x for 4-32 ranks, not the 1.12x-1.15x of the
-    memory-blind :func:`lower_bound`.
+    The derivation is in the comment above this function.
 
     Args:
         records: every task of one step (``simulate(..., steps=1, record=True)``).
@@ -343,30 +344,11 @@ def memory_bound(
             return 0.0
         return delay(0, rank_of[src], rank_of[dst], task)
 
-    from itertools import accumulate
-
-    # Per microbatch, prefix sums over stages (index j: the sum over stages below j) of the
-    # forwards, the activations' messages (i -> i+1), the input backwards and the gradients'
-    # messages (i+1 -> i), so each stage's chains cost O(1).
-    pf, pu, pb, pd = [], [], [], []
-    for m in range(M):
-        pf.append(list(accumulate((dur[(0, j, F, m)] for j in range(S)), initial=0.0)))
-        pb.append(list(accumulate((dur[(0, j, bk, m)] for j in range(S)), initial=0.0)))
-        pu.append(list(accumulate((msg(j, j + 1, Task(j, F, m)) for j in range(S - 1)), initial=0.0)))
-        pd.append(list(accumulate((msg(j + 1, j, Task(j + 1, bk, m)) for j in range(S - 1)), initial=0.0)))
+    pf, pu, pb, pd = _chain_sums(S, M, dur, bk, msg)
     best = 0.0
     for s in range(S):
         b = budgets[rank_of[s]]
-        if b is None:
-            continue
-        sizes = sorted(act_bytes(0, s, m) for m in range(M))
-        k, total = 0, 0
-        for x in sizes:
-            if total + x > b:
-                break
-            total += x
-            k += 1
-        k = max(k, 1)
+        k = _fitting(sorted(act_bytes(0, s, m) for m in range(M)), b) if b is not None else M
         if k >= M:
             continue
         rts, chains, heads = [], [], []
@@ -386,3 +368,31 @@ def memory_bound(
         else:
             best = max(best, min(heads) + sum(sorted(rts)[:(M - 1) // k]) + min(chains))
     return best
+
+
+def _fitting(sizes: Sequence[int], budget: int) -> int:
+    """How many of ``sizes`` (ascending) fit in ``budget`` together; at least 1 (the ledger
+    admits a lone microbatch whatever its size)."""
+    k, total = 0, 0
+    for x in sizes:
+        if total + x > budget:
+            break
+        total += x
+        k += 1
+    return max(k, 1)
+
+
+def _chain_sums(S: int, M: int, dur: dict, bk: str, msg: Callable[[int, int, Task], float]):
+    """Per microbatch, prefix sums over stages (index ``j``: the sum over stages below ``j``)
+    of the forwards, the activations' messages (``j -> j + 1``), the input backwards and the
+    gradients' messages (``j + 1 -> j``), so each stage's chains cost O(1) in
+    :func:`memory_bound`. Returns ``(pf, pu, pb, pd)``, each ``M`` lists."""
+    from itertools import accumulate
+
+    pf, pu, pb, pd = [], [], [], []
+    for m in range(M):
+        pf.append(list(accumulate((dur[(0, j, F, m)] for j in range(S)), initial=0.0)))
+        pb.append(list(accumulate((dur[(0, j, bk, m)] for j in range(S)), initial=0.0)))
+        pu.append(list(accumulate((msg(j, j + 1, Task(j, F, m)) for j in range(S - 1)), initial=0.0)))
+        pd.append(list(accumulate((msg(j + 1, j, Task(j + 1, bk, m)) for j in range(S - 1)), initial=0.0)))
+    return pf, pu, pb, pd

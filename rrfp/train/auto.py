@@ -213,10 +213,10 @@ class AutoHint:
             for s, kind, m, t0, t1 in recs:
                 self.samples.setdefault((s, kind), []).append(t1 - t0)
                 ends[(s, kind, m)], starts[(s, kind, m)] = t1, t0
-        rank_of = self.place.rank_of
+        rank_of, nxt = self.place.rank_of, self.place.next_stage
         for (s, kind, m), t1 in ends.items():
-            if kind == F and s + 1 < self.place.n_stages and rank_of(s + 1) != rank_of(s):
-                t0 = starts.get((s + 1, F, m))
+            if kind == F and nxt(s) is not None and rank_of(nxt(s)) != rank_of(s):
+                t0 = starts.get((nxt(s), F, m))
                 if t0 is not None:
                     self.gaps.setdefault(s, []).append(max(0.0, t0 - t1))
 
