@@ -51,8 +51,14 @@ def test_node_good_addresses_pass(no_launch):
         ns = argparse.Namespace(nnodes=None, nproc_per_node=None, node_rank=None, master_addr=addr,
                                 master_port=None, max_restarts=3, metrics_port=0, metrics_linger=0.0,
                                 metrics_addr="127.0.0.1", heartbeat_timeout=60.0, node_addr="127.0.0.1",
-                                extra=["--", "--stages", "2"])
+                                job_id="rrfp", extra=["--", "--stages", "2"])
         assert resolve(ns).master_addr == addr
+
+
+def test_node_refuses_dotted_digits_that_are_no_ipv4_address_without_a_lookup(capsys, no_launch):
+    # A name lookup of 999.9.9.9 waited over a minute before failing.
+    assert main(["node", "--master-addr", "999.9.9.9", "--", "--stages", "2"]) == 2
+    assert "--master-addr='999.9.9.9': not an IPv4 address (four numbers 0-255)" in _one_line(capsys, "node")
 
 
 def test_node_bad_node_addr(capsys, no_launch):

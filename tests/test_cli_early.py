@@ -88,6 +88,9 @@ CASES = [
     (["simulate", "--inflight-limit", "x"], "--inflight-limit='x': expected a positive integer or '1f1b'"),
     (["simulate", "--limit", "0"], "--inflight-limit='0': expected a positive integer or '1f1b'"),
     (["export", "/no/such/ckpt", "--out", "m.pt"], "'/no/such/ckpt': not a committed checkpoint"),
+    (["train", "--steps", "99999999999999999999999"], "--steps=99999999999999999999999: expected at most 1000000000"),
+    (["node", "--job-id", ""], "--job-id='': expected a non-empty job name"),
+    (["train", "--job-secret-file", "/no/such/secret"], "--job-secret-file: job secret file '/no/such/secret': "),
 ]
 
 
@@ -113,13 +116,15 @@ def test_a_busy_metrics_port_is_found_before_any_rank_starts(tmp_path):
 
 
 def test_a_good_command_line_passes_the_early_checks(tmp_path):
-    """The early checks accept what the ranks run (here stopped by a bad --job-secret-file,
-    a check that needs the transport package, so after torch loaded)."""
-    bad = tmp_path / "secret"
-    bad.write_text("")
+    """The early checks accept what the ranks run (here stopped by too little text in --data,
+    which only the late check counts, after torch loaded)."""
+    text = tmp_path / "short.txt"
+    text.write_text("a few words, far from a batch of samples\n")
+    secret = tmp_path / "secret"
+    secret.write_text("a job secret of more than sixteen bytes\n")
     (r,) = run_child([["train", "--hint", "1F1B", "--pp", "2", "--tensorboard", str(tmp_path / "tb"),
-                       "--job-secret-file", str(bad)]], tmp_path)
-    assert r["rc"] == 2 and len(r["err"]) == 1 and "--job-secret-file" in r["err"][0], r
+                       "--job-secret-file", str(secret), "--data", str(text)]], tmp_path)
+    assert r["rc"] == 2 and len(r["err"]) == 1 and "samples in --data" in r["err"][0], r
     assert r["torch"]  # the late checks ran: the early ones let the command line through
 
 

@@ -256,7 +256,7 @@ def test_node_reads_kubernetes_environment(monkeypatch, tmp_path):
     def args(**kw):
         base = {"nnodes": None, "nproc_per_node": None, "node_rank": None, "master_addr": None, "master_port": None,
                 "max_restarts": 3, "metrics_port": 0, "metrics_linger": 0.0, "metrics_addr": "127.0.0.1",
-                "heartbeat_timeout": 60.0,
+                "heartbeat_timeout": 60.0, "job_id": "rrfp",
                 "extra": ["--", "--steps", "2"]}
         return argparse.Namespace(**{**base, **kw})
 
@@ -350,7 +350,7 @@ def test_node_address_names_its_interface_for_gloo_and_nccl(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     ns = argparse.Namespace(nnodes=None, nproc_per_node=None, node_rank=None, master_addr=None, master_port=None,
                             max_restarts=3, metrics_port=0, metrics_linger=0.0, metrics_addr="127.0.0.1",
-                            heartbeat_timeout=60.0, node_addr="203.0.113.77", extra=["--steps", "2"])
+                            heartbeat_timeout=60.0, node_addr="203.0.113.77", job_id="rrfp", extra=["--steps", "2"])
     with pytest.raises(UsageError, match=r"^--node-addr='203.0.113.77': no interface of this host has address"):
         resolve(ns)
     ns.node_addr = "127.0.0.1"

@@ -14,6 +14,7 @@ node rank, ``MASTER_ADDR``, ``MASTER_PORT``), then the defaults.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shutil
 import signal
@@ -113,6 +114,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if auto_resume:
         targs.resume = "auto"  # as the ranks will run (below): a checkpoint that does not fit is refused now
     check_flags(targs)
+    if not args.job_id.strip():
+        raise UsageError(f"--job-id={args.job_id!r}: expected a non-empty job name")
     nnodes = _from_env(args, "nnodes", 1, int)
     if nnodes < 1:
         raise UsageError(f"--nnodes={nnodes}: expected a positive integer")
@@ -178,6 +181,11 @@ def _check_host(host: str, port: int, what: str) -> None:
     """
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+    if host.replace(".", "").isdigit():  # dotted digits are an IPv4 address or nothing, never a name to look up
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise UsageError(f"{what}={host!r}: not an IPv4 address (four numbers 0-255)") from None
     try:
         parse_rendezvous_endpoint(f"{host}:{port}", default_port=port)
     except ValueError:

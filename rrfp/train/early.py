@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .._launch_env import in_launched_worker
 from .._paths import output_file_problem
+from .._secret import read_secret_file
 from ..errors import UsageError
 from ..runtime.config import DEFAULT_INFLIGHT_LIMIT
 from ..runtime.names import hint_text
@@ -33,6 +34,9 @@ run do not depend on how long it runs); the sampler reshuffles it every epoch.""
 
 POSITIVE = ("stages", "virtual_stages", "microbatches", "batch_size", "steps", "max_len", "threads", "dp", "tp")
 """Integer flags that must be at least 1."""
+
+MAX_STEPS = 10**9
+"""More steps than any run makes (a typo's 10**22 would start the ranks and run for ever)."""
 
 
 def flag(dest: str) -> str:
@@ -116,6 +120,8 @@ def check_flags(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v < 1:
             raise UsageError(f"{flag(name)}={v}: expected a positive integer")
+    if args.steps > MAX_STEPS:
+        raise UsageError(f"--steps={args.steps}: expected at most {MAX_STEPS}")
     _check_model(args)
     if args.microbatches > args.batch_size:
         raise UsageError(f"--microbatches={args.microbatches} exceeds --batch-size={args.batch_size}: "
@@ -314,6 +320,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise UsageError(problem)
     if (problem := check_checkpoint_flags(args)):
         raise UsageError(problem)
+    if getattr(args, "job_secret_file", None):
+        try:
+            read_secret_file(args.job_secret_file)
+        except ValueError as e:
+            raise UsageError(f"--job-secret-file: {e}") from None
     for path in args.data or []:
         if not path or not Path(path).exists():
             raise UsageError(f"--data: data path {path!r} does not exist")

@@ -27,16 +27,16 @@ import hmac
 import os
 import secrets
 import threading
-from pathlib import Path
 
 import zmq
 from zmq.utils import z85
+
+from .._secret import normalized, read_secret_file
 
 __all__ = ["ENV_SECRET", "ForgedEntry", "JobAuth", "configure", "current"]
 
 ENV_SECRET = "RRFP_JOB_SECRET"
 """Environment variable holding the job secret (any text; at least 16 bytes)."""
-MIN_SECRET_BYTES = 16
 _SALT = b"rrfp-job-secret-v1"
 
 
@@ -56,9 +56,7 @@ class JobAuth:
     """
 
     def __init__(self, secret: bytes | str) -> None:
-        raw = (secret.encode() if isinstance(secret, str) else bytes(secret)).strip()
-        if len(raw) < MIN_SECRET_BYTES:
-            raise ValueError(f"job secret too short: {len(raw)} bytes, expected at least {MIN_SECRET_BYTES}")
+        raw = normalized(secret)
         # HKDF extract: the PRK is the only thing kept; expansion is one HMAC per label.
         self._prk = hmac.new(_SALT, raw, hashlib.sha256).digest()
         self._pairs: dict[tuple[str, int], tuple[bytes, bytes]] = {}
@@ -81,14 +79,7 @@ class JobAuth:
         Raises:
             ValueError: one line naming the file when it cannot be read or is too short.
         """
-        try:
-            data = Path(path).read_bytes()
-        except OSError as e:
-            raise ValueError(f"job secret file {str(path)!r}: {e.strerror or e}") from None
-        try:
-            return cls(data)
-        except ValueError as e:
-            raise ValueError(f"job secret file {str(path)!r}: {e}") from None
+        return cls(read_secret_file(path))
 
     def _derive(self, label: str) -> bytes:
         return hmac.new(self._prk, label.encode(), hashlib.sha256).digest()
