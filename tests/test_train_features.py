@@ -254,8 +254,9 @@ def test_a_job_with_every_feature(tmp_path):
 @pytest.mark.timeout(240)
 def test_train_into_head_ends_quietly(tmp_path):
     p = subprocess.Popen(
+        # --hint bf: auto's announcements would interleave with the step lines (printed a step late)
         f"{sys.executable} -m rrfp train --stages 2 --steps 100000 --batch-size 4 --microbatches 2 --max-len 32 "
-        "| head -n 2", shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        "--hint bf | head -n 2", shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
         executable="/bin/bash",
     )
     out, err = p.communicate(timeout=230)

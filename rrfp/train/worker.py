@@ -173,7 +173,7 @@ def _pipeline(args: argparse.Namespace, layout, place: Placement, data: _RankDat
     )
     chooser = None if args.hint != AUTO else AutoHint(
         pipe, limits, memory_budget=pipe.runtime.memory_budget, backpressure=args.backpressure,
-        say=say, rank=layout.rank, same_backward=args.deterministic)
+        say=None if args.quiet else say, rank=layout.rank, same_backward=args.deterministic)  # --quiet: the summary only
     return pipe, chooser
 
 
