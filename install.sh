@@ -10,12 +10,11 @@ PY="${PYTHON:-python}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 extra=""
 [ "${1:-}" = "--test" ] && extra="[test]"
-# --no-compile: byte-compiling every module of torch, scipy and transformers at install time
-# is most of the install on a loaded 2-core machine (torch: 335 s against 174 s; the whole
-# install: 1857 s against 1138 s, at load 13-19); Python compiles the modules a program
-# imports, once, on first import instead.
 # --prefer-binary: a wheel, never a source build, where an older release has one.
-PIP=("$PY" -m pip install --disable-pip-version-check -q --no-compile --prefer-binary)
+# Modules are byte-compiled at install time (no --no-compile): where PYTHONDONTWRITEBYTECODE
+# is set, as on this project's machines, nothing would ever write them later, and every
+# process of the test suite would compile torch's and transformers' sources again.
+PIP=("$PY" -m pip install --disable-pip-version-check -q --prefer-binary)
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "${PIP[@]}" ${TORCH_SPEC:-torch==2.13.0}
 fi
