@@ -10,7 +10,6 @@ import itertools
 from typing import Any, Sequence
 
 import torch
-from torch.distributed.pipelining.microbatch import merge_chunks, split_args_kwargs_into_chunks
 
 from .stage import as_tuple
 
@@ -56,6 +55,10 @@ def split_inputs(
                 "each microbatch needs at least one sample"
             )
     try:
+        # Imported here: torch.distributed.pipelining pulls in dynamo and DTensor (about 2.4 s
+        # of CPU per process), which a run that never splits a batch this way should not pay.
+        from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
         arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(
             tuple(args), dict(kwargs), n_microbatches, args_chunk_spec, kwargs_chunk_spec
         )
@@ -107,6 +110,8 @@ def merge_outputs(chunks: Sequence[Any], output_merge_spec=None) -> Any:
     """The last stage's microbatch outputs, in microbatch order, merged back into one batch
     (torch's ``merge_chunks``: concatenated along dim 0 unless ``output_merge_spec`` says
     otherwise)."""
+    from torch.distributed.pipelining.microbatch import merge_chunks
+
     return merge_chunks(list(chunks), output_merge_spec)
 
 
