@@ -1,27 +1,34 @@
-"""``rrfp train --hint auto``'s real-step half (rrfp.train.auto.AutoHint), on a stand-in pipeline
-whose step times the test sets: which hint runs each step, and what is kept."""
+"""``auto``'s real-step half (rrfp.runtime.auto.AutoHint, driven by both front doors and
+``rrfp train``), on a stand-in pipeline whose step times the test sets: which hint runs each
+step, and what is kept. Shares through a one-rank process group (``rrfp train``'s way) and
+in-process (``LocalPipeline``'s)."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
+from rrfp.runtime.auto import TRIAL_ROUNDS, AutoHint, DistShare, LocalShare
+from rrfp.runtime.config import RuntimeConfig, plan
 from rrfp.scheduler import Placement, resolve_hint
 from rrfp.scheduler.tasks import TaskRecord
-from rrfp.train.auto import TRIAL_ROUNDS, AutoHint
 
 M = 4
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
+@pytest.fixture(scope="module", params=["dist", "local"])
+def share(request):
+    if request.param == "local":
+        yield LocalShare()
+        return
     if dist.is_initialized():  # another test's group: use it
-        yield
+        yield DistShare()
         return
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
+    yield DistShare()
     dist.destroy_process_group()
 
 
@@ -40,7 +47,12 @@ def _pipe():
     spec, hint, strict = resolve_hint("strict-1f1b", Placement(2), M)
     rt = SimpleNamespace(stages={}, hooks=SimpleNamespace(final_kind="B"), loop=SimpleNamespace(record=False),
                          _sizer=None, spec=spec, hint=hint, strict=strict)
-    return SimpleNamespace(spec=spec, hint=hint, strict=strict, n_microbatches=M, runtime=rt)
+    return SimpleNamespace(spec=spec, hint=hint, strict=strict, n_microbatches=M, runtime=rt, _runtimes=[rt],
+                           plan=SimpleNamespace(limits=[M, M], budget=None), config=RuntimeConfig())
+
+
+def _after(ctl, k, stats):
+    asyncio.run(ctl.after_step(k, [stats]))
 
 
 def _stats(pipe, wall: float):
@@ -54,22 +66,22 @@ def _stats(pipe, wall: float):
     return SimpleNamespace(wall=wall, records=recs)
 
 
-def _run(walls: dict[str, float], steps: int):
+def _run(share, walls: dict[str, float], steps: int):
     pipe, lines = _pipe(), []
-    ctl = AutoHint(pipe, [M, M], say=lines.append, recheck_every=0)
+    ctl = AutoHint(pipe, share, say=lines.append, recheck_every=0)
     ran = []
     for k in range(steps):
         ctl.before_step(k)
         ran.append(ctl.current)
         assert pipe.runtime.hint.name == ctl.current.removeprefix("strict-")
         assert pipe.runtime.hooks.final_kind == ("W" if pipe.spec.split_backward else "B")
-        ctl.after_step(k, _stats(pipe, walls[ctl.current]))
+        _after(ctl, k, _stats(pipe, walls[ctl.current]))
     return ctl, ran, lines
 
 
-def test_measures_ranks_tries_and_keeps_the_faster(one_rank_group) -> None:
+def test_measures_ranks_tries_and_keeps_the_faster(share) -> None:
     walls = {"strict-1f1b": 1.0, "bf": 0.9, "bfw-mem": 1.2}
-    ctl, ran, lines = _run(walls, 3 + 3 * TRIAL_ROUNDS + 2)
+    ctl, ran, lines = _run(share, walls, 3 + 3 * TRIAL_ROUNDS + 2)
     # Warm-up and the two measured steps: strict (F, B), then the first split candidate (I, W).
     assert ran[:3] == ["strict-1f1b", "strict-1f1b", "bfw-mem"]
     assert {(s, k) for s, k in ctl.samples} == {(s, k) for s in (0, 1) for k in "FBIW"}
@@ -80,25 +92,25 @@ def test_measures_ranks_tries_and_keeps_the_faster(one_rank_group) -> None:
     assert ctl.chosen == "bf" and ran[-2:] == ["bf", "bf"]
     # Announced before they run: the measuring steps, then the trial's steps and candidates.
     assert len(lines) == 3
-    assert lines[0].startswith("rrfp train: hint auto: steps 1-3 of this run measure costs (strict-1f1b warms up, "
+    assert lines[0].startswith("hint auto: steps 1-3 of this run measure costs (strict-1f1b warms up, "
                                "then strict-1f1b, bfw-mem)")
-    assert lines[1].startswith(f"rrfp train: hint auto: steps 4-{3 + 3 * TRIAL_ROUNDS} of this run are the trial: ")
+    assert lines[1].startswith(f"hint auto: steps 4-{3 + 3 * TRIAL_ROUNDS} of this run are the trial: ")
     assert lines[1].split(" are the trial: ")[1].startswith(f"{', '.join(ctl.trial)}, {TRIAL_ROUNDS} rounds of one step each")
     # One choice, made once the trial's last round is in.
-    assert lines[2].startswith(f"rrfp train: hint auto chose bf: median step over {TRIAL_ROUNDS} trial steps")
+    assert lines[2].startswith(f"hint auto chose bf: median step over {TRIAL_ROUNDS} trial steps")
     assert "simulated step" in lines[2]
 
 
-def test_never_keeps_a_policy_not_clearly_faster_than_strict(one_rank_group) -> None:
+def test_never_keeps_a_policy_not_clearly_faster_than_strict(share) -> None:
     # bf is faster by less than the tie margin: the strict schedule stays.
-    ctl, ran, lines = _run({"strict-1f1b": 1.0, "bf": 0.995, "bfw-mem": 1.2}, 3 + 3 * TRIAL_ROUNDS + 1)
+    ctl, ran, lines = _run(share, {"strict-1f1b": 1.0, "bf": 0.995, "bfw-mem": 1.2}, 3 + 3 * TRIAL_ROUNDS + 1)
     assert ctl.chosen == "strict-1f1b" and ran[-1] == "strict-1f1b"
     assert [x for x in lines if "chose" in x] == [lines[-1]] and "chose strict-1f1b" in lines[-1]
 
 
-def test_a_run_too_short_to_choose_runs_strict_and_says_so(one_rank_group) -> None:
+def test_a_run_too_short_to_choose_runs_strict_and_says_so(share) -> None:
     pipe, lines = _pipe(), []
-    ctl = AutoHint(pipe, [M, M], say=lines.append, recheck_every=0)
+    ctl = AutoHint(pipe, share, say=lines.append, recheck_every=0)
     need = ctl.steps_needed()
     assert need == 3 + 2 * TRIAL_ROUNDS  # measuring (a split candidate exists), then strict + one, each round
     ctl.run_length(need - 1)
@@ -106,15 +118,15 @@ def test_a_run_too_short_to_choose_runs_strict_and_says_so(one_rank_group) -> No
     for k in range(need - 1):
         ctl.before_step(k)
         ran.append(ctl.current)
-        ctl.after_step(k, _stats(pipe, 1.0))
+        _after(ctl, k, _stats(pipe, 1.0))
     assert ran == ["strict-1f1b"] * (need - 1) and ctl.chosen == "strict-1f1b"
-    assert lines == [f"rrfp train: hint auto: a run of {need - 1} steps is too short to measure and try candidates "
+    assert lines == [f"hint auto: a run of {need - 1} steps is too short to measure and try candidates "
                      f"(needs at least {need}); it runs strict-1f1b"]
 
 
-def test_a_long_enough_run_is_not_cut_short(one_rank_group) -> None:
+def test_a_long_enough_run_is_not_cut_short(share) -> None:
     pipe, lines = _pipe(), []
-    ctl = AutoHint(pipe, [M, M], say=lines.append, recheck_every=0)
+    ctl = AutoHint(pipe, share, say=lines.append, recheck_every=0)
     ctl.run_length(ctl.steps_needed())
     assert not ctl.too_short and lines == [] and len(ctl.plan) == 3
 
@@ -126,4 +138,7 @@ def test_a_long_enough_run_is_not_cut_short(one_rank_group) -> None:
 def test_candidates_run_at_the_strict_schedules_memory(n_ranks, n_virtual, placement, want) -> None:
     # Without --inflight-limit or --memory-budget, every candidate auto tries holds at most what
     # the strict schedule holds (a policy at the default limit of 32 would hold up to M).
-    assert AutoHint.strict_limits(Placement(n_ranks, n_virtual, placement), 8) == want
+    assert plan(RuntimeConfig(placement=placement), n_ranks, n_virtual, 8).limits == want
+    # A limit or a budget the user gives is theirs.
+    assert plan(RuntimeConfig(inflight_limit=3), n_ranks, n_virtual, 8).limits == [3] * n_ranks
+    assert plan(RuntimeConfig(memory_budget="1MiB"), n_ranks, n_virtual, 8).limits == [32] * n_ranks

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
-from ..scheduler.hints import DEFAULT_HINT, Hint, resolve_hint
+from ..scheduler.hints import Hint, resolve_hint
 from ..scheduler.memory import budget_bytes
 from ..scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
 from ..scheduler.validate import order_peak_inflight
+from ..sim.auto import AUTO, CANDIDATES, known_candidates
 from .names import hint_text
 
 DEFAULT_INFLIGHT_LIMIT = 32
@@ -26,13 +27,17 @@ class RuntimeConfig:
     """Every runtime setting of a pipeline, with one default each (both front doors).
 
     Attributes:
-        hint: the hint (``rrfp.scheduler.hints.DEFAULT_HINT``, ``bf``), ``bfw``, ``fb``,
-            ``b-priority``, ``f-priority``, a schedule name (``1f1b``, ``gpipe``...; PyTorch's
-            names and classes too: ``"1F1B"``, ``Schedule1F1B``) used as a hint, or
-            ``strict-<schedule>`` for the fixed-order baseline (RRFP §4).
+        hint: ``auto`` (the default: measure this job's steps, then keep the fastest of the
+            candidate policies, never one measured slower than the placement's strict
+            schedule; :class:`~rrfp.runtime.auto.AutoHint`), ``bf``, ``bfw``, ``fb``,
+            ``b-priority``, ``f-priority``, ``bfw-mem``, ``backfill``, a schedule name
+            (``1f1b``, ``gpipe``...; PyTorch's names and classes too: ``"1F1B"``,
+            ``Schedule1F1B``) used as a hint, or ``strict-<schedule>`` for the fixed-order
+            baseline (RRFP §4).
         inflight_limit: the in-flight limit (RRFP §6); a sequence gives one per rank. None:
-            a schedule used as a hint keeps that schedule's own peak in flight per rank (1F1B:
-            ``p - r``; :func:`schedule_limits`) unless ``memory_budget`` is set; otherwise 32.
+            a schedule used as a hint, and ``auto``'s candidates, keep the (placement's
+            strict) schedule's own peak in flight per rank (1F1B: ``p - r``;
+            :func:`schedule_limits`) unless ``memory_budget`` is set; otherwise 32.
         placement: ``loop`` or ``v`` for virtual stages.
         backpressure: with virtual stages, ``admission`` or ``completion-order`` (RRFP App. C.2).
         memory_budget: activation bytes per rank (``64MiB``, ``1.5GB``, an int; None: none).
@@ -57,7 +62,7 @@ class RuntimeConfig:
         job: job id in every message key and store entry (None: one per pipeline).
     """
 
-    hint: Any = DEFAULT_HINT
+    hint: Any = AUTO
     inflight_limit: int | Sequence[int] | None = None
     placement: str = "loop"
     backpressure: str = "admission"
@@ -99,9 +104,11 @@ class Plan:
 
     Attributes:
         placement: which rank holds which stage; spec: the pipeline's shape.
-        hint, strict: the resolved hint and whether it is followed strictly.
+        hint, strict: the resolved hint and whether it is followed strictly (under ``auto``,
+            the first step's: the placement's strict schedule, :func:`auto_first_hint`).
         limits: the in-flight limit of each rank.
         budget: the memory budget in bytes (None: none).
+        auto: the hint is ``auto`` (the front door chooses on its steps).
     """
 
     placement: Placement
@@ -110,6 +117,7 @@ class Plan:
     strict: bool
     limits: list[int]
     budget: int | None
+    auto: bool = False
 
 
 def inflight_limits(inflight_limit: int | Sequence[int], n_ranks: int) -> list[int]:
@@ -161,8 +169,29 @@ def schedule_limits(spec: PipelineSpec, hint: Hint) -> list[int]:
     return limits
 
 
+def auto_first_hint(placement: Placement, n_microbatches: int) -> str:
+    """The hint ``auto`` runs first and keeps when it cannot choose: the placement's strict
+    schedule (``strict-1f1b`` with one stage per rank), else the first candidate that fits.
+
+    Raises:
+        ValueError: no candidate of :data:`rrfp.sim.auto.CANDIDATES` fits the shape.
+    """
+    known, _ = known_candidates(placement.n_ranks, placement.n_virtual, placement.kind, n_microbatches)
+    if not known:
+        raise ValueError(f"hint {AUTO!r}: none of its candidates ({', '.join(CANDIDATES)}) fits "
+                         f"{placement.n_ranks} ranks x {placement.n_virtual} virtual stages ({placement.kind}), "
+                         f"{n_microbatches} microbatches; name a hint")
+    return next((c for c in known if c.startswith("strict-")), known[0])
+
+
 def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: int) -> Plan:
     """Resolve ``config`` for ``n_ranks`` ranks of ``n_virtual`` stages each.
+
+    The one rule for limits left unset: a schedule used as a hint keeps its own peak in flight
+    (:func:`schedule_limits`), and so do ``auto``'s candidates, at the placement's strict
+    schedule's peak, so that trying a policy never holds more activations than the fixed
+    schedule does; with a ``memory_budget`` (or a policy) the limit is
+    :data:`DEFAULT_INFLIGHT_LIMIT`. ``rrfp train`` resolves its flags through here too.
 
     Raises:
         ValueError: an unknown hint, placement, backpressure or budget, bad limits, or a
@@ -172,9 +201,17 @@ def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: in
     place = Placement(n_ranks, n_virtual, config.placement)
     given = config.inflight_limit is not None
     limits = inflight_limits(config.inflight_limit if given else DEFAULT_INFLIGHT_LIMIT, n_ranks)
-    spec, hint, strict = resolve_hint(hint_text(config.hint), place, n_microbatches, inflight_limit=limits,
-                                      backpressure=config.backpressure)
+    text = hint_text(config.hint)
+    auto = text == AUTO
     budget = budget_bytes(config.memory_budget)
-    if not given and budget is None and hint.order is not None and not strict:
+    if auto:
+        text = auto_first_hint(place, n_microbatches)
+        if not given and budget is None:  # the strict schedule's own peak, as that schedule used as a hint
+            sched = resolve_hint(text.removeprefix("strict-"), place, n_microbatches, inflight_limit=limits,
+                                 backpressure=config.backpressure)
+            limits = schedule_limits(sched[0], sched[1])
+    spec, hint, strict = resolve_hint(text, place, n_microbatches, inflight_limit=limits,
+                                      backpressure=config.backpressure)
+    if not auto and not given and budget is None and hint.order is not None and not strict:
         limits = schedule_limits(spec, hint)
-    return Plan(place, spec, hint, strict, limits, budget)
+    return Plan(place, spec, hint, strict, limits, budget, auto)

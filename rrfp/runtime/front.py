@@ -11,7 +11,8 @@ outputs merged, what ``step`` returns and how a pipeline closes, is written here
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+import logging
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,6 +23,8 @@ from .executor import EXECUTORS, make_executor
 from .rank import RankRuntime, StepStats
 from .split import disable_split_backward
 from .stage import PipelineStage
+
+log = logging.getLogger("rrfp")
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -117,6 +120,26 @@ class FrontDoor:
         self._modules: list = []
         self._step = 0
         self.last_loss: float | None = None
+        self.auto = None
+        self.drive_auto = True
+        self._auto_steps = 0
+
+    def _start_auto(self, share, say: Callable[[str], None] | None) -> None:
+        """Under ``hint="auto"``, the controller (:class:`~rrfp.runtime.auto.AutoHint`) that
+        chooses the hint on this pipeline's training steps; ``say``: its lines (one process)."""
+        if not self.plan.auto:
+            return
+        from .auto import AutoHint
+
+        self.auto = AutoHint(self, share, say=say, same_backward=self.config.deterministic)
+
+    @property
+    def hint_name(self) -> str:
+        """The hint the next step runs, as text (under ``auto``: the candidate or the kept
+        one; the choice itself is ``auto.chosen``)."""
+        from .names import hint_text
+
+        return self.auto.current if self.auto is not None else hint_text(self.config.hint)
 
     # ------------------------------------------------------------------ steps
 
@@ -203,8 +226,14 @@ class FrontDoor:
         keep = has_last and return_outputs
         outputs: dict | None = {} if keep else None
         mb_losses: list | None = [] if has_last else None
+        auto = self.auto if self.auto is not None and self.drive_auto and not forward_only else None
+        if auto is not None:
+            auto.before_step(self._auto_steps)
         stats = await self._run_ranks(mbs, kwarg_mbs, targets, mb_losses, outputs, forward_only)
         self._end_step(stats, mb_losses, losses, forward_only)
+        if auto is not None:
+            self._auto_steps += 1
+            await auto.after_step(self._auto_steps - 1, stats)
         if keep:
             chunks = [outputs[m] for m in range(self.n_microbatches)]
             return chunks if presplit else merge_outputs(chunks, self.output_merge_spec)
@@ -254,6 +283,8 @@ class FrontDoor:
         give the stage modules back unpatched. Idempotent."""
         if self._loop.is_closed():
             return
+        if self.auto is not None and self.auto.say and (line := self.auto.unchosen()):
+            self.auto.say(line)
         try:
             self._loop.run_until_complete(self._aclose())
         finally:

@@ -23,7 +23,8 @@ class LocalPipeline(FrontDoor):
     For users' unit tests and for ours: the same :class:`RankRuntime` as a real job, with
     seeded per-message delays so messages overtake each other. Steps, returns, defaults and
     closing are :class:`~rrfp.runtime.pipeline.Pipeline`'s, except that :meth:`step` returns
-    the step loss by default (``return_outputs=False``).
+    the step loss by default (``return_outputs=False``). Under the default ``hint="auto"`` every
+    rank's task records are in this process, so the choice needs no process group.
 
     Args:
         modules: one ``nn.Module`` per stage, in pipeline order (``n_ranks * n_virtual``).
@@ -108,6 +109,11 @@ class LocalPipeline(FrontDoor):
 
         self.runtimes = self._runtimes = self.run(build())
         self.last_stats: list[StepStats] = []
+        if the_plan.auto:
+            from .auto import LocalShare
+            from .front import log
+
+            self._start_auto(LocalShare(), log.info)  # every rank's records are here
 
     def _abort_transports(self) -> None:
         # All ranks are in this process and end together: none reports the others lost (the

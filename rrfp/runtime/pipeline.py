@@ -3,7 +3,7 @@
 Switching from PyTorch is a one-line change::
 
     # schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
-    schedule = rrfp.Pipeline(stage, n_microbatches=8, loss_fn=loss_fn, hint="bf")
+    schedule = rrfp.Pipeline(stage, n_microbatches=8, loss_fn=loss_fn)   # hint="auto"
     schedule.step(x, target=y, losses=losses)   # then optimizer.step() as usual
 
 :class:`Pipeline` is one process's rank of a multi-process pipeline;
@@ -135,6 +135,9 @@ class Pipeline(FrontDoor):
                 self.runtime, layout or ParallelLayout.build(n_ranks), stages, config.tied, n_stages,
                 the_plan.placement.rank_of, tp_exchange=config.tp_exchange, job=base_job, run=self.run)
         self.last_stats: StepStats | None = None
+        if the_plan.auto:
+            self._start_auto(*_auto_share(self.runtime, rank, n_ranks, None if layout is not None else group,
+                                          config.watchdog))
 
     def _book_stats(self, stats: list[StepStats]) -> None:
         self.last_stats = stats[0]
@@ -152,6 +155,20 @@ class Pipeline(FrontDoor):
         agree = getattr(self.runtime.loop, "agree", None)
         if hasattr(agree, "close"):
             agree.close()
+
+
+def _auto_share(runtime, rank: int, n_ranks: int, group: Any, timeout_s: float):
+    """``(share, say)`` of ``auto`` on this rank: the process group's collectives where
+    torch.distributed is initialised (``group``, else every process of the job), else rrfp's
+    own control plane; its lines logged by the group's rank 0 only."""
+    import torch.distributed as dist
+
+    from .auto import ControlShare, DistShare
+    from .front import log
+
+    if dist.is_available() and dist.is_initialized():
+        return DistShare(group), log.info if dist.get_rank(group) == 0 else None
+    return ControlShare(runtime, n_ranks, timeout_s), log.info if rank == 0 else None
 
 
 def _as_layout(layout: Any):

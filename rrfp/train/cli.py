@@ -51,11 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
-    p.add_argument("--hint", default=DEFAULTS["hint"], help=f"auto (measure this job's costs, simulate and try the candidates, keep the fastest: rrfp/train/auto.py), "
+    p.add_argument("--hint", default=DEFAULTS["hint"], help=f"auto (measure this job's costs, simulate and try the candidates, keep the fastest: rrfp/runtime/auto.py), "
                    f"{', '.join(HINT_NAMES)}; strict-<name> for the fixed order; order:<per-rank actions> or a .csv file")
     p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], metavar="L",
                    help="in-flight limit: an integer, or '1f1b' for p - rank; without it, 32, except that a schedule "
-                   "used as a hint (1f1b, gpipe, PyTorch's 1F1B...) keeps that schedule's own peak unless --memory-budget is given")
+                   "used as a hint (1f1b, gpipe, PyTorch's 1F1B...), and auto's candidates, keep that schedule's own peak unless --memory-budget is given")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="activation bytes per rank (64MiB, 1.5GB, bytes): a microbatch is admitted only if its "
                    "measured-size estimate fits (README: Memory budget)")

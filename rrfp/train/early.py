@@ -45,17 +45,14 @@ def flag(dest: str) -> str:
 
 
 def inflight_limits(args: argparse.Namespace, n_ranks: int) -> list[int] | None:
-    """Every rank's in-flight limit (all ranks get the whole list: a strict policy is compiled
-    from it, and every rank must compile the same orders). None: ``--inflight-limit`` not
-    given and a hint other than ``auto``, so that a schedule used as a hint keeps its own
-    memory (:func:`rrfp.runtime.config.schedule_limits`) and a policy gets the default.
-    ``auto`` without ``--memory-budget`` runs its candidates at the strict schedule's own
-    limits instead (:meth:`rrfp.train.auto.AutoHint.strict_limits`, set by the worker)."""
+    """Every rank's in-flight limit from ``--inflight-limit`` (all ranks get the whole list: a
+    strict policy is compiled from it, and every rank must compile the same orders). None:
+    not given; :func:`rrfp.runtime.config.plan` then decides, the one rule for both front
+    doors (a schedule used as a hint, and ``auto``'s candidates, keep the schedule's own peak
+    unless ``--memory-budget`` is given)."""
     text = getattr(args, "inflight_limit", None)
     if text is None:
-        if args.hint != AUTO:
-            return None
-        text = str(DEFAULT_INFLIGHT_LIMIT)
+        return None
     if text == "1f1b":
         return [n_ranks - r for r in range(n_ranks)]
     return [int(text)] * n_ranks

@@ -153,27 +153,23 @@ class _RankData:
 
 
 def _pipeline(args: argparse.Namespace, layout, place: Placement, data: _RankData, record: bool):
-    """This rank's :class:`Pipeline` and, under ``--hint auto``, the chooser that tries hints."""
-    from .auto import AUTO, AutoHint
-
-    n_ranks = layout.pp
-    limits = inflight_limits(args, n_ranks)
-    if args.hint == AUTO and args.inflight_limit is None and getattr(args, "memory_budget", None) is None:
-        limits = AutoHint.strict_limits(place, args.microbatches, args.backpressure)
+    """This rank's :class:`Pipeline` and, under ``--hint auto``, its chooser
+    (:class:`~rrfp.runtime.auto.AutoHint`), driven here per optimizer step."""
     pipe = Pipeline(
-        data.stages, args.microbatches, lm_loss, inflight_limit=limits,
-        hint=AutoHint.first_hint(place, args.microbatches) if args.hint == AUTO else args.hint,
-        placement=args.placement, loss_weight_fn=count_tokens, rank=layout.pp_rank, n_ranks=n_ranks,
-        job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
+        data.stages, args.microbatches, lm_loss, inflight_limit=inflight_limits(args, layout.pp),
+        hint=args.hint, placement=args.placement, loss_weight_fn=count_tokens, rank=layout.pp_rank,
+        n_ranks=layout.pp, job=f"train-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", watchdog=args.watchdog,
         record=record, deterministic=args.deterministic, backpressure=args.backpressure,
         transport=getattr(args, "transport", "zmq"),
         layout=layout if layout.dp * layout.tp > 1 else None,
         memory_budget=getattr(args, "memory_budget", None), tied=data.tied,
         **device.pipeline_kwargs(args),
     )
-    chooser = None if args.hint != AUTO else AutoHint(
-        pipe, limits, memory_budget=pipe.runtime.memory_budget, backpressure=args.backpressure,
-        say=None if args.quiet else say, rank=layout.rank, same_backward=args.deterministic)  # --quiet: the summary only
+    chooser = pipe.auto
+    if chooser is not None:
+        pipe.drive_auto = False  # one choice per optimizer step (--grad-accum runs several pipeline steps)
+        # --quiet: the summary only; the job's rank 0 says it.
+        chooser.say = None if args.quiet or layout.rank != 0 else (lambda line: say(f"rrfp train: {line}"))
     return pipe, chooser
 
 
@@ -272,7 +268,7 @@ class _Run:
         loss, st = accumulated_step(self.pipe, mbs, args.microbatches, args.grad_accum, data.first,
                                     data.last)  # --grad-accum (rrfp/train/accum.py)
         if chooser is not None:
-            chooser.after_step(k - self.first, st)
+            self.pipe.run(chooser.after_step(k - self.first, [st]))
         loss = self._optimize(k, loss)
         if args.trace and self.trace_range[0] <= k + 1 <= self.trace_range[1]:
             # Labelled with the training step (evaluations are pipeline steps too).

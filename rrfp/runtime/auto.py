@@ -1,0 +1,372 @@
+"""The ``auto`` hint on real steps: choose the hint on this job's own steps.
+
+The default of :class:`~rrfp.runtime.pipeline.Pipeline`, :class:`~rrfp.runtime.local.LocalPipeline`
+and ``rrfp train``. The plan, the same on every rank (each decision reads only figures all ranks
+share, :class:`Share`, so every rank switches to the same hint before the same step):
+
+1. Step 1 runs the placement's strict schedule (its one-time costs are not measured).
+2. Steps 2 and 3 measure: the strict schedule (``F``, ``B``), then the first split-backward
+   candidate (``I``, ``W``). Every rank's task records are gathered; per stage and kind the
+   mean seconds and the spread; per link the message time, read as the gap between the
+   producer's end and the consumer's start (the ranks of one host share a monotonic clock; the
+   smallest gap per link, since a larger one includes the consumer's wait).
+3. :func:`rrfp.sim.auto.rank` simulates every known candidate on that profile at this job's
+   in-flight limit and memory budget.
+4. Trial: the strict schedule and the best two by simulation
+   (:func:`rrfp.sim.auto.trial_candidates`) run :data:`rrfp.sim.auto.TRIAL_ROUNDS` rounds,
+   one step each, in rotating order (paired: each round's steps are neighbours, so machine
+   drift cancels); the step time is the slowest rank's, and the step's forward seconds over
+   every rank measure its batch's work. :func:`rrfp.sim.auto.keep` decides (the smallest
+   median of step times rescaled to the trial's median forward work; the strict schedule on a
+   tie within :data:`rrfp.sim.auto.TIE`, so a policy measured slower than it is never kept),
+   the rule the suite's ``auto`` uses too.
+5. Every ``recheck_every`` steps one more round is measured and the choice is made again over
+   every round so far.
+
+One process says, one line each, which steps measure and which run the trial (with the
+candidates) before they run, and what was kept and why. The candidates are
+:data:`rrfp.sim.auto.CANDIDATES`; names this build's registry does not know are skipped and
+named in the last line.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Callable, Protocol, Sequence
+
+from ..scheduler.hints import resolve_hint
+from ..scheduler.tasks import B, F, I, W
+from ..sim import auto as sim_auto
+from ..sim.auto import TIE, TRIAL_ROUNDS
+from .config import AUTO, auto_first_hint
+
+__all__ = ["AUTO", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare", "Share",
+           "switch_hint"]
+
+RECHECK_EVERY = 50
+"""Steps between re-checks: one more trial round (three steps) per 50, about 6% of steps run a
+candidate other than the kept one, most of them within a few percent of it."""
+
+_PART_ITEMS = 256
+"""Items per control message of :class:`ControlShare` (a record is ~50 bytes packed: well
+under the codec's 64 KiB header limit)."""
+
+
+class Share(Protocol):
+    """How the ranks of a pipeline share ``auto``'s figures. Every rank calls each method at
+    the same point with its own part and gets the same answer."""
+
+    async def max(self, x: float) -> float:
+        """The largest ``x`` over the ranks."""
+
+    async def sum(self, x: float) -> float:
+        """The sum of ``x`` over the ranks."""
+
+    async def gather(self, items: list) -> list:
+        """Every rank's ``items`` (msgpack-able tuples), concatenated in rank order."""
+
+
+class LocalShare:
+    """Every rank runs in this process (:class:`~rrfp.runtime.local.LocalPipeline`): this
+    process's figures are already everyone's."""
+
+    async def max(self, x: float) -> float:
+        return x
+
+    async def sum(self, x: float) -> float:
+        return x
+
+    async def gather(self, items: list) -> list:
+        return list(items)
+
+
+class DistShare:
+    """Through a torch.distributed process group (default: the default one, every process
+    of the job). Collectives block this process until every member calls them."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    async def _reduce(self, x: float, op) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(x)], dtype=torch.float64)
+        dist.all_reduce(t, op=op, group=self.group)
+        return float(t.item())
+
+    async def max(self, x: float) -> float:
+        import torch.distributed as dist
+
+        return await self._reduce(x, dist.ReduceOp.MAX)
+
+    async def sum(self, x: float) -> float:
+        import torch.distributed as dist
+
+        return await self._reduce(x, dist.ReduceOp.SUM)
+
+    async def gather(self, items: list) -> list:
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, list(items), group=self.group)
+        return [x for part in everyone for x in part]
+
+
+class ControlShare:
+    """Over rrfp's own control plane (:meth:`RankRuntime.send_control` and ``control``), for
+    a pipeline without a torch.distributed process group: each rank sends its part to every
+    other rank, in messages of at most :data:`_PART_ITEMS` items, and waits for theirs.
+
+    Args:
+        runtime: this rank's :class:`~rrfp.runtime.rank.RankRuntime`.
+        n_ranks: the pipeline's ranks.
+        timeout: seconds to wait for a peer's part.
+
+    Control messages that are not ``auto``'s, received while it waits, are kept in
+    :attr:`held` in arrival order (the caller's own control traffic is not lost).
+
+    Raises (from each method):
+        TimeoutError: a peer's part did not arrive within ``timeout`` seconds.
+        PipelineError: a peer was lost.
+    """
+
+    def __init__(self, runtime: Any, n_ranks: int, timeout: float) -> None:
+        self.rt, self.n, self.timeout = runtime, n_ranks, timeout or None
+        self.seq = 0
+        self.held: list = []
+        self._early: dict[tuple[int, int], list] = {}  # (seq, src) -> parts of a later exchange
+
+    async def _exchange(self, items: list) -> list[list]:
+        self.seq += 1
+        seq, me = self.seq, self.rt.rank
+        parts = [items[i:i + _PART_ITEMS] for i in range(0, len(items), _PART_ITEMS)] or [[]]
+        for dst in range(self.n):
+            if dst != me:
+                for i, part in enumerate(parts):
+                    self.rt.send_control(dst, seq, {"rrfp-auto": seq, "part": i, "of": len(parts), "items": part})
+        got: dict[int, dict[int, list]] = {r: {} for r in range(self.n) if r != me}
+        want: dict[int, int] = {}
+        for src in list(got):
+            for meta in self._early.pop((seq, src), []):
+                got[src][meta["part"]], want[src] = meta["items"], meta["of"]
+        while any(len(got[r]) < want.get(r, 1) for r in got):
+            msg = await self.rt.control(timeout=self.timeout)
+            meta = msg.meta
+            if not isinstance(meta, dict) or "rrfp-auto" not in meta:
+                self.held.append(msg)
+            elif meta["rrfp-auto"] != seq or msg.src not in got:
+                self._early.setdefault((meta["rrfp-auto"], msg.src), []).append(meta)
+            else:
+                got[msg.src][meta["part"]], want[msg.src] = meta["items"], meta["of"]
+        out = []
+        for r in range(self.n):
+            out.append(items if r == me else [x for i in sorted(got[r]) for x in got[r][i]])
+        return out
+
+    async def max(self, x: float) -> float:
+        return max(p[0] for p in await self._exchange([float(x)]))
+
+    async def sum(self, x: float) -> float:
+        return sum(p[0] for p in await self._exchange([float(x)]))
+
+    async def gather(self, items: list) -> list:
+        return [x for part in await self._exchange(list(items)) for x in part]
+
+
+def switch_hint(pipe: Any, text: str, limits: Sequence[int], backpressure: str = "admission") -> None:
+    """Make ``pipe`` (a front door) run ``text`` on every rank it runs from its next step.
+
+    Raises:
+        ValueError: a hint that does not resolve for the pipeline's placement.
+    """
+    from .split import enable_split_backward
+
+    spec, hint, strict = resolve_hint(text, pipe.spec.placement, pipe.n_microbatches, inflight_limit=list(limits),
+                                      backpressure=backpressure)
+    pipe.spec, pipe.hint, pipe.strict = spec, hint, strict
+    for rt in pipe._runtimes:
+        if spec.split_backward:
+            for st in rt.stages.values():
+                if st.dw_builder is None:  # idempotent; a full backward still works on routed layers
+                    enable_split_backward(st.submod)
+        rt.spec, rt.hint, rt.strict = spec, hint, strict
+        rt.hooks.final_kind = W if spec.split_backward else B
+
+
+def step_figures(hint: str, stats: Sequence[Any]) -> tuple[float, float]:
+    """This process's part of a step's figures: ``(seconds, forward seconds)``, its ranks'
+    slowest step time and the sum of their forward tasks' seconds (from the task records)."""
+    wall = max((float(st.wall) for st in stats), default=0.0)
+    fwd = sum(rec.end - rec.start for st in stats for rec in st.records if rec.task.kind == F)
+    return wall, fwd
+
+
+class AutoHint:
+    """The ``auto`` controller of one process (plan in the module docstring): the front door
+    (or ``rrfp train``, per optimizer step) calls :meth:`before_step` and :meth:`after_step`
+    around each training step; forward-only steps are not counted.
+
+    Args:
+        pipe: the front door, built with the placement's strict schedule (``Plan.auto``).
+        share: how the ranks share figures (:class:`LocalShare`, :class:`DistShare`,
+            :class:`ControlShare`).
+        say: writes the process's lines (None: silent; give it on one process only).
+        recheck_every: steps between re-checks (0: never).
+        same_backward: only candidates with the strict schedule's backward form (bitwise
+            reproducible runs: a split backward computes the same gradients by another path).
+
+    Attributes:
+        chosen: the hint kept (None until the trial's last round, or a :meth:`run_length`
+            too short); current: the hint the next step runs; trial: the trial's hints.
+        measure: ``measure(hint, stats) -> (seconds, forward seconds)`` of this process's
+            ranks' stats of a step (default :func:`step_figures`); tests replace it to force
+            step times.
+    """
+
+    def __init__(self, pipe: Any, share: Share, *, say: Callable[[str], None] | None = None,
+                 recheck_every: int = RECHECK_EVERY, same_backward: bool = False) -> None:
+        place = pipe.spec.placement
+        self.pipe, self.share = pipe, share
+        self.limits, self.budget = list(pipe.plan.limits), pipe.plan.budget
+        self.backpressure = pipe.config.backpressure
+        self.say = say
+        self.recheck_every = recheck_every
+        self.place, self.M = place, pipe.n_microbatches
+        self.known, self.skipped = sim_auto.known_candidates(place.n_ranks, place.n_virtual, place.kind, self.M)
+        self.strict = auto_first_hint(place, self.M)
+        if same_backward:
+            form = self._splits(self.strict)
+            self.skipped += [(c, "another backward form than a deterministic run keeps")
+                             for c in self.known if self._splits(c) != form]
+            self.known = [c for c in self.known if self._splits(c) == form]
+        self.split = next((c for c in self.known if self._splits(c)), None)
+        self.current = self.strict
+        self.plan: list[str] = [self.strict, self.strict] + ([self.split] if self.split else [])
+        self.samples: dict[tuple[int, str], list[float]] = {}
+        self.gaps: dict[int, list[float]] = {}
+        self.act: dict[int, int] = {}
+        self.trial: list[str] = []
+        self.walls: dict[str, list[sim_auto.Step]] = {}
+        self.chosen: str | None = None
+        self.ranking: sim_auto.Ranking | None = None
+        self.measure: Callable[[str, Sequence[Any]], tuple[float, float]] = step_figures
+        self._record = [rt.loop.record for rt in pipe._runtimes]
+        self.too_short = False
+        self.steps = 0
+
+    def run_length(self, steps: int) -> None:
+        """This run makes ``steps`` more steps (call before the first): fewer than
+        :meth:`steps_needed` keeps the strict schedule throughout, said in one line."""
+        self.too_short = steps < self.steps_needed()
+        if self.too_short:
+            self.plan, self.chosen = [], self.strict
+            if self.say:
+                self.say(f"hint auto: a run of {steps} step{'s' if steps != 1 else ''} is too short to "
+                         f"measure and try candidates (needs at least {self.steps_needed()}); it runs {self.strict}")
+
+    def steps_needed(self) -> int:
+        """Steps before a choice at the least: the measuring steps, then the trial's rounds of
+        the strict schedule and one more candidate."""
+        return (3 if self.split else 2) + 2 * TRIAL_ROUNDS
+
+    def unchosen(self) -> str | None:
+        """One line for a pipeline closed before a choice (None: a choice was made or no step ran)."""
+        if self.chosen is not None or not self.steps:
+            return None
+        return (f"hint auto: closed after {self.steps} step{'s' if self.steps != 1 else ''}, before a choice "
+                f"(needs at least {self.steps_needed()}; run_length() keeps {self.strict} throughout a short run)")
+
+    def _splits(self, name: str) -> bool:
+        return resolve_hint(name, self.place, self.M)[0].split_backward
+
+    def before_step(self, k: int) -> None:
+        """Set the hint of step ``k`` (0-based, counted from this run's first step)."""
+        if k == 0 and self.say and self.ranking is None and not self.too_short:
+            n = len(self.plan)
+            self.say(f"hint auto: steps 1-{n} of this run measure costs ({self.plan[0]} warms up, "
+                     f"then {', '.join(self.plan[1:])}), then {TRIAL_ROUNDS} trial rounds of one step per candidate")
+        want = self.plan[0] if self.plan else (self.chosen or self.current)
+        if want != self.current:
+            switch_hint(self.pipe, want, self.limits, self.backpressure)
+            self.current = want
+        # Task records while measuring costs and in trial steps (their forward seconds).
+        for rt, keep in zip(self.pipe._runtimes, self._record):
+            rt.loop.record = keep or bool(self.plan)
+
+    async def after_step(self, k: int, stats: Sequence[Any]) -> None:
+        """Book step ``k``'s figures from this process's ranks' ``stats`` (every process
+        calls it: it shares figures through :attr:`share`)."""
+        self.steps = k + 1
+        if not self.plan:
+            if self.recheck_every and (k + 1) % self.recheck_every == 0 and self.trial:
+                self.plan = sim_auto.trial_order(self.trial, len(self.walls.get(self.trial[0], [])))
+            return
+        step_hint = self.plan.pop(0)
+        if self.ranking is None:
+            if len(self.plan) < (3 if self.split else 2) - 1:  # not the warm-up step
+                await self._gather(stats)
+            if not self.plan:
+                self._rank()
+                self.plan = [h for r in range(TRIAL_ROUNDS) for h in sim_auto.trial_order(self.trial, r)]
+                if self.say:
+                    assert self.ranking is not None
+                    self.say(f"hint auto: steps {k + 2}-{k + 1 + len(self.plan)} of this run are the trial: "
+                             f"{', '.join(self.trial)}, {TRIAL_ROUNDS} rounds of one step each "
+                             f"({self.ranking.reason()})")
+            return
+        # The step's forward seconds over every rank: its batch's work (rrfp.sim.auto.scaled).
+        wall, fwd = self.measure(step_hint, stats)
+        wall, fwd = await self.share.max(wall), await self.share.sum(fwd)
+        self.walls.setdefault(step_hint, []).append((wall, fwd))
+        if not self.plan:  # the trial's last round (or a re-check's round) is complete
+            self._choose()
+
+    async def _gather(self, stats: Sequence[Any]) -> None:
+        mine: list = [("r", rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end)
+                      for st in stats for rec in st.records]
+        for rt in self.pipe._runtimes:
+            sizer = getattr(rt, "_sizer", None)
+            if sizer is not None:
+                for s in rt.stages:
+                    got = [sizer(s, m) for m in range(self.M)]
+                    mine.append(("a", s, round(statistics.fmean(x for x in got if x)) if any(got) else 0))
+        ends: dict[tuple[int, str, int], float] = {}
+        starts: dict[tuple[int, str, int], float] = {}
+        for item in await self.share.gather(mine):
+            if item[0] == "a":
+                self.act[item[1]] = item[2]
+                continue
+            _, s, kind, m, t0, t1 = item
+            self.samples.setdefault((s, kind), []).append(t1 - t0)
+            ends[(s, kind, m)], starts[(s, kind, m)] = t1, t0
+        rank_of, nxt = self.place.rank_of, self.place.next_stage
+        for (s, kind, m), t1 in ends.items():
+            if kind == F and nxt(s) is not None and rank_of(nxt(s)) != rank_of(s):
+                t0 = starts.get((nxt(s), F, m))
+                if t0 is not None:
+                    self.gaps.setdefault(s, []).append(max(0.0, t0 - t1))
+
+    def _rank(self) -> None:
+        S = self.place.n_stages
+        links = {s: [min(g)] for s, g in self.gaps.items() if g}
+        prof = sim_auto.profile_from_samples(self.samples, links, S, [self.act.get(s, 0) for s in range(S)])
+        budget = self.budget if self.budget is not None and all(self.act.get(s) for s in range(S)) else None
+        self.ranking = sim_auto.rank(prof, n_ranks=self.place.n_ranks, n_virtual=self.place.n_virtual,
+                                     placement=self.place.kind, n_microbatches=self.M, limit=self.limits,
+                                     memory_budget=budget, backpressure=self.backpressure, candidates=self.known)
+        self.profile = prof
+        self.trial = sim_auto.trial_candidates([h for h, _ in self.ranking.order], self.strict)
+
+    def _choose(self) -> None:
+        med = sim_auto.medians(self.walls)
+        best = sim_auto.keep(self.walls, self.strict)
+        changed = best != self.chosen
+        self.chosen = best
+        if self.say and changed:
+            walls = ", ".join(f"{h} {1e3 * med[h]:.1f} ms" for h in sorted(med, key=med.get))
+            assert self.ranking is not None
+            n = len(self.walls[best])
+            self.say(f"hint auto chose {best}: median step over {n} trial step{'s' if n != 1 else ''} "
+                     f"(at the trial's median forward work): {walls} "
+                     f"(measured {self.profile.describe()}; {self.ranking.reason()})")
