@@ -1,0 +1,191 @@
+"""``hint="auto"``, the default of both front doors, on real pipelines: every step's loss and
+gradients equal the single-process reference whatever hint ran it, the kept hint is one of
+the trial's candidates, every rank of a multi-process pipeline switches to the same hint
+before the same step (through a process group, and through rrfp's control plane without
+one), a run too short to choose keeps the strict schedule, and a candidate whose trial steps
+were slower than the strict schedule's is never kept. Step times are forced through the
+controller's ``measure`` hook, never read off a clock."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import rrfp
+from handover import rank_env, run_ranks
+from reference import ATOL, RTOL, sequential_reference
+from rrfp.sim.auto import TRIAL_ROUNDS
+
+M = 4
+STEPS = 3 + 3 * TRIAL_ROUNDS + 1  # measuring, a trial of up to three candidates, one kept step
+
+
+def _modules(n: int = 2) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(n)]
+
+
+def _batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + k)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+
+
+def _forced(times: dict[str, float]):
+    """A ``measure`` hook: the step's time by the hint that ran it (forward work 1.0)."""
+    return lambda hint, stats: (times.get(hint, times["other"]), 1.0)
+
+
+def _run_local(times: dict[str, float] | None, steps: int = STEPS, run_length: int | None = None):
+    mods = _modules()
+    ran = []
+    with rrfp.LocalPipeline(mods, M, F.mse_loss) as pipe:
+        assert pipe.config.hint == "auto" and pipe.auto is not None
+        if times is not None:
+            pipe.auto.measure = _forced({**times, pipe.auto.strict: times["strict"]})
+        if run_length is not None:
+            pipe.auto.run_length(run_length)
+        for k in range(steps):
+            x, y = _batch(k)
+            for m in mods:
+                m.zero_grad(set_to_none=True)
+            loss = pipe.step(x, target=y)
+            ran.append(pipe.hint_name)
+            _, ref_loss, ref_grads = sequential_reference(mods, x, y)
+            torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+            for m, grads in zip(mods, ref_grads):
+                for p, g in zip(m.parameters(), grads):
+                    torch.testing.assert_close(p.grad, g, rtol=RTOL, atol=ATOL)
+        return pipe.auto, ran
+
+
+def test_local_pipeline_keeps_strict_when_every_candidate_was_slower(caplog):
+    caplog.set_level(logging.INFO, logger="rrfp")
+    auto, ran = _run_local({"strict": 1.0, "other": 1.05})
+    assert ran[0] == auto.strict == "strict-1f1b"  # one stage per rank: 1F1B's strict order
+    assert auto.chosen == auto.strict and ran[-1] == auto.strict
+    assert auto.strict in auto.trial and len(auto.trial) >= 2  # a trial ran, and strict won it
+    assert set(auto.trial) <= set(auto.known)
+    chose = [r.getMessage() for r in caplog.records if "chose" in r.getMessage()]
+    assert len(chose) == 1 and chose[0].startswith(f"hint auto chose {auto.strict}: median step over")
+
+
+def test_local_pipeline_keeps_a_candidate_measured_faster():
+    auto, ran = _run_local({"strict": 1.0, "other": 0.8})
+    assert auto.chosen != auto.strict and auto.chosen in auto.trial and auto.chosen in auto.known
+    # Measuring (strict warms up, strict, the split candidate), then each trial candidate once
+    # per round, then the kept one.
+    end = 3 + len(auto.trial) * TRIAL_ROUNDS
+    assert ran[:3] == [auto.strict, auto.strict, "strict-split"]
+    assert all(sorted(ran[3 + r * len(auto.trial):3 + (r + 1) * len(auto.trial)]) == sorted(auto.trial)
+               for r in range(TRIAL_ROUNDS))
+    assert ran[end:] == [auto.chosen] * (len(ran) - end)
+
+
+def test_a_tie_within_the_margin_keeps_strict():
+    auto, _ = _run_local({"strict": 1.0, "other": 0.995})  # faster by 0.5%, under TIE (1%)
+    assert auto.chosen == auto.strict
+
+
+def test_a_local_run_too_short_runs_strict_and_says_so(caplog):
+    caplog.set_level(logging.INFO, logger="rrfp")
+    auto, ran = _run_local(None, steps=3, run_length=3)
+    assert ran == [auto.strict] * 3 and auto.chosen == auto.strict
+    lines = [r.getMessage() for r in caplog.records if r.name == "rrfp"]
+    assert lines == [f"hint auto: a run of 3 steps is too short to measure and try candidates "
+                     f"(needs at least {auto.steps_needed()}); it runs {auto.strict}"]
+
+
+def test_closing_before_a_choice_says_so(caplog):
+    caplog.set_level(logging.INFO, logger="rrfp")
+    auto, _ = _run_local(None, steps=2)
+    assert auto.chosen is None
+    assert any(r.getMessage().startswith("hint auto: closed after 2 steps, before a choice") for r in caplog.records)
+
+
+def test_a_named_hint_has_no_controller():
+    with rrfp.LocalPipeline(_modules(), M, F.mse_loss, hint="bf") as pipe:
+        assert pipe.auto is None and pipe.hint_name == "bf" and pipe.plan.limits == [32, 32]
+
+
+def test_auto_runs_its_candidates_at_the_strict_schedules_memory():
+    # 4 ranks, 8 microbatches: 1F1B holds p - r (hand count); so does every auto step.
+    mods = _modules(4)
+    x, y = torch.randn(16, 6), torch.randn(16, 6)
+    with rrfp.LocalPipeline(mods, 8, F.mse_loss) as pipe:
+        assert pipe.plan.limits == [4, 3, 2, 1]
+        for _ in range(4):
+            pipe.step(x, target=y)
+            assert all(s.peak_inflight <= lim for s, lim in zip(pipe.last_stats, [4, 3, 2, 1]))
+
+
+# ------------------------------------------------------------------ processes
+
+
+def _rank_main(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(rank_env(rank, world, port))
+    torch.set_num_threads(1)
+    from torch.distributed import TCPStore
+
+    from rrfp.transport.zmq import ZmqTransport
+
+    mods = _modules()
+    found = {}
+    # Without a process group (a caller-made transport): the control plane shares the figures.
+    # Rank 0 alone would keep the candidates (0.5 s), rank 1 alone the strict schedule: shared,
+    # every candidate's step is the slowest rank's, 2.0 s, and both keep the strict schedule.
+    store = TCPStore("127.0.0.1", port, world, is_master=False)
+    control = {"strict": 1.0, "other": 0.5 if rank == 0 else 2.0}
+    transport = ZmqTransport(rank, world, store, "auto-ctl")
+    found["control"] = _steps(rank, world, mods, control, transport=transport, job="auto-ctl")
+    # With one (torchrun's way): its collectives share them; every candidate beats strict.
+    from rrfp.parallel.bootstrap import init_distributed
+
+    init_distributed()
+    found["dist"] = _steps(rank, world, mods, {"strict": 1.0, "other": 0.5 if rank == 0 else 0.6}, transport=None)
+    torch.save(found, f"{out}/rank{rank}.pt")
+
+
+def _steps(rank: int, world: int, mods, times, **options):
+    stage = rrfp.PipelineStage(mods[rank], rank, world)
+    ran, losses, grads = [], [], []
+    with rrfp.Pipeline(stage, M, F.mse_loss, watchdog=600, rank=rank, n_ranks=world, **options) as pipe:
+        share = type(pipe.auto.share).__name__
+        pipe.auto.measure = _forced({**times, pipe.auto.strict: times["strict"]})
+        for k in range(STEPS):
+            x, y = _batch(k)
+            mods[rank].zero_grad(set_to_none=True)
+            pipe.step(x if rank == 0 else None, target=y if rank == world - 1 else None)
+            ran.append(pipe.hint_name)
+            losses.append(pipe.last_loss)
+            grads.append([p.grad.clone() for p in mods[rank].parameters()])
+        return {"share": share, "ran": ran, "losses": losses, "grads": grads, "chosen": pipe.auto.chosen,
+                "strict": pipe.auto.strict, "trial": pipe.auto.trial}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_every_rank_of_a_pipeline_switches_alike_and_matches_the_reference(tmp_path):
+    world = 2
+    assert run_ranks(_rank_main, world, str(tmp_path), timeout_s=880) == [0] * world
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    mods = _modules()
+    for way, share in (("control", "ControlShare"), ("dist", "DistShare")):
+        a, b = parts[0][way], parts[1][way]
+        assert a["share"] == b["share"] == share
+        assert a["ran"] == b["ran"] and a["chosen"] == b["chosen"] and a["trial"] == b["trial"], (a, b)
+        assert a["chosen"] in a["trial"] and a["ran"][-1] == a["chosen"]
+        if way == "control":
+            assert a["chosen"] == a["strict"]  # the slowest rank's step time decides
+        else:
+            assert a["chosen"] != a["strict"]
+        for k in range(STEPS):
+            x, y = _batch(k)
+            _, ref_loss, ref_grads = sequential_reference(mods, x, y)
+            torch.testing.assert_close(torch.tensor(b["losses"][k]), ref_loss, rtol=RTOL, atol=ATOL)
+            for got, want in zip(a["grads"][k] + b["grads"][k], [g for gs in ref_grads for g in gs]):
+                torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
