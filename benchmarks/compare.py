@@ -90,8 +90,8 @@ class RrfpSystem(System):
         self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
         stages = [PipelineStage(w, s, n_stages) for w, s in zip(wrappers, stage_ids)]
         hint = {} if spec["hint"] is None else {"hint": torch_order_hint(spec["hint"], n_ranks, n_mb)}
-        if spec["hint"] is None and chosen_hint:
-            hint = {"hint": chosen_hint}
+        if spec["hint"] is None:  # the hint the report labels the default rows with (Pipeline's is auto)
+            hint = {"hint": chosen_hint or default_hint()}
         # Per step: what the schedule holds for that step's microbatches (set before each step).
         self.budgets = budgets
         # A budget measured from another system (budget_from) is set by set_budget after that

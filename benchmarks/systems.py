@@ -61,10 +61,12 @@ def target_groups(names: Sequence[str]) -> list[list[str]]:
 
 
 def default_hint() -> str:
-    """The hint ``rrfp.Pipeline`` uses when none is given (read from its signature, so the
-    benchmark follows whatever the runtime defaults to)."""
+    """The hint of the "rrfp default" rows, passed to ``rrfp.Pipeline`` by name: the
+    scheduler's default policy (``bf``). ``Pipeline``'s own default, ``auto``, spends its
+    first 8-12 steps measuring and trying candidates, more than a phase's rounds, so its
+    rows would time its trial rather than its choice."""
     try:
-        from rrfp.scheduler.hints import DEFAULT_HINT  # the one default of Pipeline, LocalPipeline, rrfp train
+        from rrfp.scheduler.hints import DEFAULT_HINT
 
         return str(DEFAULT_HINT)
     except ImportError:  # older trees: the default of Pipeline's signature

@@ -60,7 +60,8 @@ def test_the_runtimes_budget_measures_the_kept_bytes(mode):
     measured bytes are one microbatch's checkpointed stage."""
     stages = [apply_activation_checkpointing(s, mode) for s in split_gpt(GPT(CFG, seed=0), 3)]
     x, y = _batch(0, b=4, t=16)
-    with LocalPipeline(stages, 2, lm_loss, inflight_limit=1, memory_budget="1GiB", loss_weight_fn=count_tokens) as pipe:
+    with LocalPipeline(stages, 2, lm_loss, inflight_limit=1, memory_budget="1GiB", loss_weight_fn=count_tokens,
+                       hint="bf") as pipe:  # a readiness hint: the in-flight limit of 1 holds
         pipe.step(x, target=y)
         pipe.step(x, target=y)
         assert pipe.last_stats[1].peak_bytes == 2 * _kept_bytes_per_layer(mode, 2, 16)
@@ -124,7 +125,7 @@ def test_accumulated_steps_equal_one_big_batch():
     want_loss.backward()
     stage = split_gpt(model, 1)[0]
     pipe = Pipeline(PipelineStage(stage, 0, 1), 2, lm_loss, loss_weight_fn=count_tokens, rank=0, n_ranks=1,
-                    transport=FakeNetwork(1).transport(0))
+                    transport=FakeNetwork(1).transport(0), hint="bf")  # a full backward: F and B counted below
     try:
         loss, stats = accumulated_step(pipe, make_microbatches(samples, 8), 2, 4, True, True)
     finally:

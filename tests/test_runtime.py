@@ -152,7 +152,7 @@ def _toy_pipe(delay, watchdog: float, n_microbatches: int = 4, inflight_limit: i
     x, y = toy_batch(cfg, 8, seed=1)
     with mock.patch("rrfp.runtime.local.new_event_loop", lambda: loop) if loop is not None else contextlib.nullcontext():
         pipe = LocalPipeline(mods, n_microbatches, toy_loss, delay=delay, watchdog=watchdog,
-                             inflight_limit=inflight_limit)
+                             inflight_limit=inflight_limit, hint="bf")  # the timelines below are bf's
     return pipe, mods, x, y
 
 

@@ -97,7 +97,12 @@ class FrontDoor:
 
     A subclass sets, in its constructor, :meth:`_setup`'s fields (with an event loop from its
     own module's ``new_event_loop``, which tests replace with a simulated-time loop), then
-    ``_runtimes`` (the ranks this process runs) and ``_transports`` (theirs).
+    ``_runtimes`` (the ranks this process runs) and ``_transports`` (theirs), then, under
+    ``hint="auto"``, :meth:`_start_auto` with how its ranks share figures.
+
+    Attributes:
+        auto: the ``auto`` controller (:class:`~rrfp.runtime.auto.AutoHint`; None under a
+            named hint), run around every training step while ``drive_auto`` is True.
     """
 
     #: what :meth:`step` returns by default: the last stage's outputs (True) or the loss.

@@ -23,8 +23,9 @@ class LocalPipeline(FrontDoor):
     For users' unit tests and for ours: the same :class:`RankRuntime` as a real job, with
     seeded per-message delays so messages overtake each other. Steps, returns, defaults and
     closing are :class:`~rrfp.runtime.pipeline.Pipeline`'s, except that :meth:`step` returns
-    the step loss by default (``return_outputs=False``). Under the default ``hint="auto"`` every
-    rank's task records are in this process, so the choice needs no process group.
+    the step loss by default (``return_outputs=False``). Under the default ``hint="auto"``
+    (:class:`Pipeline`'s ``auto``, ``hint_name``) every rank's task records are in this
+    process, so the choice needs no process group.
 
     Args:
         modules: one ``nn.Module`` per stage, in pipeline order (``n_ranks * n_virtual``).

@@ -63,9 +63,30 @@ class Pipeline(FrontDoor):
     executor, device) before contacting a peer, and the ranks then agree through the store:
     an error found on any rank is raised on every rank, with that rank's type and text.
 
+    The default ``hint="auto"`` (:mod:`rrfp.runtime.auto`) starts with the placement's strict
+    schedule, measures the first training steps, simulates the candidates on what it
+    measured, tries the best two against the strict schedule on real steps and keeps the
+    fastest, never one measured slower than the strict schedule. Every rank must call
+    :meth:`step` for every training step (they share step times, seconds, and task records):
+    through the process group where torch.distributed is initialised (``group``, else every
+    process of the job; with a ``layout``, every process), else over this pipeline's own
+    control plane (control messages that are not ``auto``'s, received meanwhile, are kept in
+    ``auto.share.held``). Its lines go to the ``rrfp`` logger at INFO from one rank.
+
+    Attributes:
+        auto: the :class:`~rrfp.runtime.auto.AutoHint` under ``hint="auto"`` (else None):
+            ``auto.chosen`` is the hint kept (None before its trial ends), ``auto.run_length(n)``
+            keeps the strict schedule throughout a run of ``n`` steps too short to choose.
+        hint_name: the hint the last step ran (text).
+        drive_auto: False: the caller calls ``auto.before_step`` / ``auto.after_step`` itself
+            (``rrfp train`` does, once per optimizer step).
+
     Raises:
-        ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...).
+        ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...);
+            ``auto`` where none of its candidates fits the shape.
         TypeError: an unknown option, naming it and the known ones.
+        TimeoutError: (from :meth:`step`, ``auto`` over the control plane) a peer's figures
+            did not arrive within ``watchdog`` seconds.
     """
 
     RETURN_OUTPUTS = True
