@@ -123,6 +123,37 @@ def test_auto_runs_its_candidates_at_the_strict_schedules_memory():
             assert all(s.peak_inflight <= lim for s, lim in zip(pipe.last_stats, [4, 3, 2, 1]))
 
 
+def test_the_control_plane_share_gathers_in_rank_order_and_keeps_other_messages():
+    """Two ranks' runtimes over the fake network: parts larger than one control message come
+    back whole and in rank order on both, max and sum agree, and a control message that is
+    not auto's stays for its reader."""
+    import asyncio
+
+    from rrfp.runtime import auto
+
+    with rrfp.LocalPipeline(_modules(), M, F.mse_loss, hint="bf") as pipe:
+        pipe.step(*_batch(0)[:1], target=_batch(0)[1])  # the ranks receive from their first step on
+        rts = pipe.runtimes
+        shares = [auto.ControlShare(rt, 2, timeout=600) for rt in rts]
+        n = 2 * auto._PART_ITEMS + 3
+        items = [[(r, i, 0.5 * i) for i in range(n)] for r in range(2)]
+
+        async def both(make):
+            return await asyncio.gather(*(make(r, sh) for r, sh in enumerate(shares)))
+
+        async def users_message():
+            rts[1].send_control(0, 0, {"users": 1})
+
+        pipe.run(users_message())
+
+        got = pipe.run(both(lambda r, sh: sh.gather(items[r])))
+        want = [list(t) for t in items[0] + items[1]]
+        assert [[list(t) for t in g] for g in got] == [want, want]
+        assert pipe.run(both(lambda r, sh: sh.max(1.0 + r))) == [2.0, 2.0]
+        assert pipe.run(both(lambda r, sh: sh.sum(1.0 + r))) == [3.0, 3.0]
+        assert [m.meta for m in shares[0].held] == [{"users": 1}] and shares[1].held == []
+
+
 # ------------------------------------------------------------------ processes
 
 
