@@ -198,13 +198,17 @@ def _steps(rank: int, world: int, mods, times, **options):
                 "strict": pipe.auto.strict, "trial": pipe.auto.trial}
 
 
+def _launch(tmp_path, world: int = 2) -> list[dict]:
+    """Each rank's findings (``_rank_main``); a hang is bounded, not timed."""
+    codes = run_ranks(_rank_main, world, str(tmp_path), timeout_s=880)
+    assert codes == [0] * world, codes
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_every_rank_of_a_pipeline_switches_alike_and_matches_the_reference(tmp_path):
-    world = 2
-    assert run_ranks(_rank_main, world, str(tmp_path), timeout_s=880) == [0] * world
-    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    mods = _modules()
+    parts, mods = _launch(tmp_path), _modules()
     for way, share in (("control", "ControlShare"), ("dist", "DistShare")):
         a, b = parts[0][way], parts[1][way]
         assert a["share"] == b["share"] == share
