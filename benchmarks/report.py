@@ -120,8 +120,8 @@ def render_setting(res: dict) -> tuple[str, dict[str, dict]]:
                                         "interleaved schedules, V for ZBV and DualPipeV)")
         + (f"; message delays {cfg['comm']} on every activation and gradient" if cfg.get("comm") else "")
         + (f". Hint of the `rrfp default` rows: `{cfg['hint']}` (`--hint`; not rrfp.Pipeline's default). "
-           if cfg.get("hint") else f". Default hint: `{res.get('default_hint', '?')}` (read from `rrfp.Pipeline`'s "
-           "signature). ")
+           if cfg.get("hint") else f". Default hint: `{res.get('default_hint', '?')}` (the scheduler's default "
+           "policy; `rrfp.Pipeline`'s own default, `auto`, would spend these rounds on its trial). ")
         + f"Run time {res.get('wall_seconds', 0):.0f} s.",
         "",
         "Calibrated base compute per rank ("

@@ -140,8 +140,8 @@ class FrontDoor:
 
     @property
     def hint_name(self) -> str:
-        """The hint the next step runs, as text (under ``auto``: the candidate or the kept
-        one; the choice itself is ``auto.chosen``)."""
+        """The hint the last training step ran, as text (before the first: the first one's;
+        under ``auto`` a measuring or trial candidate, or the kept one, ``auto.chosen``)."""
         from .names import hint_text
 
         return self.auto.current if self.auto is not None else hint_text(self.config.hint)
