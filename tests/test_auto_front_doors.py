@@ -104,7 +104,9 @@ def test_closing_before_a_choice_says_so(caplog):
     caplog.set_level(logging.INFO, logger="rrfp")
     auto, _ = _run_local(None, steps=2)
     assert auto.chosen is None
-    assert any(r.getMessage().startswith("hint auto: closed after 2 steps, before a choice") for r in caplog.records)
+    want = (f"hint auto: closed after 2 steps, at least {auto.steps_needed() - 2} before a choice; the last ran "
+            f"{auto.strict} (run_length() keeps {auto.strict} throughout a run too short to choose)")
+    assert [r.getMessage() for r in caplog.records if r.name == "rrfp"][-1] == want
 
 
 def test_a_named_hint_has_no_controller():

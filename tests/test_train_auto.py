@@ -142,3 +142,20 @@ def test_candidates_run_at_the_strict_schedules_memory(n_ranks, n_virtual, place
     # A limit or a budget the user gives is theirs.
     assert plan(RuntimeConfig(inflight_limit=3), n_ranks, n_virtual, 8).limits == [3] * n_ranks
     assert plan(RuntimeConfig(memory_budget="1MiB"), n_ranks, n_virtual, 8).limits == [32] * n_ranks
+
+
+def test_a_run_that_would_end_inside_the_trial_keeps_strict_and_says_so(share) -> None:
+    # Three candidates in the trial (the stand-in's registry): 3 measuring + 9 trial steps, so
+    # a run of 10 passes the first check (at least 9) but cannot finish the trial.
+    pipe, lines = _pipe(), []
+    ctl = AutoHint(pipe, share, say=lines.append, recheck_every=0)
+    ctl.run_length(10)
+    ran = []
+    for k in range(10):
+        ctl.before_step(k)
+        ran.append(ctl.current)
+        _after(ctl, k, _stats(pipe, {"strict-1f1b": 1.0}.get(ctl.current, 0.5)))
+    assert len(ctl.trial) == 3 and ctl.chosen == "strict-1f1b"
+    assert ran[:3] == ["strict-1f1b", "strict-1f1b", "bfw-mem"] and ran[3:] == ["strict-1f1b"] * 7
+    assert lines[-1] == (f"hint auto: a run of 10 steps is too short to try {', '.join(ctl.trial)} "
+                         f"({3 * TRIAL_ROUNDS} trial steps after 3 measuring); it runs strict-1f1b")

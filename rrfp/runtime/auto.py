@@ -253,11 +253,13 @@ class AutoHint:
         self.measure: Callable[[str, Sequence[Any]], tuple[float, float]] = step_figures
         self._record = [rt.loop.record for rt in pipe._runtimes]
         self.too_short = False
+        self.run_steps: int | None = None
         self.steps = 0
 
     def run_length(self, steps: int) -> None:
         """This run makes ``steps`` more steps (call before the first): fewer than
         :meth:`steps_needed` keeps the strict schedule throughout, said in one line."""
+        self.run_steps = steps
         self.too_short = steps < self.steps_needed()
         if self.too_short:
             self.plan, self.chosen = [], self.strict
@@ -274,8 +276,10 @@ class AutoHint:
         """One line for a pipeline closed before a choice (None: a choice was made or no step ran)."""
         if self.chosen is not None or not self.steps:
             return None
-        return (f"hint auto: closed after {self.steps} step{'s' if self.steps != 1 else ''}, before a choice "
-                f"(needs at least {self.steps_needed()}; run_length() keeps {self.strict} throughout a short run)")
+        left = len(self.plan) if self.ranking is not None else max(1, self.steps_needed() - self.steps)
+        return (f"hint auto: closed after {self.steps} step{'s' if self.steps != 1 else ''}, "
+                f"{'' if self.ranking is not None else 'at least '}{left} before a choice; the last ran {self.current} "
+                f"(run_length() keeps {self.strict} throughout a run too short to choose)")
 
     def _splits(self, name: str) -> bool:
         return resolve_hint(name, self.place, self.M)[0].split_backward
@@ -309,6 +313,14 @@ class AutoHint:
             if not self.plan:
                 self._rank()
                 self.plan = [h for r in range(TRIAL_ROUNDS) for h in sim_auto.trial_order(self.trial, r)]
+                if self.run_steps is not None and k + 1 + len(self.plan) > self.run_steps:
+                    # A trial of three candidates that the run would end inside: none is kept.
+                    self.plan, self.chosen, self.too_short = [], self.strict, True
+                    if self.say:
+                        self.say(f"hint auto: a run of {self.run_steps} steps is too short to try "
+                                 f"{', '.join(self.trial)} ({len(self.trial) * TRIAL_ROUNDS} trial steps after "
+                                 f"{k + 1} measuring); it runs {self.strict}")
+                    return
                 if self.say:
                     assert self.ranking is not None
                     self.say(f"hint auto: steps {k + 2}-{k + 1 + len(self.plan)} of this run are the trial: "

@@ -288,7 +288,7 @@ class FrontDoor:
         give the stage modules back unpatched. Idempotent."""
         if self._loop.is_closed():
             return
-        if self.auto is not None and self.auto.say and (line := self.auto.unchosen()):
+        if self.auto is not None and self.drive_auto and self.auto.say and (line := self.auto.unchosen()):
             self.auto.say(line)
         try:
             self._loop.run_until_complete(self._aclose())
