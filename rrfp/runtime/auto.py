@@ -35,7 +35,7 @@ import statistics
 from typing import Any, Callable, Protocol, Sequence
 
 from ..scheduler.hints import resolve_hint
-from ..scheduler.tasks import B, F, I, W
+from ..scheduler.tasks import B, F, W
 from ..sim import auto as sim_auto
 from ..sim.auto import TIE, TRIAL_ROUNDS
 from .config import AUTO, auto_first_hint
