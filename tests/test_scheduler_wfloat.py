@@ -20,11 +20,11 @@ SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-def run_one_rank(hint: str, budget: int | None, m: int = 2) -> list[str]:
+def run_one_rank(hint: str, budget: int | None, m: int = 2, size=lambda s, mb: 1) -> list[str]:
     """One rank (stage 0 is also the last): every input is local, so the order of dispatch
-    is the policy's alone. Sizes 1 byte per microbatch."""
+    is the policy's alone. Sizes 1 byte per microbatch unless given."""
     spec, h, strict = resolve_hint(hint, Placement(1), m)
-    arb = Arbiter(spec, 0, h, strict=strict, inflight_limit=m, memory_budget=budget, act_bytes=lambda s, mb: 1)
+    arb = Arbiter(spec, 0, h, strict=strict, inflight_limit=m, memory_budget=budget, act_bytes=size)
     seen = []
     while (t := arb.next()) is not None:
         seen.append(str(t))
@@ -41,6 +41,9 @@ def test_w_floats_only_where_the_bytes_allow(hint):
     # Budget 2: F1 fits beside microbatch 0, then the planned I1 runs before the pending W0
     # (hand-computed: W runs only when the planned task cannot).
     assert run_one_rank(hint, 2) == ["0F0", "0I0", "0F1", "0I1", "0W0", "0W1"]
+    # Sizes unknown (the runtime before it measured a stage): every pending W runs before a
+    # forward, so the bytes never exceed the order's own.
+    assert run_one_rank(hint, 2, size=lambda s, mb: None) == ["0F0", "0I0", "0W0", "0F1", "0I1", "0W1"]
 
 
 def test_wfloat_has_no_strict_form_and_needs_a_fixed_order():
