@@ -15,6 +15,8 @@ with nominal durations (:func:`compile_policy`).
 Hint text grammar (:func:`resolve_hint`)::
 
     [strict-]<name>            a policy or named schedule, e.g. "bf", "strict-zb-v"
+    wfloat, ahead              the placement's split order with floating W (no strict form;
+                               :mod:`rrfp.scheduler.wfloat`)
     [strict-]order:<orders>    per-rank orders inline, ranks separated by newlines or "|",
                                optionally labelled: "order:rank0: 0F0 0B0 | rank1: 1F0 1B0"
     [strict-]csv:<path>        a PyTorch compute-only schedule CSV (one row per rank)
