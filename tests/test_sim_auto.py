@@ -72,6 +72,12 @@ def test_candidates_are_data() -> None:
     assert CANDIDATES[0] == "strict" and "strict-split" in CANDIDATES and "backfill" in CANDIDATES
 
 
+@pytest.mark.parametrize("layout", [(1, "loop"), (2, "loop"), (2, "v")])
+def test_every_candidate_resolves_on_the_suites_placements(layout) -> None:
+    known, skipped = known_candidates(4, layout[0], layout[1], 16)
+    assert skipped == [] and "wfloat" in known and len(known) == len(CANDIDATES)
+
+
 def _steps(*times: float, work: float = 0.0) -> list[tuple[float, float]]:
     return [(t, work) for t in times]
 

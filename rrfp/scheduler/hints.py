@@ -15,6 +15,8 @@ with nominal durations (:func:`compile_policy`).
 Hint text grammar (:func:`resolve_hint`)::
 
     [strict-]<name>            a policy or named schedule, e.g. "bf", "strict-zb-v"
+    wfloat, ahead              the placement's split order with floating W (no strict form;
+                               :mod:`rrfp.scheduler.wfloat`)
     [strict-]order:<orders>    per-rank orders inline, ranks separated by newlines or "|",
                                optionally labelled: "order:rank0: 0F0 0B0 | rank1: 1F0 1B0"
     [strict-]csv:<path>        a PyTorch compute-only schedule CSV (one row per rank)
@@ -30,6 +32,7 @@ import dataclasses
 import heapq
 from typing import Sequence, Union
 
+from . import wfloat as _wfloat  # noqa: F401  (registers the w-float policies)
 from .arbiter import Arbiter
 from .policy import KIND_POLICIES, Hint, placement_schedule
 from .schedules import SCHEDULES, SPLIT_BACKWARD_DEFAULT, Order, load_order_csv, parse_orders
@@ -50,7 +53,17 @@ BACKFILL = "backfill"
 conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict. The simulator
 backfills (its "started" notices are instant); the runtime sends no "started" notices on its
 control plane, so there it runs the strict order and never backfills."""
-ORDER_HINTS = (STRICT_SPLIT, BACKFILL)
+WFLOAT = "wfloat"
+"""The placement's split order (as ``split``) whose ``W`` tasks float later
+(:class:`~rrfp.scheduler.wfloat.WFloat`): forwards and input backwards keep the order, a
+pending ``W`` runs while the order's next other task waits for its input or for bytes. No
+strict form; the runtime and the simulator run it alike (it needs no notices)."""
+AHEAD = "ahead"
+"""``wfloat`` that also runs later ready tasks of the order while the planned one waits,
+within the order's own byte profile (:class:`~rrfp.scheduler.wfloat.OrderAhead`)."""
+FLOATING = {WFLOAT: "w-float", AHEAD: "order-ahead"}
+"""Hint name -> the registered policy it runs over the placement's split order."""
+ORDER_HINTS = (STRICT_SPLIT, BACKFILL, WFLOAT, AHEAD)
 """Hint names beside :data:`HINT_NAMES` whose order depends on the placement."""
 
 
@@ -148,6 +161,7 @@ def compile_policy(
 
 def _forms() -> str:
     names = ", ".join(HINT_NAMES + (STRICT_SPLIT,))
+    names += f", {', '.join(FLOATING)} (no strict form)"
     return (f"{names} (each also as strict-<name>), backfill, backfill:<strict order>, "
             "order:<per-rank orders>, csv:<path> or <path>.csv")
 
@@ -204,6 +218,13 @@ def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, ba
         spec, hint, _ = _resolve("strict-" + base, placement, n_microbatches, split_backward, inflight_limit,
                                  backpressure)
         return spec, dataclasses.replace(hint, name=name, backfill=True), True
+    if name in FLOATING:
+        if strict:
+            raise ValueError(f"hint {text!r}: {name} floats its W tasks, so it has no strict form; use strict-split")
+        spec, hint, _ = _resolve(STRICT_SPLIT, placement, n_microbatches, split_backward, inflight_limit, backpressure)
+        if not spec.split_backward:
+            raise ValueError(f"hint {text!r}: {name} needs the split backward (I and W); drop the full-backward setting")
+        return spec, Hint(name, FLOATING[name], order=hint.order, backpressure=backpressure), False
     if name == STRICT_SPLIT:
         sched = placement_schedule(placement.n_virtual, placement.kind)
         if sched is None:

@@ -273,13 +273,20 @@ class BackfillOrder(_OrderPolicy):
             self._prefix = order_bytes(self.order, size, self._wsize if self.memory is not None else None)
             self._index = {x: k for k, x in enumerate(self.order)}
         x = self._size(t)
-        if x is None:
-            return False
-        prefix = self._prefix
-        extra = sum(b for k, b in self._ahead if k > pos) + x
-        cap = max(prefix)
-        lo = prefix[pos - 1] if pos else 0
-        return max(prefix[pos:j], default=lo) + extra <= cap and lo + extra <= cap
+        return x is not None and room_ahead(self._prefix, self._ahead, pos, j, x)
+
+
+def room_ahead(prefix: Sequence[int], ahead: Sequence[tuple[int, int | None]], pos: int, j: int, x: int) -> bool:
+    """Whether a forward of ``x`` bytes at index ``j`` of an order may run while the order is
+    at index ``pos < j``: it adds its bytes from now until the order reaches it, so the
+    order's own bytes over that stretch (``prefix[k]``: bytes held after the order's task
+    ``k``), plus those of forwards already run ahead (``ahead``: ``(order index, bytes)``, those
+    past ``pos`` still count), plus ``x``, must stay within the order's peak. Keeps a policy
+    that runs forwards ahead within its strict order's own memory."""
+    extra = sum(b or 0 for k, b in ahead if k > pos) + x
+    cap = max(prefix)
+    lo = prefix[pos - 1] if pos else 0
+    return max(prefix[pos:j], default=lo) + extra <= cap and lo + extra <= cap
 
 
 KIND_POLICIES: dict[str, KindPolicy] = {}
@@ -340,7 +347,9 @@ class Hint:
     Attributes:
         name: the hint's name as the user gave it, without ``strict-``.
         policy: the registered kind-ranking policy (:data:`KIND_POLICIES`) it runs in
-            readiness mode, or None for a total order (default: ``name`` when it names one).
+            readiness mode (default: ``name`` when it names one); for a total order, None
+            (readiness over the order, ``order``) or another registered policy that takes
+            the order (``w-float``: :mod:`rrfp.scheduler.wfloat`).
         order: for a total-order hint, the per-rank order; None for a policy.
         backpressure: what readiness mode does at the in-flight limit with virtual stages
             (``admission`` or ``completion-order``, :mod:`rrfp.scheduler.guards`); one stage
@@ -387,7 +396,9 @@ def policy_name(hint: Hint, strict: bool, backfill: bool) -> str:
     if strict:
         return "strict"
     if hint.order is not None:
-        return "order"
+        # An order policy named by the hint (w-float...); a compiled kind policy's name is
+        # only a label there.
+        return hint.policy if hint.policy in POLICY_REGISTRY and hint.policy not in KIND_POLICIES else "order"
     name = hint.policy or hint.name
     if name not in POLICY_REGISTRY:
         raise ValueError(f"hint {hint.name!r}: no policy {name!r} (registered: {', '.join(POLICY_REGISTRY)})")
