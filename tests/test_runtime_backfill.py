@@ -280,3 +280,25 @@ def test_forged_notices_over_the_network_are_counted_and_the_step_still_matches(
     for a, b in zip(mods, clean_mods):
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_a_forward_only_step_between_backfilling_steps():
+    """``eval`` (forwards only, no backfilling) between two training steps: its outputs are the
+    single-process model's, and the step after it backfills as before."""
+    loop = VirtualTimeLoop()
+    cfg = ToyConfig()
+    model = ToyModel(cfg, seed=0)
+    ref = copy.deepcopy(model)
+    x, y = toy_batch(cfg, 8, seed=1)
+    with mock.patch("rrfp.runtime.local.new_event_loop", lambda: loop):
+        pipe = LocalPipeline(split_toy(model, 2), 2, toy_loss, hint="backfill:" + ORDER, record=True, watchdog=60,
+                             task_delay=lambda step, rank, t: FITS[(t.stage, t.kind)])
+    for rt in pipe.runtimes:
+        rt.notices.clock = loop.time
+    with pipe:
+        pipe.step(*x, target=y)
+        with torch.no_grad():
+            want = ref(x)
+        torch.testing.assert_close(pipe.eval(*x, target=y), want, rtol=1e-5, atol=1e-6)
+        pipe.step(*x, target=y)
+        assert [st.n_backfilled for st in pipe.last_stats] == [0, 1]

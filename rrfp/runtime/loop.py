@@ -94,7 +94,7 @@ class SchedulerLoop:
         running.clear()
         inbox, ex = self.inbox, self.executor
         wake = inbox.wake
-        bf = arb.backfill
+        bf = getattr(arb, "backfill", None)  # a forward-only step's arbiter never backfills
         notices = self._noticing = self.notices if bf is not None else None
         try:
             while True:

@@ -9,8 +9,9 @@ rank; ``B`` or ``I`` to the previous stage's), it sends that rank a *started not
 task, and its estimated seconds to run. It is an ordinary control message
 (:meth:`~rrfp.runtime.outbox.Outbox.send_control`), so it takes the transport's one wire
 format, authentication and size limits: key ``(job, step, 0, 0, CTL)``, meta
-``{"kind": "started", "task": [stage, kind, microbatch], "s": seconds}`` (34 bytes of meta,
-about 90 bytes on the wire). With no estimate yet (the rank's first step) it sends nothing.
+``{"kind": "started", "task": [stage, kind, microbatch], "s": seconds}`` (about 110 bytes
+framed, ``benchmarks/bench_notices.py``). With no estimate yet (a kind's first task) it sends
+nothing.
 
 The receiver (:meth:`StartedNotices.receive`, called by the inbox) keeps, per step,
 ``producer task -> estimated end`` on its own clock: the board its

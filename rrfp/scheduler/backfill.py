@@ -36,9 +36,13 @@ may be wrong by the estimate's error, and a backfilled task may delay its planne
 much.
 
 Where it runs: :func:`rrfp.sim.engine.simulate` drives it (notices instant and complete,
-averages shared by the ranks, or exact costs given). The runtime does not send "started"
-notices yet; its arbiter gets no :class:`Backfill`, so a ``backfill`` hint runs its strict
-order there.
+averages shared by the ranks, or exact costs given), and so does the runtime
+(:mod:`rrfp.runtime.notices`): each rank estimates from its own measured task times, a rank
+starting a task whose output goes to another rank sends that rank a "started, estimated
+seconds" control message, and the receiver turns it into an end on its own clock (receipt
+time plus the seconds: the notice travels the link ahead of the output). Notices may be in
+transit there (``complete_notices=False``), so without one a rank does not backfill, and with
+estimated costs the guarantee above holds only up to the estimates' error.
 
 Pure module: no torch, no asyncio, no I/O.
 """

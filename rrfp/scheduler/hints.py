@@ -47,9 +47,9 @@ interleaved 1F1B or ZB-V) with each backward split into ``I`` then ``W`` at once
 same bytes, but the gradient leaves after ``I``. ``strict-split`` runs it strictly."""
 BACKFILL = "backfill"
 """``backfill`` and ``backfill:<strict order>``: a strict order (default ``split``) with
-conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict. The simulator
-backfills (its "started" notices are instant); the runtime sends no "started" notices on its
-control plane, so there it runs the strict order and never backfills."""
+conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict. The simulator's
+"started" notices are instant; the runtime's travel on its control plane
+(:mod:`rrfp.runtime.notices`)."""
 ORDER_HINTS = (STRICT_SPLIT, BACKFILL)
 """Hint names beside :data:`HINT_NAMES` whose order depends on the placement."""
 
