@@ -302,3 +302,11 @@ def test_a_forward_only_step_between_backfilling_steps():
         torch.testing.assert_close(pipe.eval(*x, target=y), want, rtol=1e-5, atol=1e-6)
         pipe.step(*x, target=y)
         assert [st.n_backfilled for st in pipe.last_stats] == [0, 1]
+
+
+@pytest.mark.parametrize("hint", ["backfill", "backfill:1f1b", "strict-split", "split"])
+def test_rrfp_train_takes_backfilling_hints(hint):
+    from rrfp.train.early import hint_problem
+
+    assert hint_problem(hint, "auto") is None
+    assert "unknown hint" in hint_problem("backfil", "auto")
