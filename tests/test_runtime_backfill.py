@@ -310,3 +310,22 @@ def test_rrfp_train_takes_backfilling_hints(hint):
 
     assert hint_problem(hint, "auto") is None
     assert "unknown hint" in hint_problem("backfil", "auto")
+
+
+def test_notices_announce_the_fastest_seconds_and_backfill_takes_the_slowest():
+    """Costs vary: the window must be a lower bound on the input's arrival and a backfilled
+    task must surely end in it, so a notice carries the fewest seconds its kind took here and
+    the rank's estimate of its own tasks is the most."""
+    got = []
+    spec = PipelineSpec(Placement(2), 4, False)
+    n = StartedNotices(spec, 0, send=lambda *a: got.append(a))
+    t = [0.0]
+    n.clock = lambda: t[0]
+    for m, secs in enumerate([0.3, 0.1, 0.2]):
+        n.started(0, Task(0, F, m))
+        t[0] += secs
+        n.finished(Task(0, F, m))
+    n.started(0, Task(0, F, 3))
+    assert got[-1][2]["s"] == pytest.approx(0.1)
+    assert n.averages(Task(0, F, 0)) == pytest.approx(0.2)
+    assert n.backfill(0, spec).estimate(Task(0, F, 3)) == pytest.approx(0.3)

@@ -59,19 +59,34 @@ Estimate = Callable[[Task], "float | None"]
 
 class CostAverages:
     """Per-(stage, kind) running mean of task seconds: the estimate backfilling uses when
-    exact costs are unknown."""
+    exact costs are unknown (calling it); also the fewest and most seconds seen
+    (:meth:`low`, :meth:`high`), for bounds that must hold when costs vary."""
 
-    __slots__ = ("_sum", "_n")
+    __slots__ = ("_sum", "_n", "_lo", "_hi")
 
     def __init__(self) -> None:
         self._sum: dict[tuple[int, str], float] = {}
         self._n: dict[tuple[int, str], int] = {}
+        self._lo: dict[tuple[int, str], float] = {}
+        self._hi: dict[tuple[int, str], float] = {}
 
     def observe(self, task: Task, seconds: float) -> None:
         """One finished ``task`` took ``seconds``."""
         key = (task[0], task[1])
         self._sum[key] = self._sum.get(key, 0.0) + seconds
-        self._n[key] = self._n.get(key, 0) + 1
+        n = self._n[key] = self._n.get(key, 0) + 1
+        if n == 1 or seconds < self._lo[key]:
+            self._lo[key] = seconds
+        if n == 1 or seconds > self._hi[key]:
+            self._hi[key] = seconds
+
+    def low(self, task: Task) -> float | None:
+        """The fewest seconds a task of ``task``'s (stage, kind) took (None: none seen)."""
+        return self._lo.get((task[0], task[1]))
+
+    def high(self, task: Task) -> float | None:
+        """The most seconds a task of ``task``'s (stage, kind) took (None: none seen)."""
+        return self._hi.get((task[0], task[1]))
 
     def __call__(self, task: Task) -> float | None:
         key = (task[0], task[1])
