@@ -132,7 +132,8 @@ class Inbox:
                 problem = self.notices.receive(msg, self.step if self.step is not None else self.last_step + 1)
                 if problem is not None:
                     return self.reject(msg, problem)
-                self.wake.set()  # the planned task's window may now allow a later task
+                if key.step == self.step and self.notices.opens_window(self.arb):
+                    self.wake.set()  # the planned task's window may now allow a later task
                 return
             if self._control.qsize() >= MAX_CONTROL_BACKLOG:
                 return self.reject(msg, "control backlog full")

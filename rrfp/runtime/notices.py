@@ -86,6 +86,7 @@ class StartedNotices:
         self._last_end = -math.inf
         self._busy_from: float | None = None  # start of the current stretch of work (see receive)
         self._launches = 0
+        self._last: Task | None = None  # the task of the last notice admitted
 
     # ------------------------------------------------------------ the step
     def backfill(self, step: int, spec: PipelineSpec) -> Backfill:
@@ -186,7 +187,16 @@ class StartedNotices:
         at = self._busy_from if self._busy_from is not None and self._busy_from < now else now
         board[task] = at + s
         self.n_received += 1
+        self._last = task
         return None
+
+    def opens_window(self, arb) -> bool:
+        """Whether the notice just admitted is for the producer of ``arb``'s planned task (the
+        only notice that can change its next decision: a wake-up for any other costs a
+        decision for nothing)."""
+        planned = getattr(getattr(arb, "policy", None), "planned", None)
+        p = planned() if planned is not None else None
+        return p is not None and self.spec.producer(p) == self._last
 
     def _receiver(self, task: Task) -> int:
         """The rank receiving ``task``'s output (-1: none, or the rank that runs ``task``)."""
