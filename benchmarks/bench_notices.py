@@ -3,6 +3,7 @@
 Usage::
 
     python -m benchmarks.bench_notices [--n 20000] [--rounds 7] [--ranks 4] [--microbatches 8]
+    python -m benchmarks.bench_notices --ratio [--setting jitter4]
 
 Prints:
 
@@ -15,6 +16,13 @@ Prints:
 - microseconds of thread CPU time per notice, fastest of ``--rounds`` rounds of ``--n``: the
   sender's part (estimate, meta, codec encode) and the receiver's (codec decode, checks,
   board). The transport's own per-message cost is ``benchmarks/bench_codec.py --zmq``'s.
+
+``--ratio``: ``backfill`` against its strict order ``strict-split`` on real rank processes (the
+comparison harness, :func:`benchmarks.compare.run_setting`, with the setting's phases; both
+hints as candidate rows at 1F1B's and GPipe's memory, in rotating order each round, gradients
+checked). Prints, per phase, the median over rounds and rows of strict-split's step time over
+backfill's, and as a control the same ratio between strict-split's two rows (one system twice:
+the machine's noise).
 """
 
 from __future__ import annotations
@@ -80,13 +88,36 @@ def notices_per_step(p: int, M: int) -> tuple[list[int], int]:
     return counts, 2 * M * (p - 1)
 
 
+def runtime_ratio(setting: str) -> None:
+    import statistics
+
+    from .compare import run_setting
+    from .settings import setting_config
+
+    out = run_setting(setting_config(setting, systems=["torch 1F1B"], candidates=["backfill", "strict-split"]),
+                      timeout=1800)
+    rows = ("1F1B memory", "GPipe memory")
+    for ph in out["phases"]:
+        timed = [r["systems"] for r in ph["rounds"] if r["kind"] == "timed"]
+        ratio = [s[f"rrfp strict-split, {m}"]["step"] / s[f"rrfp backfill, {m}"]["step"] for s in timed for m in rows]
+        ctrl = [s[f"rrfp strict-split, {rows[1]}"]["step"] / s[f"rrfp strict-split, {rows[0]}"]["step"] for s in timed]
+        print(f"{setting} {ph['name']}: backfill speedup over strict-split, median {statistics.median(ratio):.3f} "
+              f"(min {min(ratio):.3f}, max {max(ratio):.3f}, {len(ratio)} pairs); control (strict-split against "
+              f"itself) {statistics.median(ctrl):.3f} (min {min(ctrl):.3f}, max {max(ctrl):.3f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--ratio", action="store_true", help="backfill against strict-split on real rank processes")
+    ap.add_argument("--setting", default="jitter4")
     a = ap.parse_args()
+    if a.ratio:
+        runtime_ratio(a.setting)
+        return
     send_us, recv_us, size = notice_cpu(a.n, a.rounds)
     counts, want = notices_per_step(a.ranks, a.microbatches)
     print(f"notice: {size} bytes on the wire (codec frames; no tensor)")
