@@ -6,7 +6,8 @@ or the next, a stage and microbatch this rank runs, sent by the rank the
 :class:`~rrfp.runtime.router.Router` names, not a duplicate), puts its tensors in the router's
 slot for (stage, microbatch, direction), tells the arbiter that an input arrived, and wakes the
 scheduler loop.
-Control messages (``Direction.CTL``) go to a bounded queue. Anything a correct pipeline cannot
+Control messages (``Direction.CTL``) go to a bounded queue, except backfilling's started
+notices, which go to the rank's :class:`~rrfp.runtime.notices.StartedNotices`. Anything a correct pipeline cannot
 send is refused and counted (:attr:`Inbox.rejected`), never fatal: a forged or replayed message
 must not stop a job.
 """
@@ -22,6 +23,7 @@ from ..scheduler.arbiter import Arbiter, SchedulingError
 from ..transport.base import Message
 from ..transport.keys import Direction
 from ..errors import PipelineError
+from .notices import STARTED, StartedNotices
 from .router import Router
 from .stage import PipelineStage
 from .timer import DeadlineTimers
@@ -77,6 +79,8 @@ class Inbox:
         # before the arbiter learns of it, as if the wire had delivered it that much later.
         self.hold: Callable[[Message], float] | None = None
         self._timers: DeadlineTimers | None = None  # the holds' release times (made on first use)
+        # Started notices are admitted here while the rank backfills (RankRuntime sets it).
+        self.notices: StartedNotices | None = None
 
     # ------------------------------------------------------------ transport callbacks
     def handle(self, msg: Message) -> None:
@@ -120,8 +124,19 @@ class Inbox:
         if key.direction == Direction.CTL:
             # Control messages are small statistics: no tensors, and a bounded backlog, so a
             # forged flood cannot grow a rank's memory.
-            if msg.tensors or self._control.qsize() >= MAX_CONTROL_BACKLOG:
-                return self.reject(msg, "control message with tensors, or control backlog full")
+            if msg.tensors:
+                return self.reject(msg, "control message with tensors")
+            if msg.meta.get("kind") == STARTED:  # backfilling's started notice (rrfp.runtime.notices)
+                if self.notices is None:
+                    return self.reject(msg, "a started notice, but this rank is not backfilling")
+                problem = self.notices.receive(msg, self.step if self.step is not None else self.last_step + 1)
+                if problem is not None:
+                    return self.reject(msg, problem)
+                if key.step == self.step and self.notices.opens_window(self.arb):
+                    self.wake.set()  # the planned task's window may now allow a later task
+                return
+            if self._control.qsize() >= MAX_CONTROL_BACKLOG:
+                return self.reject(msg, "control backlog full")
             self._control.put_nowait(msg)
             return
         # Only the rank holding the producing stage may send (the transport authenticates ``msg.src``).

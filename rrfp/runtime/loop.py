@@ -10,6 +10,10 @@ The watchdog's clock is the event loop's own (``loop.time()``), the clock its ti
 and the one the fake transport's message delays are drawn on: a test that runs the loop on
 simulated time (tests/virtual_time.py) decides every watchdog outcome without real delays.
 
+Under a backfilling hint the loop sets the arbiter's ``Backfill.now`` before each decision and
+tells the rank's :class:`~rrfp.runtime.notices.StartedNotices` when a task starts (which sends
+its started notice) and finishes (its measured seconds).
+
 The arbiter runs one task at a time (``Arbiter.running``): an executor whose tasks complete on
 the host at launch (CUDA: the kernels are queued on the rank's stream, in order) may run up to
 ``executor.window`` tasks ahead of the device; a worker-thread executor is told complete when
@@ -30,6 +34,7 @@ from ..errors import WatchdogTimeout
 from .executor import Executor, Pending, RunFn
 from .hooks import HookRunner
 from .inbox import Inbox
+from .notices import StartedNotices
 
 _AGAIN = object()  # the TP group disagreed on the proposed task
 DelayFn = Callable[[int, int, Task], float]  # (step, rank, task) -> extra seconds
@@ -67,6 +72,8 @@ class SchedulerLoop:
         self._progress = 0.0  # the watchdog's clock at the last task's end (or the step's start)
         self._last_end = 0.0
         self.agree = None  # TP agreement's exchange (RankRuntime.set_tp_agreement), None: no TP
+        self.notices: StartedNotices | None = None  # backfilling's (RankRuntime sets it)
+        self._noticing: StartedNotices | None = None  # the notices, in a backfilling step
         self.agreement: TPAgreement | None = None
         executor.bind(inbox.wake.set)
 
@@ -87,6 +94,8 @@ class SchedulerLoop:
         running.clear()
         inbox, ex = self.inbox, self.executor
         wake = inbox.wake
+        bf = getattr(arb, "backfill", None)  # a forward-only step's arbiter never backfills
+        notices = self._noticing = self.notices if bf is not None else None
         try:
             while True:
                 if inbox.error is not None:
@@ -110,11 +119,15 @@ class SchedulerLoop:
                     if not running:
                         return
                 elif arb.running is None and len(running) < ex.window:
+                    if notices is not None:
+                        bf.now = notices.clock()
                     task = arb.next() if self.agree is None else await self._agreed(arb)
                     if task is _AGAIN:  # the TP group disagreed: look at arrivals, arbitrate again
                         await asyncio.sleep(0)
                         continue
                     if task is not None:
+                        if notices is not None:  # before the task: an inline one runs inside launch
+                            notices.started(step, task)
                         p = ex.launch(task, run_fn)
                         if p.done and p.error is None:  # inline: finished inside launch
                             if self.task_delay is not None:
@@ -167,6 +180,8 @@ class SchedulerLoop:
             stats.records.append(TaskRecord(self.rank, step, p.task, p.t0, t1))
         self._last_end = t1
         self._progress = self._clock()
+        if self._noticing is not None:
+            self._noticing.finished(p.task)
         self.executor.release(p)
         if hooks is not None:
             hooks.task_done(p.task)
@@ -174,6 +189,8 @@ class SchedulerLoop:
     # ------------------------------------------------------------ watchdog
     async def _wait_for_event(self) -> None:
         wake = self.inbox.wake
+        if self._noticing is not None:
+            self._noticing.idle()
         if self.watchdog <= 0:
             await wake.wait()
             return

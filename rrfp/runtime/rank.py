@@ -39,6 +39,7 @@ from .executor import Executor, InlineExecutor
 from ..scheduler.forward import ForwardArbiter
 from .hooks import HookRunner, StepHooks
 from .inbox import Inbox
+from .notices import StartedNotices
 from .loop import DelayFn, SchedulerLoop
 from .ordered import _OrderedGrads
 from .outbox import Outbox
@@ -66,6 +67,8 @@ class StepStats:
         n_tasks: tasks run.
         peak_bytes: the most activation bytes held at once, as measured for the memory
             budget (0 without one; :mod:`rrfp.runtime.memory`).
+        n_backfilled: tasks a backfilling hint ran ahead of its strict order
+            (:mod:`rrfp.scheduler.backfill`; 0 under any other hint).
     """
 
     step: int
@@ -77,6 +80,7 @@ class StepStats:
     peak_mb_inflight: int = 0
     records: list[TaskRecord] = field(default_factory=list)
     peak_bytes: int = 0
+    n_backfilled: int = 0
 
     @property
     def bubble(self) -> float:
@@ -114,6 +118,8 @@ class RankRuntime:
             (the :class:`~rrfp.runtime.compute.TaskCompute`): the parts (see the module
             docstring). The knobs live on their parts: ``loop.watchdog``, ``loop.task_delay``,
             ``loop.record``, ``compute.loss_fn``; refusals are counted in ``inbox.rejected``.
+        notices: backfilling's :class:`~rrfp.runtime.notices.StartedNotices` (its cost
+            averages, the started notices sent and received; its ``clock``).
     """
 
     def __init__(
@@ -164,6 +170,9 @@ class RankRuntime:
             self.inbox.place = lambda stage, tensors: copies.to_device(stage.device, tensors)
         self.loop = SchedulerLoop(rank, self.inbox, self.executor, watchdog=watchdog, task_delay=task_delay,
                                   record=record)
+        # Backfilling's notices: admitted whatever this step's hint (a neighbour may already run
+        # the next step under another), sent and read only in backfilling steps.
+        self.notices = self.inbox.notices = self.loop.notices = StartedNotices(spec, rank, self.outbox.send_control)
         self._loss_total = self._loss_global = None
         self.hooks = HookRunner(self.stages, spec.n_microbatches, finalising_kind(spec.split_backward))
         self._receiving = False
@@ -272,7 +281,7 @@ class RankRuntime:
         inbox = self.inbox
         if inbox.error is not None:
             raise inbox.error
-        arb = self._arbiter(forward_only)
+        arb = self._arbiter(forward_only, step)
         compute = self.compute
         compute.begin_step(kwargs, outputs, forward_only)
         self.executor.begin_step()
@@ -297,6 +306,8 @@ class RankRuntime:
         stats.peak_inflight = arb.peak_inflight
         stats.peak_mb_inflight = arb.peak_mb_inflight
         stats.peak_bytes = arb.peak_bytes
+        if getattr(arb, "backfill", None) is not None:
+            stats.n_backfilled = arb.backfill.n_backfilled
         if weights is not None:
             if losses is not None:
                 losses.extend(mb_losses)
@@ -335,11 +346,15 @@ class RankRuntime:
         if kwargs is not None and len(kwargs) != M:
             raise ValueError(f"keyword inputs for {len(kwargs)} microbatches, expected {M}")
 
-    def _arbiter(self, forward_only: bool):
+    def _arbiter(self, forward_only: bool, step: int):
         if forward_only:
             return ForwardArbiter(self.spec, self.rank)
+        backfill = None
+        if self.hint.backfill and self.strict:
+            backfill = self.notices.backfill(step, self.spec)
         arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit,
-                      memory_budget=self.memory_budget, act_bytes=self._sizer, w_bytes=self._wbytes)
+                      memory_budget=self.memory_budget, act_bytes=self._sizer, w_bytes=self._wbytes,
+                      backfill=backfill)
         if self._sizer is not None:
             self._sizer.begin_step(self.router.waiting(Direction.ACT))
         return arb

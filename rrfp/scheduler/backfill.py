@@ -36,9 +36,14 @@ may be wrong by the estimate's error, and a backfilled task may delay its planne
 much.
 
 Where it runs: :func:`rrfp.sim.engine.simulate` drives it (notices instant and complete,
-averages shared by the ranks, or exact costs given). The runtime does not send "started"
-notices yet; its arbiter gets no :class:`Backfill`, so a ``backfill`` hint runs its strict
-order there.
+averages shared by the ranks, or exact costs given), and so does the runtime
+(:mod:`rrfp.runtime.notices`): each rank estimates from its own measured task times (the
+fewest seconds seen for a notice, the most for a task it may backfill), a rank
+starting a task whose output goes to another rank sends that rank a "started, estimated
+seconds" control message, and the receiver turns it into an end on its own clock (receipt
+time plus the seconds: the notice travels the link ahead of the output). Notices may be in
+transit there (``complete_notices=False``), so without one a rank does not backfill, and with
+estimated costs the guarantee above holds only up to the estimates' error.
 
 Pure module: no torch, no asyncio, no I/O.
 """
@@ -55,19 +60,34 @@ Estimate = Callable[[Task], "float | None"]
 
 class CostAverages:
     """Per-(stage, kind) running mean of task seconds: the estimate backfilling uses when
-    exact costs are unknown."""
+    exact costs are unknown (calling it); also the fewest and most seconds seen
+    (:meth:`low`, :meth:`high`), for bounds that must hold when costs vary."""
 
-    __slots__ = ("_sum", "_n")
+    __slots__ = ("_sum", "_n", "_lo", "_hi")
 
     def __init__(self) -> None:
         self._sum: dict[tuple[int, str], float] = {}
         self._n: dict[tuple[int, str], int] = {}
+        self._lo: dict[tuple[int, str], float] = {}
+        self._hi: dict[tuple[int, str], float] = {}
 
     def observe(self, task: Task, seconds: float) -> None:
         """One finished ``task`` took ``seconds``."""
         key = (task[0], task[1])
         self._sum[key] = self._sum.get(key, 0.0) + seconds
-        self._n[key] = self._n.get(key, 0) + 1
+        n = self._n[key] = self._n.get(key, 0) + 1
+        if n == 1 or seconds < self._lo[key]:
+            self._lo[key] = seconds
+        if n == 1 or seconds > self._hi[key]:
+            self._hi[key] = seconds
+
+    def low(self, task: Task) -> float | None:
+        """The fewest seconds a task of ``task``'s (stage, kind) took (None: none seen)."""
+        return self._lo.get((task[0], task[1]))
+
+    def high(self, task: Task) -> float | None:
+        """The most seconds a task of ``task``'s (stage, kind) took (None: none seen)."""
+        return self._hi.get((task[0], task[1]))
 
     def __call__(self, task: Task) -> float | None:
         key = (task[0], task[1])

@@ -50,9 +50,9 @@ interleaved 1F1B or ZB-V) with each backward split into ``I`` then ``W`` at once
 same bytes, but the gradient leaves after ``I``. ``strict-split`` runs it strictly."""
 BACKFILL = "backfill"
 """``backfill`` and ``backfill:<strict order>``: a strict order (default ``split``) with
-conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict. The simulator
-backfills (its "started" notices are instant); the runtime sends no "started" notices on its
-control plane, so there it runs the strict order and never backfills."""
+conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict. The simulator's
+"started" notices are instant; the runtime's travel on its control plane
+(:mod:`rrfp.runtime.notices`)."""
 WFLOAT = "wfloat"
 """The placement's split order (as ``split``) whose ``W`` tasks float later
 (:class:`~rrfp.scheduler.wfloat.WFloat`): forwards and input backwards keep the order, a
@@ -68,10 +68,11 @@ ORDER_HINTS = (STRICT_SPLIT, BACKFILL, WFLOAT, AHEAD)
 
 
 DEFAULT_HINT = "bf"
-"""The hint ``Pipeline``, ``LocalPipeline``, ``rrfp train`` and ``benchmarks/bench_sim.py`` use
-when none is given (the one definition). RRFP's BF: needs no split backward. ``bfw-mem`` is the
-best hint of the scenario suite (``docs/suite.md``): never below 1.00x at 1F1B's memory, but
-short of the 1.15x median there; README says which hint to use when."""
+"""The policy the simulator (``rrfp simulate`` without ``--hints``) and
+``benchmarks/bench_sim.py`` run when none is given: RRFP's BF, which needs no split backward.
+``rrfp train``, ``Pipeline`` and ``LocalPipeline`` default to ``auto`` instead
+(:mod:`rrfp.runtime.auto`), which measures the job and keeps the fastest candidate, never one
+measured slower than the strict schedule."""
 
 
 NOMINAL_DURATIONS = {F: 1.0, B: 2.0, I: 1.0, W: 1.0}

@@ -22,7 +22,7 @@ from .._secret import read_secret_file
 from ..errors import UsageError
 from ..runtime.config import DEFAULT_INFLIGHT_LIMIT
 from ..runtime.names import hint_text
-from ..scheduler.hints import HINT_NAMES, _forms
+from ..scheduler.hints import BACKFILL, HINT_NAMES, ORDER_HINTS, _forms
 from ..sim.auto import AUTO
 
 DEFAULT_STAGES = 4
@@ -66,7 +66,8 @@ def hint_problem(text: str, default: str | None) -> str | None:
         return None
     name = hint_text(text)
     name = name[len("strict-"):] if name.startswith("strict-") else name
-    if name in HINT_NAMES or name.startswith(("order:", "csv:")) or name.endswith(".csv"):
+    if (name in HINT_NAMES or name in ORDER_HINTS or name.startswith((BACKFILL + ":", "order:", "csv:"))
+            or name.endswith(".csv")):
         return None
     return f"--hint={text!r}: unknown hint {text!r}: expected one of {_forms()}, or {AUTO} (the default)"
 
