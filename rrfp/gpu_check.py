@@ -76,8 +76,9 @@ def check_local_pipeline(steps: int = 5, device: str = "cuda") -> bool:
     for window in (1, 2):
         ok = True
         stages = split_gpt(copy.deepcopy(model), 4)
+        # A named hint: under the default ``auto`` the timed steps would run several candidates.
         with LocalPipeline(stages, M, lm_loss, loss_weight_fn=count_tokens, device=dev, launch_ahead=window,
-                           watchdog=120) as pipe:
+                           watchdog=120, hint="bf") as pipe:
             n_streams = len({id(rt.executor.stream) for rt in pipe.runtimes}) if cuda else 0
             times = []
             for k in range(steps):
