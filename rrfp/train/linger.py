@@ -17,11 +17,13 @@ FINISHED_ENV = "RRFP_TRAIN_FINISHED_DIR"
 """Set by the ``rrfp train`` launcher in its ranks' environment: the folder of their marks."""
 
 
-def mark_finished(rank: int) -> None:
-    """This rank's training is over (called before its linger); nothing without the launcher."""
+def mark_finished(rank: int) -> bool:
+    """Mark this rank's training over (call before its linger). False, and nothing marked, when
+    not started by the ``rrfp train`` launcher (plain torchrun, ``rrfp node``)."""
     folder = os.environ.get(FINISHED_ENV)
     if folder:
         (Path(folder) / f"rank-{rank}").touch()
+    return bool(folder)
 
 
 def all_finished(folder: str | os.PathLike, world_size: int) -> bool:
