@@ -19,4 +19,9 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "${PIP[@]}" ${TORCH_SPEC:-torch==2.13.0}
 fi
 "${PIP[@]}" -e ".${extra}"
+# An editable install leaves rrfp's own modules uncompiled, and with PYTHONDONTWRITEBYTECODE
+# every process (each rank, launcher and daemon the tests start) compiled them again: 0.5 s of
+# CPU per rrfp train rank. Compiled here once; Python checks each .pyc against its source, so
+# an edited module is compiled afresh, never run stale.
+"$PY" -m compileall -q -j 0 rrfp benchmarks tests >/dev/null
 "$PY" -c "import torch, rrfp; print(f'rrfp {rrfp.__version__} with torch {torch.__version__}')"

@@ -25,7 +25,10 @@ from typing import Any, Sequence
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import compare, micro, report, report_peers, sim_targets  # noqa: E402
+# Torch-free: compare, micro and report import torch, so run and render import them, after
+# options_error has checked the options.
+from benchmarks import report_peers, sim_targets  # noqa: E402
+from benchmarks import settings as setting_table  # noqa: E402
 from rrfp import _json as strict_json  # noqa: E402
 from rrfp.bench_cli import add_options  # noqa: E402
 
@@ -47,9 +50,9 @@ MAX_TIMEOUT_S = 86400.0
 def options_error(args: argparse.Namespace) -> str | None:
     """One line naming a bad option, or None."""
     names = [s for s in args.settings.split(",") if s]
-    bad = [s for s in names if s not in compare.SETTINGS]
+    bad = [s for s in names if s not in setting_table.SETTINGS]
     if bad or not names:
-        return f"--settings {args.settings!r}: expected a comma-separated subset of {', '.join(compare.SETTINGS)}"
+        return f"--settings {args.settings!r}: expected a comma-separated subset of {', '.join(setting_table.SETTINGS)}"
     from rrfp.scheduler.hints import resolve_hint
     from rrfp.scheduler.tasks import Placement
 
@@ -91,7 +94,7 @@ def estimate_seconds(args: argparse.Namespace, parts: Sequence[str], settings: S
         if not args.quick:
             out["probe"] = fixed["probe"]
         for name in settings:
-            cfg = compare.setting_config(name, quick=args.quick, rounds=args.rounds, candidates=_candidates(args))
+            cfg = setting_table.setting_config(name, quick=args.quick, rounds=args.rounds, candidates=_candidates(args))
             rounds = sum(2 + ph["rounds"] for ph in cfg["phases"])
             out[name] = START_S + START_S_PER_RANK * cfg["n_ranks"] + rounds * len(cfg["systems"]) * cfg["step_s"]
         if not args.no_sim and not args.quick:
@@ -205,6 +208,8 @@ def _publish(text: str, results: dict, args: argparse.Namespace, how: str) -> in
 
 
 def run(args: argparse.Namespace) -> int:
+    from benchmarks import compare, micro, report
+
     if args.from_json:
         return rerender(args)
     parts = [p for p in PARTS if getattr(args, p)] or list(PARTS)
@@ -317,6 +322,8 @@ def _raw_numbers(command: str) -> str:
 
 
 def render(results: dict, args: argparse.Namespace, command: str | None = None) -> str:
+    from benchmarks import report
+
     m = results["machine"]
     command = command or _command(args)
     lines = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from typing import NoReturn
 
@@ -60,7 +61,15 @@ class ArgumentParser(argparse.ArgumentParser):
     prints ``<prog>: error: <argparse's message>`` to stderr, without the usage block
     (``--help`` still prints it). :func:`main` passes it to ``add_subparsers`` as
     ``parser_class``, so every subcommand's parser is one too.
+
+    A value that reads as a negative quantity (``-5MiB``, ``-1e-3``, ``-2.5``) is taken as the
+    flag's value, so the flag's own check names it; argparse would take it for a flag and say
+    only "expected one argument".
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[A-Za-z]*$")
 
     def error(self, message: str) -> NoReturn:
         """Print one line naming the problem and exit.

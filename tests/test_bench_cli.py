@@ -53,6 +53,24 @@ def test_a_missing_hint_file_or_a_folder_for_from_json_is_one_line(tmp_path, cap
     assert capfd.readouterr().err.strip() == f"rrfp bench: error: --from-json {tmp_path}: is a folder, expected a file"
 
 
+@pytest.mark.parametrize("argv,line", [
+    (["--settings", "nope"], "rrfp bench: error: --settings 'nope': expected a comma-separated subset of jitter4, "),
+    (["--rounds", "0"], "rrfp bench: error: --rounds 0: expected at least 1"),
+    (["--timeout", "nan"], "rrfp bench: error: --timeout nan: expected a positive number of seconds, at most 86400"),
+    (["--candidates", "bf,zzz"], "rrfp bench: error: --candidates 'zzz': unknown hint 'zzz'"),
+])
+def test_bad_options_are_refused_before_torch_loads(argv, line, tmp_path):
+    """``rrfp bench`` and the benchmark program it starts: one line, exit 2, and neither process
+    imported torch (PYTHONPROFILEIMPORTTIME, inherited by the program, lists both's imports)."""
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    p = subprocess.run([sys.executable, "-m", "rrfp", "bench", *argv], capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path, env=env)
+    imports = [ln.split("|")[-1].strip() for ln in p.stderr.splitlines() if ln.startswith("import time:")]
+    errors = [ln for ln in p.stderr.splitlines() if not ln.startswith("import time:")]
+    assert "benchmarks.settings" in imports and "torch" not in imports, imports  # the program ran its checks
+    assert p.returncode == 2 and len(errors) == 1 and errors[0].startswith(line), p.stderr[-2000:]
+
+
 def test_the_launcher_removes_its_temporary_folder(tmp_path, monkeypatch):
     """Each launch (the probe, every setting) made an ``rrfp-bench-*`` folder and left it."""
     monkeypatch.setattr(launcher.tempfile, "tempdir", str(tmp_path))

@@ -105,6 +105,20 @@ def test_a_stale_lock_is_taken_over_and_only_the_dead_jobs_leftovers_go(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(LOCK_FILE)) == [LOCK_FILE]
 
 
+def test_a_lock_dated_ahead_of_this_hosts_clock(tmp_path):
+    """A holder's clock (or file server's) ahead of ours by up to a lease is skew: the lock is
+    live and its refusal says how far ahead; further ahead, it is taken over like a stale one."""
+    Lease(tmp_path, "other-job", host="pod-a", pid=11).acquire()
+    mtime = (tmp_path / LOCK_FILE).stat().st_mtime
+    behind = Lease(tmp_path, "new-job", host="pod-b", pid=12, clock=lambda: mtime - 42)
+    with pytest.raises(FolderInUse, match="renewed 42 s ahead of this host's clock"):
+        behind.acquire()
+    assert _lock(tmp_path)["job"] == "other-job"
+    far_behind = Lease(tmp_path, "new-job", host="pod-b", pid=12, clock=lambda: mtime - 3600)
+    far_behind.acquire()
+    assert _lock(tmp_path)["job"] == "new-job"
+
+
 def test_a_lock_of_a_dead_pid_on_this_host_is_taken_over_at_once(tmp_path):
     host = socket.gethostname()
     Lease(tmp_path, "crashed", host=host, pid=_dead_pid()).acquire()

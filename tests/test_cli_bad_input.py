@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rrfp.cli import main
+from rrfp.errors import UsageError
 
 NODE_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
             "JOB_COMPLETION_INDEX", "MASTER_ADDR", "MASTER_PORT")
@@ -34,6 +35,22 @@ def test_node_bad_master_addr(addr, capsys, no_launch):
     assert main(["node", "--master-addr", addr, "--", "--stages", "2"]) == 2
     line = _one_line(capsys, "node")
     assert f"--master-addr={addr!r}: expected a host name, an IPv4 address or an IPv6 address" in line
+
+
+@pytest.mark.parametrize("host", ["head-0.job.svc", "10.0.0.1", "::1", "fe80::1", "2001:db8::7", "node_1", "a",
+                                  "bad host", "", "a/b", "[::1", "[::1]", "fe80::1%eth0", "h:1", "x y.z", "ü.example"])
+def test_node_host_check_accepts_only_what_the_agent_accepts(host):
+    """rrfp node checks hosts before torch loads; whatever it accepts, the elastic agent's own
+    endpoint parser accepts too (the agent would otherwise fail with a traceback)."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    from rrfp.node.cli import _check_host
+
+    try:
+        _check_host(host, "--master-addr")
+    except UsageError:
+        return
+    assert parse_rendezvous_endpoint(f"{host}:29500", default_port=29500) == (host, 29500)
 
 
 def test_node_bad_master_addr_from_the_environment_names_the_variable(capsys, no_launch, monkeypatch):

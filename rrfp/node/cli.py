@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import re
 import shutil
 import signal
 import socket
@@ -144,18 +145,18 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.metrics_port and (problem := port_problem(args.metrics_addr, args.metrics_port, 1,
                                                       f"--metrics-port={args.metrics_port}")):
         raise UsageError(problem)
-    train_cli.validate(targs)  # the checks that need torch
-    if auto_resume:
-        train_args += ["--resume", "auto"]  # a restarted group continues from the last checkpoint
     master_addr = _from_env(args, "master_addr", "127.0.0.1")
-    _check_host(master_addr, port, _source(args, "master_addr"))
+    _check_host(master_addr, _source(args, "master_addr"))
     if getattr(args, "node_addr", None) is not None:
-        _check_host(args.node_addr, port, "--node-addr")
+        _check_host(args.node_addr, "--node-addr")
         node_addr = _resolve(args.node_addr, port, "--node-addr")
         if _net.interface_of(node_addr) is None:
             raise UsageError(f"--node-addr={args.node_addr!r}: no interface of this host has address {node_addr}")
     else:
         node_addr = None  # found in run(): node 0's name may resolve only once its pod runs
+    train_cli.validate(targs)  # the checks that need torch
+    if auto_resume:
+        train_args += ["--resume", "auto"]  # a restarted group continues from the last checkpoint
     if getattr(args, "run_dir", None) is not None:
         _check_run_dir(args.run_dir)  # last: it makes the folder
     return argparse.Namespace(
@@ -172,24 +173,32 @@ def _source(args: argparse.Namespace, name: str) -> str:
     return next((var for var in ENV[name] if os.environ.get(var)), flag)
 
 
-def _check_host(host: str, port: int, what: str) -> None:
-    """Refuse a host the elastic agent would reject with a traceback, checked by the agent's own
-    parser (torch's ``parse_rendezvous_endpoint``), so both agree on what a host is.
+HOST_NAME = re.compile(r"[\w.-]+")
+"""A host name as the elastic agent's endpoint parser takes one (letters, digits, ``_``, ``-``
+and dots; torch's ``parse_rendezvous_endpoint``)."""
+
+
+def _check_host(host: str, what: str) -> None:
+    """Refuse a host the elastic agent would reject with a traceback, before torch loads: an
+    IPv4 or IPv6 address, or a name of :data:`HOST_NAME`'s characters.
 
     Raises:
         UsageError: one line naming the flag (or variable) and the value.
     """
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
     if host.replace(".", "").isdigit():  # dotted digits are an IPv4 address or nothing, never a name to look up
         try:
             ipaddress.IPv4Address(host)
         except ValueError:
             raise UsageError(f"{what}={host!r}: not an IPv4 address (four numbers 0-255)") from None
+        return
     try:
-        parse_rendezvous_endpoint(f"{host}:{port}", default_port=port)
+        ipaddress.ip_address(host)
+        if "%" not in host:  # a scoped IPv6 address (fe80::1%eth0): the agent's parser refuses the zone
+            return
     except ValueError:
-        raise UsageError(f"{what}={host!r}: expected a host name, an IPv4 address or an IPv6 address") from None
+        if HOST_NAME.fullmatch(host):
+            return
+    raise UsageError(f"{what}={host!r}: expected a host name, an IPv4 address or an IPv6 address")
 
 
 def _host_rendezvous_store(addr: str):

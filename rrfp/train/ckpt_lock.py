@@ -9,8 +9,8 @@ exists, on local and network file systems alike). The holder renews it (its mtim
 * free (no lock): it takes it;
 * held by the same job (same job identity: a replaced pod, the other node of a multi-node
   job on shared storage, a restarted daemon): it takes it over;
-* held by a dead job (not renewed for :data:`LEASE_S` s, or its pid gone on this very host):
-  it breaks the stale lock and takes it;
+* held by a dead job (not renewed for :data:`LEASE_S` s, dated more than that ahead of this
+  host's clock, or its pid gone on this very host): it breaks the stale lock and takes it;
 * held by another live job: refused in one line naming that job.
 
 A commit (rank 0) checks the lock again and refuses to commit into a folder another job has
@@ -114,15 +114,22 @@ class Lease:
 
     # ------------------------------------------------------------------ judging
     def stale(self, desc: dict, mtime: float) -> bool:
-        """Whether the lock ``desc`` (renewed at ``mtime``) belongs to a dead job."""
-        if self.clock() - mtime > self.lease_s:
+        """Whether the lock ``desc`` (renewed at ``mtime``, seconds since the epoch) belongs to a
+        dead job: not renewed for ``lease_s``, or dated more than ``lease_s`` ahead of this
+        host's clock. A holder renews with its own (or its file server's) clock, so a date
+        ahead by up to a lease is clock skew between hosts and counts as just renewed; further
+        ahead, no clock within a lease of ours renewed it (a copied or hand-touched file), and
+        a live holder that did would find the folder taken before its next commit
+        (:func:`check_owner`)."""
+        if abs(self.clock() - mtime) > self.lease_s:
             return True
         return desc.get("host") == self.host and isinstance(desc.get("pid"), int) and not _pid_alive(desc["pid"])
 
     def _refusal(self, desc: dict, mtime: float) -> str:
-        age = max(0.0, self.clock() - mtime)
+        age = self.clock() - mtime
+        when = f"{age:.0f} s ago" if age > -0.5 else f"{-age:.0f} s ahead of this host's clock"
         return (f"in use by job {desc['job']!r} (pid {desc.get('pid')} on {desc.get('host')}, lock {self.path} "
-                f"renewed {age:.0f} s ago): expected a folder no other job writes (a lock not renewed for "
+                f"renewed {when}): expected a folder no other job writes (a lock not renewed for "
                 f"{self.lease_s:g} s is taken over)")
 
     # ------------------------------------------------------------------ taking

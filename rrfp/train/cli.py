@@ -243,16 +243,32 @@ def launch(args: argparse.Namespace) -> int:
     if made_secret:
         os.environ[ENV_SECRET] = JobAuth.generate()
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    finished = None
+    if getattr(args, "metrics_linger", 0) > 0:
+        import tempfile
+
+        from .linger import FINISHED_ENV
+
+        finished = tempfile.TemporaryDirectory(prefix="rrfp-train-finished-")
+        os.environ[FINISHED_ENV] = finished.name
     try:
-        return _run_launcher(run_args, (args.dp, args.tp))
+        return _run_launcher(run_args, (args.dp, args.tp),
+                             finished and (finished.name, args.stages * args.dp * args.tp))
     finally:
         if made_secret:
             os.environ.pop(ENV_SECRET, None)
         os.environ.pop(LAUNCHER_PID_ENV, None)
+        if finished is not None:
+            from .linger import FINISHED_ENV
+
+            os.environ.pop(FINISHED_ENV, None)
+            finished.cleanup()
 
 
-def _run_launcher(run_args, degrees: tuple[int, int] | None = None) -> int:
-    """torchrun's ``run`` on the prepared arguments; the exit code of ``rrfp train``."""
+def _run_launcher(run_args, degrees: tuple[int, int] | None = None, finished: tuple[str, int] | None = None) -> int:
+    """torchrun's ``run`` on the prepared arguments; the exit code of ``rrfp train``.
+    ``finished``: the folder where the ranks mark their training over and the world size
+    (rrfp/train/linger.py): a signal after every rank marked it ends the linger, exit 0."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -273,6 +289,12 @@ def _run_launcher(run_args, degrees: tuple[int, int] | None = None) -> int:
         return 1
     except (KeyboardInterrupt, SignalException) as e:
         sig = getattr(e, "sigval", signal.SIGINT)
+        if finished is not None:
+            from .linger import all_finished
+
+            if all_finished(*finished):
+                say(f"rrfp train: {signal.Signals(sig).name} ended --metrics-linger; training had finished")
+                return 0
         say(f"rrfp train: stopped by {signal.Signals(sig).name}; the ranks were stopped too", sys.stderr)
         return 128 + int(sig)
     finally:

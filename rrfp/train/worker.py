@@ -95,6 +95,13 @@ def _main(args: argparse.Namespace) -> int:
     run.train()
     if args.trace:
         write_trace(args, layout.pp_rank, layout.pp, run.records, run.out_bytes or {}, run.step_log)
+    from .linger import mark_finished
+
+    if metrics_server is not None and args.metrics_linger > 0 and mark_finished(layout.rank):
+        dist.barrier()  # every rank marked: from the line below, a SIGTERM finds training over
+        if layout.rank == 0:
+            say(f"rrfp train: training finished; serving the final metrics for {args.metrics_linger:g} s "
+                "(--metrics-linger; SIGTERM or Ctrl-C ends it, exit 0)")
     dist.destroy_process_group()
     if metrics_server is not None:
         from ..obs.server import linger

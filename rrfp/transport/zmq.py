@@ -77,6 +77,9 @@ _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
 )
+START_RETRIES = 3
+"""Handshakes in a row to one peer that may end without an outcome before its first succeeds
+(see ``_monitor``); the next such failure counts the peer lost."""
 
 
 class ZmqTransport(Transport):
@@ -135,6 +138,7 @@ class ZmqTransport(Transport):
         for k in ("rejected_handshake", "rejected_identity", "rejected_oversize", "rejected_store",
                   "rejected_unknown_peer"):
             self.stats[k] = 0
+        self.handshake_retries = 0  # start-up handshakes cut without an outcome, then retried
         # Lost-rank notices received: sender -> the rank it says was lost first.
         self._notices: dict[int, int] = {}
         self._notice_sent = False
@@ -332,11 +336,29 @@ class ZmqTransport(Transport):
                 self._progress.set()
 
     async def _monitor(self, p: int, mon: zmq.asyncio.Socket) -> None:
+        # Before the first handshake with p succeeds (inside start(), under its deadline), a
+        # handshake cut without an outcome (HANDSHAKE_FAILED_NO_DETAIL: the connection closed
+        # or outlasted ZeroMQ's handshake interval, as when a loaded peer's gatekeeper thread
+        # waits for CPU) and the disconnect that follows are no loss: libzmq reconnects, and
+        # nothing was sent yet. Up to START_RETRIES in a row; an authentication or protocol
+        # failure (a wrong key, not rrfp) is never retried, nor anything once connected.
+        cut_in_a_row = 0
         try:
             while True:
                 ev = parse_monitor_message(await mon.recv_multipart())
                 what = ev["event"]
+                starting = not self._connected[p].done()
+                if starting and cut_in_a_row and what == zmq.EVENT_DISCONNECTED:
+                    continue  # the cut handshake's own disconnect: libzmq reconnects
+                if (starting and what == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                        and cut_in_a_row < START_RETRIES and not self._closed):
+                    cut_in_a_row += 1
+                    self.handshake_retries += 1
+                    log.info("rank %d: handshake with rank %d cut before an outcome; reconnecting (%d of %d)",
+                             self.rank, p, cut_in_a_row, START_RETRIES)
+                    continue
                 if what == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    cut_in_a_row = 0
                     if not self._connected[p].done():
                         self._connected[p].set_result(None)
                 elif what == zmq.EVENT_DISCONNECTED:
@@ -347,7 +369,8 @@ class ZmqTransport(Transport):
                         f"gone, or no heartbeat answer for {self._hb_timeout_ms / 1000:g} s)",
                     )
                 elif what in _HANDSHAKE_FAILED:
-                    self._on_disconnect(p, f"ZMTP handshake failed ({zmq.Event(what).name})")
+                    tries = f", {cut_in_a_row + 1} times in a row" if cut_in_a_row else ""
+                    self._on_disconnect(p, f"ZMTP handshake failed ({zmq.Event(what).name}{tries})")
                 elif what == zmq.EVENT_MONITOR_STOPPED:
                     return
         except asyncio.CancelledError:
