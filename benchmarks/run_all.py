@@ -56,8 +56,13 @@ def options_error(args: argparse.Namespace) -> str | None:
     from rrfp.scheduler.hints import resolve_hint
     from rrfp.scheduler.tasks import Placement
 
+    if getattr(args, "candidates", None) is not None and not _candidates(args):
+        return f"--candidates {args.candidates!r}: expected one or more hint names, comma-separated"
     for flag, hints in (("--hint", [args.hint] if args.hint else []), ("--candidates", _candidates(args))):
         for h in hints:
+            if h == "auto":
+                return (f"{flag} 'auto': auto chooses among hints on a job's own steps, more steps than a "
+                        "phase has; name the hints to measure (e.g. strict-split,wfloat,bfw-mem)")
             try:
                 resolve_hint(h, Placement(4), 16)
             except ValueError as e:

@@ -46,7 +46,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hint", default=None,
                    help="hint of the 'rrfp default' rows (a candidate); without it, bf (rrfp.scheduler.hints.DEFAULT_HINT: "
                    "Pipeline's own default, auto, spends more steps measuring and trying than a phase has)")
-    p.add_argument("--candidates", default="",
+    p.add_argument("--candidates", default=None,
                    help="more hints, comma-separated, each run at 1F1B's and GPipe's memory beside the default hint "
                         "in the same rounds (paired), e.g. bfw-alt-df,bfw-alt")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds per phase; without it, each setting's own")

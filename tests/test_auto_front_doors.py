@@ -104,7 +104,8 @@ def test_closing_before_a_choice_says_so(caplog):
     caplog.set_level(logging.INFO, logger="rrfp")
     auto, _ = _run_local(None, steps=2)
     assert auto.chosen is None
-    want = (f"hint auto: closed after 2 steps, at least {auto.steps_needed() - 2} before a choice; the last ran "
+    want = (f"hint auto: closed after 2 steps, at least {auto.steps_needed() - 2} more were needed for a choice; "
+            f"the last ran "
             f"{auto.strict} (run_length() keeps {auto.strict} throughout a run too short to choose)")
     assert [r.getMessage() for r in caplog.records if r.name == "rrfp"][-1] == want
 
@@ -226,3 +227,36 @@ def test_every_rank_of_a_pipeline_switches_alike_and_matches_the_reference(tmp_p
             torch.testing.assert_close(torch.tensor(b["losses"][k]), ref_loss, rtol=RTOL, atol=ATOL)
             for got, want in zip(a["grads"][k] + b["grads"][k], [g for gs in ref_grads for g in gs]):
                 torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("steps", [-1, 2.5, "x", None, True])
+def test_run_length_refuses_what_is_not_a_number_of_steps(steps):
+    with rrfp.LocalPipeline(_modules(), M, F.mse_loss) as pipe:
+        with pytest.raises(ValueError, match=rf"run_length\({steps!r}\): expected the run's number of steps"):
+            pipe.auto.run_length(steps)
+
+
+def test_run_length_after_the_first_step_is_refused():
+    """It decides the plan before the first step; later it would silently switch to strict."""
+    mods = _modules()
+    with rrfp.LocalPipeline(mods, M, F.mse_loss) as pipe:
+        x, y = _batch(0)
+        pipe.step(x, target=y)
+        with pytest.raises(RuntimeError, match=r"run_length\(6\) after 1 steps: call it before the first step"):
+            pipe.auto.run_length(6)
+
+
+@pytest.mark.parametrize("options, line", [
+    ({"watchdog": -1}, "watchdog=-1: expected seconds >= 0 (0 disables the watchdog)"),
+    ({"watchdog": float("nan")}, "watchdog=nan: expected seconds >= 0"),
+    ({"deterministic": "yes"}, "deterministic='yes': expected True or False"),
+])
+def test_library_options_are_checked_as_the_cli_checks_them(options, line):
+    with pytest.raises(ValueError) as e:
+        rrfp.LocalPipeline(_modules(), M, F.mse_loss, **options)
+    assert str(e.value).startswith(line)
+
+
+def test_hint_none_means_the_default():
+    with rrfp.LocalPipeline(_modules(), M, F.mse_loss, hint=None) as pipe:
+        assert pipe.auto is not None and pipe.hint_name == pipe.auto.strict

@@ -58,6 +58,8 @@ def test_a_missing_hint_file_or_a_folder_for_from_json_is_one_line(tmp_path, cap
     (["--rounds", "0"], "rrfp bench: error: --rounds 0: expected at least 1"),
     (["--timeout", "nan"], "rrfp bench: error: --timeout nan: expected a positive number of seconds, at most 86400"),
     (["--candidates", "bf,zzz"], "rrfp bench: error: --candidates 'zzz': unknown hint 'zzz'"),
+    (["--candidates", ""], "rrfp bench: error: --candidates '': expected one or more hint names, comma-separated"),
+    (["--candidates", "auto,bf"], "rrfp bench: error: --candidates 'auto': auto chooses among hints"),
 ])
 def test_bad_options_are_refused_before_torch_loads(argv, line, tmp_path):
     """``rrfp bench`` and the benchmark program it starts: one line, exit 2, and neither process

@@ -329,3 +329,19 @@ def test_notices_announce_the_fastest_seconds_and_backfill_takes_the_slowest():
     assert got[-1][2]["s"] == pytest.approx(0.1)
     assert n.averages(Task(0, F, 0)) == pytest.approx(0.2)
     assert n.backfill(0, spec).estimate(Task(0, F, 3)) == pytest.approx(0.3)
+
+
+def test_a_control_message_whose_meta_is_not_a_map_is_refused_and_counted():
+    """The wire codec refuses it; a transport that hands it over anyway must not fail the rank."""
+    cfg = ToyConfig()
+    x, y = toy_batch(cfg, 8, seed=1)
+    losses = []
+    for forge in (False, True):
+        with LocalPipeline(split_toy(ToyModel(cfg, seed=0), 2), 2, toy_loss, hint="bf") as pipe:
+            inbox = pipe.runtimes[1].inbox
+            if forge:
+                inbox.on_message(Message(0, MsgKey(pipe.runtimes[1].job, 0, 0, 0, Direction.CTL), [],
+                                         ["not", "a", "map"]))
+                assert inbox.rejected == 1
+            losses.append(pipe.step(*x, target=y))
+    assert losses[0] == losses[1]

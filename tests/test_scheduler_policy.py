@@ -121,3 +121,9 @@ def test_kind_table():
     assert finalising_kind(False) == B and finalising_kind(True) == W
     assert [k.name for k in KINDS.values() if k.needs_agreement] == ["F", "B", "I"]
     assert [k.name for k in KINDS.values() if k.frees_input] == ["B", "I"]
+
+
+def test_backfill_over_an_unknown_order_names_what_was_typed():
+    with pytest.raises(ValueError) as e:
+        resolve_hint("backfill:nosuch", Placement(2), 4)
+    assert str(e.value).startswith("hint 'backfill:nosuch': its strict order 'nosuch' does not resolve: ")

@@ -258,7 +258,16 @@ class AutoHint:
 
     def run_length(self, steps: int) -> None:
         """This run makes ``steps`` more steps (call before the first): fewer than
-        :meth:`steps_needed` keeps the strict schedule throughout, said in one line."""
+        :meth:`steps_needed` keeps the strict schedule throughout, said in one line.
+
+        Raises:
+            ValueError: ``steps`` not an integer >= 0.
+            RuntimeError: called after this controller's first step.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"run_length({steps!r}): expected the run's number of steps, an integer >= 0")
+        if self.steps:
+            raise RuntimeError(f"run_length({steps}) after {self.steps} steps: call it before the first step")
         self.run_steps = steps
         self.too_short = steps < self.steps_needed()
         if self.too_short:
@@ -278,7 +287,8 @@ class AutoHint:
             return None
         left = len(self.plan) if self.ranking is not None else max(1, self.steps_needed() - self.steps)
         return (f"hint auto: closed after {self.steps} step{'s' if self.steps != 1 else ''}, "
-                f"{'' if self.ranking is not None else 'at least '}{left} before a choice; the last ran {self.current} "
+                f"{'' if self.ranking is not None else 'at least '}{left} more were needed for a choice; "
+                f"the last ran {self.current} "
                 f"(run_length() keeps {self.strict} throughout a run too short to choose)")
 
     def _splits(self, name: str) -> bool:

@@ -194,14 +194,22 @@ def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: in
     :data:`DEFAULT_INFLIGHT_LIMIT`. ``rrfp train`` resolves its flags through here too.
 
     Raises:
-        ValueError: an unknown hint, placement, backpressure or budget, bad limits, or a
-            schedule that does not fit the shape (one line naming the value).
+        ValueError: an unknown hint, placement, backpressure or budget, bad limits, a negative
+            or NaN watchdog, a non-bool ``deterministic``, or a schedule that does not fit the
+            shape (one line naming the value).
         TypeError: a hint that is neither text nor a class.
     """
+    import math
+
+    if isinstance(config.watchdog, bool) or not isinstance(config.watchdog, (int, float)) \
+            or math.isnan(config.watchdog) or config.watchdog < 0:
+        raise ValueError(f"watchdog={config.watchdog!r}: expected seconds >= 0 (0 disables the watchdog)")
+    if not isinstance(config.deterministic, bool):
+        raise ValueError(f"deterministic={config.deterministic!r}: expected True or False")
     place = Placement(n_ranks, n_virtual, config.placement)
     given = config.inflight_limit is not None
     limits = inflight_limits(config.inflight_limit if given else DEFAULT_INFLIGHT_LIMIT, n_ranks)
-    text = hint_text(config.hint)
+    text = AUTO if config.hint is None else hint_text(config.hint)  # None: the default
     auto = text == AUTO
     budget = budget_bytes(config.memory_budget)
     if auto:

@@ -126,6 +126,8 @@ class Inbox:
             # forged flood cannot grow a rank's memory.
             if msg.tensors:
                 return self.reject(msg, "control message with tensors")
+            if not isinstance(msg.meta, dict):  # the codec refuses it; a transport that skips it must not crash us
+                return self.reject(msg, f"control meta of type {type(msg.meta).__name__}, expected a map")
             if msg.meta.get("kind") == STARTED:  # backfilling's started notice (rrfp.runtime.notices)
                 if self.notices is None:
                     return self.reject(msg, "a started notice, but this rank is not backfilling")

@@ -216,8 +216,12 @@ def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, ba
         base = base[len("strict-"):] if base.startswith("strict-") else base
         if not base or base == BACKFILL or base.startswith(BACKFILL + ":"):
             raise ValueError(f"hint {text!r}: expected backfill or backfill:<strict order>, e.g. backfill:1f1b")
-        spec, hint, _ = _resolve("strict-" + base, placement, n_microbatches, split_backward, inflight_limit,
-                                 backpressure)
+        try:
+            spec, hint, _ = _resolve("strict-" + base, placement, n_microbatches, split_backward, inflight_limit,
+                                     backpressure)
+        except ValueError as e:
+            # The inner message names "strict-<base>", a hint the user did not type.
+            raise ValueError(f"hint {text!r}: its strict order {base!r} does not resolve: {e}") from None
         return spec, dataclasses.replace(hint, name=name, backfill=True), True
     if name in FLOATING:
         if strict:
