@@ -9,6 +9,7 @@ runtime knob is one field here plus where the runtime reads it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Mapping, Sequence
 
 from ..scheduler.hints import Hint, resolve_hint
@@ -199,8 +200,6 @@ def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: in
             shape (one line naming the value).
         TypeError: a hint that is neither text nor a class.
     """
-    import math
-
     if isinstance(config.watchdog, bool) or not isinstance(config.watchdog, (int, float)) \
             or math.isnan(config.watchdog) or config.watchdog < 0:
         raise ValueError(f"watchdog={config.watchdog!r}: expected seconds >= 0 (0 disables the watchdog)")

@@ -43,7 +43,7 @@ import time
 from typing import Callable
 
 from ..scheduler.backfill import Backfill, CostAverages
-from ..scheduler.tasks import F, PipelineSpec, Task
+from ..scheduler.tasks import KINDS, F, PipelineSpec, Task
 from ..transport.base import Message
 
 STARTED = "started"
@@ -165,7 +165,7 @@ class StartedNotices:
             return "started notice: expected exactly kind, task and s"
         raw, s = meta["task"], meta["s"]
         if (type(raw) not in (list, tuple) or len(raw) != 3 or type(raw[0]) is not int
-                or type(raw[2]) is not int or raw[1] not in ("F", "B", "I", "W")):
+                or type(raw[2]) is not int or raw[1] not in KINDS):
             return f"started notice: task {raw!r} is not [stage, kind, microbatch]"
         stage, kind, mb = raw
         if not 0 <= stage < self.spec.n_stages or not 0 <= mb < self.spec.n_microbatches:

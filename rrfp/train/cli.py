@@ -17,6 +17,7 @@ from ..scheduler.hints import HINT_NAMES, ORDER_HINTS
 from ..sim.auto import AUTO
 from ..lines import say
 from .early import DEFAULT_STAGES, SAMPLE_POOL, check_flags
+from .linger import FINISHED_ENV, all_finished
 
 DEFAULTS = dict(
     stages=DEFAULT_STAGES,
@@ -248,8 +249,6 @@ def launch(args: argparse.Namespace) -> int:
     if getattr(args, "metrics_linger", 0) > 0:
         import tempfile
 
-        from .linger import FINISHED_ENV
-
         finished = tempfile.TemporaryDirectory(prefix="rrfp-train-finished-")
         os.environ[FINISHED_ENV] = finished.name
     try:
@@ -260,8 +259,6 @@ def launch(args: argparse.Namespace) -> int:
             os.environ.pop(ENV_SECRET, None)
         os.environ.pop(LAUNCHER_PID_ENV, None)
         if finished is not None:
-            from .linger import FINISHED_ENV
-
             os.environ.pop(FINISHED_ENV, None)
             finished.cleanup()
 
@@ -290,12 +287,9 @@ def _run_launcher(run_args, degrees: tuple[int, int] | None = None, finished: tu
         return 1
     except (KeyboardInterrupt, SignalException) as e:
         sig = getattr(e, "sigval", signal.SIGINT)
-        if finished is not None:
-            from .linger import all_finished
-
-            if all_finished(*finished):
-                say(f"rrfp train: {signal.Signals(sig).name} ended --metrics-linger; training had finished")
-                return 0
+        if finished is not None and all_finished(*finished):
+            say(f"rrfp train: {signal.Signals(sig).name} ended --metrics-linger; training had finished")
+            return 0
         say(f"rrfp train: stopped by {signal.Signals(sig).name}; the ranks were stopped too", sys.stderr)
         return 128 + int(sig)
     finally:
