@@ -62,6 +62,15 @@ GATED = "gated"
 """Verdict: every forward asks :meth:`Guard.permits`."""
 
 
+def admits(verdict, guard: "Guard", ready: ReadySet, state: "RankState", i: int) -> bool:
+    """Whether ``verdict`` (``guard.forward``'s) lets the forward at ready-set index ``i``
+    (``virtual index * n_mb + mb``) run: every forward under :data:`ANY`, one past the first
+    virtual stage under :data:`LATER`, the guard's :meth:`Guard.permits` under :data:`GATED`;
+    none under any other verdict (None, :data:`REFUSED`, a heap entry, :class:`Only`). The one
+    reading of a verdict for a policy that walks an order."""
+    return verdict is ANY or (verdict is LATER and i >= state.n_mb) or (verdict is GATED and guard.permits(ready, state, i))
+
+
 class Only(NamedTuple):
     """Verdict: the completion order's next task (an ``F`` or a backward), or None: only a
     ``W`` may fill the wait."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from .backfill import Backfill
-from .guards import ANY, GATED, LATER, REFUSED, Only, RankState
+from .guards import ANY, LATER, REFUSED, Only, RankState, admits
 from .memory import MemoryLedger, SizeFn, order_bytes
 from .readyset import KIND_CODE, ReadySet
 from .schedules import Order
@@ -176,11 +176,9 @@ class InOrder(_OrderPolicy):
                 if c == 2 and rdy[2][i]:
                     return order[j]
             return None
-        M = state.n_mb
         for j in range(pos, len(order)):
             c, i = keys[j]
-            if rdy[c][i] and (c != 0 or f is ANY or (f is LATER and i >= M)
-                              or (f is GATED and g.permits(ready, state, i))):
+            if rdy[c][i] and (c != 0 or admits(f, g, ready, state, i)):
                 return order[j]
         return None
 

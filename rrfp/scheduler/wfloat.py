@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .guards import ANY, GATED, LATER, Only, RankState
+from .guards import RankState, admits
 from .memory import MemoryLedger, SizeFn, order_bytes
 from .policy import InOrder, _OrderPolicy, register, room_ahead
 from .readyset import ReadySet
@@ -122,10 +122,7 @@ class WFloat(_OrderPolicy):
 
     def _guard_refuses(self, ready: ReadySet, state: RankState, i: int) -> bool:
         g = state.guard
-        f = g.forward(ready, state)
-        if f.__class__ is Only:
-            return True
-        return not (f is ANY or (f is LATER and i >= state.n_mb) or (f is GATED and g.permits(ready, state, i)))
+        return not admits(g.forward(ready, state), g, ready, state, i)
 
     def _first_w(self, ready: ReadySet, before: int | None = None) -> Task | None:
         """The order's first ready ``W``; with ``before`` (an order index) and :attr:`late`,
