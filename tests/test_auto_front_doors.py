@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rrfp
+from rrfp.errors import PipelineError
 from handover import rank_env, run_ranks
 from reference import ATOL, RTOL, sequential_reference
 from rrfp.sim.auto import TRIAL_ROUNDS
@@ -155,6 +157,41 @@ def test_the_control_plane_share_gathers_in_rank_order_and_keeps_other_messages(
         assert pipe.run(both(lambda r, sh: sh.max(1.0 + r))) == [2.0, 2.0]
         assert pipe.run(both(lambda r, sh: sh.sum(1.0 + r))) == [3.0, 3.0]
         assert [m.meta for m in shares[0].held] == [{"users": 1}] and shares[1].held == []
+
+
+@pytest.mark.parametrize("parts, says", [
+    ([{"of": 0}], "'of' 0: expected a count of parts, 1..4096"),
+    ([{"of": 10**9}], "'of' 1000000000"),
+    ([{"part": 2, "of": 2}], "'part' 2: expected 0..1"),
+    ([{"part": "0"}], "'part' '0'"),
+    ([{"rrfp-auto": 7}], "exchange 7: expected 1 or 2"),
+    ([{"rrfp-auto": 0}], "exchange 0: expected 1 or 2"),
+    ([{"items": "x"}], "'items': expected a list of at most 256 items"),
+    ([{"items": [1.0] * 257}], "'items': expected a list"),
+    ([{"of": 2}, {"of": 2}], "part 0 of 2 again"),
+    ([{"of": 2}, {"part": 1, "of": 3}], "a second count of parts (first 2)"),
+    ([{"rrfp-auto": 2, "of": 2}, {"rrfp-auto": 2, "of": 2}], "part 0 of exchange 2 again"),
+])
+def test_a_malformed_auto_part_from_a_peer_is_refused_naming_it(parts, says):
+    """A part no rank running this code sends (a count, index or exchange out of range, a
+    repeat) stops the exchange with one error naming the sender and the field; on main before
+    this check some were taken as figures (``of`` 0 ends the wait with no part) and others left
+    the rank waiting for parts that never come."""
+    from rrfp.runtime import auto
+
+    with rrfp.LocalPipeline(_modules(), M, F.mse_loss, hint="bf") as pipe:
+        pipe.step(*_batch(0)[:1], target=_batch(0)[1])
+        rts = pipe.runtimes
+        share = auto.ControlShare(rts[0], 2, timeout=60)  # a hang bound only
+
+        async def peer_sends():
+            for p in parts:
+                rts[1].send_control(0, 1, {"rrfp-auto": 1, "part": 0, "of": 1, "items": [9.0], **p})
+
+        pipe.run(peer_sends())
+        with pytest.raises(PipelineError, match=re.escape(f"rank 1 sent a malformed auto message (exchange 1): ")
+                           + ".*" + re.escape(says)):
+            pipe.run(share.max(1.0))
 
 
 # ------------------------------------------------------------------ processes

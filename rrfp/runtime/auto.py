@@ -34,6 +34,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Callable, Protocol, Sequence
 
+from ..errors import PipelineError
 from ..scheduler.hints import resolve_hint
 from ..scheduler.tasks import B, F, W
 from ..sim import auto as sim_auto
@@ -50,6 +51,10 @@ candidate other than the kept one, most of them within a few percent of it."""
 _PART_ITEMS = 256
 """Items per control message of :class:`ControlShare` (a record is ~50 bytes packed: well
 under the codec's 64 KiB header limit)."""
+
+_MAX_PARTS = 4096
+"""Most parts one exchange may have (a million items): a peer announcing more is refused
+before this rank waits for them."""
 
 
 class Share(Protocol):
@@ -128,14 +133,15 @@ class ControlShare:
 
     Raises (from each method):
         TimeoutError: a peer's part did not arrive within ``timeout`` seconds.
-        PipelineError: a peer was lost.
+        PipelineError: a peer was lost, or sent a part that this code cannot send (see
+            :func:`_check_part`).
     """
 
     def __init__(self, runtime: Any, n_ranks: int, timeout: float) -> None:
         self.rt, self.n, self.timeout = runtime, n_ranks, timeout or None
         self.seq = 0
         self.held: list = []
-        self._early: dict[tuple[int, int], list] = {}  # (seq, src) -> parts of a later exchange
+        self._early: dict[tuple[int, int], dict[int, dict]] = {}  # (seq, src) -> part -> its message
 
     async def _exchange(self, items: list) -> list[list]:
         self.seq += 1
@@ -148,15 +154,19 @@ class ControlShare:
         got: dict[int, dict[int, list]] = {r: {} for r in range(self.n) if r != me}
         want: dict[int, int] = {}
         for src in list(got):
-            for meta in self._early.pop((seq, src), []):
+            for meta in self._early.pop((seq, src), {}).values():
+                _check_part(meta, src, seq, self.n, me, got[src], want.get(src))
                 got[src][meta["part"]], want[src] = meta["items"], meta["of"]
         while any(len(got[r]) < want.get(r, 1) for r in got):
             msg = await self.rt.control(timeout=self.timeout)
             meta = msg.meta
             if not isinstance(meta, dict) or "rrfp-auto" not in meta:
                 self.held.append(msg)
-            elif meta["rrfp-auto"] != seq or msg.src not in got:
-                self._early.setdefault((meta["rrfp-auto"], msg.src), []).append(meta)
+                continue
+            early = self._early.setdefault((seq + 1, msg.src), {}) if meta.get("rrfp-auto") == seq + 1 else None
+            _check_part(meta, msg.src, seq, self.n, me, got.get(msg.src, {}), want.get(msg.src), early)
+            if early is not None:
+                early[meta["part"]] = meta
             else:
                 got[msg.src][meta["part"]], want[msg.src] = meta["items"], meta["of"]
         out = []
@@ -172,6 +182,35 @@ class ControlShare:
 
     async def gather(self, items: list) -> list:
         return [x for part in await self._exchange(list(items)) for x in part]
+
+
+def _check_part(meta: dict, src: Any, seq: int, n: int, me: int, have: dict, of: int | None,
+                early: dict | None = None) -> None:
+    """Refuse an ``auto`` part that a peer running this code cannot send: the ranks exchange in
+    lockstep, so a peer is at most one exchange ahead (it needs this rank's next part to finish
+    the one after), and every part of an exchange comes once, in one count of parts.
+
+    Raises:
+        PipelineError: naming the sender and the bad field; the ranks' choices would diverge.
+    """
+    def bad(what: str) -> PipelineError:
+        return PipelineError(f"rank {src} sent a malformed auto message (exchange {seq}): {what}")
+
+    if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < n or src == me:
+        raise bad(f"sender {src!r}: expected another rank of 0..{n - 1}")
+    k, part, parts, items = (meta.get(f) for f in ("rrfp-auto", "part", "of", "items"))
+    if type(k) is not int or k not in (seq, seq + 1):
+        raise bad(f"exchange {k!r}: expected {seq} or {seq + 1}")
+    if type(parts) is not int or not 1 <= parts <= _MAX_PARTS:
+        raise bad(f"'of' {parts!r}: expected a count of parts, 1..{_MAX_PARTS}")
+    if type(part) is not int or not 0 <= part < parts:
+        raise bad(f"'part' {part!r}: expected 0..{parts - 1}")
+    if not isinstance(items, list) or len(items) > _PART_ITEMS:
+        raise bad(f"'items': expected a list of at most {_PART_ITEMS} items")
+    if k == seq and ((of is not None and parts != of) or part in have):
+        raise bad(f"part {part} of {parts} again, or a second count of parts (first {of})")
+    if early is not None and part in early:
+        raise bad(f"part {part} of exchange {k} again")
 
 
 def switch_hint(pipe: Any, text: str, limits: Sequence[int], backpressure: str = "admission") -> None:
