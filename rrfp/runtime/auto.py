@@ -273,7 +273,7 @@ class AutoHint:
         self.recheck_every = recheck_every
         self.place, self.M = place, pipe.n_microbatches
         self.known, self.skipped = sim_auto.known_candidates(place.n_ranks, place.n_virtual, place.kind, self.M)
-        self.strict = auto_first_hint(place, self.M)
+        self.strict = auto_first_hint(place, self.M, known=self.known)
         if same_backward:
             form = self._splits(self.strict)
             self.skipped += [(c, "another backward form than a deterministic run keeps")

@@ -170,14 +170,17 @@ def schedule_limits(spec: PipelineSpec, hint: Hint) -> list[int]:
     return limits
 
 
-def auto_first_hint(placement: Placement, n_microbatches: int) -> str:
+def auto_first_hint(placement: Placement, n_microbatches: int, known: Sequence[str] | None = None) -> str:
     """The hint ``auto`` runs first and keeps when it cannot choose: the placement's strict
     schedule (``strict-1f1b`` with one stage per rank), else the first candidate that fits.
+    ``known``: the candidates :func:`rrfp.sim.auto.known_candidates` gave for this shape, when
+    the caller has them (each resolves its schedule, and logs the skipped ones).
 
     Raises:
         ValueError: no candidate of :data:`rrfp.sim.auto.CANDIDATES` fits the shape.
     """
-    known, _ = known_candidates(placement.n_ranks, placement.n_virtual, placement.kind, n_microbatches)
+    if known is None:
+        known, _ = known_candidates(placement.n_ranks, placement.n_virtual, placement.kind, n_microbatches)
     if not known:
         raise ValueError(f"hint {AUTO!r}: none of its candidates ({', '.join(CANDIDATES)}) fits "
                          f"{placement.n_ranks} ranks x {placement.n_virtual} virtual stages ({placement.kind}), "
