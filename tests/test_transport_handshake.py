@@ -124,3 +124,31 @@ async def test_handshakes_cut_again_and_again_are_a_lost_peer():
             t.abort()
         for r in relays:
             r.close()
+
+
+def test_start_up_waits_for_peers_as_long_as_torchruns_rendezvous(monkeypatch):
+    """A peer still importing and building its model on a loaded machine is waited for, not
+    failed: the README's suite at load 6 lost a Hugging Face run to "rank 1: no connection to
+    ranks [0] within 60.0 s". Start-up's bound (the transport's and the construction check's)
+    is torchrun's own rendezvous join timeout, read from torch; a dead peer is reported by the
+    launcher, not by this wait."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+    from rrfp import PipelineStage
+    from rrfp.runtime import pipeline
+    from rrfp.transport.base import START_TIMEOUT_S
+
+    assert START_TIMEOUT_S == RendezvousTimeout().join.total_seconds() == 600.0
+    assert inspect.signature(ZmqTransport).parameters["connect_timeout"].default == START_TIMEOUT_S
+    waited = []
+
+    def agree(job, rank, n_ranks, error, timeout_s):
+        waited.append(timeout_s)
+        raise RuntimeError("stopped after the construction check")
+
+    monkeypatch.setattr(pipeline, "_agree_on_construction", agree)
+    with pytest.raises(RuntimeError, match="stopped after the construction check"):
+        pipeline.Pipeline([PipelineStage(torch.nn.Identity(), 0, 1)], 2, None, rank=0, n_ranks=1, watchdog=60)
+    assert waited == [START_TIMEOUT_S]  # not the step watchdog's 60 s

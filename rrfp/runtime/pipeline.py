@@ -20,7 +20,8 @@ from typing import Any, Sequence
 import torch
 
 from .compat import new_job_id
-from .config import DEFAULT_WATCHDOG_S, RuntimeConfig, plan
+from ..transport.base import START_TIMEOUT_S
+from .config import RuntimeConfig, plan
 from .front import FrontDoor, build_runtime, check_rank
 from .front import new_event_loop  # called through this module's name: tests replace it
 from .rank import LossFn, StepStats
@@ -137,7 +138,7 @@ class Pipeline(FrontDoor):
             check_rank(the_plan, rank, stages, config)
         except (ValueError, TypeError, RuntimeError) as e:
             error = e
-        _agree_on_construction(job, rank, n_ranks, error, config.watchdog or DEFAULT_WATCHDOG_S)
+        _agree_on_construction(job, rank, n_ranks, error, START_TIMEOUT_S)
         self._setup(new_event_loop(), the_plan, config, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
                     output_merge_spec, scale_grads)
         self.rank, self.group, self.stages, self.job = rank, group, stages, job

@@ -24,9 +24,16 @@ from ..errors import PeerLost, TransportClosed
 from .codec import DEFAULT_MAX_BYTES, CodecError, decode, frames_nbytes
 from .keys import MsgKey
 
-__all__ = ["Message", "Transport"]
+__all__ = ["START_TIMEOUT_S", "Message", "Transport"]
 
 log = logging.getLogger("rrfp.transport")
+
+START_TIMEOUT_S = 600.0
+"""Seconds a rank's start-up waits for its peers (their endpoints, handshakes, and the
+pipeline's construction check): the default ``join_timeout`` of torchrun's rendezvous, the same
+kind of wait. A rank that dies is reported by the launcher at once, so this bounds only a peer
+that is alive and never ready; one still importing and building its model on a loaded machine
+(a Hugging Face stage at a quarter of a core took over 60 s) is waited for."""
 
 STAT_KEYS = (
     "messages_sent",

@@ -49,7 +49,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from . import auth as _auth
 from ..errors import PeerLost, TransportClosed
-from .base import Transport
+from .base import START_TIMEOUT_S, Transport
 from .codec import DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_TENSORS, Frame, encode, frames_nbytes
 from .keys import MsgKey
 from .zmq_gate import Gatekeeper
@@ -91,7 +91,8 @@ class ZmqTransport(Transport):
         job: job id; keys the store entries, and arrivals of other jobs are rejected.
         host: address to bind; default :func:`default_host`.
         hwm: SNDHWM/RCVHWM in messages; must exceed the runtime's in-flight limit.
-        connect_timeout: seconds :meth:`start` waits for every peer.
+        connect_timeout: seconds :meth:`start` waits for every peer (default
+            :data:`~rrfp.transport.base.START_TIMEOUT_S`).
         heartbeat_ivl: seconds between ZMTP heartbeats.
         heartbeat_timeout: seconds without an answer before a connection is
             dropped (and the peer reported lost).
@@ -118,7 +119,7 @@ class ZmqTransport(Transport):
         job: str,
         host: str | None = None,
         hwm: int = 100000,
-        connect_timeout: float = 60.0,
+        connect_timeout: float = START_TIMEOUT_S,
         heartbeat_ivl: float = 1.0,
         heartbeat_timeout: float = 10.0,
         *,
