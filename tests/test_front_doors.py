@@ -5,6 +5,8 @@ error one rank finds at construction reported by every rank, ``layout=`` as a De
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
 
 import pytest
@@ -231,3 +233,28 @@ def test_a_users_error_in_local_pipeline_is_the_only_thing_said(caplog, data_pla
                                 data_plane=data_plane) as pipe:
             pipe.step(torch.ones(4, 2), target=torch.ones(4, 2))
     assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []
+
+
+class _Interrupted(nn.Module):
+    """Ctrl-C arriving while this stage's forward runs."""
+
+    def forward(self, x):
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_in_a_step_leaves_no_task_of_the_pipeline_pending():
+    """A KeyboardInterrupt leaves the event loop at once, the other ranks' step tasks still
+    pending; the ``with`` block's abort ends them before closing the loop, so none is
+    destroyed pending (asyncio's "Task was destroyed but it is pending!") once collected."""
+    said = []
+    pipe = rrfp.LocalPipeline([nn.Linear(2, 2), _Interrupted()], 2, lambda y, t: F.mse_loss(y, t), hint="1f1b")
+    loop = pipe._loop
+    loop.set_exception_handler(lambda _loop, context: said.append(context["message"]))
+    with pytest.raises(KeyboardInterrupt):
+        with pipe:
+            pipe.step(torch.ones(4, 2), target=torch.ones(4, 2))
+    assert loop.is_closed()
+    assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
+    del pipe
+    gc.collect()
+    assert said == []

@@ -26,6 +26,10 @@ from .stage import PipelineStage
 
 log = logging.getLogger("rrfp")
 
+# abort()'s bound on ending a cut-short step's tasks, seconds: cancelled tasks end within a
+# loop turn or two; this only keeps one that swallows its cancellation from holding an exit.
+ABORT_DRAIN_S = 2.0
+
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """A uvloop event loop where uvloop is installed, else asyncio's default."""
@@ -310,14 +314,35 @@ class FrontDoor:
         """Helpers a process model adds (threads of the DP reduction...), closed last."""
 
     def abort(self) -> None:
-        """Close at once without waiting for peers (error path)."""
+        """Close at once without waiting for peers (error path): a step cut short (an
+        exception or Ctrl-C inside :meth:`step`) has its tasks cancelled and ended, waiting
+        at most ``ABORT_DRAIN_S`` seconds for them."""
         self._abort_transports()
+        self._end_tasks()
         for rt in self._runtimes:
             rt.stop()  # the inbox's timer fd, the executor's threads: before the loop closes
         if not self._loop.is_closed():
             self._loop.close()
         self._unpatch()
         self._close_parts()
+
+    def _end_tasks(self) -> None:
+        # A closed loop can never run its pending tasks again: they would be destroyed
+        # pending (asyncio's "Task was destroyed but it is pending!", a coroutine ignoring
+        # GeneratorExit) once collected. Cancel them and let them end, as asyncio.run does;
+        # bounded, so a task that swallows its cancellation cannot hold the error path.
+        loop = self._loop
+        if loop.is_closed() or loop.is_running():
+            return
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        if not pending:
+            return
+        for t in pending:
+            t.cancel()
+        loop.run_until_complete(asyncio.wait(pending, timeout=ABORT_DRAIN_S))
+        for t in pending:
+            if t.done() and not t.cancelled():
+                t.exception()  # the error being reported is the caller's; not logged twice
 
     def _unpatch(self) -> None:
         # The split backward patched the user's layers; a closed pipeline leaves them as given.
