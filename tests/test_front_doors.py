@@ -258,3 +258,28 @@ def test_ctrl_c_in_a_step_leaves_no_task_of_the_pipeline_pending():
     del pipe
     gc.collect()
     assert said == []
+
+
+def test_a_close_that_fails_part_way_leaves_no_task_pending():
+    """One transport's close raises while another's is still waiting: the error reaches the
+    caller, and the waiting close is ended before the loop closes, not destroyed pending."""
+    said = []
+    pipe = rrfp.LocalPipeline([nn.Linear(2, 2), nn.Linear(2, 2)], 2, lambda y, t: F.mse_loss(y, t), hint="1f1b")
+    loop = pipe._loop
+    loop.set_exception_handler(lambda _loop, context: said.append(context["message"]))
+    pipe.step(torch.ones(4, 2), target=torch.ones(4, 2))
+
+    async def fails():
+        raise RuntimeError("close failed")
+
+    async def waits():
+        await asyncio.Event().wait()
+
+    pipe._transports[0].close, pipe._transports[1].close = fails, waits
+    with pytest.raises(RuntimeError, match="^close failed$"):
+        pipe.close()
+    assert loop.is_closed()
+    assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
+    del pipe
+    gc.collect()
+    assert said == []

@@ -297,6 +297,7 @@ class FrontDoor:
         try:
             self._loop.run_until_complete(self._aclose())
         finally:
+            self._end_tasks()  # a close that failed part-way leaves the transports' tasks
             self._loop.close()
             self._unpatch()
             self._close_parts()
