@@ -19,7 +19,7 @@ import torch
 from rrfp.data.batches import make_microbatches
 from rrfp.data.text import load_samples
 from rrfp.model.gpt import GPT_PRESETS, GPT, count_tokens, lm_loss, split_gpt
-from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.doors.local import LocalPipeline
 
 
 def main() -> None:

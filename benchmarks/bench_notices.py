@@ -1,4 +1,4 @@
-"""What backfilling's started notices cost (rrfp.runtime.notices).
+"""What backfilling's started notices cost (rrfp.runtime.features.notices).
 
 Usage::
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from rrfp.runtime.notices import StartedNotices
+from rrfp.runtime.features.notices import StartedNotices
 from rrfp.scheduler.tasks import F, PipelineSpec, Placement, Task
 from rrfp.transport.base import Message
 from rrfp.transport.codec import decode, encode
@@ -74,7 +74,7 @@ def notices_per_step(p: int, M: int) -> tuple[list[int], int]:
     import torch
 
     from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
-    from rrfp.runtime.local import LocalPipeline
+    from rrfp.runtime.doors.local import LocalPipeline
 
     torch.manual_seed(0)
     cfg = ToyConfig(n_layer=p)

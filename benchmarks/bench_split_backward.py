@@ -18,7 +18,7 @@ import time
 import torch
 
 from rrfp.model.gpt import GPT_PRESETS, build_stage
-from rrfp.runtime.split import WeightGradStore, deferring, enable_split_backward
+from rrfp.runtime.engine.split import WeightGradStore, deferring, enable_split_backward
 
 
 def _stage_io(stage, cfg, batch: int, seq: int, seed: int):
@@ -37,7 +37,7 @@ def _time_full(stage, inputs, grad_out) -> float:
 
 
 def _time_split(stage, inputs, grad_out) -> tuple[float, float]:
-    """The runtime's I and W (rrfp.runtime.rank: _backward(split=True), _weight)."""
+    """The runtime's I and W (rrfp.runtime.engine.rank: _backward(split=True), _weight)."""
     x = [t.detach().requires_grad_(t.requires_grad) for t in inputs]
     out = stage(*x)
     need = [t for t in x if t.requires_grad]

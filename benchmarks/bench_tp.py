@@ -84,7 +84,7 @@ def _task_worker(args) -> None:
 
     from rrfp.parallel.exchange import ControlExchange
     from rrfp.parallel.bootstrap import default_store
-    from rrfp.runtime.pipeline import new_event_loop
+    from rrfp.runtime.doors.pipeline import new_event_loop
     from rrfp.transport.zmq import ZmqTransport
 
     async def both() -> tuple[float, float]:
@@ -123,8 +123,8 @@ def _agree_worker(args) -> None:
     from rrfp.model.gpt import GPT_PRESETS, build_stage, count_tokens, lm_loss
     from rrfp.model.tp import shard_gpt_stage
     from rrfp.parallel import ParallelLayout
-    from rrfp.runtime.pipeline import Pipeline
-    from rrfp.runtime.stage import PipelineStage
+    from rrfp.runtime.doors.pipeline import Pipeline
+    from rrfp.runtime.engine.stage import PipelineStage
 
     torch.set_num_threads(1)
     layout = ParallelLayout.build(2, 1, 2)

@@ -79,8 +79,8 @@ class RrfpSystem(System):
     def __init__(self, name: str, spec: dict, wrappers, inner, stage_ids, n_stages, rank, n_ranks, n_mb, job,
                  budgets: dict[int, int] | None = None, hold=None, chosen_hint: str | None = None,
                  loss_fn=lm_loss) -> None:
-        from rrfp.runtime.pipeline import Pipeline
-        from rrfp.runtime.stage import PipelineStage
+        from rrfp.runtime.doors.pipeline import Pipeline
+        from rrfp.runtime.engine.stage import PipelineStage
         from rrfp.scheduler.schedules import one_f_one_b_limits
 
         from .systems import torch_order_hint

@@ -230,7 +230,7 @@ def _starter_main(argv: list[str]) -> None:
     import torch.distributed  # noqa: F401 - the imports every rank shares, done once
 
     importlib.import_module(target.split(":")[0])
-    for extra in ("torch.distributed.pipelining", "rrfp.runtime.pipeline"):
+    for extra in ("torch.distributed.pipelining", "rrfp.runtime.doors.pipeline"):
         try:
             importlib.import_module(extra)
         except ImportError:

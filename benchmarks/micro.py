@@ -112,8 +112,8 @@ def sequential_runner(n_stages: int, n_microbatches: int,
     This is the reference that runtime overhead is measured against: what a pipeline's tasks
     cost when nothing arbitrates, buffers or moves messages. ``device``: where it computes
     (default CPU; on CUDA the kernels are queued, as a pipeline's are)."""
-    from rrfp.runtime.rank import run_backward
-    from rrfp.runtime.stage import detach_for_next
+    from rrfp.runtime.engine.rank import run_backward
+    from rrfp.runtime.engine.stage import detach_for_next
 
     stages = [Scale().to(device or "cpu") for _ in range(n_stages)]
     x = torch.ones(n_microbatches, 1, device=device)
@@ -154,12 +154,12 @@ def local_overhead(n_ranks: int = 4, n_microbatches: int = 64, hints: Sequence[s
     reference sees the same machine state; ``overhead_cpu_us`` is the fastest step's CPU time
     per task minus the reference's fastest.
 
-    ``executors`` (``rrfp.runtime.executor`` names) and ``device`` run the same pipeline under
+    ``executors`` (``rrfp.runtime.engine.executor`` names) and ``device`` run the same pipeline under
     other executors (rows named ``"<hint>, <codec>, <executor>"``); the thread executor computes
     on its worker thread, which the loop thread's CPU time does not see, so compare executors
     by wall time (``min_per_task_us``, ``overhead_wall_us``). On CUDA, every step ends with a
     device synchronisation (in both the pipeline's and the reference's times)."""
-    from rrfp.runtime.local import LocalPipeline
+    from rrfp.runtime.doors.local import LocalPipeline
 
     out = {}
     x = torch.ones(n_microbatches, 1)
@@ -209,8 +209,8 @@ def _overhead_2proc(cfg: dict) -> dict[str, Any]:
     """rrfp and PyTorch's schedules on do-nothing stages across the rank processes."""
     import torch.distributed.pipelining as pp
 
-    from rrfp.runtime.pipeline import Pipeline
-    from rrfp.runtime.stage import PipelineStage
+    from rrfp.runtime.doors.pipeline import Pipeline
+    from rrfp.runtime.engine.stage import PipelineStage
 
     rank, P = dist.get_rank(), dist.get_world_size()
     M, steps = cfg["overhead_microbatches"], cfg["overhead_steps"]
@@ -370,7 +370,7 @@ def _gloo_bench(rank: int, sizes: Sequence[int], budget: int) -> dict[int, dict[
 def fake_transport_bench(sizes: Sequence[int] = SIZES, budget: int = 64 << 20) -> dict[int, dict[str, float]]:
     """The in-process fake transport (through the codec, as ``LocalPipeline`` uses it): both
     ends on one event loop."""
-    from rrfp.runtime.pipeline import new_event_loop
+    from rrfp.runtime.doors.pipeline import new_event_loop
     from rrfp.transport.fake import FakeNetwork
     from rrfp.transport.keys import Direction, MsgKey
 
@@ -424,7 +424,7 @@ def fake_transport_bench(sizes: Sequence[int] = SIZES, budget: int = 64 << 20) -
 def rank_main(cfg: dict) -> dict | None:
     """Two rank processes: transports (ZeroMQ, gloo), then the runtime's overhead per task."""
     from rrfp.parallel.bootstrap import default_transport
-    from rrfp.runtime.pipeline import new_event_loop
+    from rrfp.runtime.doors.pipeline import new_event_loop
 
     rank = dist.get_rank()
     sizes = cfg["sizes"]

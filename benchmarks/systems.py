@@ -72,7 +72,7 @@ def default_hint() -> str:
     except ImportError:  # older trees: the default of Pipeline's signature
         import inspect
 
-        from rrfp.runtime.pipeline import Pipeline
+        from rrfp.runtime.doors.pipeline import Pipeline
 
         return str(inspect.signature(Pipeline.__init__).parameters["hint"].default)
 

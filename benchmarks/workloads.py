@@ -150,7 +150,7 @@ def saved_bytes(module: torch.nn.Module, inputs: Sequence[torch.Tensor], target:
     parameters excluded), and, with ``target`` (the last stage's), in the loss
     ``lm_loss(output, target)`` after it: what rrfp's ``ForwardSizer`` counts for one forward
     and the benchmarks' meter counts for it (:meth:`benchmarks.harness.ActivationMeter.metered`)."""
-    from rrfp.runtime.memory import SavedBytes
+    from rrfp.runtime.engine.memory import SavedBytes
 
     counter = SavedBytes({p.untyped_storage().data_ptr() for p in module.parameters()})
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):

@@ -15,12 +15,12 @@ Public API (imported lazily, so ``rrfp simulate`` never loads torch):
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Pipeline": "rrfp.runtime.pipeline",
-    "LocalPipeline": "rrfp.runtime.local",
-    "PipelineStage": "rrfp.runtime.stage",
-    "RuntimeConfig": "rrfp.runtime.config",
+    "Pipeline": "rrfp.runtime.doors.pipeline",
+    "LocalPipeline": "rrfp.runtime.doors.local",
+    "PipelineStage": "rrfp.runtime.engine.stage",
+    "RuntimeConfig": "rrfp.runtime.doors.config",
     "ParallelLayout": "rrfp.parallel.layout",
-    "StepHooks": "rrfp.runtime.hooks",
+    "StepHooks": "rrfp.runtime.engine.hooks",
     "PipelineError": "rrfp.errors",
     "WatchdogTimeout": "rrfp.errors",
     "PeerLost": "rrfp.transport.base",

@@ -1,7 +1,7 @@
 """``python -m rrfp.gpu_check``: what one machine with one NVIDIA GPU can check, in minutes.
 
 1. the CUDA tests (``tests/test_executors.py -k cuda``, from a source checkout);
-2. a 4-stage :class:`~rrfp.runtime.local.LocalPipeline` on the GPU, one compute stream per
+2. a 4-stage :class:`~rrfp.runtime.doors.local.LocalPipeline` on the GPU, one compute stream per
    rank, launch-ahead windows 1 and 2: loss and every gradient against the single-process model
    on the same GPU, and the time per step;
 3. ``rrfp train --device cuda --steps 5`` as 4 processes sharing the GPU over the ``zmq`` data

@@ -39,8 +39,8 @@ def run(scenario: str, out: str, dp: int, tp: int, steps: int = 1, tied: bool = 
         jitter: bool = False, tp_exchange: str = "control", weighted: bool = True) -> None:
     from rrfp.parallel import ParallelLayout
     from rrfp.parallel.clip import clip_grad_norm_
-    from rrfp.runtime.pipeline import Pipeline
-    from rrfp.runtime.stage import PipelineStage
+    from rrfp.runtime.doors.pipeline import Pipeline
+    from rrfp.runtime.engine.stage import PipelineStage
 
     layout = ParallelLayout.build(2, dp, tp)
     p = layout.pp_rank
@@ -81,7 +81,7 @@ def run(scenario: str, out: str, dp: int, tp: int, steps: int = 1, tied: bool = 
 def ddp_refused(out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
-    from rrfp.runtime.stage import PipelineStage
+    from rrfp.runtime.engine.stage import PipelineStage
 
     try:
         PipelineStage(DistributedDataParallel(stage_modules(False)[0]), 0, 2)

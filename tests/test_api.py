@@ -10,10 +10,10 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from rrfp.runtime.names import hint_text
-from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.doors.names import hint_text
+from rrfp.runtime.doors.local import LocalPipeline
 from reference import sequential_reference
-from rrfp.runtime.split import CONV1D, disable_split_backward, enable_split_backward, layout_of, register_split_layer
+from rrfp.runtime.engine.split import CONV1D, disable_split_backward, enable_split_backward, layout_of, register_split_layer
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -157,7 +157,7 @@ def test_conv1d_layout_is_registered_by_name_and_its_split_backward_equals_autog
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     g = torch.randn(3, 5, 6)
     ref(xa).backward(g)
-    from rrfp.runtime.split import WeightGradStore, deferring
+    from rrfp.runtime.engine.split import WeightGradStore, deferring
 
     assert enable_split_backward(conv) == 1
     store = WeightGradStore()
@@ -187,7 +187,7 @@ def test_split_backward_pipeline_with_conv1d_equals_reference_and_leaves_modules
 
 
 def test_a_layer_class_can_declare_its_layout():
-    from rrfp.runtime.split import SplitLayout
+    from rrfp.runtime.engine.split import SplitLayout
 
     class MyAffine(nn.Module):
         rrfp_split_layout = SplitLayout(weight="w", bias="b")

@@ -134,7 +134,7 @@ def test_the_control_plane_share_gathers_in_rank_order_and_keeps_other_messages(
     not auto's stays for its reader."""
     import asyncio
 
-    from rrfp.runtime import auto
+    from rrfp.runtime.features import auto
 
     with rrfp.LocalPipeline(_modules(), M, F.mse_loss, hint="bf") as pipe:
         pipe.step(*_batch(0)[:1], target=_batch(0)[1])  # the ranks receive from their first step on
@@ -177,7 +177,7 @@ def test_a_malformed_auto_part_from_a_peer_is_refused_naming_it(parts, says):
     repeat) stops the exchange with one error naming the sender and the field; on main before
     this check some were taken as figures (``of`` 0 ends the wait with no part) and others left
     the rank waiting for parts that never come."""
-    from rrfp.runtime import auto
+    from rrfp.runtime.features import auto
 
     with rrfp.LocalPipeline(_modules(), M, F.mse_loss, hint="bf") as pipe:
         pipe.step(*_batch(0)[:1], target=_batch(0)[1])

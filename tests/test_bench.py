@@ -180,7 +180,7 @@ def test_report_renders_again_from_raw_results(tmp_path, capfd):
 def test_overhead_reference_runs_the_pipelines_tasks():
     """The runtime-overhead reference (tasks run by hand) computes what the pipeline computes:
     the same weight gradients on every stage, so it is the same work, minus the runtime."""
-    from rrfp.runtime.local import LocalPipeline
+    from rrfp.runtime.doors.local import LocalPipeline
 
     P, M = 3, 5
     ref, n_tasks, stages = micro.sequential_runner(P, M)
@@ -267,7 +267,7 @@ def test_message_delays_are_keyed_and_the_same_for_rrfp(monkeypatch):
 def test_inbox_hold_delays_the_input_not_the_result():
     """A hold on one activation: the arbiter does not see it until the hold ends (the rank runs
     the next microbatch's forward first), and the gradients are those of a plain run."""
-    from rrfp.runtime.local import LocalPipeline
+    from rrfp.runtime.doors.local import LocalPipeline
     from rrfp.transport.keys import Direction
 
     M = 4

@@ -16,7 +16,7 @@ from benchmarks.harness import ActivationMeter, Injector, JitterStage  # noqa: E
 from benchmarks.settings import setting_config  # noqa: E402
 from benchmarks.workloads import MessageDelays, MultimodalWorkload, TextWorkload, saved_bytes  # noqa: E402
 from rrfp.model.gpt import lm_loss  # noqa: E402
-from rrfp.runtime.memory import ForwardSizer  # noqa: E402
+from rrfp.runtime.engine.memory import ForwardSizer  # noqa: E402
 from rrfp.sim.jitter import LEVELS  # noqa: E402
 
 

@@ -12,7 +12,7 @@ from benchmarks.settings import setting_config
 def test_profile_records_releases_sends_and_replays(tmp_path, capsys):
     """The tiny comm4 setting, profiled: rrfp's tasks, sends and PyTorch's compute calls are
     recorded on every rank; a held message is never admitted before its delivery time (the
-    inbox's kernel timer, rrfp/runtime/timer.py); the replay prints one line per rrfp system
+    inbox's kernel timer, rrfp/runtime/engine/timer.py); the replay prints one line per rrfp system
     and latency."""
     assert profile_comm.main(["--quick", "--rounds", "2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

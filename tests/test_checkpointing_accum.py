@@ -16,7 +16,7 @@ import torch
 from rrfp import LocalPipeline
 from rrfp.model.checkpointing import apply_activation_checkpointing
 from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
-from rrfp.runtime.memory import SavedBytes
+from rrfp.runtime.engine.memory import SavedBytes
 
 CFG = GPTConfig(n_layer=6, n_head=2, d_model=64, max_len=64)
 RTOL, ATOL = 1e-5, 1e-6
@@ -109,8 +109,8 @@ def test_accumulated_steps_equal_one_big_batch():
     """Four pipeline steps of 2 microbatches against one batch of all their samples on the
     unsplit model; samples of different lengths, so the token weights matter."""
     from rrfp.data.batches import make_microbatches, pad_batch
-    from rrfp.runtime.pipeline import Pipeline
-    from rrfp.runtime.stage import PipelineStage
+    from rrfp.runtime.doors.pipeline import Pipeline
+    from rrfp.runtime.engine.stage import PipelineStage
     from rrfp.train.accum import accumulated_step
     from rrfp.transport.fake import FakeNetwork
 

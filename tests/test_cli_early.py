@@ -145,7 +145,7 @@ def test_rrfp_train_takes_pytorch_schedule_names_and_keeps_their_memory(argv, li
     """What the ranks pass to the pipeline (rrfp.train.early.inflight_limits), resolved as the
     pipeline resolves it, against the schedules' own peaks in flight on 4 ranks, 8 microbatches."""
     from rrfp.cli import main
-    from rrfp.runtime.config import RuntimeConfig, plan
+    from rrfp.runtime.doors.config import RuntimeConfig, plan
     from rrfp.train.early import inflight_limits
 
     seen = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.doors.local import LocalPipeline
 
 N_MB = 2
 

@@ -1,4 +1,4 @@
-"""Executors (rrfp.runtime.executor, rrfp.runtime.cuda): the worker thread keeps the loop
+"""Executors (rrfp.runtime.engine.executor, rrfp.runtime.engine.cuda): the worker thread keeps the loop
 answering during a long task; the CUDA executor's launch-ahead window and event polling with
 fake events (CPU), and on a real GPU when there is one."""
 
@@ -13,10 +13,10 @@ from torch import nn
 
 from reference import reference_run
 from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
-from rrfp.runtime.cuda import CudaExecutor, no_stream
-from rrfp.runtime.executor import InlineExecutor, ThreadExecutor, make_executor
-from rrfp.runtime.local import LocalPipeline
-from rrfp.runtime.compat import split_microbatches
+from rrfp.runtime.engine.cuda import CudaExecutor, no_stream
+from rrfp.runtime.engine.executor import InlineExecutor, ThreadExecutor, make_executor
+from rrfp.runtime.doors.local import LocalPipeline
+from rrfp.runtime.doors.compat import split_microbatches
 from rrfp.scheduler.tasks import F, Task
 from rrfp.transport.keys import Direction
 
@@ -328,7 +328,7 @@ def test_outbox_sends_device_tensors_only_after_their_event_in_send_order(device
     """Device tensors (here on the meta device: no data, never copied) leave only once the
     executor's event fires: as they are for a device data plane, via to_host for a host one.
     A host message sent meanwhile waits behind them; flush waits for both."""
-    from rrfp.runtime.outbox import Outbox
+    from rrfp.runtime.engine.outbox import Outbox
 
     tr = RecordingTransport(device_tensors)
     gates: list[Gate] = []

@@ -19,7 +19,7 @@ from torch.distributed.pipelining import ScheduleGPipe, Schedule1F1B
 import rrfp
 from handover import rank_env, run_ranks
 from rrfp.parallel.mesh import mesh_grid
-from rrfp.runtime.config import RuntimeConfig, plan
+from rrfp.runtime.doors.config import RuntimeConfig, plan
 from reference import sequential_reference
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -9,7 +9,7 @@ import torch
 from rrfp.data.digits import collate, load_digit_images, make_digit_microbatches, make_digit_samples
 from rrfp.model.gpt import IGNORE_INDEX, count_tokens, lm_loss
 from rrfp.model.multimodal import MULTIMODAL, build_multimodal_stage
-from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.doors.local import LocalPipeline
 
 from reference import ATOL, RTOL, assert_stage_grads, reference_run
 

@@ -27,8 +27,8 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
     """One pipeline per hint, one after the other in the same processes (one launch)."""
     os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
-    from rrfp.runtime.pipeline import Pipeline
-    from rrfp.runtime.stage import PipelineStage
+    from rrfp.runtime.doors.pipeline import Pipeline
+    from rrfp.runtime.engine.stage import PipelineStage
 
     for hint in HINTS:
         stage_mod = split_gpt(GPT(CFG, seed=7), world)[rank]

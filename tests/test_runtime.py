@@ -10,7 +10,7 @@ import torch
 from rrfp.data.batches import make_microbatches, pad_batch
 from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
 from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
-from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.doors.local import LocalPipeline
 
 from reference import ATOL, RTOL, assert_stage_grads, gpt_reference
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)
@@ -150,7 +150,7 @@ def _toy_pipe(delay, watchdog: float, n_microbatches: int = 4, inflight_limit: i
     cfg = ToyConfig()
     mods = split_toy(ToyModel(cfg), 2)
     x, y = toy_batch(cfg, 8, seed=1)
-    with mock.patch("rrfp.runtime.local.new_event_loop", lambda: loop) if loop is not None else contextlib.nullcontext():
+    with mock.patch("rrfp.runtime.doors.local.new_event_loop", lambda: loop) if loop is not None else contextlib.nullcontext():
         pipe = LocalPipeline(mods, n_microbatches, toy_loss, delay=delay, watchdog=watchdog,
                              inflight_limit=inflight_limit, hint="bf")  # the timelines below are bf's
     return pipe, mods, x, y
@@ -277,7 +277,7 @@ def test_closing_a_rank_during_its_step_fails_that_step_at_once():
     (nothing is received after close), and so does any later step."""
     import asyncio
 
-    from rrfp.runtime.compat import split_microbatches
+    from rrfp.runtime.doors.compat import split_microbatches
     from rrfp.errors import PipelineError
 
     from virtual_time import VirtualTimeLoop
@@ -326,7 +326,7 @@ def test_a_rank_killed_mid_step_fails_the_others_naming_it(delay):
     the watchdog (the loss reaches the runtime through the transport's on_error callback)."""
     import asyncio
 
-    from rrfp.runtime.compat import split_microbatches
+    from rrfp.runtime.doors.compat import split_microbatches
     from rrfp.transport.base import PeerLost
 
     from unittest import mock
@@ -338,7 +338,7 @@ def test_a_rank_killed_mid_step_fails_the_others_naming_it(delay):
     x, y = toy_batch(cfg, 8, seed=1)
     # Simulated time: the 10 s bound below expires only if the ranks really wait (for the
     # watchdog, 60 s), however loaded the machine is.
-    with mock.patch("rrfp.runtime.local.new_event_loop", VirtualTimeLoop):
+    with mock.patch("rrfp.runtime.doors.local.new_event_loop", VirtualTimeLoop):
         pipe = LocalPipeline(split_toy(ToyModel(cfg), 3), 4, toy_loss, delay=delay, watchdog=60)
 
     def kill_after_rank0_f1(step, rank, task):  # mid-step, at a point fixed by the schedule

@@ -1,4 +1,4 @@
-"""Conservative backfilling in the runtime (rrfp.runtime.notices, rrfp.scheduler.backfill):
+"""Conservative backfilling in the runtime (rrfp.runtime.features.notices, rrfp.scheduler.backfill):
 started notices on the control plane, the dispatch order they allow, and refusals.
 
 The pipelines run on simulated time (tests/virtual_time.py) with forced task seconds
@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
-from rrfp.runtime.local import LocalPipeline
-from rrfp.runtime.notices import MAX_SECONDS, STARTED, StartedNotices
+from rrfp.runtime.doors.local import LocalPipeline
+from rrfp.runtime.features.notices import MAX_SECONDS, STARTED, StartedNotices
 from rrfp.scheduler.tasks import B, F, I, PipelineSpec, Placement, Task, W
 from rrfp.transport.base import Message
 from rrfp.transport.keys import Direction, MsgKey
@@ -54,7 +54,7 @@ def _run(hint: str, durations: dict, *, steps: int = 2, mute_rank: int | None = 
     mods = split_toy(model, 2)
     x, y = toy_batch(cfg, 8, seed=1)
     extra = {} if budget is None else {"memory_budget": budget}
-    with mock.patch("rrfp.runtime.local.new_event_loop", lambda: loop):
+    with mock.patch("rrfp.runtime.doors.local.new_event_loop", lambda: loop):
         pipe = LocalPipeline(mods, 2, toy_loss, hint=f"{hint}{order}", record=True, watchdog=60,
                              task_delay=lambda step, rank, t: durations[(t.stage, t.kind)], **extra)
     sent = []
@@ -258,7 +258,7 @@ def test_forged_notices_over_the_network_are_counted_and_the_step_still_matches(
     cfg = ToyConfig()
     mods = split_toy(ToyModel(cfg, seed=0), 2)
     x, y = toy_batch(cfg, 8, seed=1)
-    with mock.patch("rrfp.runtime.local.new_event_loop", lambda: loop):
+    with mock.patch("rrfp.runtime.doors.local.new_event_loop", lambda: loop):
         pipe = LocalPipeline(mods, 2, toy_loss, hint="backfill:" + ORDER, record=True, watchdog=60,
                              task_delay=lambda step, rank, t: FITS[(t.stage, t.kind)])
     for rt in pipe.runtimes:
@@ -290,7 +290,7 @@ def test_a_forward_only_step_between_backfilling_steps():
     model = ToyModel(cfg, seed=0)
     ref = copy.deepcopy(model)
     x, y = toy_batch(cfg, 8, seed=1)
-    with mock.patch("rrfp.runtime.local.new_event_loop", lambda: loop):
+    with mock.patch("rrfp.runtime.doors.local.new_event_loop", lambda: loop):
         pipe = LocalPipeline(split_toy(model, 2), 2, toy_loss, hint="backfill:" + ORDER, record=True, watchdog=60,
                              task_delay=lambda step, rank, t: FITS[(t.stage, t.kind)])
     for rt in pipe.runtimes:

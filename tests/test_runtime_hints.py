@@ -10,7 +10,7 @@ import torch
 
 from rrfp.data.batches import Microbatch, pad_batch
 from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
-from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.doors.local import LocalPipeline
 
 from reference import ATOL, RTOL, assert_stage_grads, gpt_reference
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)
@@ -137,7 +137,7 @@ def test_deterministic_mode_equals_reference():
 
 
 def test_split_backward_defers_linear_weight_gradients_to_w():
-    from rrfp.runtime.split import WeightGradStore, deferring, enable_split_backward
+    from rrfp.runtime.engine.split import WeightGradStore, deferring, enable_split_backward
 
     full = split_gpt(GPT(CFG, seed=8), 2)[1]
     split = copy.deepcopy(full)
@@ -194,7 +194,7 @@ def test_split_backward_under_bf16_autocast_matches_autocasts_own_backward():
     import torch
     from torch import nn
 
-    from rrfp.runtime.split import WeightGradStore, deferring, enable_split_backward
+    from rrfp.runtime.engine.split import WeightGradStore, deferring, enable_split_backward
 
     torch.manual_seed(0)
     # No bias on the first layer: its output stays bf16 (a bias add would promote it to

@@ -1,4 +1,4 @@
-"""Step hooks (rrfp.runtime.hooks): when they fire, that their awaitables finish before the step
+"""Step hooks (rrfp.runtime.engine.hooks): when they fire, that their awaitables finish before the step
 ends, and that they see final gradients: in-process, fake transport, fixed per-rank orders."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 
 from rrfp.data.batches import Microbatch, pad_batch
 from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
-from rrfp.runtime.hooks import StepHooks
-from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.engine.hooks import StepHooks
+from rrfp.runtime.doors.local import LocalPipeline
 
 from reference import assert_stage_grads, gpt_reference
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)

@@ -8,8 +8,8 @@ import torch
 
 from rrfp.data.batches import make_microbatches
 from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
-from rrfp.runtime.memory import ForwardSizer, WeightBytes
-from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.engine.memory import ForwardSizer, WeightBytes
+from rrfp.runtime.doors.local import LocalPipeline
 
 from reference import ATOL, RTOL, assert_stage_grads, gpt_reference
 CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)
@@ -97,7 +97,7 @@ def test_sizer_reuses_the_bytes_of_measured_shapes_and_remeasures_periodically()
     """A forward whose input shapes were measured on that stage runs without saved-tensor hooks
     (they cost a Python call per saved tensor) and takes the measured bytes; new shapes, and
     every REMEASURE_EVERY-th forward, are measured."""
-    from rrfp.runtime import memory
+    from rrfp.runtime.engine import memory
 
     hooked: list[bool] = []
 
@@ -127,7 +127,7 @@ def test_sizer_reuses_the_bytes_of_measured_shapes_and_remeasures_periodically()
 def test_weight_store_bytes_hand_computed():
     """Two linear layers deferred to W: the store keeps each layer's input X and output
     gradient dY. x [5, 8], y1 [5, 16], y2 [5, 4], float32: x 160 + dY1 320 + y1 320 + dY2 80."""
-    from rrfp.runtime.split import WeightGradStore, deferring, disable_split_backward, enable_split_backward
+    from rrfp.runtime.engine.split import WeightGradStore, deferring, disable_split_backward, enable_split_backward
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     assert enable_split_backward(model) == 2

@@ -106,7 +106,7 @@ def test_the_simulator_runs_the_strict_order_exactly(p, m):
                          ids=["p1-M2", "p2-M4", "p2-M3-fewer-than-stages", "p2-M5-full-backward", "p3-M6", "p4-M9"])
 def test_matches_the_single_process_reference(n_ranks, M, split, strict):
     from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
-    from rrfp.runtime.local import LocalPipeline
+    from rrfp.runtime.doors.local import LocalPipeline
 
     from test_runtime_hints import _batch, _check
 
@@ -123,7 +123,7 @@ def test_matches_the_single_process_reference(n_ranks, M, split, strict):
 
 
 def test_pytorchs_class_names_the_order():
-    from rrfp.runtime.names import hint_text
+    from rrfp.runtime.doors.names import hint_text
 
     S, _ = _torch()
     if not hasattr(S, "ScheduleDualPipeV"):

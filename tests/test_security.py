@@ -322,8 +322,8 @@ def test_atomic_writes_leave_no_half_file(tmp_path):
 
 
 def test_an_activation_or_gradient_is_accepted_only_from_the_rank_of_its_producing_stage():
-    from rrfp.runtime.inbox import Inbox
-    from rrfp.runtime.router import Router
+    from rrfp.runtime.engine.inbox import Inbox
+    from rrfp.runtime.engine.router import Router
     from rrfp.scheduler.tasks import Placement
     from rrfp.transport.base import Message
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.doors.local import LocalPipeline
 from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.tasks import Placement, Task
 from rrfp.sim.engine import simulate

@@ -1,4 +1,4 @@
-"""rrfp.runtime.timer.DeadlineTimers: the inbox's hold releases (deadline order, never early)."""
+"""rrfp.runtime.engine.timer.DeadlineTimers: the inbox's hold releases (deadline order, never early)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from rrfp.runtime.pipeline import new_event_loop
-from rrfp.runtime.timer import DeadlineTimers
+from rrfp.runtime.doors.pipeline import new_event_loop
+from rrfp.runtime.engine.timer import DeadlineTimers
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -132,8 +132,8 @@ def test_abort_frees_the_hold_timer_of_a_pipeline():
     import torch.distributed as dist
 
     from rrfp.model.toy import ToyConfig, ToyModel, split_toy, toy_batch, toy_loss
-    from rrfp.runtime.pipeline import Pipeline
-    from rrfp.runtime.stage import PipelineStage
+    from rrfp.runtime.doors.pipeline import Pipeline
+    from rrfp.runtime.engine.stage import PipelineStage
     from rrfp.transport.zmq import ZmqTransport
 
     cfg = ToyConfig()

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from rrfp.parallel.exchange import LocalExchange
-from rrfp.runtime.pipeline import new_event_loop
-from rrfp.runtime.rank import RankRuntime
-from rrfp.runtime.stage import PipelineStage
+from rrfp.runtime.doors.pipeline import new_event_loop
+from rrfp.runtime.engine.rank import RankRuntime
+from rrfp.runtime.engine.stage import PipelineStage
 from rrfp.scheduler.agreement import TPAgreement, decode_task, encode_task
 from rrfp.scheduler.arbiter import Arbiter
 from rrfp.scheduler.hints import resolve_hint

@@ -1,4 +1,4 @@
-"""``auto``'s real-step half (rrfp.runtime.auto.AutoHint, driven by both front doors and
+"""``auto``'s real-step half (rrfp.runtime.features.auto.AutoHint, driven by both front doors and
 ``rrfp train``), on a stand-in pipeline whose step times the test sets: which hint runs each
 step, and what is kept. Shares through a one-rank process group (``rrfp train``'s way) and
 in-process (``LocalPipeline``'s)."""
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from rrfp.runtime.auto import TRIAL_ROUNDS, AutoHint, DistShare, LocalShare
-from rrfp.runtime.config import RuntimeConfig, plan
+from rrfp.runtime.features.auto import TRIAL_ROUNDS, AutoHint, DistShare, LocalShare
+from rrfp.runtime.doors.config import RuntimeConfig, plan
 from rrfp.scheduler import Placement, resolve_hint
 from rrfp.scheduler.tasks import TaskRecord
 

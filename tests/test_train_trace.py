@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from rrfp.model.gpt import GPT_PRESETS
-from rrfp.runtime.stage import PipelineStage
+from rrfp.runtime.engine.stage import PipelineStage
 from rrfp.scheduler.tasks import parse_action
 from rrfp.sim.costs import load_profile
 from rrfp.train.tracing import profile_from_records, record_output_bytes
 
 
 def test_output_bytes_are_recorded_per_forward_and_their_median_is_act_bytes() -> None:
-    from rrfp.runtime.rank import TaskRecord
+    from rrfp.runtime.engine.rank import TaskRecord
 
     stage = PipelineStage(torch.nn.Linear(3, 5), 1, 2)
     sizes = record_output_bytes([stage])

@@ -137,7 +137,7 @@ def test_start_up_waits_for_peers_as_long_as_torchruns_rendezvous(monkeypatch):
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
     from rrfp import PipelineStage
-    from rrfp.runtime import pipeline
+    from rrfp.runtime.doors import pipeline
     from rrfp.transport.base import START_TIMEOUT_S
 
     assert START_TIMEOUT_S == RendezvousTimeout().join.total_seconds() == 600.0

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.doors.local import LocalPipeline
 
 HINTS = ["bf", "bfw", "fb", "b-priority", "f-priority", "gpipe", "strict-gpipe"]
 ONE_VIRTUAL_ONLY = ["strict-1f1b", "zb-h1"]

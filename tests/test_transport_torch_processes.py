@@ -88,8 +88,8 @@ def _rank_main(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
-    from rrfp.runtime.pipeline import Pipeline
-    from rrfp.runtime.stage import PipelineStage
+    from rrfp.runtime.doors.pipeline import Pipeline
+    from rrfp.runtime.engine.stage import PipelineStage
 
     mbs, tgts = microbatches()
     results = {}

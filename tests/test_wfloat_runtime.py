@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from reference import sequential_reference
-from rrfp.runtime.local import LocalPipeline
+from rrfp.runtime.doors.local import LocalPipeline
 
 RTOL, ATOL = 1e-5, 1e-6
 

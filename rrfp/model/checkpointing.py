@@ -9,7 +9,7 @@
 * ``none``: nothing is recomputed.
 
 The memory budget counts what a forward leaves held through autograd's saved-tensor hooks
-(:mod:`rrfp.runtime.memory`). A checkpointed layer holds its inputs (and, selective, the saved
+(:mod:`rrfp.runtime.engine.memory`). A checkpointed layer holds its inputs (and, selective, the saved
 op outputs) outside those hooks, so the wrapper passes them through an identity autograd node
 that saves them: the hooks then see exactly the storages the layer keeps (no extra memory:
 they are alive anyway, and freed by that node's backward no later than by the layer's).

@@ -192,7 +192,7 @@ class RankMetrics:
         """Record one finished step.
 
         Args:
-            stats: the rank's :class:`~rrfp.runtime.rank.StepStats` (``busy``, ``wall`` in
+            stats: the rank's :class:`~rrfp.runtime.engine.rank.StepStats` (``busy``, ``wall`` in
                 seconds, ``peak_mb_inflight``, ``n_tasks``). With ``stats.records`` (the
                 runtime's per-task records), busy seconds and tasks are split by stage and
                 kind; without them, busy goes to the rank's first stage and tasks are not

@@ -1,5 +1,5 @@
 """Joins a rank's runtime to its parallel layout: DP/tied step hooks, global loss weights, TP
-agreement. One function, used by :class:`~rrfp.runtime.pipeline.Pipeline`."""
+agreement. One function, used by :class:`~rrfp.runtime.doors.pipeline.Pipeline`."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_sta
         runtime: the rank's runtime (``add_step_hooks``, ``set_loss_reduction``,
             ``set_tp_agreement``).
         layout: the rank's layout.
-        stages: its :class:`~rrfp.runtime.stage.PipelineStage` objects, in virtual-stage order.
+        stages: its :class:`~rrfp.runtime.engine.stage.PipelineStage` objects, in virtual-stage order.
         tied: ``Pipeline(..., tied=...)`` (see :func:`~rrfp.parallel.grads.resolve_ties`).
         n_stages: the pipeline's stage count; rank_of: ``stage -> pp_rank``.
         tp_exchange: ``control`` (ZeroMQ control messages between the TP ranks) or ``gloo``

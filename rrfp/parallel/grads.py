@@ -1,6 +1,6 @@
 """Data-parallel gradient reduction and tied parameters across stages, as step hooks.
 
-:class:`GradSync` follows the runtime's step-hook contract (``rrfp/runtime/hooks.py``):
+:class:`GradSync` follows the runtime's step-hook contract (``rrfp/runtime/engine/hooks.py``):
 
 - ``on_stage_grads_final(s)``: stage ``s``'s gradients are final in this step (its last B or
   W): start the stage's all-reduce over its DP group, one flat bucket, as an asynchronous

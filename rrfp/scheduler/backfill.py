@@ -37,7 +37,7 @@ much.
 
 Where it runs: :func:`rrfp.sim.engine.simulate` drives it (notices instant and complete,
 averages shared by the ranks, or exact costs given), and so does the runtime
-(:mod:`rrfp.runtime.notices`): each rank estimates from its own measured task times (the
+(:mod:`rrfp.runtime.features.notices`): each rank estimates from its own measured task times (the
 fewest seconds seen for a notice, the most for a task it may backfill), a rank
 starting a task whose output goes to another rank sends that rank a "started, estimated
 seconds" control message, and the receiver turns it into an end on its own clock (receipt

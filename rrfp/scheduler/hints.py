@@ -52,7 +52,7 @@ BACKFILL = "backfill"
 """``backfill`` and ``backfill:<strict order>``: a strict order (default ``split``) with
 conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict. The simulator's
 "started" notices are instant; the runtime's travel on its control plane
-(:mod:`rrfp.runtime.notices`)."""
+(:mod:`rrfp.runtime.features.notices`)."""
 WFLOAT = "wfloat"
 """The placement's split order (as ``split``) whose ``W`` tasks float later
 (:class:`~rrfp.scheduler.wfloat.WFloat`): forwards and input backwards keep the order, a
@@ -71,7 +71,7 @@ DEFAULT_HINT = "bf"
 """The policy the simulator (``rrfp simulate`` without ``--hints``) and
 ``benchmarks/bench_sim.py`` run when none is given: RRFP's BF, which needs no split backward.
 ``rrfp train``, ``Pipeline`` and ``LocalPipeline`` default to ``auto`` instead
-(:mod:`rrfp.runtime.auto`), which measures the job and keeps the fastest candidate, never one
+(:mod:`rrfp.runtime.features.auto`), which measures the job and keeps the fastest candidate, never one
 measured slower than the strict schedule."""
 
 

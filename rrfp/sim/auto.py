@@ -2,7 +2,7 @@
 the one whose trial steps were fastest.
 
 The pure half of the ``auto`` hint (the other half, which measures a job's costs and runs the
-trial on real steps, is :mod:`rrfp.runtime.auto`; the suite runs the same two steps on simulated
+trial on real steps, is :mod:`rrfp.runtime.features.auto`; the suite runs the same two steps on simulated
 steps, :func:`simulate_auto`):
 
 1. Ranking: given a :class:`Profile` (per stage the mean ``F``, ``B``, ``I``, ``W`` seconds and

@@ -48,7 +48,7 @@ def accumulated_step(pipe, mbs, per_step: int, n: int, first: bool, last: bool):
 
     Returns:
         ``(loss, stats)``: the optimizer step's loss (None off the last stage's rank) and
-        the steps' :class:`~rrfp.runtime.rank.StepStats` combined (seconds and tasks added,
+        the steps' :class:`~rrfp.runtime.engine.rank.StepStats` combined (seconds and tasks added,
         peaks the largest).
     """
     from ..model.gpt import count_tokens

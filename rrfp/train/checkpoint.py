@@ -243,7 +243,7 @@ class Checkpointer:
         args: the ``rrfp train`` flags (``checkpoint_dir``, ``resume``, the layout).
         layout: this rank's :class:`~rrfp.parallel.layout.ParallelLayout` (global rank,
             world size ``pp * dp * tp``, coordinates).
-        stages: this rank's :class:`~rrfp.runtime.stage.PipelineStage` objects.
+        stages: this rank's :class:`~rrfp.runtime.engine.stage.PipelineStage` objects.
         optimizer: the optimizer over exactly these stages' parameters.
         n_samples: size of the sample pool the sampler draws from (0 on ranks without data).
     """

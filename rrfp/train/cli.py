@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
-    p.add_argument("--hint", default=DEFAULTS["hint"], help=f"auto (measure this job's costs, simulate and try the candidates, keep the fastest: rrfp/runtime/auto.py), "
+    p.add_argument("--hint", default=DEFAULTS["hint"], help=f"auto (measure this job's costs, simulate and try the candidates, keep the fastest: rrfp/runtime/features/auto.py), "
                    f"{', '.join(HINT_NAMES + ORDER_HINTS)}, backfill:<order>; strict-<name> for the fixed order; "
                    "order:<per-rank actions> or a .csv file")
     p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], metavar="L",

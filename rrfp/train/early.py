@@ -20,8 +20,8 @@ from .._launch_env import in_launched_worker
 from .._paths import output_file_problem
 from .._secret import read_secret_file
 from ..errors import UsageError
-from ..runtime.config import DEFAULT_INFLIGHT_LIMIT
-from ..runtime.names import hint_text
+from ..runtime.doors.config import DEFAULT_INFLIGHT_LIMIT
+from ..runtime.doors.names import hint_text
 from ..scheduler.hints import BACKFILL, HINT_NAMES, ORDER_HINTS, _forms
 from ..sim.auto import AUTO
 
@@ -47,7 +47,7 @@ def flag(dest: str) -> str:
 def inflight_limits(args: argparse.Namespace, n_ranks: int) -> list[int] | None:
     """Every rank's in-flight limit from ``--inflight-limit`` (all ranks get the whole list: a
     strict policy is compiled from it, and every rank must compile the same orders). None:
-    not given; :func:`rrfp.runtime.config.plan` then decides, the one rule for both front
+    not given; :func:`rrfp.runtime.doors.config.plan` then decides, the one rule for both front
     doors (a schedule used as a hint, and ``auto``'s candidates, keep the schedule's own peak
     unless ``--memory-budget`` is given)."""
     text = getattr(args, "inflight_limit", None)

@@ -7,7 +7,7 @@ import argparse
 
 from ..data.batches import make_microbatches
 from ..model.gpt import count_tokens
-from ..runtime.pipeline import Pipeline
+from ..runtime.doors.pipeline import Pipeline
 
 
 def eval_steps(args: argparse.Namespace) -> list[int]:

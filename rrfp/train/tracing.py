@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..lines import say
-from ..runtime.stage import PipelineStage
+from ..runtime.engine.stage import PipelineStage
 from .guard import atomic_path, atomic_write_text
 
 
@@ -58,7 +58,7 @@ def write_trace(
     if rank != 0:
         return
     from ..obs.trace import write_chrome_trace, write_gantt_png
-    from ..runtime.rank import TaskRecord
+    from ..runtime.engine.rank import TaskRecord
     from ..scheduler.tasks import parse_action
     from ..sim.costs import save_profile
 

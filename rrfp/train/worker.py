@@ -25,8 +25,8 @@ from ..model.gpt import count_tokens, lm_loss
 from ..parallel.bootstrap import default_store, init_distributed
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.train import replica_samples, reports, train_layout
-from ..runtime.pipeline import Pipeline
-from ..runtime.stage import PipelineStage
+from ..runtime.doors.pipeline import Pipeline
+from ..runtime.engine.stage import PipelineStage
 from ..scheduler.tasks import Placement
 from . import device
 from .accum import accumulated_step
@@ -161,7 +161,7 @@ class _RankData:
 
 def _pipeline(args: argparse.Namespace, layout, place: Placement, data: _RankData, record: bool):
     """This rank's :class:`Pipeline` and, under ``--hint auto``, its chooser
-    (:class:`~rrfp.runtime.auto.AutoHint`), driven here per optimizer step."""
+    (:class:`~rrfp.runtime.features.auto.AutoHint`), driven here per optimizer step."""
     pipe = Pipeline(
         data.stages, args.microbatches, lm_loss, inflight_limit=inflight_limits(args, layout.pp),
         hint=args.hint, placement=args.placement, loss_weight_fn=count_tokens, rank=layout.pp_rank,

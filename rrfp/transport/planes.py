@@ -103,7 +103,7 @@ class SendHandle:
     """What :meth:`PlaneTransport.send` returns: keeps the sent tensors' bytes alive until the
     data plane is done with them.
 
-    The runtime's outbox holds it until :meth:`done` (rrfp.runtime.outbox).
+    The runtime's outbox holds it until :meth:`done` (rrfp.runtime.engine.outbox).
 
     Attributes:
         error: the failure, or None.

@@ -1,7 +1,7 @@
 """In-process pipelines: every rank of a pipeline in one process over the fake transport.
 
-:class:`LocalPipeline` is :class:`~rrfp.runtime.pipeline.Pipeline` with another process
-model: it builds every rank through the same path (:mod:`rrfp.runtime.front`) and runs the
+:class:`LocalPipeline` is :class:`~rrfp.runtime.doors.pipeline.Pipeline` with another process
+model: it builds every rank through the same path (:mod:`rrfp.runtime.doors.front`) and runs the
 ranks' steps concurrently on one event loop, for users' own unit tests and for ours.
 """
 
@@ -13,8 +13,8 @@ from torch import nn
 
 from .config import RuntimeConfig, plan
 from .front import FrontDoor, build_runtime, check_rank, new_event_loop
-from .rank import LossFn, StepStats
-from .stage import PipelineStage
+from ..engine.rank import LossFn, StepStats
+from ..engine.stage import PipelineStage
 
 
 class LocalPipeline(FrontDoor):
@@ -22,7 +22,7 @@ class LocalPipeline(FrontDoor):
 
     For users' unit tests and for ours: the same :class:`RankRuntime` as a real job, with
     seeded per-message delays so messages overtake each other. Steps, returns, defaults and
-    closing are :class:`~rrfp.runtime.pipeline.Pipeline`'s, except that :meth:`step` returns
+    closing are :class:`~rrfp.runtime.doors.pipeline.Pipeline`'s, except that :meth:`step` returns
     the step loss by default (``return_outputs=False``). Under the default ``hint="auto"``
     (:class:`Pipeline`'s ``auto``, ``hint_name``) every rank's task records are in this
     process, so the choice needs no process group.
@@ -90,13 +90,13 @@ class LocalPipeline(FrontDoor):
         self.modules = self._modules = list(modules)
         self.n_ranks = n_ranks
         self._ties = _local_ties(config.tied, self.modules)
-        from ..transport.fake import FakeNetwork
+        from ...transport.fake import FakeNetwork
 
         self.net = FakeNetwork(n_ranks, seed=seed, delay=delay, encode=encode)
         self.transports = self._transports = [self.net.transport(r) for r in range(n_ranks)]
         self.wire = None
         if data_plane is not None:
-            from ..transport.factory import wrap_fake
+            from ...transport.factory import wrap_fake
 
             self.transports, self.wire = wrap_fake(self.transports, data_plane, seed=seed + 1, delay=delay)
             self._transports = self.transports
@@ -111,7 +111,7 @@ class LocalPipeline(FrontDoor):
         self.runtimes = self._runtimes = self.run(build())
         self.last_stats: list[StepStats] = []
         if the_plan.auto:
-            from .auto import LocalShare
+            from ..features.auto import LocalShare
             from .front import log
 
             self._start_auto(LocalShare(), log.info)  # every rank's records are here
@@ -159,7 +159,7 @@ def _local_ties(tied: Any, modules: Sequence[nn.Module]) -> list[list[nn.Paramet
     """
     if not tied:
         return []
-    from ..parallel.grads import resolve_ties
+    from ...parallel.grads import resolve_ties
 
     out = []
     for tie in resolve_ties(tied, len(modules)):

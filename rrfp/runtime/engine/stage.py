@@ -105,7 +105,7 @@ class PipelineStage:
             each microbatch's backward on this stage and runs the callable at that
             microbatch's W (split-backward hints: ``bfw``, ``zb-*``), or at once after a full
             backward B. Without it, split-backward hints defer the weight gradients of the
-            layers in rrfp's registry (:func:`rrfp.runtime.split.register_split_layer`); with
+            layers in rrfp's registry (:func:`rrfp.runtime.engine.split.register_split_layer`); with
             it, rrfp leaves the module's layers alone.
         get_mesh: accepted for parity (DeviceMesh callback), unused.
 

@@ -1,7 +1,7 @@
 """What a pipeline is asked to do, in one record: :class:`RuntimeConfig`, and the plan both
 front doors derive from it (:func:`plan`): placement, hint, in-flight limits, memory budget.
 
-:class:`~rrfp.runtime.pipeline.Pipeline` and :class:`~rrfp.runtime.local.LocalPipeline` take
+:class:`~rrfp.runtime.doors.pipeline.Pipeline` and :class:`~rrfp.runtime.doors.local.LocalPipeline` take
 every field of :class:`RuntimeConfig` as a keyword argument (or a whole ``config=``), so a new
 runtime knob is one field here plus where the runtime reads it.
 """
@@ -12,11 +12,11 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-from ..scheduler.hints import Hint, resolve_hint
-from ..scheduler.memory import budget_bytes
-from ..scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
-from ..scheduler.validate import order_peak_inflight
-from ..sim.auto import AUTO, CANDIDATES, known_candidates
+from ...scheduler.hints import Hint, resolve_hint
+from ...scheduler.memory import budget_bytes
+from ...scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
+from ...scheduler.validate import order_peak_inflight
+from ...sim.auto import AUTO, CANDIDATES, known_candidates
 from .names import hint_text
 
 DEFAULT_INFLIGHT_LIMIT = 32
@@ -30,7 +30,7 @@ class RuntimeConfig:
     Attributes:
         hint: ``auto`` (the default: measure this job's steps, then keep the fastest of the
             candidate policies, never one measured slower than the placement's strict
-            schedule; :class:`~rrfp.runtime.auto.AutoHint`), ``bf``, ``bfw``, ``fb``,
+            schedule; :class:`~rrfp.runtime.features.auto.AutoHint`), ``bf``, ``bfw``, ``fb``,
             ``b-priority``, ``f-priority``, ``bfw-mem``, ``backfill``, a schedule name
             (``1f1b``, ``gpipe``...; PyTorch's names and classes too: ``"1F1B"``,
             ``Schedule1F1B``) used as a hint, or ``strict-<schedule>`` for the fixed-order
@@ -50,7 +50,7 @@ class RuntimeConfig:
         task_delay: ``fn(step, rank, task) -> seconds`` of injected delay (experiments).
         deterministic: accumulate weight gradients in microbatch order (bitwise reproducible).
         device: where the stages compute (``"cpu"``, ``"cuda:1"``); None: where they are.
-        executor: ``auto``, ``inline``, ``thread`` or ``cuda`` (:mod:`rrfp.runtime.executor`).
+        executor: ``auto``, ``inline``, ``thread`` or ``cuda`` (:mod:`rrfp.runtime.engine.executor`).
         launch_ahead: the CUDA executor's launch-ahead window, 1 or 2 tasks.
         transport: a :class:`~rrfp.transport.base.Transport`, or the data plane's name
             (``zmq``, ``torch``); None: ZeroMQ through torch.distributed's store. In-process

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .stage import as_tuple
+from ..engine.stage import as_tuple
 
 _job_counter = itertools.count()
 

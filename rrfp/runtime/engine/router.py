@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
-from ..errors import PipelineError
-from ..scheduler.tasks import Placement
-from ..transport.keys import Direction
+from ...errors import PipelineError
+from ...scheduler.tasks import Placement
+from ...transport.keys import Direction
 
 __all__ = ["Router"]
 

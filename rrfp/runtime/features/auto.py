@@ -1,6 +1,6 @@
 """The ``auto`` hint on real steps: choose the hint on this job's own steps.
 
-The default of :class:`~rrfp.runtime.pipeline.Pipeline`, :class:`~rrfp.runtime.local.LocalPipeline`
+The default of :class:`~rrfp.runtime.doors.pipeline.Pipeline`, :class:`~rrfp.runtime.doors.local.LocalPipeline`
 and ``rrfp train``. The plan, the same on every rank (each decision reads only figures all ranks
 share, :class:`Share`, so every rank switches to the same hint before the same step):
 
@@ -34,12 +34,12 @@ from __future__ import annotations
 import statistics
 from typing import Any, Callable, Protocol, Sequence
 
-from ..errors import PipelineError
-from ..scheduler.hints import resolve_hint
-from ..scheduler.tasks import B, F, W
-from ..sim import auto as sim_auto
-from ..sim.auto import TIE, TRIAL_ROUNDS
-from .config import AUTO, auto_first_hint
+from ...errors import PipelineError
+from ...scheduler.hints import resolve_hint
+from ...scheduler.tasks import B, F, W
+from ...sim import auto as sim_auto
+from ...sim.auto import TIE, TRIAL_ROUNDS
+from ..doors.config import AUTO, auto_first_hint
 
 __all__ = ["AUTO", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare", "Share",
            "switch_hint"]
@@ -72,7 +72,7 @@ class Share(Protocol):
 
 
 class LocalShare:
-    """Every rank runs in this process (:class:`~rrfp.runtime.local.LocalPipeline`): this
+    """Every rank runs in this process (:class:`~rrfp.runtime.doors.local.LocalPipeline`): this
     process's figures are already everyone's."""
 
     async def max(self, x: float) -> float:
@@ -124,7 +124,7 @@ class ControlShare:
     other rank, in messages of at most :data:`_PART_ITEMS` items, and waits for theirs.
 
     Args:
-        runtime: this rank's :class:`~rrfp.runtime.rank.RankRuntime`.
+        runtime: this rank's :class:`~rrfp.runtime.engine.rank.RankRuntime`.
         n_ranks: the pipeline's ranks.
         timeout: seconds to wait for a peer's part.
 
@@ -219,7 +219,7 @@ def switch_hint(pipe: Any, text: str, limits: Sequence[int], backpressure: str =
     Raises:
         ValueError: a hint that does not resolve for the pipeline's placement.
     """
-    from .split import enable_split_backward
+    from ..engine.split import enable_split_backward
 
     spec, hint, strict = resolve_hint(text, pipe.spec.placement, pipe.n_microbatches, inflight_limit=list(limits),
                                       backpressure=backpressure)

@@ -16,7 +16,7 @@ for its (stage, kind), and a rank backfills only a task whose slowest seconds se
 window (the simulator, whose notices carry exact or mean costs, takes the means). The price is
 backfilling less: on 4 real ranks of the benchmarks' jitter4 workload, 3 tasks in 52 steps
 against 119 with means. It is an ordinary control message
-(:meth:`~rrfp.runtime.outbox.Outbox.send_control`), so it takes the transport's one wire
+(:meth:`~rrfp.runtime.engine.outbox.Outbox.send_control`), so it takes the transport's one wire
 format, authentication and size limits: key ``(job, step, 0, 0, CTL)``, meta
 ``{"kind": "started", "task": [stage, kind, microbatch], "s": seconds}`` (about 110 bytes
 framed, ``benchmarks/bench_notices.py``). With no estimate yet (a kind's first task) it sends
@@ -42,9 +42,9 @@ import math
 import time
 from typing import Callable
 
-from ..scheduler.backfill import Backfill, CostAverages
-from ..scheduler.tasks import KINDS, F, PipelineSpec, Task
-from ..transport.base import Message
+from ...scheduler.backfill import Backfill, CostAverages
+from ...scheduler.tasks import KINDS, F, PipelineSpec, Task
+from ...transport.base import Message
 
 STARTED = "started"
 """The ``kind`` of a started notice's meta."""

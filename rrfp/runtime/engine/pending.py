@@ -1,11 +1,11 @@
 """A launched task as the scheduler loop sees it, and the compute function an executor runs;
-shared by every executor (:mod:`rrfp.runtime.executor`, :mod:`rrfp.runtime.cuda`)."""
+shared by every executor (:mod:`rrfp.runtime.engine.executor`, :mod:`rrfp.runtime.engine.cuda`)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
-from ..scheduler.tasks import Task
+from ...scheduler.tasks import Task
 
 RunFn = Callable[[Task], list]
 """``run_fn(task)``: runs a task's compute and returns its outputs (handed on by the loop)."""

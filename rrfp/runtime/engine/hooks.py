@@ -39,8 +39,8 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Iterable
 
-from ..scheduler.tasks import Task
-from ..errors import WatchdogTimeout
+from ...scheduler.tasks import Task
+from ...errors import WatchdogTimeout
 
 
 class StepHooks:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from ..scheduler.tasks import Task
+from ...scheduler.tasks import Task
 from .pending import Pending, RunFn
 
 class DeviceCopies(Protocol):

@@ -31,7 +31,7 @@ import torch
 class WeightBytes:
     """``w_bytes(stage, mb)`` of :class:`~rrfp.scheduler.arbiter.Arbiter`: after a split
     backward's ``I``, the bytes its deferred weight-gradient store holds for ``W``
-    (:meth:`rrfp.runtime.split.WeightGradStore.nbytes`), measured; None (everything stays held
+    (:meth:`rrfp.runtime.engine.split.WeightGradStore.nbytes`), measured; None (everything stays held
     until ``W``, the ledger's conservative rule) when ``W`` has no store: a ``dw_builder``
     runner, or a stage whose whole backward moved to ``W``.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import PipelineError
+from ...errors import PipelineError
 
 
 class _OrderedGrads:

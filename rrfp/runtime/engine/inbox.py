@@ -3,11 +3,11 @@
 The transport hands each message to :meth:`Inbox.on_message` inside its delivery callback, on the
 event loop thread. The inbox decides whether the message may be admitted (right job, this step
 or the next, a stage and microbatch this rank runs, sent by the rank the
-:class:`~rrfp.runtime.router.Router` names, not a duplicate), puts its tensors in the router's
+:class:`~rrfp.runtime.engine.router.Router` names, not a duplicate), puts its tensors in the router's
 slot for (stage, microbatch, direction), tells the arbiter that an input arrived, and wakes the
 scheduler loop.
 Control messages (``Direction.CTL``) go to a bounded queue, except backfilling's started
-notices, which go to the rank's :class:`~rrfp.runtime.notices.StartedNotices`. Anything a correct pipeline cannot
+notices, which go to the rank's :class:`~rrfp.runtime.features.notices.StartedNotices`. Anything a correct pipeline cannot
 send is refused and counted (:attr:`Inbox.rejected`), never fatal: a forged or replayed message
 must not stop a job.
 """
@@ -19,11 +19,11 @@ import logging
 import time
 from typing import Callable, Mapping, Sequence
 
-from ..scheduler.arbiter import Arbiter, SchedulingError
-from ..transport.base import Message
-from ..transport.keys import Direction
-from ..errors import PipelineError
-from .notices import STARTED, StartedNotices
+from ...scheduler.arbiter import Arbiter, SchedulingError
+from ...transport.base import Message
+from ...transport.keys import Direction
+from ...errors import PipelineError
+from ..features.notices import STARTED, StartedNotices
 from .router import Router
 from .stage import PipelineStage
 from .timer import DeadlineTimers
@@ -38,7 +38,7 @@ class Inbox:
     """Arrivals of one rank: step admission into the router's buffers, control queue.
 
     Args:
-        router: the rank's :class:`~rrfp.runtime.router.Router` (who may send what; the
+        router: the rank's :class:`~rrfp.runtime.engine.router.Router` (who may send what; the
             buffers admitted inputs go to).
         job: the job id every admitted key must carry.
         stages: this rank's stages by stage index (their ``to_device`` places arrivals).
@@ -128,7 +128,7 @@ class Inbox:
                 return self.reject(msg, "control message with tensors")
             if not isinstance(msg.meta, dict):  # the codec refuses it; a transport that skips it must not crash us
                 return self.reject(msg, f"control meta of type {type(msg.meta).__name__}, expected a map")
-            if msg.meta.get("kind") == STARTED:  # backfilling's started notice (rrfp.runtime.notices)
+            if msg.meta.get("kind") == STARTED:  # backfilling's started notice (rrfp.runtime.features.notices)
                 if self.notices is None:
                     return self.reject(msg, "a started notice, but this rank is not backfilling")
                 problem = self.notices.receive(msg, self.step if self.step is not None else self.last_step + 1)
@@ -174,7 +174,7 @@ class Inbox:
             if wait > 0:
                 # The step cannot end before this input is admitted, so it is still the
                 # running step when the timer fires. A kernel timer, not call_later: the
-                # release must not be a millisecond late (rrfp.runtime.timer).
+                # release must not be a millisecond late (rrfp.runtime.engine.timer).
                 timers = self._timers
                 if timers is None or timers.loop is not asyncio.get_running_loop():
                     if timers is not None:

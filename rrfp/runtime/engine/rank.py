@@ -2,19 +2,19 @@
 
 :class:`RankRuntime` wires the parts together and runs the steps:
 
-- :mod:`~rrfp.runtime.router`: the stage graph (which stage consumes a task's outputs, which
+- :mod:`~rrfp.runtime.engine.router`: the stage graph (which stage consumes a task's outputs, which
   rank holds it, who may send an input) and the receive buffers;
-- :mod:`~rrfp.runtime.inbox`: the transport's delivery callback admits arrivals by key into
+- :mod:`~rrfp.runtime.engine.inbox`: the transport's delivery callback admits arrivals by key into
   the router's buffers and marks readiness (step admission, early-message cap, refusals);
-- :mod:`~rrfp.runtime.loop`: one scheduler coroutine asks the
+- :mod:`~rrfp.runtime.engine.loop`: one scheduler coroutine asks the
   :class:`~rrfp.scheduler.arbiter.Arbiter` for the next task, hands it to the executor, waits for
   readiness events; the watchdog;
-- :mod:`~rrfp.runtime.executor`: where tasks run (inline on the loop thread by default: ZeroMQ
+- :mod:`~rrfp.runtime.engine.executor`: where tasks run (inline on the loop thread by default: ZeroMQ
   keeps receiving in its own I/O thread while Python computes, and an inline dispatch costs
   microseconds where a hop to a worker thread and back costs about 90 us on a 2-core machine);
-- :mod:`~rrfp.runtime.outbox`: sends, which never block compute;
-- :mod:`~rrfp.runtime.hooks`: step hooks (a stage's gradients are final; the step ends);
-- :mod:`~rrfp.runtime.compute`: the tasks themselves (F, B, I, W on the stage modules) and
+- :mod:`~rrfp.runtime.engine.outbox`: sends, which never block compute;
+- :mod:`~rrfp.runtime.engine.hooks`: step hooks (a stage's gradients are final; the step ends);
+- :mod:`~rrfp.runtime.engine.compute`: the tasks themselves (F, B, I, W on the stage modules) and
   ``run_backward``.
 
 This module keeps :meth:`RankRuntime.run_step` and :class:`StepStats`.
@@ -28,18 +28,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..scheduler.arbiter import Arbiter
-from ..scheduler.hints import Hint
-from ..scheduler.readyset import finalising_kind
-from ..scheduler.tasks import PipelineSpec, TaskRecord
-from ..transport.base import Message, Transport
-from ..transport.keys import Direction
+from ...scheduler.arbiter import Arbiter
+from ...scheduler.hints import Hint
+from ...scheduler.readyset import finalising_kind
+from ...scheduler.tasks import PipelineSpec, TaskRecord
+from ...transport.base import Message, Transport
+from ...transport.keys import Direction
 from .compute import LossFn, TaskCompute, run_backward
 from .executor import Executor, InlineExecutor
-from ..scheduler.forward import ForwardArbiter
+from ...scheduler.forward import ForwardArbiter
 from .hooks import HookRunner, StepHooks
 from .inbox import Inbox
-from .notices import StartedNotices
+from ..features.notices import StartedNotices
 from .loop import DelayFn, SchedulerLoop
 from .ordered import _OrderedGrads
 from .outbox import Outbox
@@ -66,7 +66,7 @@ class StepStats:
         loss: weighted step loss (only on the rank holding the last stage, else None).
         n_tasks: tasks run.
         peak_bytes: the most activation bytes held at once, as measured for the memory
-            budget (0 without one; :mod:`rrfp.runtime.memory`).
+            budget (0 without one; :mod:`rrfp.runtime.engine.memory`).
         n_backfilled: tasks a backfilling hint ran ahead of its strict order
             (:mod:`rrfp.scheduler.backfill`; 0 under any other hint).
     """
@@ -108,17 +108,17 @@ class RankRuntime:
         record: keep a :class:`TaskRecord` per task (for traces).
         deterministic: accumulate weight gradients in microbatch order whatever order the
             backwards ran in, so runs are bitwise reproducible (see :class:`_OrderedGrads`).
-        executor: where tasks run (:mod:`rrfp.runtime.executor`); default
-            :class:`~rrfp.runtime.executor.InlineExecutor`.
+        executor: where tasks run (:mod:`rrfp.runtime.engine.executor`); default
+            :class:`~rrfp.runtime.engine.executor.InlineExecutor`.
         memory_budget: activation bytes this rank may hold (None: none): the arbiter admits
-            by each forward's measured size (:mod:`rrfp.runtime.memory`).
+            by each forward's measured size (:mod:`rrfp.runtime.engine.memory`).
 
     Attributes:
         router, inbox, loop (the SchedulerLoop, not an asyncio loop), outbox, executor, compute
-            (the :class:`~rrfp.runtime.compute.TaskCompute`): the parts (see the module
+            (the :class:`~rrfp.runtime.engine.compute.TaskCompute`): the parts (see the module
             docstring). The knobs live on their parts: ``loop.watchdog``, ``loop.task_delay``,
             ``loop.record``, ``compute.loss_fn``; refusals are counted in ``inbox.rejected``.
-        notices: backfilling's :class:`~rrfp.runtime.notices.StartedNotices` (its cost
+        notices: backfilling's :class:`~rrfp.runtime.features.notices.StartedNotices` (its cost
             averages, the started notices sent and received; its ``clock``).
     """
 
@@ -206,12 +206,12 @@ class RankRuntime:
 
     def set_tp_agreement(self, exchange) -> None:
         """Tensor parallelism: agree with the TP group before every F and B (RRFP §4.2;
-        :class:`~rrfp.runtime.loop.SchedulerLoop`), ``exchange`` all-gathering the proposals
+        :class:`~rrfp.runtime.engine.loop.SchedulerLoop`), ``exchange`` all-gathering the proposals
         (:mod:`rrfp.parallel.exchange`)."""
         self.loop.agree = exchange
 
     def add_step_hooks(self, hooks: StepHooks) -> None:
-        """Register step hooks (:mod:`rrfp.runtime.hooks`): ``on_stage_grads_final(stage)``
+        """Register step hooks (:mod:`rrfp.runtime.engine.hooks`): ``on_stage_grads_final(stage)``
         once a stage's gradients are final in a step, ``on_step_end()`` at its end; awaitables
         they return are done before the step returns."""
         self.hooks.add(hooks)

@@ -7,9 +7,9 @@ Switching from PyTorch is a one-line change::
     schedule.step(x, target=y, losses=losses)   # then optimizer.step() as usual
 
 :class:`Pipeline` is one process's rank of a multi-process pipeline;
-:class:`~rrfp.runtime.local.LocalPipeline` runs every rank in one process over the fake
-transport. Both take a :class:`~rrfp.runtime.config.RuntimeConfig` (or its fields as keyword
-arguments) and share construction, stepping and closing (:mod:`rrfp.runtime.front`).
+:class:`~rrfp.runtime.doors.local.LocalPipeline` runs every rank in one process over the fake
+transport. Both take a :class:`~rrfp.runtime.doors.config.RuntimeConfig` (or its fields as keyword
+arguments) and share construction, stepping and closing (:mod:`rrfp.runtime.doors.front`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any, Sequence
 import torch
 
 from .compat import new_job_id
-from ..transport.base import START_TIMEOUT_S
+from ...transport.base import START_TIMEOUT_S
 from .config import RuntimeConfig, plan
 from .front import FrontDoor, build_runtime, check_rank
 from .front import new_event_loop  # called through this module's name: tests replace it
-from .rank import LossFn, StepStats
-from .stage import PipelineStage
+from ..engine.rank import LossFn, StepStats
+from ..engine.stage import PipelineStage
 
 # Errors one rank finds at construction that every rank re-raises with the same type and text.
 _AGREED_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "RuntimeError": RuntimeError}
@@ -49,7 +49,7 @@ class Pipeline(FrontDoor):
         rank, n_ranks: this rank's pipeline index and the pipeline's rank count (default: the
             layout's ``pp_rank`` and ``pp``, else the rank and size of ``group``).
         group: the pipeline's process group (default: the stage's ``group``, else the world).
-        config: a :class:`~rrfp.runtime.config.RuntimeConfig`; ``**options`` set its fields
+        config: a :class:`~rrfp.runtime.doors.config.RuntimeConfig`; ``**options`` set its fields
             (``hint``, ``inflight_limit``, ``memory_budget``, ``watchdog``, ``layout``,
             ``tied``, ``transport``, ``device``, ``executor``... documented there).
 
@@ -64,7 +64,7 @@ class Pipeline(FrontDoor):
     executor, device) before contacting a peer, and the ranks then agree through the store:
     an error found on any rank is raised on every rank, with that rank's type and text.
 
-    The default ``hint="auto"`` (:mod:`rrfp.runtime.auto`) starts with the placement's strict
+    The default ``hint="auto"`` (:mod:`rrfp.runtime.features.auto`) starts with the placement's strict
     schedule, measures the first training steps, simulates the candidates on what it
     measured, tries the best two against the strict schedule on real steps and keeps the
     fastest, never one measured slower than the strict schedule. Every rank must call
@@ -75,7 +75,7 @@ class Pipeline(FrontDoor):
     ``auto.share.held``). Its lines go to the ``rrfp`` logger at INFO from one rank.
 
     Attributes:
-        auto: the :class:`~rrfp.runtime.auto.AutoHint` under ``hint="auto"`` (else None):
+        auto: the :class:`~rrfp.runtime.features.auto.AutoHint` under ``hint="auto"`` (else None):
             ``auto.chosen`` is the hint kept (None before its trial ends), ``auto.run_length(n)``
             keeps the strict schedule throughout a run of ``n`` steps too short to choose.
         hint_name: the hint the last step ran (text).
@@ -123,7 +123,7 @@ class Pipeline(FrontDoor):
         if rank is None or n_ranks is None:
             import torch.distributed as dist
 
-            from ..parallel.bootstrap import init_distributed
+            from ...parallel.bootstrap import init_distributed
 
             init_distributed()
             rank = dist.get_rank(group) if rank is None else rank
@@ -150,8 +150,8 @@ class Pipeline(FrontDoor):
         self._runtimes = [self.runtime]
         self.grad_sync = None
         if layout is not None or config.tied:
-            from ..parallel.attach import attach_layout
-            from ..parallel.layout import ParallelLayout
+            from ...parallel.attach import attach_layout
+            from ...parallel.layout import ParallelLayout
 
             self.grad_sync = attach_layout(
                 self.runtime, layout or ParallelLayout.build(n_ranks), stages, config.tied, n_stages,
@@ -185,7 +185,7 @@ def _auto_share(runtime, rank: int, n_ranks: int, group: Any, timeout_s: float):
     own control plane; its lines logged by the group's rank 0 only."""
     import torch.distributed as dist
 
-    from .auto import ControlShare, DistShare
+    from ..features.auto import ControlShare, DistShare
     from .front import log
 
     if dist.is_available() and dist.is_initialized():
@@ -201,12 +201,12 @@ def _as_layout(layout: Any):
     """
     if layout is None:
         return None
-    from ..parallel.layout import ParallelLayout
+    from ...parallel.layout import ParallelLayout
 
     if isinstance(layout, ParallelLayout):
         return layout
     if hasattr(layout, "mesh_dim_names"):
-        from ..parallel.mesh import layout_from_mesh
+        from ...parallel.mesh import layout_from_mesh
 
         return layout_from_mesh(layout)
     raise TypeError(f"layout={layout!r}: expected a ParallelLayout or a torch DeviceMesh")
@@ -217,7 +217,7 @@ def _transport(transport: Any, rank: int, n_ranks: int, job: str, device: Any, s
     named data plane, receiving on the device the stages will compute on."""
     if transport is not None and not isinstance(transport, str):
         return transport
-    from ..parallel.bootstrap import default_transport
+    from ...parallel.bootstrap import default_transport
 
     if transport is None:
         return default_transport(rank, n_ranks, job)
@@ -240,7 +240,7 @@ def _agree_on_construction(job: str, rank: int, n_ranks: int, error: BaseExcepti
         if error is not None:
             raise error
         return
-    from ..parallel.bootstrap import default_store
+    from ...parallel.bootstrap import default_store
 
     store = default_store()
     key = f"rrfp/{job}/constructed/"

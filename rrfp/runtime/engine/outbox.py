@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..transport.base import Transport
-from ..transport.keys import Direction, MsgKey
+from ...transport.base import Transport
+from ...transport.keys import Direction, MsgKey
 
 
 class Outbox:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..scheduler.tasks import Task
+from ...scheduler.tasks import Task
 from .pending import Pending, RunFn
 
 
@@ -154,7 +154,7 @@ class CudaExecutor:
     @property
     def copies(self) -> CudaExecutor:
         """This executor makes its own copies, on its compute stream
-        (:class:`~rrfp.runtime.executor.DeviceCopies`)."""
+        (:class:`~rrfp.runtime.engine.executor.DeviceCopies`)."""
         return self
 
     def to_device(self, device: torch.device, tensors: Sequence[torch.Tensor | None]) -> tuple:

@@ -1,7 +1,7 @@
 """Callbacks at absolute ``time.monotonic()`` deadlines on an event loop, never early and late
 only by the kernel's timer slack.
 
-The inbox's injected message hold (:attr:`rrfp.runtime.inbox.Inbox.hold`) releases an arrival at
+The inbox's injected message hold (:attr:`rrfp.runtime.engine.inbox.Inbox.hold`) releases an arrival at
 its delivery time. ``loop.call_later`` is too coarse for that: uvloop (libuv) keeps timers in
 whole milliseconds on a loop clock read once per iteration, so a release fired up to ~1 ms late
 when the rank was idle (and early when the timer was set after a long callback), while the

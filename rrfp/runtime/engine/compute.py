@@ -1,10 +1,10 @@
 """The tasks of one rank: F, B, I and W on its stage modules (RRFP, "Execution model"), and
 ``run_backward``.
 
-:class:`TaskCompute` is what the :class:`~rrfp.runtime.rank.RankRuntime`'s executor runs for a
+:class:`TaskCompute` is what the :class:`~rrfp.runtime.engine.rank.RankRuntime`'s executor runs for a
 task: a forward on the stage module (the loss on the last stage), a full backward (B), its
 input-gradient half (I) or weight-gradient half (W, from what I left: a
-:class:`~rrfp.runtime.split.WeightGradStore`, a ``dw_builder`` runner, or the whole backward
+:class:`~rrfp.runtime.engine.split.WeightGradStore`, a ``dw_builder`` runner, or the whole backward
 deferred). It takes the step's inputs from the router's receive buffers, asks the router which
 stage consumes what a task produces, and keeps what the tasks hand each other within the rank (outputs awaiting their backward, the W state, loss seeds); the
 rank runtime sets the step's targets, weights and options and sends what a task returns.
@@ -17,10 +17,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..scheduler.readyset import ACT, GRAD, KINDS
-from ..scheduler.tasks import Task
-from ..transport.keys import Direction
-from ..errors import PipelineError
+from ...scheduler.readyset import ACT, GRAD, KINDS
+from ...scheduler.tasks import Task
+from ...transport.keys import Direction
+from ...errors import PipelineError
 from .router import Router
 from .split import WeightGradStore, deferring
 from .stage import PipelineStage, as_tuple, detach_for_next
@@ -99,12 +99,12 @@ class TaskCompute:
         stages: the rank's :class:`PipelineStage` objects by stage index.
         last_stage: the pipeline's last stage index (its forward computes the loss).
         loss_fn: ``loss_fn(output, target) -> scalar tensor`` (last stage; None: no loss).
-        router: the rank's :class:`~rrfp.runtime.router.Router`: tasks take their inputs from its
+        router: the rank's :class:`~rrfp.runtime.engine.router.Router`: tasks take their inputs from its
             buffers (a forward's inputs are kept here until its backward) and hand their
             outputs to the stage it names.
-        ordered: per stage, a :class:`~rrfp.runtime.ordered._OrderedGrads` (deterministic
+        ordered: per stage, a :class:`~rrfp.runtime.engine.ordered._OrderedGrads` (deterministic
             weight-gradient accumulation), or None.
-        sizer: a :class:`~rrfp.runtime.memory.ForwardSizer` measuring each forward's
+        sizer: a :class:`~rrfp.runtime.engine.memory.ForwardSizer` measuring each forward's
             activation bytes (memory budget), or None.
 
     Attributes (set by the rank runtime for each step):

@@ -1,9 +1,9 @@
 """The one construction path and the one step path of both front doors.
 
-:class:`~rrfp.runtime.pipeline.Pipeline` (one process per pipeline rank) and
-:class:`~rrfp.runtime.local.LocalPipeline` (every rank in this process) subclass
+:class:`~rrfp.runtime.doors.pipeline.Pipeline` (one process per pipeline rank) and
+:class:`~rrfp.runtime.doors.local.LocalPipeline` (every rank in this process) subclass
 :class:`FrontDoor` and differ only in the process model: which ranks they build, over which
-transport. Everything else, the configuration (:class:`~rrfp.runtime.config.RuntimeConfig`),
+transport. Everything else, the configuration (:class:`~rrfp.runtime.doors.config.RuntimeConfig`),
 how a rank's runtime is built (:func:`build_runtime`), how a step's inputs are split and its
 outputs merged, what ``step`` returns and how a pipeline closes, is written here once.
 """
@@ -17,12 +17,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .compat import StepIO, check_grad_mode, merge_outputs, prepare_inputs
-from ..scheduler.tasks import Placement
+from ...scheduler.tasks import Placement
 from .config import Plan, RuntimeConfig
-from .executor import EXECUTORS, make_executor
-from .rank import RankRuntime, StepStats
-from .split import disable_split_backward
-from .stage import PipelineStage
+from ..engine.executor import EXECUTORS, make_executor
+from ..engine.rank import RankRuntime, StepStats
+from ..engine.split import disable_split_backward
+from ..engine.stage import PipelineStage
 
 log = logging.getLogger("rrfp")
 
@@ -105,7 +105,7 @@ class FrontDoor:
     ``hint="auto"``, :meth:`_start_auto` with how its ranks share figures.
 
     Attributes:
-        auto: the ``auto`` controller (:class:`~rrfp.runtime.auto.AutoHint`; None under a
+        auto: the ``auto`` controller (:class:`~rrfp.runtime.features.auto.AutoHint`; None under a
             named hint), run around every training step while ``drive_auto`` is True.
     """
 
@@ -134,11 +134,11 @@ class FrontDoor:
         self._auto_steps = 0
 
     def _start_auto(self, share, say: Callable[[str], None] | None) -> None:
-        """Under ``hint="auto"``, the controller (:class:`~rrfp.runtime.auto.AutoHint`) that
+        """Under ``hint="auto"``, the controller (:class:`~rrfp.runtime.features.auto.AutoHint`) that
         chooses the hint on this pipeline's training steps; ``say``: its lines (one process)."""
         if not self.plan.auto:
             return
-        from .auto import AutoHint
+        from ..features.auto import AutoHint
 
         self.auto = AutoHint(self, share, say=say, same_backward=self.config.deterministic)
 

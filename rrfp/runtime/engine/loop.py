@@ -11,7 +11,7 @@ and the one the fake transport's message delays are drawn on: a test that runs t
 simulated time (tests/virtual_time.py) decides every watchdog outcome without real delays.
 
 Under a backfilling hint the loop sets the arbiter's ``Backfill.now`` before each decision and
-tells the rank's :class:`~rrfp.runtime.notices.StartedNotices` when a task starts (which sends
+tells the rank's :class:`~rrfp.runtime.features.notices.StartedNotices` when a task starts (which sends
 its started notice) and finishes (its measured seconds).
 
 The arbiter runs one task at a time (``Arbiter.running``): an executor whose tasks complete on
@@ -27,14 +27,14 @@ import time
 from collections import deque
 from typing import Callable
 
-from ..scheduler.agreement import TPAgreement, decode_task, encode_task
-from ..scheduler.arbiter import Arbiter
-from ..scheduler.tasks import Task, TaskRecord
-from ..errors import WatchdogTimeout
+from ...scheduler.agreement import TPAgreement, decode_task, encode_task
+from ...scheduler.arbiter import Arbiter
+from ...scheduler.tasks import Task, TaskRecord
+from ...errors import WatchdogTimeout
 from .executor import Executor, Pending, RunFn
 from .hooks import HookRunner
 from .inbox import Inbox
-from .notices import StartedNotices
+from ..features.notices import StartedNotices
 
 _AGAIN = object()  # the TP group disagreed on the proposed task
 DelayFn = Callable[[int, int, Task], float]  # (step, rank, task) -> extra seconds
@@ -47,7 +47,7 @@ class SchedulerLoop:
     Args:
         rank: the rank (for errors and records).
         inbox: the rank's inbox (its ``wake`` event and ``error``).
-        executor: where tasks run (see :mod:`rrfp.runtime.executor`).
+        executor: where tasks run (see :mod:`rrfp.runtime.engine.executor`).
         watchdog: seconds without progress before :class:`WatchdogTimeout` (0 disables).
         task_delay: optional injected extra seconds per task (jitter experiments), awaited after
             the task's compute while the rank counts as busy; its outputs leave afterwards.

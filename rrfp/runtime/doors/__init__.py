@@ -1,0 +1,1 @@
+"""The front doors: Pipeline (processes), LocalPipeline (one process), RuntimeConfig and torch-compat names."""

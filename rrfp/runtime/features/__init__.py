@@ -1,0 +1,1 @@
+"""Step features that plug into the engine's seams: auto, backfilling's started notices."""
