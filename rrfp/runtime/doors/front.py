@@ -184,8 +184,9 @@ class FrontDoor:
 
         Raises:
             RuntimeError: called under ``torch.no_grad()`` (use :meth:`eval`), or after close.
-            ValueError: inputs that do not split into ``n_microbatches``, or no target for
-                the last stage with a ``loss_fn``.
+            ValueError: inputs that do not split into ``n_microbatches``, no target for
+                the last stage with a ``loss_fn``, or a target whose batch (dim 0) is not the
+                inputs' where this process is given both (one line naming both sizes).
         """
         check_grad_mode(self)
         keep = self.RETURN_OUTPUTS if return_outputs is None else return_outputs
