@@ -140,38 +140,43 @@ class StepIO:
         return float((self.loss_weight_fn or batch_share)(target))
 
 
-def _input_rows(args: Sequence[Any], kwargs: dict, args_chunk_spec, kwargs_chunk_spec) -> tuple[int, Any] | None:
-    """``(rows, name)`` of the first tensor input that is split: its size along the dimension
-    its chunk spec splits (dim 0 without a spec, as torch splits), or None without one. A
-    replicated input (a spec without ``split_dim``) is not a batch."""
+def _input_rows(args: Sequence[Any], kwargs: dict, args_chunk_spec, kwargs_chunk_spec) -> list[tuple[int, Any]]:
+    """``(rows, name)`` of every tensor input that is split: its size along the dimension its
+    chunk spec splits (dim 0 without a spec, as torch splits). A replicated input (a spec
+    without ``split_dim``) is not a batch."""
     specs = [*zip(range(len(args)), args, args_chunk_spec or [None] * len(args)),
              *((k, v, (kwargs_chunk_spec or {}).get(k)) for k, v in kwargs.items())]
+    out = []
     for name, v, spec in specs:
         dim = 0 if spec is None else getattr(spec, "split_dim", None)
         if isinstance(v, torch.Tensor) and isinstance(dim, int) and -v.dim() <= dim < v.dim():
-            return int(v.shape[dim]), name
-    return None
+            out.append((int(v.shape[dim]), name))
+    return out
 
 
-def check_target_rows(target: Any, inputs: tuple[int, Any] | None, where: str = "") -> None:
-    """A target must have one row (dim 0, as PyTorch's schedules split it) per input sample:
-    a smaller one would broadcast over each microbatch's outputs in most losses and train on
-    the wrong pairs without a word.
+def check_target_rows(target: Any, inputs: Sequence[tuple[int, Any]], where: str = "") -> None:
+    """A target must have one row (dim 0, as PyTorch's schedules split it) per input sample: a
+    smaller one would broadcast over each microbatch's outputs in most losses and train on
+    the wrong pairs without a word. Inputs of several batch sizes (e.g. images and the texts
+    they belong to) pass when one of them matches; a flattened target (``[B*T]`` for ``[B,
+    T]`` inputs) does not: flatten in ``loss_fn`` instead.
 
     Args:
         target: the whole target, or one microbatch's.
-        inputs: :func:`_input_rows` of the matching inputs (None: nothing to compare).
+        inputs: :func:`_input_rows` of the matching inputs (empty: nothing to compare).
         where: a prefix naming the microbatch.
 
     Raises:
         ValueError: one line naming both sizes.
     """
-    if inputs is None or not isinstance(target, torch.Tensor) or target.dim() == 0:
+    if not inputs or not isinstance(target, torch.Tensor) or target.dim() == 0:
         return
-    rows, name = inputs
-    if target.shape[0] != rows:
-        raise ValueError(f"{where}target batch of {target.shape[0]} rows != input batch of {rows} rows "
-                         f"(input {name!r}): expected one target row per input sample")
+    rows = target.shape[0]
+    if any(n == rows for n, _ in inputs):
+        return
+    sizes = ", ".join(f"{n} rows (input {name!r})" for n, name in inputs)
+    raise ValueError(f"{where}target batch of {rows} rows != input batch of {sizes}: "
+                     "expected one target row per input sample")
 
 
 def prepare_inputs(pipe, args, kwargs, microbatches, target, targets, has_first: bool, has_last: bool):
