@@ -23,7 +23,8 @@ from torch import Tensor
 
 from ..errors import TransportClosed
 from .base import Message, Transport
-from .codec import DEFAULT_MAX_BYTES, _check_meta, encode, frames_nbytes
+from .codec import DEFAULT_MAX_BYTES, encode, frames_nbytes
+from .header import check_meta
 from .keys import MsgKey
 
 __all__ = ["DelayFn", "FakeNetwork", "FakeTransport"]
@@ -236,7 +237,7 @@ class FakeTransport(Transport):
             if meta is None:
                 meta = {}
             else:
-                _check_meta(meta, "meta")
+                check_meta(meta, "meta")
                 meta = dict(meta)
             nbytes = sum(t.nbytes for t in tensors if t is not None)
             item = (Message(self.rank, key, list(tensors), meta), nbytes)

@@ -44,7 +44,8 @@ from torch import Tensor
 
 from ..errors import PeerLost, TransportClosed
 from .base import Message, Transport
-from .codec import CodecError, descriptor, parse_descriptors, wire_bytes
+from .codec import wire_bytes
+from .header import CodecError, descriptor, parse_descriptors
 from .keys import Direction, MsgKey
 
 __all__ = ["ANNOUNCE", "DataPlane", "PlaneTransport", "SendHandle", "channel_of"]
