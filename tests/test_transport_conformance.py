@@ -250,7 +250,7 @@ async def test_hostile_input_refused_counted_and_receiving_continues(kind: str) 
         inner = victim.control if isinstance(victim, PlaneTransport) else victim
         bad = _hostile(victim, job)
         for frames in bad:
-            inner._deliver_frames(0, frames)  # the delivery path every arrival takes
+            inner.deliver_frames(0, frames)  # the delivery path every arrival takes
         assert rejected(victim) == len(bad)
         assert victim.stats["messages_received"] == 0
         want = payload(0, 1, 1)
@@ -268,7 +268,7 @@ async def test_replayed_announcement_is_refused() -> None:
         ts[0].send(1, key, [torch.ones(3)])
         m = await asyncio.wait_for(ts[1].recv(), 10)
         assert m.tensors[0].tolist() == [1.0, 1.0, 1.0]
-        ts[1].control._deliver_frames(0, encode(key, [], {ANNOUNCE: {"seq": 0, "tensors": [["float32", [3], False]]}}))
+        ts[1].control.deliver_frames(0, encode(key, [], {ANNOUNCE: {"seq": 0, "tensors": [["float32", [3], False]]}}))
         assert rejected(ts[1]) == 1
 
 

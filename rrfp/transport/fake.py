@@ -93,7 +93,7 @@ class FakeNetwork:
         if t is None:
             t = self._transports[rank] = FakeTransport(self, rank)
             for r in self.dead:
-                t._on_peer_lost(r, "killed")
+                t.on_peer_lost(r, "killed")
         return t
 
     def kill(self, rank: int) -> None:
@@ -122,7 +122,7 @@ class FakeNetwork:
             own._die(own_error)
         for r, t in self._transports.items():
             if r != rank:
-                t._on_peer_lost(rank, reason)
+                t.on_peer_lost(rank, reason)
 
     def _draw(self, src: int, dst: int, key: MsgKey | None) -> float:
         if self._const_delay is not None:
@@ -189,12 +189,12 @@ class FakeNetwork:
         if t is None or dst in self.dead:
             return
         if item is _BYE:
-            t._on_bye(src)
+            t.on_bye(src)
         elif self.encode:
-            t._deliver_frames(src, item)
+            t.deliver_frames(src, item)
         else:
             msg, nbytes = item
-            t._deliver_message(msg, nbytes)
+            t.deliver_message(msg, nbytes)
 
     def _pump(self) -> None:
         self._timer = None
@@ -217,9 +217,9 @@ class FakeTransport(Transport):
         self._net = net
 
     async def start(self) -> None:
-        if self._closed:
+        if self.closed:
             raise TransportClosed(f"rank {self.rank}: start after close")
-        self._started = True
+        self.started = True
 
     def send(
         self,
@@ -228,7 +228,7 @@ class FakeTransport(Transport):
         tensors: Sequence[Tensor | None],
         meta: dict[str, Any] | None = None,
     ) -> None:
-        self._check_send(dst)
+        self.check_send(dst)
         if self._net.encode:
             frames = encode(key, tensors, meta)
             nbytes = frames_nbytes(frames)
@@ -247,25 +247,25 @@ class FakeTransport(Transport):
 
     async def flush(self) -> None:
         # Sends are on the (fake) wire as soon as send() returns.
-        if self._lost:
-            raise self._lost[min(self._lost)]
+        if self.lost_peers:
+            raise self.lost_peers[min(self.lost_peers)]
 
     async def close(self, timeout: float = 30.0) -> None:
-        if self._closed or self._closing:
+        if self.closed or self.closing:
             return
-        if not self._started:
+        if not self.started:
             self._finish(TransportClosed(f"rank {self.rank}: closed"))
             return
-        self._closing = True
-        for p in self._peers():
+        self.closing = True
+        for p in self.peers():
             if p not in self._net.dead:
                 self._net._post(self.rank, p, None, _BYE)
-        missing = await self._await_byes(timeout)
+        missing = await self.await_byes(timeout)
         self._finish(TransportClosed(f"rank {self.rank}: closed"))
-        self._close_outcome(missing, timeout)
+        self.close_outcome(missing, timeout)
 
     def abort(self) -> None:
-        if self._closed:
+        if self.closed:
             return
         self._net._gone(self.rank, "aborted", TransportClosed(f"rank {self.rank}: aborted"))
 
@@ -273,6 +273,6 @@ class FakeTransport(Transport):
         self._finish(err)
 
     def _finish(self, err: BaseException) -> None:
-        self._closed = True
-        self._mailbox.fail(err)
-        self._bye_event.set()
+        self.closed = True
+        self.fail(err)
+        self.peer_event.set()
