@@ -29,7 +29,6 @@ from torch import Tensor
 
 from .header import (
     DEFAULT_MAX_BYTES,
-    DTYPE_NAMES,
     DTYPES,
     HEADER_KEYS,
     MAX_HEADER_BYTES,

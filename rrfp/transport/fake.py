@@ -46,6 +46,7 @@ class FakeNetwork:
         encode: pass payloads through the codec (catches aliasing and codec bugs);
             if False the receiver gets the sender's tensor objects.
         max_bytes: decode limit per message when ``encode``.
+        job: job id every transport checks arrivals against (None: not checked).
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class FakeNetwork:
         delay: tuple[float, float] | DelayFn = (0.0, 0.0),
         encode: bool = True,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        job: str | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -66,6 +68,7 @@ class FakeNetwork:
         self.seed = seed
         self.encode = encode
         self.max_bytes = max_bytes
+        self.job = job
         self._delay = delay
         self._transports: dict[int, FakeTransport] = {}
         self._rngs: dict[tuple[int, int], random.Random] = {}
@@ -213,7 +216,7 @@ class FakeTransport(Transport):
     """One rank's end of a :class:`FakeNetwork`; same contract as any Transport."""
 
     def __init__(self, net: FakeNetwork, rank: int) -> None:
-        super().__init__(rank, net.world_size, max_bytes=net.max_bytes)
+        super().__init__(rank, net.world_size, job=net.job, max_bytes=net.max_bytes)
         self._net = net
 
     async def start(self) -> None:
