@@ -124,3 +124,17 @@ def test_a_packages_entry_point_is_listed_without_import_and_taken_by_rrfp_train
     assert [type(t).__name__ for t in group.transports] == ["MemoryTransport"] * 2
     assert registry.get("demo") is sys.modules["rrfp_demo_transport"].ENTRY
     monkeypatch.delitem(sys.modules, "rrfp_demo_transport")
+
+
+def test_local_pipeline_takes_only_in_process_names():
+    import torch.nn.functional as F
+    from torch import nn
+
+    import rrfp
+
+    mods = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    with pytest.raises(ValueError, match="^transport 'zmq' does not run within one process: expected one of "
+                                         "fake, fake-plane, fake-nccl$"):
+        rrfp.LocalPipeline(mods, 2, F.mse_loss, transport="zmq")
+    with pytest.raises(ValueError, match="^transport=<object .*>: LocalPipeline builds its ranks' transports by name"):
+        rrfp.LocalPipeline(mods, 2, F.mse_loss, transport=object())

@@ -1,6 +1,9 @@
-"""Transport interface shared by the ZeroMQ transport and the in-process fake.
+"""The Transport interface every transport implements (ZeroMQ, the data-plane composition, the
+in-process fakes, and any registered from outside through :mod:`.registry`).
 
-A transport moves tagged tensor messages between the ranks of one job. Sends never
+:class:`Transport`'s docstring is the contract: what a transport implements, the public members
+it may call (its private state is no part of it), what the runtime calls, the loop rules and
+the errors. A transport moves tagged tensor messages between the ranks of one job. Sends never
 block the caller; arrivals from every peer come out of one :meth:`Transport.recv`
 in arrival order (no ordering promise across messages: the runtime keys inputs by
 :class:`~rrfp.transport.keys.MsgKey`). A peer that disconnects without first
