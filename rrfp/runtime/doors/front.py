@@ -23,6 +23,7 @@ from ..engine.executor import EXECUTORS, make_executor
 from ..engine.rank import RankRuntime, StepStats
 from ..engine.split import disable_split_backward
 from ..engine.stage import PipelineStage
+from ..features import notices
 
 log = logging.getLogger("rrfp")
 
@@ -76,7 +77,9 @@ def _v_stages(plan: Plan, rank: int) -> list[int]:
 async def build_runtime(plan: Plan, config: RuntimeConfig, rank: int, stages: Sequence[PipelineStage],
                         transport, io: StepIO, job: str) -> RankRuntime:
     """One rank's runtime, for every front door: its stages moved to ``config.device``, its
-    executor made by name. Built inside the loop so that its asyncio primitives bind to it.
+    executor made by name, backfilling's started notices attached
+    (:mod:`rrfp.runtime.features.notices`). Built inside the loop so that its asyncio
+    primitives bind to it.
 
     Raises:
         ValueError: an unknown executor, or ``cuda`` on a non-CUDA device.
@@ -88,12 +91,14 @@ async def build_runtime(plan: Plan, config: RuntimeConfig, rank: int, stages: Se
             st.submod.to(device)
             st.device = device
     ex = make_executor(config.executor, stages[0].device, window=config.launch_ahead)
-    return RankRuntime(
+    rt = RankRuntime(
         rank, stages, plan.spec, plan.hint, transport, strict=plan.strict, inflight_limit=plan.limits[rank],
         job=job, loss_fn=io.loss if io.loss_fn is not None else None, loss_weight_fn=io.weight,
         watchdog=config.watchdog, task_delay=config.task_delay, record=config.record,
         deterministic=config.deterministic, executor=ex, memory_budget=plan.budget,
     )
+    notices.attach(rt)
+    return rt
 
 
 class FrontDoor:

@@ -14,6 +14,10 @@
   microseconds where a hop to a worker thread and back costs about 90 us on a 2-core machine);
 - :mod:`~rrfp.runtime.engine.outbox`: sends, which never block compute;
 - :mod:`~rrfp.runtime.engine.hooks`: step hooks (a stage's gradients are final; the step ends);
+- step features join through :mod:`~rrfp.runtime.engine.observer` (the loop's events),
+  :meth:`~rrfp.runtime.engine.inbox.Inbox.on_control` (their control messages), a decider
+  (:meth:`~rrfp.runtime.engine.loop.SchedulerLoop.set_decider`) and :attr:`RankRuntime.backfill_for`;
+  :mod:`rrfp.runtime.features` holds them;
 - :mod:`~rrfp.runtime.engine.compute`: the tasks themselves (F, B, I, W on the stage modules) and
   ``run_backward``.
 
@@ -30,6 +34,7 @@ import torch
 
 from ...scheduler.arbiter import Arbiter
 from ...scheduler.hints import Hint
+from ...scheduler.backfill import Backfill
 from ...scheduler.readyset import finalising_kind
 from ...scheduler.tasks import PipelineSpec, TaskRecord
 from ...transport.base import Message, Transport
@@ -39,7 +44,6 @@ from .executor import Executor, InlineExecutor
 from ...scheduler.forward import ForwardArbiter
 from .hooks import HookRunner, StepHooks
 from .inbox import Inbox
-from ..features.notices import StartedNotices
 from .loop import DelayFn, SchedulerLoop
 from .ordered import _OrderedGrads
 from .outbox import Outbox
@@ -118,8 +122,12 @@ class RankRuntime:
             (the :class:`~rrfp.runtime.engine.compute.TaskCompute`): the parts (see the module
             docstring). The knobs live on their parts: ``loop.watchdog``, ``loop.task_delay``,
             ``loop.record``, ``compute.loss_fn``; refusals are counted in ``inbox.rejected``.
-        notices: backfilling's :class:`~rrfp.runtime.features.notices.StartedNotices` (its cost
-            averages, the started notices sent and received; its ``clock``).
+        features: the step features attached to this rank, by name (``notices``: backfilling's
+            :class:`~rrfp.runtime.features.notices.StartedNotices`; ``tp-agreement``), for
+            inspection; each registers itself through the seams (module docstring).
+        backfill_for: ``(step, spec) -> Backfill``, where a backfilling step's arbiter takes its
+            :class:`~rrfp.scheduler.backfill.Backfill` (backfilling's notices set it; None: a
+            backfilling hint fails the step with a ValueError).
     """
 
     def __init__(
@@ -170,9 +178,8 @@ class RankRuntime:
             self.inbox.place = lambda stage, tensors: copies.to_device(stage.device, tensors)
         self.loop = SchedulerLoop(rank, self.inbox, self.executor, watchdog=watchdog, task_delay=task_delay,
                                   record=record)
-        # Backfilling's notices: admitted whatever this step's hint (a neighbour may already run
-        # the next step under another), sent and read only in backfilling steps.
-        self.notices = self.inbox.notices = self.loop.notices = StartedNotices(spec, rank, self.outbox.send_control)
+        self.features: dict[str, Any] = {}
+        self.backfill_for: Callable[[int, PipelineSpec], Backfill] | None = None
         self._loss_total = self._loss_global = None
         self.hooks = HookRunner(self.stages, spec.n_microbatches, finalising_kind(spec.split_backward))
         self._receiving = False
@@ -306,8 +313,6 @@ class RankRuntime:
         stats.peak_inflight = arb.peak_inflight
         stats.peak_mb_inflight = arb.peak_mb_inflight
         stats.peak_bytes = arb.peak_bytes
-        if getattr(arb, "backfill", None) is not None:
-            stats.n_backfilled = arb.backfill.n_backfilled
         if weights is not None:
             if losses is not None:
                 losses.extend(mb_losses)
@@ -351,7 +356,10 @@ class RankRuntime:
             return ForwardArbiter(self.spec, self.rank)
         backfill = None
         if self.hint.backfill and self.strict:
-            backfill = self.notices.backfill(step, self.spec)
+            if self.backfill_for is None:
+                raise ValueError(f"rank {self.rank}: hint {self.hint.name!r} backfills, but no backfilling feature "
+                                 "is attached (rrfp.runtime.features.notices.attach)")
+            backfill = self.backfill_for(step, self.spec)
         arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit,
                       memory_budget=self.memory_budget, act_bytes=self._sizer, w_bytes=self._wbytes,
                       backfill=backfill)
