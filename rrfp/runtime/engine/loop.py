@@ -10,10 +10,13 @@ The watchdog's clock is the event loop's own (``loop.time()``), the clock its ti
 and the one the fake transport's message delays are drawn on: a test that runs the loop on
 simulated time (tests/virtual_time.py) decides every watchdog outcome without real delays.
 
-Step features join the loop as step observers (:mod:`~rrfp.runtime.engine.observer`,
-:meth:`SchedulerLoop.add_observer`): they are told when a step begins and ends, before each
-decision, when a task starts and finishes, and when the loop waits (backfilling's started
-notices, :mod:`rrfp.runtime.features.notices`).
+Step features join the loop through two seams and nothing else: step observers
+(:mod:`~rrfp.runtime.engine.observer`, :meth:`SchedulerLoop.add_observer`) are told when a step
+begins and ends, before each decision, when a task starts and finishes, and when the loop
+waits (backfilling's started notices, :mod:`rrfp.runtime.features.notices`); a decider
+(:meth:`SchedulerLoop.set_decider`) takes the arbiter's place in choosing each task when the
+choice must be agreed with other ranks first (TP agreement,
+:mod:`rrfp.runtime.features.agreement`).
 
 The arbiter runs one task at a time (``Arbiter.running``): an executor whose tasks complete on
 the host at launch (CUDA: the kernels are queued on the rank's stream, in order) may run up to
@@ -26,9 +29,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Callable
+from typing import Awaitable, Callable
 
-from ...scheduler.agreement import TPAgreement, decode_task, encode_task
 from ...scheduler.arbiter import Arbiter
 from ...scheduler.tasks import Task, TaskRecord
 from ...errors import WatchdogTimeout
@@ -37,9 +39,15 @@ from .hooks import HookRunner
 from .inbox import Inbox
 from .observer import StepObserver
 
-_AGAIN = object()  # the TP group disagreed on the proposed task
+AGAIN = object()
+"""What a decider returns when no task may run yet but the loop should look at arrivals and
+ask again at once (the TP group disagreed on the proposed task)."""
+
 DelayFn = Callable[[int, int, Task], float]  # (step, rank, task) -> extra seconds
 EmitFn = Callable[[list], None]  # hands a finished task's outputs on (loop thread)
+DeciderFn = Callable[[Arbiter], Awaitable]
+"""``await decide(arb)``: the next task (committed on ``arb``), None when nothing may run now
+(the loop waits for an event), or :data:`AGAIN`."""
 
 
 class SchedulerLoop:
@@ -74,14 +82,24 @@ class SchedulerLoop:
         self._last_end = 0.0
         self.observers: tuple[StepObserver, ...] = ()  # every registered observer
         self._watching: tuple[StepObserver, ...] = ()  # those taking this step's task events
-        self.agree = None  # TP agreement's exchange (RankRuntime.set_tp_agreement), None: no TP
-        self.agreement: TPAgreement | None = None
+        self.decide: DeciderFn | None = None  # None: the arbiter's own next()
         executor.bind(inbox.wake.set)
 
     def add_observer(self, observer: StepObserver) -> None:
         """Tell ``observer`` what this loop does from the next step on
         (:mod:`~rrfp.runtime.engine.observer`: the events, when each fires, their order)."""
         self.observers = (*self.observers, observer)
+
+    def set_decider(self, decide: DeciderFn) -> None:
+        """Choose each task with ``await decide(arb)`` instead of ``arb.next()`` (see
+        :data:`DeciderFn`); one decider per loop.
+
+        Raises:
+            ValueError: a decider is already set.
+        """
+        if self.decide is not None:
+            raise ValueError(f"rank {self.rank}: a decider is already set ({self.decide!r})")
+        self.decide = decide
 
     async def run(self, arb: Arbiter, step: int, stats, run_fn: RunFn, emit: EmitFn,
                   hooks: HookRunner | None = None) -> None:
@@ -100,6 +118,7 @@ class SchedulerLoop:
         running.clear()
         inbox, ex = self.inbox, self.executor
         wake = inbox.wake
+        decide = self.decide
         watching = self._watching = tuple(o for o in self.observers if o.step_begins(step, arb) is not False)
         try:
             while True:
@@ -127,8 +146,8 @@ class SchedulerLoop:
                     if watching:
                         for o in watching:
                             o.before_decision()
-                    task = arb.next() if self.agree is None else await self._agreed(arb)
-                    if task is _AGAIN:  # the TP group disagreed: look at arrivals, arbitrate again
+                    task = arb.next() if decide is None else await decide(arb)
+                    if task is AGAIN:  # e.g. the TP group disagreed: look at arrivals, decide again
                         await asyncio.sleep(0)
                         continue
                     if task is not None:
@@ -151,19 +170,6 @@ class SchedulerLoop:
             self._disarm_watchdog()
         for o in self.observers:
             o.step_ends(step, stats)
-
-    async def _agreed(self, arb: Arbiter):
-        """TP agreement (RRFP §4.2, :mod:`rrfp.scheduler.agreement`): the task this rank's TP
-        group agreed on (committed), a task that needs no agreement, None when nothing is
-        ready, or ``_AGAIN`` after a mismatch (nothing committed, no state advanced)."""
-        ag = self.agreement
-        if ag is None or ag.arb is not arb:
-            ag = self.agreement = TPAgreement(arb)
-        task, need = ag.propose()
-        if not need:
-            return task
-        codes = await self.agree(encode_task(task))
-        return task if ag.decide([decode_task(c) for c in codes]) else _AGAIN
 
     async def _delay(self, step: int, task: Task) -> None:
         # Injected delays stand for device time: the rank stays busy but its loop keeps

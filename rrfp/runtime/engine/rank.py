@@ -211,12 +211,6 @@ class RankRuntime:
         replica), so a caller can wrap them and put them back."""
         return self._loss_total, self._loss_global
 
-    def set_tp_agreement(self, exchange) -> None:
-        """Tensor parallelism: agree with the TP group before every F and B (RRFP §4.2;
-        :class:`~rrfp.runtime.engine.loop.SchedulerLoop`), ``exchange`` all-gathering the proposals
-        (:mod:`rrfp.parallel.exchange`)."""
-        self.loop.agree = exchange
-
     def add_step_hooks(self, hooks: StepHooks) -> None:
         """Register step hooks (:mod:`rrfp.runtime.engine.hooks`): ``on_stage_grads_final(stage)``
         once a stage's gradients are final in a step, ``on_step_end()`` at its end; awaitables
