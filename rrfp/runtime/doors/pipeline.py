@@ -71,8 +71,9 @@ class Pipeline(FrontDoor):
     :meth:`step` for every training step (they share step times, seconds, and task records):
     through the process group where torch.distributed is initialised (``group``, else every
     process of the job; with a ``layout``, every process), else over this pipeline's own
-    control plane (control messages that are not ``auto``'s, received meanwhile, are kept in
-    ``auto.share.held``). Its lines go to the ``rrfp`` logger at INFO from one rank.
+    control plane (``auto``'s figures go to its own handler, :meth:`Inbox.on_control
+    <rrfp.runtime.engine.inbox.Inbox.on_control>`: other control messages stay for
+    ``runtime.control()``). Its lines go to the ``rrfp`` logger at INFO from one rank.
 
     Attributes:
         auto: the :class:`~rrfp.runtime.features.auto.AutoHint` under ``hint="auto"`` (else None):

@@ -40,6 +40,7 @@ from ...scheduler.tasks import B, F, W
 from ...sim import auto as sim_auto
 from ...sim.auto import TIE, TRIAL_ROUNDS
 from ..doors.config import AUTO, auto_first_hint
+from ..engine.inbox import ControlQueue
 
 __all__ = ["AUTO", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare", "Share",
            "switch_hint"]
@@ -55,6 +56,9 @@ under the codec's 64 KiB header limit)."""
 _MAX_PARTS = 4096
 """Most parts one exchange may have (a million items): a peer announcing more is refused
 before this rank waits for them."""
+
+KIND = "auto"
+"""The ``kind`` of :class:`ControlShare`'s control messages (its inbox handler's)."""
 
 
 class Share(Protocol):
@@ -119,17 +123,19 @@ class DistShare:
 
 
 class ControlShare:
-    """Over rrfp's own control plane (:meth:`RankRuntime.send_control` and ``control``), for
-    a pipeline without a torch.distributed process group: each rank sends its part to every
-    other rank, in messages of at most :data:`_PART_ITEMS` items, and waits for theirs.
+    """Over rrfp's own control plane, for a pipeline without a torch.distributed process group:
+    each rank sends its part to every other rank (:meth:`RankRuntime.send_control`), in
+    messages of at most :data:`_PART_ITEMS` items, and waits for theirs. Wire format: meta
+    ``{"kind": "auto", "rrfp-auto": exchange, "part": i, "of": parts, "items": [...]}``.
+
+    A step feature: the rank's inbox hands it the control messages of kind :data:`KIND`
+    (:meth:`~rrfp.runtime.engine.inbox.Inbox.on_control`) into a queue of its own, so the
+    caller's own control traffic stays in ``runtime.control()``, untouched.
 
     Args:
         runtime: this rank's :class:`~rrfp.runtime.engine.rank.RankRuntime`.
         n_ranks: the pipeline's ranks.
         timeout: seconds to wait for a peer's part.
-
-    Control messages that are not ``auto``'s, received while it waits, are kept in
-    :attr:`held` in arrival order (the caller's own control traffic is not lost).
 
     Raises (from each method):
         TimeoutError: a peer's part did not arrive within ``timeout`` seconds.
@@ -140,8 +146,9 @@ class ControlShare:
     def __init__(self, runtime: Any, n_ranks: int, timeout: float) -> None:
         self.rt, self.n, self.timeout = runtime, n_ranks, timeout or None
         self.seq = 0
-        self.held: list = []
         self._early: dict[tuple[int, int], dict[int, dict]] = {}  # (seq, src) -> part -> its message
+        self._parts = ControlQueue(runtime.inbox)
+        runtime.inbox.on_control(KIND, lambda msg, step: self._parts.put(msg))
 
     async def _exchange(self, items: list) -> list[list]:
         self.seq += 1
@@ -150,7 +157,8 @@ class ControlShare:
         for dst in range(self.n):
             if dst != me:
                 for i, part in enumerate(parts):
-                    self.rt.send_control(dst, seq, {"rrfp-auto": seq, "part": i, "of": len(parts), "items": part})
+                    self.rt.send_control(dst, seq, {"kind": KIND, "rrfp-auto": seq, "part": i, "of": len(parts),
+                                                    "items": part})
         got: dict[int, dict[int, list]] = {r: {} for r in range(self.n) if r != me}
         want: dict[int, int] = {}
         for src in list(got):
@@ -158,11 +166,8 @@ class ControlShare:
                 _check_part(meta, src, seq, self.n, me, got[src], want.get(src))
                 got[src][meta["part"]], want[src] = meta["items"], meta["of"]
         while any(len(got[r]) < want.get(r, 1) for r in got):
-            msg = await self.rt.control(timeout=self.timeout)
+            msg = await self._parts.get(timeout=self.timeout)
             meta = msg.meta
-            if not isinstance(meta, dict) or "rrfp-auto" not in meta:
-                self.held.append(msg)
-                continue
             early = self._early.setdefault((seq + 1, msg.src), {}) if meta.get("rrfp-auto") == seq + 1 else None
             _check_part(meta, msg.src, seq, self.n, me, got.get(msg.src, {}), want.get(msg.src), early)
             if early is not None:
