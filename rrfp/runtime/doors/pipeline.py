@@ -150,7 +150,7 @@ class Pipeline(FrontDoor):
         self._transports = [self.transport]
         self.run(self.transport.start())
         self.runtime = self.run(build_runtime(the_plan, config, rank, stages, self.transport, self._io, job))
-        self._runtimes = [self.runtime]
+        self.runtimes = [self.runtime]
         self.grad_sync = None
         self.tp_agreement = None
         if layout is not None or config.tied:

@@ -128,6 +128,9 @@ class RankRuntime:
         backfill_for: ``(step, spec) -> Backfill``, where a backfilling step's arbiter takes its
             :class:`~rrfp.scheduler.backfill.Backfill` (backfilling's notices set it; None: a
             backfilling hint fails the step with a ValueError).
+        sizer: the memory budget's :class:`~rrfp.runtime.engine.memory.ForwardSizer` (the
+            activation bytes it measured per stage and microbatch, ``sizer(stage, mb)``), or
+            None without a budget.
     """
 
     def __init__(
@@ -188,15 +191,15 @@ class RankRuntime:
             dst_rank, inbox.step, m, dst_stage, direction, tensors))
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self.memory_budget = memory_budget
-        self._sizer = None
+        self.sizer = None
         if memory_budget is not None:
             from .memory import ForwardSizer, WeightBytes
 
-            self._sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()}, got[0])
+            self.sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()}, got[0])
         self.compute = TaskCompute(rank, self.stages, self.last_stage, loss_fn, self.router, self._ordered,
-                                   self._sizer)
+                                   self.sizer)
         # Under a budget the ledger frees at I all but what W's store holds (measured).
-        self._wbytes = None if self._sizer is None else WeightBytes(self.compute._wstate)
+        self._wbytes = None if self.sizer is None else WeightBytes(self.compute._wstate)
 
     def set_loss_reduction(self, total_fn: Callable[[float], float], loss_fn: Callable[[float], float]) -> None:
         """Data parallelism (:mod:`rrfp.parallel.grads`): ``total_fn(local total)`` gives the
@@ -210,6 +213,27 @@ class RankRuntime:
         """``(total_fn, loss_fn)`` as :meth:`set_loss_reduction` set them (None, None: one
         replica), so a caller can wrap them and put them back."""
         return self._loss_total, self._loss_global
+
+    def set_hint(self, spec: PipelineSpec, hint: Hint, strict: bool) -> None:
+        """Run ``hint`` (resolved with ``spec`` and ``strict``, as
+        :func:`~rrfp.scheduler.hints.resolve_hint` gives them) from the next step on: a split
+        backward is enabled on the stage modules where ``spec`` has one (idempotent; a full
+        backward still works on them), and the step hooks' final kind follows (``B``, or ``W``
+        with a split backward). The front doors call it for every rank
+        (:meth:`~rrfp.runtime.doors.front.FrontDoor.set_hint`).
+
+        Raises:
+            ValueError: ``spec`` of another placement or microbatch count (nothing changed).
+        """
+        if spec.placement != self.spec.placement or spec.n_microbatches != self.spec.n_microbatches:
+            raise ValueError(f"rank {self.rank}: a hint for {spec.placement}, {spec.n_microbatches} microbatches; "
+                             f"this pipeline is {self.spec.placement}, {self.spec.n_microbatches} microbatches")
+        if spec.split_backward:
+            for st in self.stages.values():
+                if st.dw_builder is None:  # with one, the user's module defers its own weight gradients
+                    enable_split_backward(st.submod)
+        self.spec, self.hint, self.strict = spec, hint, strict
+        self.hooks.final_kind = finalising_kind(spec.split_backward)
 
     def add_step_hooks(self, hooks: StepHooks) -> None:
         """Register step hooks (:mod:`rrfp.runtime.engine.hooks`): ``on_stage_grads_final(stage)``
@@ -355,10 +379,10 @@ class RankRuntime:
                                  "is attached (rrfp.runtime.features.notices.attach)")
             backfill = self.backfill_for(step, self.spec)
         arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit,
-                      memory_budget=self.memory_budget, act_bytes=self._sizer, w_bytes=self._wbytes,
+                      memory_budget=self.memory_budget, act_bytes=self.sizer, w_bytes=self._wbytes,
                       backfill=backfill)
-        if self._sizer is not None:
-            self._sizer.begin_step(self.router.waiting(Direction.ACT))
+        if self.sizer is not None:
+            self.sizer.begin_step(self.router.waiting(Direction.ACT))
         return arb
 
     def _step_loss(self, mb_losses: list, weights: list[float]) -> float:

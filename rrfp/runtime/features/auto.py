@@ -36,14 +36,13 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ...errors import PipelineError
 from ...scheduler.hints import resolve_hint
-from ...scheduler.tasks import B, F, W
+from ...scheduler.tasks import F
 from ...sim import auto as sim_auto
 from ...sim.auto import TIE, TRIAL_ROUNDS
 from ..doors.config import AUTO, auto_first_hint
 from ..engine.inbox import ControlQueue
 
-__all__ = ["AUTO", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare", "Share",
-           "switch_hint"]
+__all__ = ["AUTO", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare", "Share"]
 
 RECHECK_EVERY = 50
 """Steps between re-checks: one more trial round (three steps) per 50, about 6% of steps run a
@@ -218,26 +217,6 @@ def _check_part(meta: dict, src: Any, seq: int, n: int, me: int, have: dict, of:
         raise bad(f"part {part} of exchange {k} again")
 
 
-def switch_hint(pipe: Any, text: str, limits: Sequence[int], backpressure: str = "admission") -> None:
-    """Make ``pipe`` (a front door) run ``text`` on every rank it runs from its next step.
-
-    Raises:
-        ValueError: a hint that does not resolve for the pipeline's placement.
-    """
-    from ..engine.split import enable_split_backward
-
-    spec, hint, strict = resolve_hint(text, pipe.spec.placement, pipe.n_microbatches, inflight_limit=list(limits),
-                                      backpressure=backpressure)
-    pipe.spec, pipe.hint, pipe.strict = spec, hint, strict
-    for rt in pipe._runtimes:
-        if spec.split_backward:
-            for st in rt.stages.values():
-                if st.dw_builder is None:  # idempotent; a full backward still works on routed layers
-                    enable_split_backward(st.submod)
-        rt.spec, rt.hint, rt.strict = spec, hint, strict
-        rt.hooks.final_kind = W if spec.split_backward else B
-
-
 def step_figures(hint: str, stats: Sequence[Any]) -> tuple[float, float]:
     """This process's part of a step's figures: ``(seconds, forward seconds)``, its ranks'
     slowest step time and the sum of their forward tasks' seconds (from the task records)."""
@@ -295,7 +274,7 @@ class AutoHint:
         self.chosen: str | None = None
         self.ranking: sim_auto.Ranking | None = None
         self.measure: Callable[[str, Sequence[Any]], tuple[float, float]] = step_figures
-        self._record = [rt.loop.record for rt in pipe._runtimes]
+        self._record = [rt.loop.record for rt in pipe.runtimes]
         self.too_short = False
         self.run_steps: int | None = None
         self.steps = 0
@@ -346,10 +325,10 @@ class AutoHint:
                      f"then {', '.join(self.plan[1:])}), then {TRIAL_ROUNDS} trial rounds of one step per candidate")
         want = self.plan[0] if self.plan else (self.chosen or self.current)
         if want != self.current:
-            switch_hint(self.pipe, want, self.limits, self.backpressure)
+            self.pipe.set_hint(want)
             self.current = want
         # Task records while measuring costs and in trial steps (their forward seconds).
-        for rt, keep in zip(self.pipe._runtimes, self._record):
+        for rt, keep in zip(self.pipe.runtimes, self._record):
             rt.loop.record = keep or bool(self.plan)
 
     async def after_step(self, k: int, stats: Sequence[Any]) -> None:
@@ -391,8 +370,8 @@ class AutoHint:
     async def _gather(self, stats: Sequence[Any]) -> None:
         mine: list = [("r", rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end)
                       for st in stats for rec in st.records]
-        for rt in self.pipe._runtimes:
-            sizer = getattr(rt, "_sizer", None)
+        for rt in self.pipe.runtimes:
+            sizer = rt.sizer  # the memory budget's measured activation bytes (None: no budget)
             if sizer is not None:
                 for s in rt.stages:
                     got = [sizer(s, m) for m in range(self.M)]
