@@ -38,8 +38,7 @@ from ...errors import PipelineError
 from ...scheduler.hints import resolve_hint
 from ...scheduler.tasks import F
 from ...sim import auto as sim_auto
-from ...sim.auto import TIE, TRIAL_ROUNDS
-from ..doors.config import AUTO, auto_first_hint
+from ...sim.auto import AUTO, TIE, TRIAL_ROUNDS, auto_first_hint
 from ..engine.inbox import ControlQueue
 
 __all__ = ["AUTO", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare", "Share"]
