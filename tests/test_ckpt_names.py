@@ -213,3 +213,15 @@ def test_the_learning_rate_schedule_resumes_from_its_recorded_state(schedule, wa
         sched2.step()
         got.append(opt2.param_groups[0]["lr"])
     assert got == lrs[4:]
+
+
+def test_tp_layers_that_regroup_qkv_are_refused_in_one_line():
+    """impl 'dtensor' holds qkv regrouped rank-major (its DTensor's rows are not the model's):
+    writing it under the model's name would mislabel rows, so it is refused."""
+    from rrfp.model.tp import TPAttention
+
+    stage = split_gpt(GPT(CFG, seed=9), 1)[0]
+    stage.blocks[1].attn = TPAttention(stage.blocks[1].attn, 0, 2, None, "dtensor", CFG.d_model, CFG.n_head)
+    with pytest.raises(ValueError, match="blocks.1.attn: tensor-parallel layers of impl 'dtensor' hold qkv "
+                                         "regrouped rank-major"):
+        tp_runs(stage, 0, 2)

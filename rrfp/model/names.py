@@ -59,15 +59,19 @@ def tp_runs(module: nn.Module, tp_rank: int, tp: int) -> dict[str, tuple[int, li
         three runs, its heads of q, of k and of v. Replicated parameters are not listed.
 
     Raises:
-        ValueError: a shard that is not what :func:`~rrfp.model.tp.tp_slice` gives this rank.
+        ValueError: a shard that is not what :func:`~rrfp.model.tp.tp_slice` gives this rank,
+            or layers of ``impl="dtensor"`` (their qkv rows are regrouped rank-major).
     """
-    from .tp import ColumnParallelLinear, RowParallelLinear, tp_slice
+    from .tp import ColumnParallelLinear, RowParallelLinear, TPAttention, tp_slice
 
     if tp == 1:
         return {}
     cfg = module.cfg
     out: dict[str, tuple[int, list[Run]]] = {}
     for prefix, mod in module.named_modules():
+        if isinstance(mod, TPAttention) and not isinstance(mod.qkv, ColumnParallelLinear):
+            raise ValueError(f"{prefix}: tensor-parallel layers of impl 'dtensor' hold qkv regrouped rank-major; "
+                             "checkpoints keyed by name take impl 'manual' (rrfp train's)")
         # Column-parallel layers shard their output features (weight rows, bias), row-parallel
         # ones their input features (weight columns; the bias is whole on every rank).
         dims = {"weight": 0, "bias": 0} if isinstance(mod, ColumnParallelLinear) else \
