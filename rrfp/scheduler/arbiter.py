@@ -24,7 +24,7 @@ import heapq
 
 from .backfill import Backfill
 from .errors import SchedulingError
-from .guards import NO_GUARD, Admission, ByteBudget, CompletionOrder, CountLimit, RankState
+from .guards import NO_GUARD, Admission, ByteBudget, CompletionOrder, CountLimit, OrderPeak, RankState
 from .memory import MemoryLedger, SizeFn
 from .policy import Hint, build_policy, policy_name
 from .readyset import KIND_CODE as _CODE, ReadySet
@@ -137,6 +137,8 @@ class Arbiter:
             st.guard = NO_GUARD
         elif memory_budget is not None:
             st.guard = ByteBudget(self.memory)
+        elif hint.held_to_order and name == "order":
+            st.guard = OrderPeak(order, self.ready)
         elif len(stages) == 1:
             st.guard = CountLimit()
         elif hint.backpressure == "admission":

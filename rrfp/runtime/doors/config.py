@@ -38,7 +38,9 @@ class RuntimeConfig:
         inflight_limit: the in-flight limit (RRFP §6); a sequence gives one per rank. None:
             a schedule used as a hint, and ``auto``'s candidates, keep the (placement's
             strict) schedule's own peak in flight per rank (1F1B: ``p - r``;
-            :func:`schedule_limits`) unless ``memory_budget`` is set; otherwise 32.
+            :func:`schedule_limits`; a schedule used as a hint also holds at most its
+            order's activations per virtual stage, see :func:`plan`) unless
+            ``memory_budget`` is set; otherwise 32.
         placement: ``loop`` or ``v`` for virtual stages.
         backpressure: with virtual stages, ``admission`` or ``completion-order`` (RRFP App. C.2).
         memory_budget: activation bytes per rank (``64MiB``, ``1.5GB``, an int; None: none).
@@ -193,10 +195,13 @@ def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: in
     """Resolve ``config`` for ``n_ranks`` ranks of ``n_virtual`` stages each.
 
     The one rule for limits left unset: a schedule used as a hint keeps its own peak in flight
-    (:func:`schedule_limits`), and so do ``auto``'s candidates, at the placement's strict
-    schedule's peak, so that trying a policy never holds more activations than the fixed
-    schedule does; with a ``memory_budget`` (or a policy) the limit is
-    :data:`DEFAULT_INFLIGHT_LIMIT`. ``rrfp train`` resolves its flags through here too.
+    (:func:`schedule_limits`) and holds at most what its order holds on every virtual stage
+    at once (each forward waits for the backwards the order puts before it:
+    :class:`~rrfp.scheduler.guards.OrderPeak`, so its activation bytes never exceed the
+    schedule's own), and ``auto``'s candidates keep the placement's strict schedule's peak in
+    flight, so that trying a policy never holds more activations than the fixed schedule
+    does; with a ``memory_budget`` (or a policy) the limit is :data:`DEFAULT_INFLIGHT_LIMIT`.
+    ``rrfp train`` resolves its flags through here too.
 
     Raises:
         ValueError: an unknown hint, placement, backpressure or budget, bad limits, a negative
@@ -225,4 +230,7 @@ def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: in
                                       backpressure=config.backpressure)
     if not auto and not given and budget is None and hint.order is not None and not strict:
         limits = schedule_limits(spec, hint)
+        # The count limits alone let virtual stages hold another mix than the order ever does
+        # (more of a larger stage): each forward also waits for the order's earlier backwards.
+        hint = dataclasses.replace(hint, held_to_order=True)
     return Plan(place, spec, hint, strict, limits, budget, auto)

@@ -184,8 +184,9 @@ class FrontDoor:
 
         Raises:
             RuntimeError: called under ``torch.no_grad()`` (use :meth:`eval`), or after close.
-            ValueError: inputs that do not split into ``n_microbatches``, or no target for
-                the last stage with a ``loss_fn``.
+            ValueError: inputs that do not split into ``n_microbatches``, no target for
+                the last stage with a ``loss_fn``, or a target whose batch (dim 0) is not the
+                inputs' where this process is given both (one line naming both sizes).
         """
         check_grad_mode(self)
         keep = self.RETURN_OUTPUTS if return_outputs is None else return_outputs
@@ -238,6 +239,8 @@ class FrontDoor:
         auto = self.auto if self.auto is not None and self.drive_auto and not forward_only else None
         if auto is not None:
             auto.before_step(self._auto_steps)
+        if not forward_only:
+            self._before_backward()
         stats = await self._run_ranks(mbs, kwarg_mbs, targets, mb_losses, outputs, forward_only)
         self._end_step(stats, mb_losses, losses, forward_only)
         if auto is not None:
@@ -281,6 +284,10 @@ class FrontDoor:
 
     def _book_stats(self, stats: list[StepStats]) -> None:
         self.last_stats = stats
+
+    def _before_backward(self) -> None:
+        """Work a process model adds before a training step's first backward (gradients that
+        earlier steps left, kept in one copy: :mod:`rrfp.parallel.grads`)."""
 
     def _after_backward(self) -> None:
         """Work a process model adds once a training step's gradients are final."""

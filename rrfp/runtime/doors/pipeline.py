@@ -164,6 +164,12 @@ class Pipeline(FrontDoor):
     def _book_stats(self, stats: list[StepStats]) -> None:
         self.last_stats = stats[0]
 
+    def _before_backward(self) -> None:
+        # Gradients left by a step without zero_grad: one copy keeps them (DP rank 0's, a
+        # tie's first owner's), so the DP and tie sums count them once.
+        if self.grad_sync is not None:
+            self.grad_sync.begin_step()
+
     async def _aclose(self) -> None:
         await super()._aclose()
         agree = getattr(self.runtime.loop, "agree", None)
