@@ -323,6 +323,12 @@ class Arbiter:
         elif self._taken is not None:
             self._taken(t)
 
+    def planned(self) -> Task | None:
+        """In strict mode, the order's first task not finished as of the last decision (the
+        task the rank runs next, or waits for); None in readiness mode or once the order is
+        done. Backfilling's notices ask it (:mod:`rrfp.runtime.features.notices`)."""
+        return self.policy.planned() if self.strict else None
+
     # ------------------------------------------------------------ diagnostics
     def waiting_for(self, limit: int = 3) -> str:
         """What this rank waits for, in words (for the watchdog's error)."""
@@ -342,9 +348,9 @@ class Arbiter:
                     missing.append(f"gradient for {Task(s, bk, m)} {place.source(place.next_stage(s))}")
             if len(missing) >= limit:
                 break
-        planned = getattr(self.policy, "planned", None)
-        if self.strict and planned is not None and planned() is not None:
-            missing.insert(0, f"strict order's next task {planned()}")
+        planned = self.planned()
+        if planned is not None:
+            missing.insert(0, f"strict order's next task {planned}")
         if self.state.inflight >= self.limit:
             missing.append(f"in-flight limit {self.limit} reached")
         return "; ".join(missing[:limit + 1]) or "no ready task"

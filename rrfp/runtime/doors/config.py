@@ -16,7 +16,7 @@ from ...scheduler.hints import Hint, resolve_hint
 from ...scheduler.memory import budget_bytes
 from ...scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
 from ...scheduler.validate import order_peak_inflight
-from ...sim.auto import AUTO, CANDIDATES, known_candidates
+from ...sim.auto import AUTO, auto_first_hint
 from .names import hint_text
 
 DEFAULT_INFLIGHT_LIMIT = 32
@@ -109,7 +109,7 @@ class Plan:
     Attributes:
         placement: which rank holds which stage; spec: the pipeline's shape.
         hint, strict: the resolved hint and whether it is followed strictly (under ``auto``,
-            the first step's: the placement's strict schedule, :func:`auto_first_hint`).
+            the first step's: the placement's strict schedule, :func:`~rrfp.sim.auto.auto_first_hint`).
         limits: the in-flight limit of each rank.
         budget: the memory budget in bytes (None: none).
         auto: the hint is ``auto`` (the front door chooses on its steps).
@@ -171,24 +171,6 @@ def schedule_limits(spec: PipelineSpec, hint: Hint) -> list[int]:
                 held -= 1
         limits.append(max(1, peak))
     return limits
-
-
-def auto_first_hint(placement: Placement, n_microbatches: int, known: Sequence[str] | None = None) -> str:
-    """The hint ``auto`` runs first and keeps when it cannot choose: the placement's strict
-    schedule (``strict-1f1b`` with one stage per rank), else the first candidate that fits.
-    ``known``: the candidates :func:`rrfp.sim.auto.known_candidates` gave for this shape, when
-    the caller has them (each resolves its schedule, and logs the skipped ones).
-
-    Raises:
-        ValueError: no candidate of :data:`rrfp.sim.auto.CANDIDATES` fits the shape.
-    """
-    if known is None:
-        known, _ = known_candidates(placement.n_ranks, placement.n_virtual, placement.kind, n_microbatches)
-    if not known:
-        raise ValueError(f"hint {AUTO!r}: none of its candidates ({', '.join(CANDIDATES)}) fits "
-                         f"{placement.n_ranks} ranks x {placement.n_virtual} virtual stages ({placement.kind}), "
-                         f"{n_microbatches} microbatches; name a hint")
-    return next((c for c in known if c.startswith("strict-")), known[0])
 
 
 def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: int) -> Plan:

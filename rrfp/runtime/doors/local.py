@@ -108,7 +108,7 @@ class LocalPipeline(FrontDoor):
             return [await build_runtime(the_plan, config, r, ranks[r], self.transports[r], self._io, job)
                     for r in range(n_ranks)]
 
-        self.runtimes = self._runtimes = self.run(build())
+        self.runtimes = self.run(build())
         self.last_stats: list[StepStats] = []
         if the_plan.auto:
             from ..features.auto import LocalShare
