@@ -5,9 +5,11 @@ trailing newline) and at least :data:`MIN_SECRET_BYTES` bytes remain."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 MIN_SECRET_BYTES = 16
+MAX_SECRET_FILE_BYTES = 1 << 16
+"""A secret file larger than this (64 KiB), or one that is not a regular file (``/dev/zero``,
+a FIFO), is refused unread."""
 
 
 def normalized(secret: bytes | str) -> bytes:
@@ -26,12 +28,17 @@ def read_secret_file(path: str | os.PathLike) -> bytes:
     """A secret file's content, normalized.
 
     Raises:
-        ValueError: one line naming the file when it cannot be read or is too short.
+        ValueError: one line naming the file when it cannot be read, is not a regular file, is
+            larger than :data:`MAX_SECRET_FILE_BYTES` or its secret is too short.
     """
+    from ._inputs import read_small_file
+
     try:
-        data = Path(path).read_bytes()
+        data = read_small_file(path, MAX_SECRET_FILE_BYTES)
     except OSError as e:
         raise ValueError(f"job secret file {str(path)!r}: {e.strerror or e}") from None
+    except ValueError as e:  # not a regular file, or too large
+        raise ValueError(f"job secret file {str(path)!r}: {e}") from None
     try:
         return normalized(data)
     except ValueError as e:

@@ -73,6 +73,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                       f"(default {DEFAULT_METRICS_PORT})", port_default=DEFAULT_METRICS_PORT)
     p.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SEC",
                    help="/healthz fails when a rank's event-loop heartbeat is older than this (default %(default)s)")
+    from .peers import DEFAULT_JOIN_TIMEOUT_S, SAY_EVERY_S
+
+    p.add_argument("--join-timeout", type=int, default=DEFAULT_JOIN_TIMEOUT_S, metavar="SEC",
+                   help="give up, exit 1, when the other nodes have not all joined the rendezvous (at the start, or "
+                   f"after a restart, e.g. when a peer host vanished) within this; said every {SAY_EVERY_S:g} s "
+                   "while waiting (torch's join_timeout; default %(default)s)")
     p.add_argument("--run-dir", default=None, help="the daemon's working folder (metrics files, stop file); default a temporary one")
     p.set_defaults(func=run, pass_through=True)
 
@@ -140,6 +146,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     problem = check_metrics_flags(args, allow_any_port=True)
     if problem:
         raise UsageError(problem)
+    if args.join_timeout < 1:
+        raise UsageError(f"--join-timeout={args.join_timeout}: expected a positive number of seconds")
     if not args.heartbeat_timeout > 0:
         raise UsageError(f"--heartbeat-timeout={args.heartbeat_timeout}: expected a positive number of seconds")
     if args.metrics_port and (problem := port_problem(args.metrics_addr, args.metrics_port, 1,
@@ -330,15 +338,21 @@ def run(args: argparse.Namespace) -> int:
         min_nodes=job.nnodes, max_nodes=job.nnodes, nproc_per_node=job.nproc, run_id=args.job_id,
         rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
         # With rdzv_store this daemon already hosts the store: its agent joins it as a client.
-        rdzv_configs={"is_host": job.node_rank == 0 and rdzv_store is None}, max_restarts=args.max_restarts, monitor_interval=0.5,
+        rdzv_configs={"is_host": job.node_rank == 0 and rdzv_store is None, "join_timeout": args.join_timeout},
+        max_restarts=args.max_restarts, monitor_interval=0.5,
         local_addr=node_addr,
         # SIGTERM stays the daemon's own (above): the agent would forward it as "die now".
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
     )
     code = 0
+    from .peers import RendezvousWait
+
+    waiting = RendezvousWait(lambda: bool(_children()), f"{job.master_addr}:{rdzv_port} ({args.job_id})", job.nnodes,
+                             args.join_timeout, say).start()
     try:
         code = _launch(config, job, health)
     finally:
+        waiting.stop()
         watching.set()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if code == 0:
@@ -403,7 +417,7 @@ def _launch(config, job, health) -> int:
     one line on how it ended."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
     from ..lines import say
@@ -428,6 +442,10 @@ def _launch(config, job, health) -> int:
             return 1
         say(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", sys.stderr)
         return 128 + int(e.sigval)
-    except (RendezvousError, RuntimeError, OSError) as e:  # a rendezvous timeout and the like: one line
+    except RendezvousTimeoutError:  # torch's says nothing more
+        say(f"rrfp node: error: not every node of the {job.nnodes} joined the rendezvous within --join-timeout "
+            f"{config.rdzv_configs['join_timeout']} s (a peer host gone?); giving up", sys.stderr)
+        return 1
+    except (RendezvousError, RuntimeError, OSError) as e:  # a lost store and the like: one line
         say(f"rrfp node: error: {type(e).__name__}: {e}", sys.stderr)
         return 1

@@ -13,6 +13,7 @@ for each of its files (its ``files`` map deleted or cut) is refused: it cannot b
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -133,3 +134,101 @@ def first_line(e: BaseException) -> str:
         return f"rank {rank}: {type(exc).__name__}: {text[0] if text else ''}"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+ARG_TYPES = {"stages": int, "virtual_stages": int, "placement": str, "model": str, "max_len": int, "tp": int,
+             "dp": int, "dp_shard": str, "seed": int, "batch_size": int}
+"""The flags ``rrfp.json`` records (``args``) and their types; those of :data:`_ARGS_REQUIRED`
+are in every format, the others default when absent (written before they were recorded)."""
+_ARGS_REQUIRED = ("stages", "model", "max_len", "seed", "batch_size")
+_SHA256 = frozenset("0123456789abcdef")
+
+
+def meta_problem(meta, where: str, formats: tuple[int, ...]) -> str | None:
+    """What is wrong with the structure of a checkpoint's ``rrfp.json`` (parsed), as one line
+    naming ``where`` (the file), the field and what was expected; None when every field that
+    resuming or exporting reads has its type (a damaged or hand-edited file is refused here,
+    not by a ``KeyError`` deep in a rank).
+
+    Args:
+        meta: the parsed JSON.
+        where: the file, for the line.
+        formats: the formats this rrfp reads.
+    """
+    if not isinstance(meta, dict):
+        return f"{where}: {_kind(meta)}, expected an rrfp checkpoint description (an object)"
+    if meta.get("format") not in formats:
+        return (f"{where}: \"format\" is {meta.get('format')!r}, expected an rrfp checkpoint description of "
+                f"format {' or '.join(map(str, formats))}")
+    for key, want in (("step", "a number of steps >= 0"), ("world_size", "a number of ranks >= 1")):
+        if key in meta or key == "step":
+            v = meta.get(key)
+            if not _int(v) or v < (key == "world_size"):
+                return f"{where}: \"{key}\" is {_kind(v)}, expected {want}"
+    return _args_problem(meta.get("args"), where) or _data_problem(meta.get("data"), where) \
+        or _files_problem(meta.get("files"), where) or _extras_problem(meta, where)
+
+
+def _args_problem(a, where: str) -> str | None:
+    if not isinstance(a, dict):
+        return f"{where}: \"args\" is {_kind(a)}, expected an object of the run's flags"
+    for key, typ in ARG_TYPES.items():
+        if key not in a and key not in _ARGS_REQUIRED:
+            continue
+        v = a.get(key)
+        if not (_int(v) if typ is int else isinstance(v, typ)):
+            return f"{where}: \"args.{key}\" is {_kind(v)}, expected {'an integer' if typ is int else 'a string'}"
+    return None
+
+
+def _data_problem(d, where: str) -> str | None:
+    if not isinstance(d, dict):
+        return f"{where}: \"data\" is {_kind(d)}, expected an object with next_step and n_samples"
+    for key in ("next_step", "n_samples"):
+        if not _int(d.get(key)) or d[key] < 0:
+            return f"{where}: \"data.{key}\" is {_kind(d.get(key))}, expected an integer >= 0"
+    return None
+
+
+def _files_problem(files, where: str) -> str | None:
+    if files is None:
+        return None  # absent: check_files refuses a checkpoint without digests, naming it
+    if not isinstance(files, dict):
+        return f"{where}: \"files\" is {_kind(files)}, expected an object of file names and digests"
+    for name, d in files.items():
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            return f"{where}: \"files\" names {name!r}, expected a file name inside the checkpoint folder"
+        ok = isinstance(d, dict) and _int(d.get("bytes")) and d["bytes"] >= 0 and isinstance(d.get("sha256"), str) \
+            and len(d["sha256"]) == 64 and set(d["sha256"]) <= _SHA256
+        if not ok:
+            return f"{where}: \"files.{name}\" is {_kind(d)}, expected {{\"bytes\": size, \"sha256\": 64 hex digits}}"
+    return None
+
+
+def _extras_problem(meta: dict, where: str) -> str | None:
+    for key, typ, want in (("lr_schedule", dict, "an object or null"), ("hint", str, "a hint name or null"),
+                           ("model_config", dict, "an object or null"), ("run_id", str, "a string or null")):
+        v = meta.get(key)
+        if v is not None and not isinstance(v, typ):
+            return f"{where}: \"{key}\" is {_kind(v)}, expected {want}"
+    mc = meta.get("model_config")
+    if mc and not (isinstance(mc.get("kind"), str) and isinstance(mc.get("config"), dict)):
+        return f"{where}: \"model_config\" lacks its kind or config, expected {{\"kind\": ..., \"config\": {{...}}}}"
+    return None
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _kind(v) -> str:
+    """A JSON value, shortly: ``a list``, ``an empty object``, ``the string 'x'``, ``-3``."""
+    if v is None:
+        return "missing or null"
+    if isinstance(v, bool) or _int(v) or isinstance(v, float):
+        return json.dumps(v)
+    if isinstance(v, str):
+        return f"the string {v[:40]!r}"
+    if isinstance(v, list):
+        return "an empty list" if not v else "a list"
+    return "an empty object" if not v else "an object"
