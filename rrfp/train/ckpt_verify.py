@@ -12,6 +12,7 @@ for each of its files (its ``files`` map deleted or cut) is refused: it cannot b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -117,6 +118,53 @@ def check_files(path: str | os.PathLike, meta: dict, only: list[str] | None = No
 
 def _is_digest(d) -> bool:
     return isinstance(d, dict) and isinstance(d.get("bytes"), int) and isinstance(d.get("sha256"), str)
+
+
+class CheckpointNotSaved(RuntimeError):
+    """A checkpoint could not be written (a full disk, a lost mount); the previous one stands."""
+
+
+@contextlib.contextmanager
+def save_errors(root: str | os.PathLike, step: int, rank: int):
+    """Around a checkpoint's save (collective): a failure to write it, which DCP reports as a
+    ``CheckpointException`` holding every rank's traceback (a ``BaseException``, hundreds of
+    lines), becomes one :class:`CheckpointNotSaved` line naming the folder, the step and the
+    root error (``No space left on device``). Rank 0 then deletes the job's half-written
+    folder, so its space is free again; the last committed checkpoint is untouched.
+
+    Raises:
+        CheckpointNotSaved: the save failed.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (CheckpointException, OSError) as e:
+        cause = first_line(e) if isinstance(e, CheckpointException) else f"{type(e).__name__}: {e}"
+        if "No space left" not in cause and (full := disk_full(root)):
+            cause = f"{full}; {cause}"  # torch's zip writer reports a full disk as "unexpected pos"
+        if rank == 0:
+            from .ckpt_lock import remove_tmp
+
+            remove_tmp(root)
+        raise CheckpointNotSaved(f"the checkpoint of step {step} could not be written in {os.fspath(root)!r} "
+                                 f"({cause}); the last committed checkpoint is kept") from None
+
+
+FULL_BELOW_BYTES = 16 << 20
+"""After a failed save, a folder whose file system has less than this free (16 MiB) is
+reported as full: the failed writes filled it up to the last block."""
+
+
+def disk_full(root: str | os.PathLike) -> str | None:
+    """``No space left on device (N bytes free)`` when ``root``'s file system has less than
+    :data:`FULL_BELOW_BYTES` free for unprivileged writers, else None."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    return f"No space left on device ({free} bytes free)" if free < FULL_BELOW_BYTES else None
 
 
 def shard_names(meta: dict) -> list[str]:

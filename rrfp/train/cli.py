@@ -228,22 +228,23 @@ def launch(args: argparse.Namespace) -> int:
     import torch.distributed.run as torchrun
 
     argv = getattr(args, "argv", None) or ["train"]
+    from .._pdeathsig import LAUNCHER_PID_ENV
+    from .._secret import private_secret_file
+    from ..transport.auth import ENV_SECRET, JobAuth
+
+    # One secret per run, handed to the ranks as a --job-secret-file only this user can read
+    # (rrfp/_secret.py), deleted when the run ends: never in argv, nor in their environment,
+    # which /proc/<pid>/environ shows for the process's whole life. A --job-secret-file or a
+    # secret already in the environment is kept.
+    remove_secret = None
+    if not getattr(args, "job_secret_file", None) and not os.environ.get(ENV_SECRET):
+        secret_file, remove_secret = private_secret_file(JobAuth.generate())
+        argv = [*argv, "--job-secret-file", secret_file]
     run_args = torchrun.get_args_parser().parse_args(
         ["--standalone", "--nproc-per-node", str(args.stages * args.dp * args.tp), "--max-restarts", "0", "--monitor-interval", "0.5",
          "-m", "rrfp", *argv]
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    from .._pdeathsig import LAUNCHER_PID_ENV
-    from ..transport.auth import ENV_SECRET, JobAuth
-
-    # One secret per run, handed to the ranks only through their environment (never disk
-    # or argv); a --job-secret-file or a secret already in the environment is kept.
-    # The launcher hands its own environment to the ranks, so the secret is set there for this
-    # run only and removed after it: a caller running `rrfp train` in-process (tests, notebooks)
-    # must not be left with a secret that turns on CURVE for its own later transports.
-    made_secret = not getattr(args, "job_secret_file", None) and not os.environ.get(ENV_SECRET)
-    if made_secret:
-        os.environ[ENV_SECRET] = JobAuth.generate()
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     finished = None
     if getattr(args, "metrics_linger", 0) > 0:
@@ -255,8 +256,8 @@ def launch(args: argparse.Namespace) -> int:
         return _run_launcher(run_args, (args.dp, args.tp),
                              finished and (finished.name, args.stages * args.dp * args.tp))
     finally:
-        if made_secret:
-            os.environ.pop(ENV_SECRET, None)
+        if remove_secret is not None:
+            remove_secret()
         os.environ.pop(LAUNCHER_PID_ENV, None)
         if finished is not None:
             os.environ.pop(FINISHED_ENV, None)
