@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .. import _net
 from ..errors import UsageError
+from .peers import DEFAULT_JOIN_TIMEOUT_S
 
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_RDZV_PORT = 29500
@@ -73,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       f"(default {DEFAULT_METRICS_PORT})", port_default=DEFAULT_METRICS_PORT)
     p.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SEC",
                    help="/healthz fails when a rank's event-loop heartbeat is older than this (default %(default)s)")
-    from .peers import DEFAULT_JOIN_TIMEOUT_S, SAY_EVERY_S
+    from .peers import SAY_EVERY_S
 
     p.add_argument("--join-timeout", type=int, default=DEFAULT_JOIN_TIMEOUT_S, metavar="SEC",
                    help="give up, exit 1, when the other nodes have not all joined the rendezvous (at the start, or "
@@ -146,8 +147,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     problem = check_metrics_flags(args, allow_any_port=True)
     if problem:
         raise UsageError(problem)
-    if args.join_timeout < 1:
-        raise UsageError(f"--join-timeout={args.join_timeout}: expected a positive number of seconds")
+    join_timeout = getattr(args, "join_timeout", DEFAULT_JOIN_TIMEOUT_S)
+    if join_timeout < 1:
+        raise UsageError(f"--join-timeout={join_timeout}: expected a positive number of seconds")
     if not args.heartbeat_timeout > 0:
         raise UsageError(f"--heartbeat-timeout={args.heartbeat_timeout}: expected a positive number of seconds")
     if args.metrics_port and (problem := port_problem(args.metrics_addr, args.metrics_port, 1,
@@ -169,7 +171,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         _check_run_dir(args.run_dir)  # last: it makes the folder
     return argparse.Namespace(
         nnodes=nnodes, nproc=nproc, node_rank=node_rank, port=port, train_args=train_args, targs=targs,
-        master_addr=master_addr, node_addr=node_addr,
+        master_addr=master_addr, node_addr=node_addr, join_timeout=join_timeout,
     )
 
 
@@ -338,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
         min_nodes=job.nnodes, max_nodes=job.nnodes, nproc_per_node=job.nproc, run_id=args.job_id,
         rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
         # With rdzv_store this daemon already hosts the store: its agent joins it as a client.
-        rdzv_configs={"is_host": job.node_rank == 0 and rdzv_store is None, "join_timeout": args.join_timeout},
+        rdzv_configs={"is_host": job.node_rank == 0 and rdzv_store is None, "join_timeout": job.join_timeout},
         max_restarts=args.max_restarts, monitor_interval=0.5,
         local_addr=node_addr,
         # SIGTERM stays the daemon's own (above): the agent would forward it as "die now".
@@ -348,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
     from .peers import RendezvousWait
 
     waiting = RendezvousWait(lambda: bool(_children()), f"{job.master_addr}:{rdzv_port} ({args.job_id})", job.nnodes,
-                             args.join_timeout, say).start()
+                             job.join_timeout, say).start()
     try:
         code = _launch(config, job, health)
     finally:

@@ -186,9 +186,10 @@ def first_line(e: BaseException) -> str:
 
 ARG_TYPES = {"stages": int, "virtual_stages": int, "placement": str, "model": str, "max_len": int, "tp": int,
              "dp": int, "dp_shard": str, "seed": int, "batch_size": int}
-"""The flags ``rrfp.json`` records (``args``) and their types; those of :data:`_ARGS_REQUIRED`
-are in every format, the others default when absent (written before they were recorded)."""
-_ARGS_REQUIRED = ("stages", "model", "max_len", "seed", "batch_size")
+"""The flags ``rrfp.json`` records (``args``) and their types, checked where present; the model
+(:data:`_ARGS_REQUIRED`) is always there, the others are compared with the run's flags (a
+missing one is named as a mismatch) or default (written before they were recorded)."""
+_ARGS_REQUIRED = ("model",)
 _SHA256 = frozenset("0123456789abcdef")
 
 

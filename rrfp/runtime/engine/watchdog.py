@@ -6,7 +6,7 @@ inline executor the task holds the loop thread, so no timer of the loop ever run
 the worker-thread executor the loop counts a running task as busy, not stalled. One daemon
 thread per process (:class:`_Watcher`) therefore looks at every rank's running task
 (:class:`TaskWatch`) a few times per period, and a task that has run a whole period ends as
-follows (docs/architecture.md, "The watchdog"):
+follows (README, "Clean ends"):
 
 - **the task holds the loop thread** (inline executor, the CPU default; the host part of a
   CUDA task): nothing can unwind it. The watchdog writes the stuck thread's stack to stderr,
