@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from rrfp.sim.auto import (CANDIDATES, PROFILE_SEED, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, medians,
+from rrfp.sim.auto import (CANDIDATES, PROFILE_SEED, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, medians, preference,
                            forward_seconds, profile_from_samples, profile_of_config, rank, scaled, simulate_auto, trial_candidates, trial_order)
 from rrfp.sim.compare import SimConfig, run_one
 from rrfp.sim.costs import CostModel, StageCost
@@ -92,10 +92,39 @@ def test_keep_takes_the_smallest_median_and_never_a_policy_slower_than_strict() 
     assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.0 - TIE / 2)}, "strict-1f1b") == "strict-1f1b"
     assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.0 - 2 * TIE)}, "strict-1f1b") == "bf"
     assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.2)}, "strict-1f1b") == "strict-1f1b"
-    # Without a strict schedule the smallest median wins.
-    assert keep({"bf": _steps(1.0), "bfw-mem": _steps(0.999)}, None) == "bfw-mem"
+    # Without a strict schedule the smallest median wins, beyond the tie.
+    assert keep({"bf": _steps(1.0), "bfw-mem": _steps(1.0 - 2 * TIE)}, None) == "bfw-mem"
     with pytest.raises(ValueError, match="no trial step"):
         keep({"bf": []}, "strict-1f1b")
+
+
+def test_among_tied_hints_keep_takes_the_fixed_order_of_preference() -> None:
+    # bf, bfw-mem and wfloat are within TIE of the fastest (bfw-mem, 0.895: 0.895 > 0.99 x 0.9
+    # and > 0.99 x 0.897); strict (1.0) is not. CANDIDATES' order puts bf first, whichever of
+    # the three the noise made fastest.
+    assert preference(["wfloat", "bfw-mem", "zz", "bf", "strict-1f1b"], "strict-1f1b") == [
+        "strict-1f1b", "bf", "bfw-mem", "wfloat", "zz"]
+    for times in [(0.900, 0.895, 0.897), (0.895, 0.900, 0.897), (0.897, 0.899, 0.895)]:
+        walls = {"strict-1f1b": _steps(1.0), **{h: _steps(t) for h, t in zip(("bf", "bfw-mem", "wfloat"), times)}}
+        assert keep(walls, "strict-1f1b") == "bf", times
+    # A gain beyond the tie wins over the order: bfw-mem 0.88 < 0.99 x 0.9.
+    assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(0.9), "bfw-mem": _steps(0.88)}, "strict-1f1b") == "bfw-mem"
+    # The order given (auto passes its known candidates) replaces CANDIDATES'.
+    assert keep({"bf": _steps(0.9), "bfw-mem": _steps(0.895)}, None, prefer=["bfw-mem", "bf"]) == "bfw-mem"
+    # Without a strict schedule, within the tie: the preferred one, whichever is faster.
+    assert keep({"bf": _steps(1.0), "bfw-mem": _steps(0.999)}, None) == "bf"
+
+
+def test_an_incumbent_is_kept_unless_beaten_beyond_the_tie() -> None:
+    walls = {"strict-1f1b": _steps(1.0), "bf": _steps(0.9), "bfw-mem": _steps(0.895)}
+    # bf leads the preference, but the kept hint (a re-check's incumbent) stays within the tie.
+    assert keep(walls, "strict-1f1b") == "bf"
+    assert keep(walls, "strict-1f1b", incumbent="bfw-mem") == "bfw-mem"
+    assert keep(walls, "strict-1f1b", incumbent="strict-1f1b") == "bf"  # beaten by 10%: a switch
+    # Measured faster than the incumbent by more than the tie: 0.9 < 0.99 x 0.92.
+    assert keep({**walls, "bfw-mem": _steps(0.92)}, "strict-1f1b", incumbent="bfw-mem") == "bf"
+    # Exactly at the tie's edge the faster one counts as beyond it (as for strict before).
+    assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.0 - TIE)}, "strict-1f1b") == "bf"
 
 
 def test_keep_compares_steps_at_equal_forward_work() -> None:
