@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from rrfp.sim.auto import (CANDIDATES, PROFILE_SEED, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, medians, preference,
+from rrfp.sim.auto import (CANDIDATES, PROFILE_SEED, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, margin, medians, preference, spread,
                            forward_seconds, profile_from_samples, profile_of_config, rank, scaled, simulate_auto, trial_candidates, trial_order)
 from rrfp.sim.compare import SimConfig, run_one
 from rrfp.sim.costs import CostModel, StageCost
@@ -85,8 +85,11 @@ def _steps(*times: float, work: float = 0.0) -> list[tuple[float, float]]:
 def test_keep_takes_the_smallest_median_and_never_a_policy_slower_than_strict() -> None:
     # Medians: strict 1.0, bf 0.9 (its 5.0 is one outlier step), bfw-mem 0.98 (no forward
     # figures: the times are compared as measured).
-    walls = {"strict-1f1b": _steps(1.0, 1.1, 0.9), "bf": _steps(0.9, 5.0, 0.8), "bfw-mem": _steps(0.98, 0.98, 0.98)}
+    walls = {"strict-1f1b": _steps(1.0, 1.01, 0.99), "bf": _steps(0.9, 5.0, 0.89), "bfw-mem": _steps(0.98, 0.98, 0.98)}
     assert medians(walls) == {"strict-1f1b": 1.0, "bf": 0.9, "bfw-mem": 0.98}
+    # The spread: deviations 0.01, 0.01 (strict), 4.56, 0.011 (bf), 0, 0; median 0.01 x 1.4826
+    # (the outlier does not widen it).
+    assert spread(walls) == pytest.approx(0.01 * 1.4826, rel=1e-6)
     assert keep(walls, "strict-1f1b") == "bf"
     # Faster than strict by less than TIE: strict stays; slower: strict stays.
     assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.0 - TIE / 2)}, "strict-1f1b") == "strict-1f1b"
@@ -125,6 +128,19 @@ def test_an_incumbent_is_kept_unless_beaten_beyond_the_tie() -> None:
     assert keep({**walls, "bfw-mem": _steps(0.92)}, "strict-1f1b", incumbent="bfw-mem") == "bf"
     # Exactly at the tie's edge the faster one counts as beyond it (as for strict before).
     assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.0 - TIE)}, "strict-1f1b") == "bf"
+
+
+def test_a_difference_within_the_steps_own_spread_is_a_tie() -> None:
+    # strict and bf are the same hint to the noise: each step 10% off its median now and then.
+    # bf's median is 5% lower, less than the measured spread (about 10%): strict stays.
+    noisy = {"strict-1f1b": _steps(1.0, 1.1, 0.9), "bf": _steps(0.95, 1.045, 0.855)}
+    assert spread(noisy) == pytest.approx(0.1 * 1.4826, rel=1e-6)
+    assert margin(noisy) == spread(noisy) and margin({"bf": _steps(1.0)}) == TIE
+    assert keep(noisy, "strict-1f1b") == "strict-1f1b"
+    # The same 5% gain on steady steps is beyond the tie and kept.
+    assert keep({"strict-1f1b": _steps(1.0, 1.0, 1.0), "bf": _steps(0.95, 0.95, 0.95)}, "strict-1f1b") == "bf"
+    # A gain beyond the spread is kept on noisy steps too.
+    assert keep({**noisy, "bf": _steps(0.8, 0.88, 0.72)}, "strict-1f1b") == "bf"
 
 
 def test_keep_compares_steps_at_equal_forward_work() -> None:

@@ -15,7 +15,8 @@ steps, :func:`simulate_auto`):
    :data:`TRIAL_ROUNDS` rounds of one step each, in rotating order (:func:`trial_order`);
    :func:`keep` keeps the smallest median step time (each rescaled to the trial's median
    forward work, :func:`scaled`, so a step's batch size does not pick the winner); among hints
-   within :data:`TIE` of the fastest, the strict schedule, else the first in the fixed order of
+   within :data:`TIE` of the fastest (or within the steps' own :func:`spread`, where larger),
+   the strict schedule, else the first in the fixed order of
    :data:`CANDIDATES` (:func:`preference`), so a policy measured slower than the strict
    schedule is never kept and noise below the tie cannot flip the choice.
 
@@ -72,9 +73,10 @@ one; more rounds would not resolve smaller differences against a step-to-step sp
 several percent, which the rescaling to equal forward work (:func:`scaled`) removes instead."""
 
 TIE = 0.01
-"""Hints whose median trial step times are within this fraction of the fastest's are tied:
-the strict schedule, a re-check's incumbent, or else the first in :data:`CANDIDATES`' order is
-kept among them (:func:`keep`); a switch needs a measured gain beyond it."""
+"""Hints whose median trial step times are within this fraction of the fastest's are tied
+(or within the trial steps' measured :func:`spread`, where larger): the strict schedule, a
+re-check's incumbent, or else the first in :data:`CANDIDATES`' order is kept among them
+(:func:`keep`); a switch needs a measured gain beyond it."""
 
 _NS = 1e9  # message seconds travel as "bytes" at 1 byte/ns (CommModel's size term)
 
@@ -344,6 +346,33 @@ def medians(trial: Mapping[str, Sequence[Step]]) -> dict[str, float]:
     return {h: statistics.median(w) for h, w in scaled(trial).items() if w}
 
 
+SPREAD_MAD = 1.4826
+"""A normal distribution's standard deviation over its median absolute deviation."""
+
+
+def spread(trial: Mapping[str, Sequence[Step]]) -> float:
+    """How much trial steps of one hint differ from step to step, as a fraction: each
+    :func:`scaled` step's deviation from its hint's median, relative to it (with an odd count
+    the median's own step left out), pooled over the hints; their median times
+    :data:`SPREAD_MAD`, the standard deviation of normal noise, which one outlier step does not
+    widen. 0 without a hint of two steps."""
+    devs: list[float] = []
+    for w in scaled(trial).values():
+        if len(w) < 2:
+            continue
+        m = statistics.median(w)
+        d = sorted(abs(x / m - 1) for x in w) if m > 0 else []
+        devs += d[1:] if len(w) % 2 else d
+    return SPREAD_MAD * statistics.median(devs) if devs else 0.0
+
+
+def margin(trial: Mapping[str, Sequence[Step]], tie: float = TIE) -> float:
+    """The gain (a fraction of a hint's median) a faster hint needs to count as faster: the
+    larger of ``tie`` and the trial's :func:`spread`, so that a difference the noise of the
+    steps makes is not read as one between hints."""
+    return max(tie, spread(trial))
+
+
 def preference(hints: Sequence[str], strict: str | None, prefer: Sequence[str] | None = None) -> list[str]:
     """``hints`` in ``auto``'s fixed order of preference: ``strict`` first, then the order of
     ``prefer`` (default: :data:`CANDIDATES`' order), then any others by name. It decides among
@@ -358,11 +387,12 @@ def keep(trial: Mapping[str, Sequence[Step]], strict: str | None, tie: float = T
          incumbent: str | None = None, prefer: Sequence[str] | None = None) -> str:
     """Which hint to keep from trial steps. The hint of the smallest median of :func:`scaled`
     step times is the fastest; a hint whose median the fastest does not beat by more than
-    ``tie`` (a fraction of that hint's median) is *tied* with it. Among the tied: the
+    :func:`margin` (``tie``, or the steps' measured :func:`spread` where larger; a fraction of
+    that hint's median) is *tied* with it. Among the tied: the
     ``incumbent`` (a re-check never switches to a hint within the tie), else the first in
     :func:`preference` (``strict``, then ``prefer``'s order). So a policy measured slower than
-    ``strict`` is never kept, nor one faster by less than the tie, and two policies within the
-    tie of each other are decided by the fixed order, not by noise.
+    ``strict`` is never kept, nor one faster by less than the tie or than the steps' own
+    noise, and two policies within the tie of each other are decided by the fixed order.
 
     Args:
         trial: hint -> its trial steps (:data:`Step`; one per round).
@@ -376,8 +406,8 @@ def keep(trial: Mapping[str, Sequence[Step]], strict: str | None, tie: float = T
     med = medians(trial)
     if not med:
         raise ValueError("auto: no trial step time to choose from")
-    fastest = min(med.values())
-    tied = [h for h, t in med.items() if t == fastest or fastest > (1 - tie) * t]
+    fastest, need = min(med.values()), margin(trial, tie)
+    tied = [h for h, t in med.items() if t == fastest or fastest > (1 - need) * t]
     if incumbent in tied:
         return incumbent  # type: ignore[return-value]
     return preference(tied, strict, prefer)[0]

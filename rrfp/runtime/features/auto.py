@@ -18,14 +18,15 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
    drift cancels); the step time is the slowest rank's, and the step's forward seconds over
    every rank measure its batch's work. :func:`rrfp.sim.auto.keep` decides (the smallest
    median of step times rescaled to the trial's median forward work; among the hints within
-   :data:`rrfp.sim.auto.TIE` of it, the strict schedule, else the first in the fixed order of
+   :data:`rrfp.sim.auto.TIE` of it, or within the trial steps' own spread where that is
+   larger (:func:`rrfp.sim.auto.margin`), the strict schedule, else the first in the fixed order of
    :data:`rrfp.sim.auto.CANDIDATES`, so a policy measured slower than the strict schedule is
    never kept and noise below the tie cannot flip the choice), the rule the suite's ``auto``
    uses too.
 5. Every ``recheck_every`` steps (default :data:`RECHECK_EVERY`; 0: never) one more round is
    measured and the choice is made again over every round so far; it switches only to a hint
-   measured faster than the kept one by more than the tie (the kept one is the incumbent of
-   :func:`~rrfp.sim.auto.keep`).
+   measured faster than the kept one by more than that margin (the kept one is the incumbent
+   of :func:`~rrfp.sim.auto.keep`).
 
 A choice recorded by an earlier run (``rrfp train`` writes it to the checkpoint's ``rrfp.json``
 as ``"hint"``) is kept by :meth:`AutoHint.adopt` without measuring or a trial: a resumed run
@@ -488,13 +489,15 @@ class AutoHint:
         best = sim_auto.keep(self.walls, self.strict, incumbent=before, prefer=self.known)
         changed = best != before
         self.chosen = best
+        need = sim_auto.margin(self.walls)
         if self.say and changed and before is not None:
             self.say(f"hint auto: the re-check after step {self.steps} measured {best} faster than {before} by more "
-                     f"than {100 * TIE:g}%: it runs {best} from the next step")
+                     f"than {100 * need:.1f}%: it runs {best} from the next step")
         if self.say and changed:
             walls = ", ".join(f"{h} {1e3 * med[h]:.1f} ms" for h in sorted(med, key=med.get))
             assert self.ranking is not None
             n = len(self.walls[best])
             self.say(f"hint auto chose {best}: median step over {n} trial step{'s' if n != 1 else ''} "
-                     f"(at the trial's median forward work): {walls} "
+                     f"(at the trial's median forward work): {walls}; faster counts beyond {100 * need:.1f}% "
+                     f"(the tie {100 * TIE:g}% or the steps' spread) "
                      f"(measured {self.profile.describe()}; {self.ranking.reason()})")
