@@ -193,7 +193,12 @@ def test_launcher_kills_ranks_on_timeout_and_reports_failures():
 
 @pytest.mark.timeout(120)
 def test_tiny_comparison_runs_every_system_with_equal_gradients():
-    cfg = compare.setting_config("compute2", quick=True, systems=compare.LEGACY_SYSTEMS)
+    # With a default row: auto (Pipeline's default) measures and tries after the memory round,
+    # then its timed rounds run the hint it kept, named per phase.
+    from rrfp.sim.auto import known_candidates
+
+    systems = [*compare.LEGACY_SYSTEMS, "rrfp default, 1F1B memory"]
+    cfg = compare.setting_config("compute2", quick=True, systems=systems)
     cfg.update(model={"n_layer": 4, "n_head": 2, "d_model": 16}, seq_len=16, batch_size=8, n_microbatches=4,
                phases=[{"name": "J2", "level": "J2", "varlen": False, "rounds": 1},
                        {"name": "variable length", "level": "J0", "varlen": True, "rounds": 1}])
@@ -203,7 +208,9 @@ def test_tiny_comparison_runs_every_system_with_equal_gradients():
         assert ph["worst_grad_ratio"] <= 1.0
         assert [r["kind"] for r in ph["rounds"]] == ["warmup", "memory", "timed"]
         timed = ph["rounds"][-1]["systems"]
-        assert set(timed) == set(compare.LEGACY_SYSTEMS)
+        assert set(timed) == set(systems)
+        assert list(ph["kept"]) == ["rrfp default, 1F1B memory"]
+        assert ph["kept"]["rrfp default, 1F1B memory"] in known_candidates(2, 1, "loop", 4)[0]
         for name, rec in timed.items():
             assert rec["step"] > 0, name
             assert all(b > 0 for b in ph["rounds"][1]["systems"][name]["peak_bytes"]), name
