@@ -420,7 +420,8 @@ def test_core_settings_run_at_equal_memory_with_equal_gradients(setting):
         got = candidates({setting: {ph["name"]: s}}, {"compare": {setting: res}})
         # Only the 1F1B row: this run has no torch GPipe to pair the GPipe-memory row with.
         assert [row[:4] for row in got] == [[setting, ph["name"], "1F1B", f"`{h}`"]]
-        assert got[0][4].startswith(f"`{res['default_hint']}` ") and "n=1" in got[0][6]
+        # The default row is named by the hint auto kept there.
+        assert got[0][4].startswith(f"`{ph['kept']['rrfp default, 1F1B memory']}` ") and "n=1" in got[0][6]
 
 
 def test_regenerating_the_report_keeps_the_hand_written_sections():
