@@ -17,7 +17,8 @@ import os
 import pytest
 import torch
 
-from rrfp.model import GPT, GPT_PRESETS, build_stage, model_names
+from rrfp.model import GPT, GPT_PRESETS, build_stage
+from rrfp.model.names import full_names
 from rrfp.model.tp import shard_gpt_stage, tp_slice
 from rrfp.scheduler.tasks import Placement
 from rrfp.train.models import text_stages
@@ -28,7 +29,7 @@ CFG = dataclasses.replace(GPT_PRESETS["small"], max_len=32)  # 8 layers: splits 
 def _by_model_name(modules) -> dict[str, torch.Tensor]:
     got: dict[str, torch.Tensor] = {}
     for mod in modules:
-        for local, full in model_names(mod).items():
+        for local, full in full_names(mod).items():
             assert full not in got, f"{full} built twice"
             got[full] = mod.state_dict()[local]
     return got
@@ -89,14 +90,9 @@ def test_tp_shards_hold_slices_of_the_unsplit_model(tp):
     want = GPT(CFG, seed=5).state_dict()
     for tp_rank in range(tp):
         stage = shard_gpt_stage(build_stage(CFG, 2, 1, seed=5), tp_rank, tp, group=None, impl="manual")
-        for local, full in model_names(stage).items():
+        for local, full in full_names(stage).items():
             want_t = tp_slice(full, want[full], tp_rank, tp, CFG.d_model, CFG.n_head)
             assert torch.equal(stage.state_dict()[local], want_t), (tp_rank, full)
-
-
-def test_model_names_refuses_a_plain_module():
-    with pytest.raises(TypeError, match="Linear: expected one of rrfp's stage modules"):
-        model_names(torch.nn.Linear(2, 2))
 
 
 # --- Hugging Face ----------------------------------------------------------------------------
@@ -166,7 +162,7 @@ def test_a_folder_stage_equals_from_pretrained_and_reads_only_its_tensors(gpt2_f
     spy = _Spy(monkeypatch)
     (mod,), tied = build_hf_stages(str(gpt2_folder), 4, [stage])
     assert tied == {"embeddings": {0: "transformer.wte.weight", -1: "lm_head.weight"}}
-    names = model_names(mod)
+    names = full_names(mod)
     for local, full in names.items():
         assert torch.equal(mod.state_dict()[local], want[full]), full
     assert mod.training and not any(t.is_meta for t in (*mod.parameters(), *mod.buffers()))
@@ -194,7 +190,7 @@ def test_a_bf16_tied_rotary_folder_loads_as_float32(tmp_path):
     stages, tied = build_hf_stages(str(tmp_path), 2, [0, 1])
     assert tied is not None
     for st in stages:
-        for local, full in model_names(st).items():
+        for local, full in full_names(st).items():
             t = st.state_dict()[local]
             assert t.dtype == torch.float32 and torch.equal(t, want[full]), full
         for local, b in st.named_buffers():  # rotary frequencies: computed, not saved
@@ -207,7 +203,7 @@ def test_a_base_model_folder_loads_under_the_lm_names(tmp_path):
     hf_model("gpt2", seed=6, max_len=32).transformer.save_pretrained(tmp_path)
     want = _from_pretrained(tmp_path)
     (last,), _ = build_hf_stages(str(tmp_path), 2, [1])
-    for local, full in model_names(last).items():
+    for local, full in full_names(last).items():
         assert torch.equal(last.state_dict()[local], want[full]), full
     assert torch.equal(last.lm_head.weight, want["transformer.wte.weight"])
 
@@ -250,8 +246,8 @@ def test_preset_stages_equal_the_unsplit_preset(family):
         stages, _ = build_hf_stages(family, n, list(range(n)), seed=9, max_len=32)
         assert torch.equal(torch.get_rng_state(), state)
         for st, split in zip(stages, split_hf(want, n)):
-            assert model_names(st) == model_names(split)
-            for local, full in model_names(st).items():
+            assert full_names(st) == full_names(split)
+            for local, full in full_names(st).items():
                 assert torch.equal(st.state_dict()[local], ref[full]), (n, full)
     other = hf_model(family, seed=10, max_len=32)
     assert not torch.equal(other.lm_head.weight, want.lm_head.weight)

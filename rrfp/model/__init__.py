@@ -11,7 +11,6 @@ _LAZY = {
     **dict.fromkeys(["ToyConfig", "ToyIO", "ToyModel", "ToyStage", "build_toy_stage", "split_toy", "toy_batch",
                      "toy_loss"], "rrfp.model.toy"),
     "materialise": "rrfp.model.meta",
-    "model_names": "rrfp.model.names",
 }
 
 __all__ = list(_LAZY)
