@@ -255,3 +255,48 @@ def test_tied_candidates_resolve_to_the_fixed_preference(share) -> None:
                              TRIAL_END + 1, 0)
     assert sorted(ctl.trial) == ["bf", "bfw-mem", "strict-1f1b"]
     assert ctl.chosen == "bf" and ran[-1] == "bf"
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if anything would start a process."""
+    def refuse(*a, **k):
+        raise AssertionError("a process was launched")
+
+    monkeypatch.setattr("rrfp.train.cli.launch", refuse)
+    monkeypatch.setattr("rrfp.train.cli._check_samples", lambda args: None)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--auto-recheck", "-3"], "--auto-recheck='-3': expected steps between re-checks (an integer >= 0) or off"),
+    (["--auto-recheck", "often"], "--auto-recheck='often': expected steps between re-checks (an integer >= 0) or off"),
+    (["--auto-recheck", "off", "--hint", "bf"], "--auto-recheck='off' applies to --hint auto only; this run has --hint bf"),
+])
+def test_bad_auto_recheck_flags_are_refused_in_one_line(flags, said, capsys, no_launch) -> None:
+    from rrfp.cli import main
+
+    assert main(["train", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rrfp train: error: {said}"]
+
+
+@pytest.mark.parametrize("text, every", [(None, 50), ("off", 0), ("OFF", 0), ("0", 0), ("7", 7), (25, 25)])
+def test_auto_recheck_values(text, every) -> None:
+    from rrfp.runtime.features.auto import RECHECK_EVERY, recheck_steps
+
+    assert RECHECK_EVERY == 50 and recheck_steps(text) == every
+
+
+def test_the_front_doors_pass_auto_recheck_to_the_controller() -> None:
+    import torch.nn.functional as F
+    from torch import nn
+
+    from rrfp import LocalPipeline
+
+    mods = [nn.Linear(4, 4) for _ in range(2)]
+    with LocalPipeline(mods, M, F.mse_loss) as pipe:
+        assert pipe.auto.recheck_every == 50
+    with LocalPipeline(mods, M, F.mse_loss, auto_recheck=0) as pipe:
+        assert pipe.auto.recheck_every == 0
+    with pytest.raises(ValueError, match="auto_recheck=True: expected"):
+        LocalPipeline(mods, M, F.mse_loss, auto_recheck=True)
