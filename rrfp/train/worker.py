@@ -27,7 +27,7 @@ from ..parallel.clip import clip_grad_norm_
 from ..parallel.train import replica_samples, reports, train_layout
 from ..runtime.doors.pipeline import Pipeline
 from ..runtime.engine.stage import PipelineStage
-from ..runtime.features.auto import recheck_steps
+from ..runtime.features.recheck import recheck_steps
 from ..scheduler.tasks import Placement
 from . import device
 from .accum import accumulated_step

@@ -17,7 +17,7 @@ from ...scheduler.memory import budget_bytes
 from ...scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
 from ...scheduler.validate import order_peak_inflight
 from ...sim.auto import AUTO, auto_first_hint
-from ..features.auto import RECHECK_EVERY, check_recheck
+from ..features.recheck import RECHECK_EVERY, check_recheck
 from .names import hint_text
 
 DEFAULT_INFLIGHT_LIMIT = 32

@@ -49,13 +49,9 @@ from ...scheduler.tasks import F
 from ...sim import auto as sim_auto
 from ...sim.auto import AUTO, TIE, TRIAL_ROUNDS, auto_first_hint
 from ..engine.inbox import ControlQueue
+from .recheck import RECHECK_EVERY, check_recheck, recheck_steps
 
 __all__ = ["AUTO", "RECHECK_EVERY", "TIE", "TRIAL_ROUNDS", "AutoHint", "check_recheck", "recheck_steps", "ControlShare", "DistShare", "LocalShare", "Share"]
-
-RECHECK_EVERY = 50
-"""Steps between re-checks (the default of ``RuntimeConfig.auto_recheck`` and ``rrfp train
---auto-recheck``): one more trial round (three steps) per 50, about 6% of steps run a
-candidate other than the kept one, most of them within a few percent of it."""
 
 _PART_ITEMS = 256
 """Items per control message of :class:`ControlShare` (a record is ~50 bytes packed: well
@@ -224,35 +220,6 @@ def _check_part(meta: dict, src: Any, seq: int, n: int, me: int, have: dict, of:
         raise bad(f"part {part} of {parts} again, or a second count of parts (first {of})")
     if early is not None and part in early:
         raise bad(f"part {part} of exchange {k} again")
-
-
-def check_recheck(every: Any) -> int:
-    """``every`` as steps between ``auto``'s re-checks.
-
-    Raises:
-        ValueError: not an integer >= 0 (one line naming it; 0 turns re-checks off).
-    """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-        raise ValueError(f"auto_recheck={every!r}: expected steps between auto's re-checks, an integer >= 0 "
-                         "(0: never)")
-    return every
-
-
-def recheck_steps(text: Any) -> int:
-    """``rrfp train --auto-recheck`` (or its TOML key) as steps between re-checks: ``off``
-    or ``0`` turns them off; None (not given): :data:`RECHECK_EVERY`.
-
-    Raises:
-        ValueError: neither ``off`` nor an integer >= 0 (one line).
-    """
-    if text is None:
-        return RECHECK_EVERY
-    word = str(text).strip().lower()
-    if word == "off":
-        return 0
-    if not (word.isascii() and word.isdigit()):
-        raise ValueError("expected steps between re-checks (an integer >= 0) or off")
-    return int(word)
 
 
 def step_figures(hint: str, stats: Sequence[Any]) -> tuple[float, float]:
