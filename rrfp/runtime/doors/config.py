@@ -66,8 +66,9 @@ class RuntimeConfig:
         tp_exchange: how TP ranks all-gather their proposals: ``control`` or ``gloo``.
         job: job id in every message key and store entry (None: one per pipeline).
         auto_recheck: under ``hint="auto"``, steps between re-checks (one more trial round
-            each; a switch needs a hint measured faster than the kept one by more than
-            :data:`~rrfp.sim.auto.TIE`); 0: never, the first choice is kept throughout.
+            each; a switch needs a hint measured faster than the kept one beyond
+            :func:`~rrfp.sim.auto.margin`, the 1% tie or the trial steps' spread); 0: never,
+            the first choice is kept throughout.
     """
 
     hint: Any = AUTO

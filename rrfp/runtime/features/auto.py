@@ -51,7 +51,8 @@ from ...sim.auto import AUTO, TIE, TRIAL_ROUNDS, auto_first_hint
 from ..engine.inbox import ControlQueue
 from .recheck import RECHECK_EVERY, check_recheck, recheck_steps
 
-__all__ = ["AUTO", "RECHECK_EVERY", "TIE", "TRIAL_ROUNDS", "AutoHint", "check_recheck", "recheck_steps", "ControlShare", "DistShare", "LocalShare", "Share"]
+__all__ = ["AUTO", "RECHECK_EVERY", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare",
+           "Share", "check_recheck", "recheck_steps"]
 
 _PART_ITEMS = 256
 """Items per control message of :class:`ControlShare` (a record is ~50 bytes packed: well
@@ -241,7 +242,7 @@ class AutoHint:
             :class:`ControlShare`).
         say: writes the process's lines (None: silent; give it on one process only).
         recheck_every: steps between re-checks (0: never); a re-check switches only to a
-            hint measured faster than the kept one by more than :data:`TIE`.
+            hint measured faster than the kept one beyond :func:`rrfp.sim.auto.margin`.
         same_backward: only candidates with the strict schedule's backward form (bitwise
             reproducible runs: a split backward computes the same gradients by another path).
 
@@ -250,12 +251,12 @@ class AutoHint:
             :meth:`run_length` found too short to choose, which runs the strict schedule);
             current: the hint the next step runs; trial: the trial's hints.
         adopted: the choice was taken from an earlier run (:meth:`adopt`), not measured here.
-
-    Raises:
-        ValueError: ``recheck_every`` not an integer >= 0.
         measure: ``measure(hint, stats) -> (seconds, forward seconds)`` of this process's
             ranks' stats of a step (default :func:`step_figures`); tests replace it to force
             step times.
+
+    Raises:
+        ValueError: ``recheck_every`` not an integer >= 0.
     """
 
     def __init__(self, pipe: Any, share: Share, *, say: Callable[[str], None] | None = None,
@@ -450,7 +451,7 @@ class AutoHint:
         self.trial = sim_auto.trial_candidates([h for h, _ in self.ranking.order], self.strict)
 
     def _choose(self) -> None:
-        # A re-check's incumbent stays unless another hint was measured faster by more than the tie.
+        # A re-check's incumbent stays unless another hint was measured faster beyond the margin.
         med = sim_auto.medians(self.walls)
         before = self.chosen
         best = sim_auto.keep(self.walls, self.strict, incumbent=before, prefer=self.known)
