@@ -44,7 +44,8 @@ class LocalPipeline(FrontDoor):
         dw_builders: one per stage (None for none): that stage's ``PipelineStage(dw_builder=)``.
 
     Raises:
-        ValueError: as :class:`Pipeline`; a transport, or a layout with DP or TP.
+        ValueError: as :class:`Pipeline`; a transport, a layout with DP or TP, or a stage
+            sharded with FSDP2's ``fully_shard``.
         TypeError: an unknown option.
     """
 
@@ -80,6 +81,7 @@ class LocalPipeline(FrontDoor):
                              "(choose its data plane with data_plane=)")
         n_ranks = n_stages // n_virtual
         _check_local_layout(config.layout, n_ranks)
+        _check_unsharded(modules)
         the_plan = plan(config, n_ranks, n_virtual, n_microbatches)
         ranks = [[PipelineStage(modules[s], s, n_stages, dw_builder=dw_builders[s] if dw_builders else None)
                   for s in the_plan.placement.stages_of(r)] for r in range(n_ranks)]
@@ -147,6 +149,17 @@ def _check_local_layout(layout: Any, n_ranks: int) -> None:
     if degrees != {"pp": n_ranks, "dp": 1, "tp": 1}:
         raise ValueError(f"layout {degrees}: LocalPipeline runs one pipeline of {n_ranks} ranks in this process, "
                          f"expected pp={n_ranks}, dp=1, tp=1")
+
+
+def _check_unsharded(modules: Sequence[nn.Module]) -> None:
+    """Raises ValueError: a stage sharded with FSDP2 (one process has no DP peers to shard over)."""
+    from ...parallel.sharded import is_sharded
+
+    for s, m in enumerate(modules):
+        if is_sharded(m):
+            raise ValueError(f"stage {s}'s module is sharded with fully_shard (FSDP2): LocalPipeline runs one pipeline "
+                             "in this process, with no data-parallel peers; expected plain modules (sharded stages run "
+                             "in Pipeline(..., layout=...) across processes)")
 
 
 def _local_ties(tied: Any, modules: Sequence[nn.Module]) -> list[list[nn.Parameter]]:
