@@ -49,7 +49,7 @@ def _jitter(layout):
 
 
 def run(scenario: str, out: str, *, n_stages: int = 2, steps: int = 2, sharded: bool = True, clip: float | None = None,
-        **options) -> None:
+        tied: bool = False, **options) -> None:
     from rrfp.parallel import ParallelLayout
     from rrfp.parallel.clip import clip_grad_norm_
     from rrfp.parallel.footprint import footprint
@@ -59,7 +59,12 @@ def run(scenario: str, out: str, *, n_stages: int = 2, steps: int = 2, sharded: 
     layout = ParallelLayout.build(2, 2, 1)
     V = n_stages // 2
     ids = [layout.pp_rank + v * 2 for v in range(V)]
-    mods = [split_gpt(GPT(CFG, seed=SEED), n_stages)[s] for s in ids]
+    every = split_gpt(GPT(CFG, seed=SEED), n_stages)
+    if tied:  # the head starts as a copy of the token embedding; their gradients are summed
+        with torch.no_grad():
+            every[-1].head.weight.copy_(every[0].tok_emb.weight)
+        options["tied"] = {"wte": {0: "tok_emb.weight", n_stages - 1: "head.weight"}}
+    mods = [every[s] for s in ids]
     names = [dict(m.stage_param_names) for m in mods]
     whole = sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
     if sharded:
@@ -130,6 +135,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     run("budget_replicated", out, sharded=False, steps=1, hint="strict-1f1b", memory_budget="1GiB")
     run("budget_sharded", out, steps=1, hint="strict-1f1b", memory_budget="1GiB")
     run("deterministic", out, steps=1, hint="bfw", deterministic=True)
+    run("tied", out, steps=1, hint="bf", tied=True)
     refusals(out)
 
 

@@ -5,8 +5,8 @@ One launch of 4 processes runs every library scenario (``tests/fsdp_worker.py``)
 with the user's ``fully_shard`` stages under a readiness policy with jitter on one replica (the
 replicas run their microbatches in different orders) and global-norm clipping over 2 steps; a
 split backward (I and W apart) on the worker-thread executor; two virtual stages per rank;
-the memory budget's activation bytes against the replicated layout's; deterministic mode; and
-the refused stages.
+the memory budget's activation bytes against the replicated layout's; deterministic mode; the
+embedding tied to the head across sharded stages; and the refused stages.
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ def _load(out: Path, scenario: str) -> list[dict]:
     return [torch.load(out / f"{scenario}.rank{r}.pt") for r in range(4)]
 
 
-def _reference(steps: int, clip: float | None = None):
+def _reference(steps: int, clip: float | None = None, tied: bool = False):
     """The whole model on the whole batch (both replicas' samples), ``steps`` SGD steps."""
     model = GPT(W.CFG, seed=W.SEED)
+    if tied:
+        model.head.weight = model.tok_emb.weight
     tokens, targets = pad_batch(W.SAMPLES)
     losses, norms = [], []
     for k in range(steps):
@@ -71,18 +73,19 @@ def _reference(steps: int, clip: float | None = None):
     return losses, norms, {n: p.grad for n, p in model.named_parameters()}
 
 
-def _check(parts: list[dict], steps: int, clip: float | None = None) -> None:
-    losses, norms, grads = _reference(steps, clip)
+def _check(parts: list[dict], steps: int, clip: float | None = None, tied: bool = False) -> None:
+    losses, norms, grads = _reference(steps, clip, tied)
     for part in parts:
         pp, dp = part["coords"]
         for name, g in part["grads"].items():
-            torch.testing.assert_close(g, grads[name], **TOL, msg=lambda m: f"pp {pp} dp {dp} {name}: {m}")
+            want = grads["tok_emb.weight" if tied and name == "head.weight" else name]
+            torch.testing.assert_close(g, want, **TOL, msg=lambda m: f"pp {pp} dp {dp} {name}: {m}")
         if part["losses"][0] is not None:
             for got, want in zip(part["losses"], losses):
                 torch.testing.assert_close(got, want, **TOL)
         for got, want in zip(part["norms"], norms):
             assert got == pytest.approx(want, rel=1e-5)
-    assert {n for part in parts for n in part["grads"]} == set(grads)
+    assert {n for part in parts for n in part["grads"]} == set(grads) | ({"head.weight"} if tied else set())
 
 
 def test_user_sharded_stages_match_the_single_process_reference_under_jitter_and_clipping(results):
@@ -102,6 +105,10 @@ def test_two_virtual_stages_per_rank_reduce_in_one_order_on_every_replica(result
 
 def test_deterministic_mode_accumulates_the_gathered_gradients(results):
     _check(_load(results, "deterministic"), steps=1)
+
+
+def test_a_weight_tied_across_sharded_stages_sums_its_shards(results):
+    _check(_load(results, "tied"), steps=1, tied=True)
 
 
 def test_each_dp_rank_holds_its_share_of_the_parameters(results):

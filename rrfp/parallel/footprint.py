@@ -102,14 +102,13 @@ def footprint(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | N
     return Footprint(p_bytes, g_bytes, o_bytes, gp, gg)
 
 
-def gathered_bytes(module: nn.Module) -> tuple[int, int]:
-    """``(parameter bytes, gradient bytes)`` FSDP2 holds gathered for ``module`` now: the
-    unsharded parameters whose storage is allocated, and the unsharded gradients (in the
-    reduce dtype where a mixed-precision policy accumulates them apart)."""
-    from .sharded import fsdp_modules
-
+def gathered_bytes(fsdp_modules: Iterable[nn.Module]) -> tuple[int, int]:
+    """``(parameter bytes, gradient bytes)`` FSDP2 holds gathered now for ``fsdp_modules`` (a
+    stage's ``fully_shard`` modules, :func:`rrfp.parallel.sharded.fsdp_modules`): the unsharded
+    parameters whose storage is allocated, and the unsharded gradients (in the reduce dtype
+    where a mixed-precision policy accumulates them apart)."""
     params, grads = [], []
-    for m in fsdp_modules(module):
+    for m in fsdp_modules:
         for g in m._get_fsdp_state()._fsdp_param_groups:
             for fp in g.fsdp_params:
                 up = getattr(fp, "_unsharded_param", None)

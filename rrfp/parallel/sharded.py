@@ -38,6 +38,7 @@ from typing import Mapping
 import torch.distributed as dist
 from torch import nn
 
+from .footprint import gathered_bytes
 from .layout import ParallelLayout
 
 __all__ = ["ShardedGrads", "fsdp_modules", "is_sharded", "check_sharded_stages", "dp_sharded"]
@@ -202,6 +203,10 @@ class ShardedGrads:
         self._saved = [_Saved(m, g) for mod in self.stages.values() for m, g in _groups(mod)]
         self.reduced = 0
         self.gathered: dict[int, tuple[int, int]] = {}
+        self._fsdp = {s: fsdp_modules(m) for s, m in self.stages.items()}
+        self._prefetched: set[int] = set()
+        self._hooks = [m.register_forward_pre_hook(lambda mod, args, s=s: self._prefetch(s), prepend=True)
+                       for s, m in self.stages.items()]
         for mod in self.stages.values():
             for m in fsdp_modules(mod):
                 m.set_reshard_after_forward(False, recurse=False)
@@ -239,10 +244,31 @@ class ShardedGrads:
         self._ready = {}
         self._next = 0
 
-    def _reduce(self, s: int) -> None:  # on the helper thread
-        from .footprint import gathered_bytes
+    def prefetch(self) -> None:
+        """Start the gathers of every stage of this rank now, asynchronously (the pipeline
+        calls it as a step begins, so a stage whose first input is still on its way gathers
+        meanwhile). Safe to call again: a stage gathered or gathering is left alone."""
+        for s in self.stages:
+            self._prefetch(s)
 
-        self.gathered[s] = gathered_bytes(self.stages[s])
+    def _prefetch(self, s: int) -> None:
+        """Start every gather of stage ``s`` at once, asynchronously, in module order (the
+        same on every replica); each module's own pre-forward then waits for its own gather
+        only, so block ``i``'s gather overlaps the forward of the blocks before it. Also
+        called before the stage's first forward of a step (a forward pre-hook). The first step
+        gathers as FSDP2 does by itself: its lazy initialisation comes first."""
+        if s in self._prefetched:
+            return
+        mods = self._fsdp[s]
+        if mods[0]._get_fsdp_state()._is_root is None:
+            return
+        self._prefetched.add(s)
+        for m in mods:
+            m.unshard(async_op=True)
+
+    def _reduce(self, s: int) -> None:  # on the helper thread
+        self._prefetched.discard(s)
+        self.gathered[s] = gathered_bytes(self._fsdp[s])
         for root in self.roots[s]:
             state = root._get_fsdp_state()
             _sync(root, True)
@@ -259,6 +285,7 @@ class ShardedGrads:
     def reshard(self) -> None:
         """Free the gathered parameters (after a forward-only step, which runs no reduction),
         so that an optimizer step in between cannot leave the next step on stale copies."""
+        self._prefetched.clear()
         for mod in self.stages.values():
             for m in fsdp_modules(mod):
                 m.reshard()
@@ -273,6 +300,9 @@ class ShardedGrads:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         for saved in self._saved:
             saved.restore()
         for roots in self.roots.values():

@@ -171,6 +171,11 @@ class Pipeline(FrontDoor):
     def _book_stats(self, stats: list[StepStats]) -> None:
         self.last_stats = stats[0]
 
+    async def _run_ranks(self, *args, **kwargs) -> list[StepStats]:
+        if self.sharded is not None:
+            self.sharded.prefetch()  # the step begins: gather while the first inputs travel
+        return await super()._run_ranks(*args, **kwargs)
+
     def _end_step(self, stats: list[StepStats], mb_losses, losses, forward_only: bool) -> None:
         super()._end_step(stats, mb_losses, losses, forward_only)
         if forward_only and self.sharded is not None:
