@@ -31,12 +31,12 @@ def sgd(params, lr: float = LR) -> None:
         p.grad = None
 
 
-def shard(module, mesh, **kw) -> None:
+def shard(module, mesh, root_kw: dict | None = None, **kw) -> None:
     from torch.distributed.fsdp import fully_shard
 
     for block in module.blocks:
         fully_shard(block, mesh=mesh, **kw)
-    fully_shard(module, mesh=mesh, **kw)
+    fully_shard(module, mesh=mesh, **{**kw, **(root_kw or {})})
 
 
 def _jitter(layout):
@@ -49,7 +49,7 @@ def _jitter(layout):
 
 
 def run(scenario: str, out: str, *, n_stages: int = 2, steps: int = 2, sharded: bool = True, clip: float | None = None,
-        tied: bool = False, **options) -> None:
+        tied: bool = False, bf16: bool = False, **options) -> None:
     from rrfp.parallel import ParallelLayout
     from rrfp.parallel.clip import clip_grad_norm_
     from rrfp.parallel.footprint import footprint
@@ -68,8 +68,15 @@ def run(scenario: str, out: str, *, n_stages: int = 2, steps: int = 2, sharded: 
     names = [dict(m.stage_param_names) for m in mods]
     whole = sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
     if sharded:
-        for m in mods:
-            shard(m, layout.mesh["dp"])
+        kw, root_kw = {}, {}
+        if bf16:  # bf16 compute, fp32 reduction; fp32 logits for the loss
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            root_kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                        output_dtype=torch.float32)
+        for m, s in zip(mods, ids):
+            shard(m, layout.mesh["dp"], root_kw if s == n_stages - 1 else None, **kw)
     pipe = Pipeline([PipelineStage(m, s, n_stages) for m, s in zip(mods, ids)], M, lm_loss,
                     loss_weight_fn=count_tokens, layout=layout, watchdog=60, job=scenario, task_delay=_jitter(layout),
                     **options)
@@ -136,6 +143,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     run("budget_sharded", out, steps=1, hint="strict-1f1b", memory_budget="1GiB")
     run("deterministic", out, steps=1, hint="bfw", deterministic=True)
     run("tied", out, steps=1, hint="bf", tied=True)
+    run("bf16_split", out, steps=1, hint="bfw", bf16=True)
     refusals(out)
 
 

@@ -6,7 +6,8 @@ with the user's ``fully_shard`` stages under a readiness policy with jitter on o
 replicas run their microbatches in different orders) and global-norm clipping over 2 steps; a
 split backward (I and W apart) on the worker-thread executor; two virtual stages per rank;
 the memory budget's activation bytes against the replicated layout's; deterministic mode; the
-embedding tied to the head across sharded stages; and the refused stages.
+embedding tied to the head across sharded stages; bf16 mixed precision with a split backward;
+and the refused stages.
 """
 
 from __future__ import annotations
@@ -105,6 +106,17 @@ def test_two_virtual_stages_per_rank_reduce_in_one_order_on_every_replica(result
 
 def test_deterministic_mode_accumulates_the_gathered_gradients(results):
     _check(_load(results, "deterministic"), steps=1)
+
+
+def test_bf16_mixed_precision_with_a_split_backward_reduces_every_gradient_in_fp32(results):
+    # FSDP2 moves I's gradients to its fp32 accumulator; W's come later in bf16 and must join
+    # them (else the reduction refuses mixed dtypes). Within bf16's precision of the reference.
+    _, _, grads = _reference(1)
+    for part in _load(results, "bf16_split"):
+        for name, g in part["grads"].items():
+            want = grads[name]
+            assert g.dtype == torch.float32
+            assert float((g - want).norm()) <= 0.03 * float(want.norm()) + 1e-6, name
 
 
 def test_a_weight_tied_across_sharded_stages_sums_its_shards(results):

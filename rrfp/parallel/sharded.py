@@ -275,6 +275,7 @@ class ShardedGrads:
             try:
                 for st in state._state_ctx.all_states:
                     for g in st._fsdp_param_groups:
+                        _to_reduce_dtype(g)
                         g.post_backward()
                 state._root_post_backward_final_callback()
             finally:
@@ -310,6 +311,17 @@ class ShardedGrads:
                 root.set_requires_gradient_sync(True)
                 root.set_reshard_after_backward(True)
                 root.set_is_last_backward(True)
+
+
+def _to_reduce_dtype(group) -> None:
+    """Under a mixed-precision policy FSDP2 moves a parameter's low-precision gradient into its
+    reduce-dtype accumulator in the post-backward hook, which runs at I; the weight gradients a
+    split backward adds at W come later, in the parameter dtype. Fold them in, so that every
+    gradient of the group reaches the reduction in the reduce dtype."""
+    for fp in group.fsdp_params:
+        if getattr(fp, "_unsharded_param", None) is not None:
+            fp.accumulate_unsharded_grad_if_needed()
+            fp.to_accumulated_grad_if_needed()
 
 
 def _sync(root: nn.Module, last: bool) -> None:
