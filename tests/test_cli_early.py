@@ -59,7 +59,7 @@ CASES = [
     (["train", "--microbatches", "8", "--dp", "2", "--batch-size", "8", "--pp", "2"],
      "--microbatches=8 x --dp=2 exceeds --batch-size=8"),
     (["train", "--pp", "2", "--dp-shard", "full"], "--dp-shard full shards each stage over the DP replicas: expected --dp 2"),
-    (["train", "--pp", "2", "--dp", "2", "--dp-shard", "optimizer"], "--dp-shard optimizer: not available: FSDP2"),
+    (["train", "--pp", "2", "--dp", "2", "--dp-shard", "optimizer"], "--dp-shard optimizer: not available: under FSDP2"),
     (["train", "--pp", "2", "--dp", "2", "--dp-shard", "full", "--precision", "bf16", "--deterministic"],
      "--dp-shard full --precision bf16 with --deterministic"),
     (["train", "--hint", "zb-v"], "--hint='zb-v' needs --virtual-stages 2 --placement v"),

@@ -119,7 +119,7 @@ def add_dp_shard_flag(p: argparse.ArgumentParser) -> None:
                    help="with --dp: none (each replica holds whole parameters, gradients and AdamW states), full "
                    "(FSDP2 fully_shard of each block and stage over the DP ranks: gathered once per step, gradients "
                    "reduce-scattered; --precision bf16 computes in bf16 and reduces in fp32), optimizer (refused: "
-                   "FSDP2 has no replicated-parameter form)")
+                   "under FSDP2 it would hold more bytes than full for the same communication)")
 
 
 def add_job_flags(p: argparse.ArgumentParser) -> None:

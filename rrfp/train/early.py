@@ -205,10 +205,9 @@ def _check_dp_shard(args: argparse.Namespace) -> None:
     """--dp-shard against --dp, --precision and --deterministic (rrfp/parallel/sharded.py)."""
     shard = getattr(args, "dp_shard", "none")
     if shard == "optimizer":
-        raise UsageError("--dp-shard optimizer: not available: FSDP2 keeps one copy of each parameter, sharded between "
-                         "steps, so replicated parameters beside sharded gradients and optimizer states (ZeRO-2) have "
-                         "no FSDP2 form; expected none or full (full gathers the parameters once per step, the same "
-                         "all-gather ZeRO-2 makes after its optimizer step)")
+        raise UsageError("--dp-shard optimizer: not available: under FSDP2 the replicated parameters would sit beside "
+                         "their shards (more bytes than full) for the same one all-gather and reduce-scatter per step "
+                         "that full makes; expected none or full")
     if shard == "full" and args.dp < 2:
         raise UsageError(f"--dp-shard full shards each stage over the DP replicas: expected --dp 2 or more (got --dp {args.dp})")
     if shard == "full" and args.deterministic and getattr(args, "precision", "fp32") == "bf16":
