@@ -85,9 +85,13 @@ class Pipeline(FrontDoor):
         hint_name: the hint the last step ran (text).
         drive_auto: False: the caller calls ``auto.before_step`` / ``auto.after_step`` itself
             (``rrfp train`` does, once per optimizer step).
+        sharded: the :class:`~rrfp.parallel.sharded.ShardedGrads` driving this rank's FSDP2
+            stages (None without them): ``reduced``, ``gathered`` bytes, for
+            :func:`rrfp.parallel.footprint.footprint`.
 
     Raises:
-        ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...);
+        ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch, a
+            sharded stage it cannot drive: :func:`~rrfp.parallel.sharded.check_sharded_stages`...);
             ``auto`` where none of its candidates fits the shape.
         TypeError: an unknown option, naming it and the known ones.
         TimeoutError: (from :meth:`step`, ``auto`` over the control plane) a peer's figures
