@@ -4,7 +4,7 @@ function, used by :class:`~rrfp.runtime.doors.pipeline.Pipeline`."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from .grads import GradSync, resolve_ties
 from .layout import ParallelLayout
@@ -14,8 +14,8 @@ __all__ = ["attach_layout"]
 
 
 def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_stages: int, rank_of, *,
-                  tp_exchange: str = "control", job: str = "rrfp", run=None
-                  ) -> tuple[GradSync | None, ShardedGrads | None]:
+                  tp_exchange: str = "control", job: str = "rrfp", run=None,
+                  join_tp: Callable[[Any], Any] | None = None) -> tuple[GradSync | None, ShardedGrads | None]:
     """Register this rank's :class:`GradSync` (DP reduction, tied sums, global token count),
     the :class:`~rrfp.parallel.sharded.ShardedGrads` driver of its FSDP2 stages (checked by
     :func:`~rrfp.parallel.sharded.check_sharded_stages`; their gradients are reduce-scattered
@@ -23,7 +23,7 @@ def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_sta
 
     Args:
         runtime: the rank's runtime (``add_step_hooks``, ``set_loss_reduction``,
-            ``set_tp_agreement``).
+            ``loop.add_observer``).
         layout: the rank's layout.
         stages: its :class:`~rrfp.runtime.engine.stage.PipelineStage` objects, in virtual-stage order.
         tied: ``Pipeline(..., tied=...)`` (see :func:`~rrfp.parallel.grads.resolve_ties`).
@@ -32,9 +32,12 @@ def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_sta
             (an all-gather on a gloo group); see :mod:`rrfp.parallel.exchange`.
         job: the job id the TP ranks share (without the DP/TP suffix).
         run: runs a coroutine on the rank's event loop (starts the control transport).
+        join_tp: at TP > 1, called with the TP group's exchange (:mod:`.exchange`); the front
+            door joins it to the runtime as its TP agreement
+            (:func:`rrfp.runtime.features.agreement.attach`).
 
     Raises:
-        ValueError: an unknown ``tp_exchange``.
+        ValueError: an unknown ``tp_exchange``; TP > 1 without ``join_tp``.
 
     Returns:
         ``(grad_sync, sharded)``: the :class:`GradSync` (None when there is nothing to reduce:
@@ -49,13 +52,16 @@ def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_sta
     if shard:
         sharded = ShardedGrads({s: mods[s] for s in sorted(shard)})
         runtime.add_step_hooks(sharded)
+        runtime.loop.add_observer(sharded)  # its step_begins starts the step's gathers
     if layout.dp > 1 or ties:
         sync = GradSync(layout, mods, ties, n_stages, rank_of, sharded=shard)
         runtime.add_step_hooks(sync)
         if layout.dp > 1:
             runtime.set_loss_reduction(sync.global_weight_total, sync.global_loss)
     if layout.tp > 1:
-        runtime.set_tp_agreement(_exchange(layout, tp_exchange, job, run))
+        if join_tp is None:
+            raise ValueError(f"a layout with tp={layout.tp} needs join_tp, which joins the TP agreement to the runtime")
+        join_tp(_exchange(layout, tp_exchange, job, run))
     return sync, sharded
 
 

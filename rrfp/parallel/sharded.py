@@ -180,7 +180,8 @@ def _dp_dim(layout: ParallelLayout, mesh, dim: int) -> bool:
 
 
 class ShardedGrads:
-    """Step hooks (``rrfp/runtime/engine/hooks.py``) driving one rank's FSDP2 stages.
+    """Step hooks (``rrfp/runtime/engine/hooks.py``) driving one rank's FSDP2 stages, and a
+    step observer (``rrfp/runtime/engine/observer.py``) starting each step's gathers.
 
     Args:
         stages: ``{stage_index: module}`` of this rank's sharded stages (checked by
@@ -244,10 +245,21 @@ class ShardedGrads:
         self._ready = {}
         self._next = 0
 
+    # ------------------------------------------------------------ step observer
+    def step_begins(self, step: int, arb) -> bool:
+        """The rank's scheduler loop starts a step (``rrfp/runtime/engine/observer.py``): start
+        its gathers, so a stage whose first input is still on its way gathers meanwhile.
+        Returns False: no task events wanted."""
+        self.prefetch()
+        return False
+
+    def step_ends(self, step: int, stats) -> None:
+        """Nothing: a training step's reductions end in the step hooks; a forward-only step's
+        gathered parameters are freed by :meth:`reshard`."""
+
     def prefetch(self) -> None:
-        """Start the gathers of every stage of this rank now, asynchronously (the pipeline
-        calls it as a step begins, so a stage whose first input is still on its way gathers
-        meanwhile). Safe to call again: a stage gathered or gathering is left alone."""
+        """Start the gathers of every stage of this rank now, asynchronously. Safe to call
+        again: a stage gathered or gathering is left alone."""
         for s in self.stages:
             self._prefetch(s)
 
