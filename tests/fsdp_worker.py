@@ -49,7 +49,7 @@ def _jitter(layout):
 
 
 def run(scenario: str, out: str, *, n_stages: int = 2, steps: int = 2, sharded: bool = True, clip: float | None = None,
-        tied: bool = False, bf16: bool = False, **options) -> None:
+        tied: bool = False, bf16: bool = False, zero_grad: bool = True, **options) -> None:
     from rrfp.parallel import ParallelLayout
     from rrfp.parallel.clip import clip_grad_norm_
     from rrfp.parallel.footprint import footprint
@@ -90,7 +90,7 @@ def run(scenario: str, out: str, *, n_stages: int = 2, steps: int = 2, sharded: 
         losses.append(None if pipe.last_loss is None else torch.tensor(pipe.last_loss))
         if clip is not None:
             norms.append(clip_grad_norm_(params, clip, layout))
-        if k < steps - 1:
+        if k < steps - 1 and zero_grad:
             sgd(params)
     grads = {}
     for m, nm in zip(mods, names):
@@ -144,6 +144,7 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     run("deterministic", out, steps=1, hint="bfw", deterministic=True)
     run("tied", out, steps=1, hint="bf", tied=True)
     run("bf16_split", out, steps=1, hint="bfw", bf16=True)
+    run("accumulate", out, steps=2, hint="bfw", tied=True, zero_grad=False)
     refusals(out)
 
 

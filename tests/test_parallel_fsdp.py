@@ -7,7 +7,7 @@ replicas run their microbatches in different orders) and global-norm clipping ov
 split backward (I and W apart) on the worker-thread executor; two virtual stages per rank;
 the memory budget's activation bytes against the replicated layout's; deterministic mode; the
 embedding tied to the head across sharded stages; bf16 mixed precision with a split backward;
-and the refused stages.
+two steps without ``zero_grad``; and the refused stages.
 """
 
 from __future__ import annotations
@@ -121,6 +121,16 @@ def test_bf16_mixed_precision_with_a_split_backward_reduces_every_gradient_in_fp
 
 def test_a_weight_tied_across_sharded_stages_sums_its_shards(results):
     _check(_load(results, "tied"), steps=1, tied=True)
+
+
+def test_two_steps_without_zero_grad_accumulate_into_the_shards(results):
+    # The same batch twice on the same weights: every gradient (the tie's copies too) is twice
+    # the reference's, counted once per step (the shards add, nothing is reduced twice).
+    _, _, grads = _reference(1, tied=True)
+    for part in _load(results, "accumulate"):
+        for name, g in part["grads"].items():
+            want = 2 * grads["tok_emb.weight" if name == "head.weight" else name]
+            torch.testing.assert_close(g, want, **TOL, msg=lambda m: f"{part['coords']} {name}: {m}")
 
 
 def test_each_dp_rank_holds_its_share_of_the_parameters(results):

@@ -4,8 +4,9 @@
 
 Within a step, every microbatch's backward accumulates into the *unsharded* gradients (FSDP2's
 ``set_requires_gradient_sync(False)``, ``set_reshard_after_backward(False)``,
-``set_is_last_backward(False)``); the parameters are gathered once, at the stage's first
-forward, and stay gathered through the step (``reshard_after_forward=False``, as torchtitan
+``set_is_last_backward(False)``); the parameters are gathered once per step, the gathers
+started asynchronously as the step begins (:meth:`ShardedGrads.step_begins`, a step
+observer), and stay gathered through the step (``reshard_after_forward=False``, as torchtitan
 sets it for pipeline stages). When the stage's gradients are final
 (:meth:`ShardedGrads.on_stage_grads_final`: its last B, or with a split backward its last W,
 whatever order readiness ran the microbatches in), each of its FSDP parameter groups runs its
@@ -17,10 +18,12 @@ of the rank's drain; the step returns once it is done.
 Why gathers and reductions happen only there: gloo and NCCL match collectives by their order
 within a group, and readiness runs microbatches in an order that differs between DP replicas.
 A gather per microbatch (``reshard_after_forward=True``) would pair one replica's gather of
-block 3 with another's of block 0, so it is refused. The gathers of the first forwards come in
-stage order on every replica (a stage's first forward needs the lower stages' forwards), all
-before any stage's gradients are final (they need the higher stages' backwards), and the
-reductions are issued in descending stage order on every replica.
+block 3 with another's of block 0, so it is refused. The gathers are issued as the step begins,
+every stage's in stage order and module order on every replica (the first step's, which
+FSDP2's lazy initialisation makes at each stage's first forward, come in stage order too: a
+stage's first forward needs the lower stages' forwards), all done before any stage's
+gradients are final, and the reductions are issued in descending stage order on every
+replica, one at a time on one helper thread.
 
 Split backward (I and W apart): FSDP2's post-backward hook runs when a module's input gradient
 is computed, that is during I; with gradient sync off it only accumulates. The weight
