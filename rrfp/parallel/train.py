@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from .layout import ParallelLayout
 
-__all__ = ["train_layout", "replica_samples", "reports", "shard_stage"]
+__all__ = ["train_layout", "replica_samples", "reports", "shard_stage", "dp_shard_mesh"]
 
 
 def train_layout(args: argparse.Namespace) -> ParallelLayout:
@@ -51,13 +51,27 @@ def reports(layout: ParallelLayout) -> bool:
     return layout.dp_rank == 0 and layout.tp_rank == 0
 
 
-def shard_stage(module, layout: ParallelLayout, precision: str = "fp32", last: bool = False) -> None:
+def dp_shard_mesh(layout: ParallelLayout, device_type: str = "cpu"):
+    """The 1-D ``dp`` mesh ``--dp-shard full`` shards over: the layout's own (gloo) on CPU; on a
+    GPU a second ``(pp, dp, tp)`` mesh whose ``dp`` groups are NCCL (collective: every rank
+    calls it at the same point). The CUDA path is written to torch's API but untested here."""
+    if device_type == "cpu":
+        return layout.mesh["dp"]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"),
+                            backend_override={"dp": "nccl"} if device_type == "cuda" else None)
+    return mesh["dp"]
+
+
+def shard_stage(module, layout: ParallelLayout, precision: str = "fp32", last: bool = False, mesh=None) -> None:
     """``--dp-shard full``: FSDP2 ``fully_shard`` of every block (each element of the stage's
     outermost ``nn.ModuleList``s), then of the stage itself, over the layout's ``dp`` mesh,
     gathered once per step (``reshard_after_forward=False``, torchtitan's choice for pipeline
     stages). ``precision="bf16"``: ``MixedPrecisionPolicy`` computing in bf16 and reducing
     gradients in fp32, the last stage's outputs (the logits) cast back to fp32 for the loss.
     A TP shard keeps its ``_rrfp_tp_shard`` mark (clipping counts it on every TP rank).
+    ``mesh``: the ``dp`` mesh to shard over (default the layout's; :func:`dp_shard_mesh`).
     """
     import torch
     from torch import nn
@@ -66,7 +80,7 @@ def shard_stage(module, layout: ParallelLayout, precision: str = "fp32", last: b
     tp_marked = {n for n, p in module.named_parameters() if getattr(p, "_rrfp_tp_shard", False)}
     bf16 = precision == "bf16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-    mesh = layout.mesh["dp"]
+    mesh = layout.mesh["dp"] if mesh is None else mesh
     lists: list[str] = []
     for path, sub in module.named_modules():
         if isinstance(sub, nn.ModuleList) and not any(path.startswith(q + ".") for q in lists):

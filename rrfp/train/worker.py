@@ -156,10 +156,16 @@ class _RankData:
             for st in self.stages:
                 shard_gpt_stage(st.submod, layout.tp_rank, layout.tp, layout.tp_group, TP_IMPL)
         if getattr(args, "dp_shard", "none") == "full":
-            from ..parallel.train import shard_stage
+            from ..parallel.train import dp_shard_mesh, shard_stage
 
+            dev = device.resolve_device(args.device)  # sharded where it computes (CUDA: untested here)
+            if dev.type == "cuda":
+                torch.cuda.set_device(dev)
+            mesh = dp_shard_mesh(layout, dev.type)
             for st in self.stages:  # FSDP2's mixed precision stands for autocast under bf16
-                shard_stage(st.submod, layout, args.precision, last=st.stage_index == n_stages - 1)
+                st.submod.to(dev)
+                st.device = dev
+                shard_stage(st.submod, layout, args.precision, last=st.stage_index == n_stages - 1, mesh=mesh)
             return
         for st in self.stages:
             use_autocast(st.submod, args.precision, st.device.type, last=st.stage_index == n_stages - 1)
