@@ -160,18 +160,25 @@ def test_refused_sharded_stages_say_why_in_one_line(results):
 
 
 @pytest.mark.timeout(900)
-def test_rrfp_train_dp_shard_full_follows_the_replicated_loss_curve(tmp_path):
+def test_rrfp_train_dp_shard_full_follows_the_replicated_loss_curve_and_resumes_from_it(tmp_path):
     """--dp-shard full against --dp-shard none, the same flags otherwise (tests/runs.py's,
     deterministic): losses equal to 4 decimals (they agree far closer: reduce-scatter and
-    all-reduce add the same two terms)."""
+    all-reduce add the same two terms). Then a sharded run resumed from the replicated run's
+    checkpoint after step 2 continues its curve."""
     from runs import losses, train
 
     got = {}
     for shard in ("none", "full"):
+        ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"] if shard == "none" else []
         train("--stages", "2", "--dp", "2", "--steps", "3", "--dp-shard", shard, "--clip-grad", "0.5",
-              "--loss-file", str(tmp_path / shard))
+              "--loss-file", str(tmp_path / shard), *ck)
         got[shard] = losses(tmp_path / shard)
     assert sorted(got["full"]) == [1, 2, 3] and got["none"][3] != got["none"][1]
     for step, loss in got["full"].items():
         assert round(loss, 4) == round(got["none"][step], 4), (step, loss, got["none"][step])
         assert loss == pytest.approx(got["none"][step], rel=1e-6, abs=0)
+    train("--stages", "2", "--dp", "2", "--steps", "3", "--dp-shard", "full", "--clip-grad", "0.5",
+          "--resume", str(tmp_path / "ck" / "step-00000002"), "--loss-file", str(tmp_path / "resumed"))
+    resumed = losses(tmp_path / "resumed")
+    assert sorted(resumed) == [3]
+    assert resumed[3] == pytest.approx(got["none"][3], rel=1e-6, abs=0)
