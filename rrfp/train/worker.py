@@ -182,7 +182,8 @@ def _pipeline(args: argparse.Namespace, layout, place: Placement, data: _RankDat
         record=record, deterministic=args.deterministic, backpressure=args.backpressure,
         transport=getattr(args, "transport", "zmq"),
         layout=layout if layout.dp * layout.tp > 1 else None,
-        memory_budget=getattr(args, "memory_budget", None), tied=data.tied, auto_recheck=recheck_steps(getattr(args, "auto_recheck", None)),
+        memory_budget=getattr(args, "memory_budget", None), tied=data.tied,
+        auto_recheck=recheck_steps(getattr(args, "auto_recheck", None)),
         **device.pipeline_kwargs(args),
     )
     chooser = pipe.auto

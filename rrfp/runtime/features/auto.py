@@ -334,7 +334,7 @@ class AutoHint:
             raise RuntimeError(f"adopt({hint!r}) after {self.steps} steps: call it before the first step")
         if hint not in self.known:
             if self.say:
-                self.say(f"hint auto: {source} kept {hint!r}, not a candidate of this pipeline "
+                self.say(f"hint auto: {source} kept {str(hint)[:80]!r}, not a candidate of this pipeline "
                          f"({', '.join(self.known)}); measuring anew")
             return False
         if hint != self.current:
