@@ -27,6 +27,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ...scheduler.tasks import Task
+from . import autocast
 from .pending import Pending, RunFn
 
 class DeviceCopies(Protocol):
@@ -154,7 +155,8 @@ class ThreadExecutor(_NoDeviceWork):
             self._jobs = queue.SimpleQueue()
             threading.Thread(target=self._work, args=(self._jobs,), name="rrfp-task", daemon=True).start()
         p = Pending(task, time.perf_counter())
-        self._jobs.put((p, run_fn))
+        # The caller's autocast around step() is thread-local: carried to the worker (engine/autocast.py).
+        self._jobs.put((p, run_fn, autocast.capture()))
         return p
 
     def _work(self, jobs: queue.SimpleQueue) -> None:  # the worker thread
@@ -162,9 +164,10 @@ class ThreadExecutor(_NoDeviceWork):
             self._run(*job)
             del job  # the task's tensors go with its outputs, not with this frame
 
-    def _run(self, p: Pending, run_fn: RunFn) -> None:  # on the worker thread
+    def _run(self, p: Pending, run_fn: RunFn, amp: autocast.AutocastState | None = None) -> None:  # on the worker
         try:
-            out, err = run_fn(p.task), None
+            with autocast.entered(amp):
+                out, err = run_fn(p.task), None
         except BaseException as e:  # noqa: BLE001 - re-raised by the loop
             out, err = [], e
         try:
