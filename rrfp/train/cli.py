@@ -78,9 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--trace", metavar="DIR", default=None, help="write to DIR: trace.json (Chrome trace, open in Perfetto), timeline.png, "
                    "profile.json (per-stage costs for rrfp simulate --costs) and records.rank*.json (each rank's tasks)")
-    p.add_argument("--watchdog", type=float, default=60.0,
-                   help="seconds without progress (a rank waiting, or one task running) before the rank fails with "
-                   "what it waits for or the task it is stuck in")
+    p.add_argument("--watchdog", type=float, default=60.0, help="seconds a rank may wait, or one task run, before the rank fails naming it")
     from ..obs.server import add_flags as add_metrics_flags
 
     add_metrics_flags(p, "serve Prometheus metrics on this port + rank (each rank its own endpoint, /metrics; "
