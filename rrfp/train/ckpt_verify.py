@@ -8,6 +8,11 @@ inside a tensor's data load without any error. So each rank hashes the shard fil
 (:func:`digesting_writer`), rank 0 records the digests in ``rrfp.json`` with the checkpoint,
 and :func:`check_files` compares them before anything is loaded. A checkpoint without a digest
 for each of its files (its ``files`` map deleted or cut) is refused: it cannot be verified.
+
+Also one line each for the other ways a checkpoint goes wrong: an ``rrfp.json`` whose fields
+do not have their types (:func:`meta_problem`, the one place its structure is checked, called
+by :func:`rrfp.train.checkpoint.read_meta`), and a save that fails, a full disk above all
+(:func:`save_errors`).
 """
 
 from __future__ import annotations
