@@ -243,12 +243,6 @@ class FrontDoor:
 
     def run(self, coro):
         """Run a coroutine on this pipeline's event loop (e.g. :meth:`astep`, ``runtime.control()``)."""
-        return self._loop.run_until_complete(coro)
-
-    def _loop_run(self, coro):
-        if self._loop.is_closed():
-            coro.close()
-            raise RuntimeError("this pipeline is closed: build a new one to run more steps")
         try:
             return self._loop.run_until_complete(coro)
         except (KeyboardInterrupt, SystemExit):
@@ -256,6 +250,12 @@ class FrontDoor:
             # that close() neither raises the interrupt again nor logs it.
             self._end_tasks()
             raise
+
+    def _loop_run(self, coro):
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("this pipeline is closed: build a new one to run more steps")
+        return self.run(coro)
 
     async def _step_async(self, args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets,
                           forward_only):
