@@ -350,7 +350,9 @@ def run(args: argparse.Namespace) -> int:
     from .peers import RendezvousWait
 
     waiting = RendezvousWait(lambda: bool(_children()), f"{job.master_addr}:{rdzv_port} ({args.job_id})", job.nnodes,
-                             job.join_timeout, say).start()
+                             job.join_timeout, say)
+    if job.nnodes > 1:  # alone, a node never waits for another
+        waiting.start()
     try:
         code = _launch(config, job, health)
     finally:
