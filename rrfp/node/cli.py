@@ -160,6 +160,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     else:
         node_addr = None  # found in run(): node 0's name may resolve only once its pod runs
     train_cli.validate(targs)  # the checks that need torch
+    spec, what = train_cli.port_range(targs)
+    if problem := _net.port_range_problem(spec, nproc, what):  # each local rank binds one port
+        raise UsageError(problem)
     if auto_resume:
         train_args += ["--resume", "auto"]  # a restarted group continues from the last checkpoint
     if getattr(args, "run_dir", None) is not None:

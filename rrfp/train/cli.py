@@ -50,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--placement", choices=["loop", "v"], default="loop", help="virtual-stage placement")
     p.add_argument("--transport", choices=transports.names(transports.PROCESS), default="zmq",
                    help=f"how tensors travel between ranks (rrfp/transport/registry.py): {transports.help_text(transports.PROCESS)}")
+    p.add_argument("--port-range", default=None, metavar="LO-HI",
+                   help="ports the ranks' ZeroMQ sockets bind, e.g. 29500-29599: each rank the first free one "
+                   "(a firewall or NetworkPolicy can then name them; docs/operations.md); default: env "
+                   "RRFP_PORT_RANGE, else a port the OS picks")
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
@@ -166,6 +170,24 @@ def validate(args: argparse.Namespace) -> None:
                 raise UsageError(f"{ENV_SECRET}: {e}") from None
     if args.data:
         _check_samples(args)
+    from .._net import parse_port_range
+
+    spec, what = port_range(args)
+    if spec:
+        try:
+            parse_port_range(spec, what)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+
+def port_range(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The ZeroMQ port range the ranks will bind in (``--port-range``, else
+    ``RRFP_PORT_RANGE``) and where it came from, for an error line."""
+    from .._net import PORT_RANGE_ENV
+
+    if getattr(args, "port_range", None):
+        return args.port_range, "--port-range"
+    return os.environ.get(PORT_RANGE_ENV) or None, PORT_RANGE_ENV
 
 
 def _check_samples(args: argparse.Namespace) -> None:
@@ -209,6 +231,11 @@ def run(args: argparse.Namespace) -> int:
     if (done := nothing_to_do(args)) is not None:
         say(done)  # the run is complete already: starting ranks would change nothing
         return 0
+    from .._net import port_range_problem
+
+    spec, what = port_range(args)
+    if problem := port_range_problem(spec, args.stages * args.dp * args.tp, what):  # all ranks on this host
+        raise UsageError(problem)
     import uuid
 
     from .ckpt_lock import FolderInUse, hold

@@ -83,6 +83,10 @@ def main(args: argparse.Namespace) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    if getattr(args, "port_range", None):
+        from .._net import PORT_RANGE_ENV
+
+        os.environ[PORT_RANGE_ENV] = args.port_range  # read where the transport binds (zmq_rendezvous.bind_in_range)
     init_distributed()
     layout = train_layout(args)  # this process's pp_rank in its pipeline, one per (dp_rank, tp_rank)
     import logging
