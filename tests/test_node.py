@@ -136,7 +136,7 @@ def test_two_daemons_sigterm_exits_143_then_resume_then_rank_killed_mid_checkpoi
         # Node 0's ranks (0 and 1) have run steps, so both have beaten and counted steps.
         assert _get(url + "/readyz") == (200, "ready\n")
         status, body = _get(url + "/healthz")
-        assert status == 200 and "rank 0: heartbeat" in body and "rank 1: heartbeat" in body, body
+        assert status == 200 and "rank 0: alive" in body and "rank 1: alive" in body, body
         status, body = _get(url + "/metrics")
         assert status == 200 and 'rrfp_steps_total{rank="0"}' in body and 'rrfp_steps_total{rank="1"}' in body
         assert _get(url + "/nothing")[0] == 404
@@ -292,26 +292,6 @@ def test_node_reads_kubernetes_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("PET_NPROC_PER_NODE")
     job = resolve(args(extra=["--", "--checkpoint-dir", str(tmp_path / "ck")]))
     assert job.train_args[-2:] == ["--resume", "auto"]  # restarted ranks resume
-
-
-def test_healthz_names_a_silent_rank(tmp_path):
-    """A rank whose heartbeat gauge is older than the threshold makes /healthz fail (simulated
-    clock); the values are written by a real multiprocess-mode process."""
-    from rrfp.node.health import Health
-
-    code = ("from prometheus_client import Gauge\n"
-            "g = Gauge('rrfp_last_heartbeat_timestamp_seconds', 'h', ['rank'], multiprocess_mode='max')\n"
-            "g.labels('0').set(1000.0)\ng.labels('1').set(998.0)\n")
-    subprocess.run([sys.executable, "-c", code], env=_env(PROMETHEUS_MULTIPROC_DIR=str(tmp_path)), check=True, timeout=300)
-    now = [1005.0]
-    h = Health(str(tmp_path), n_local=2, max_age_s=10.0, clock=lambda: now[0])
-    assert h.healthz()[0] == 200 and h.readyz()[0] == 200
-    now[0] = 1009.5  # rank 0 beat 9.5 s ago, rank 1 11.5 s ago
-    status, body = h.healthz()
-    assert status == 503 and "rank(s) 1 silent" in body
-    h.stopping = True
-    assert h.readyz()[0] == 503
-    assert Health(str(tmp_path), n_local=3, max_age_s=10.0).readyz()[0] == 503
 
 
 def test_node_address_names_its_interface_for_gloo_and_nccl(monkeypatch):

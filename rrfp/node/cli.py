@@ -77,7 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_metrics_flags(p, "port of /metrics, /healthz and /readyz for all the node's ranks; 0: any free "
                       f"(default {DEFAULT_METRICS_PORT})", port_default=DEFAULT_METRICS_PORT)
     p.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SEC",
-                   help="/healthz fails when a rank's event-loop heartbeat is older than this (default %(default)s)")
+                   help="/healthz fails when a running rank's liveness beat, from a thread that one long task "
+                   "does not block, is older than this: the process is frozen (default %(default)s)")
     p.add_argument("--run-dir", default=None, help="the daemon's working folder (metrics files, stop file); default a temporary one")
     p.set_defaults(func=run, pass_through=True)
 
@@ -296,7 +297,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rrfp-node-"))
     metrics_dir, stop_file = _ranks_env(run_dir, job)
 
-    health = Health(str(metrics_dir), job.nproc, args.heartbeat_timeout)
+    from ..train.alive import ALIVE_DIR_ENV
+
+    health = Health(str(metrics_dir), job.nproc, args.heartbeat_timeout, alive_dir=os.environ[ALIVE_DIR_ENV])
     try:
         endpoint = serve_node(metrics_dir, args.metrics_addr, args.metrics_port,
                               routes={"/healthz": health.healthz, "/readyz": health.readyz})
@@ -358,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _ranks_env(run_dir: Path, job) -> tuple[Path, Path]:
     """The environment the ranks inherit: their metrics folder and stop file in ``run_dir``
-    (returned, emptied), thread count and rendezvous store settings."""
+    (returned, emptied), their liveness folder, thread count and rendezvous store settings."""
     from ..obs.metrics import clear_multiprocess_dir
     from ..train.stop import STOP_FILE_ENV
 
@@ -366,6 +369,12 @@ def _ranks_env(run_dir: Path, job) -> tuple[Path, Path]:
     clear_multiprocess_dir(metrics_dir)  # a previous job's values are not this one's
     stop_file = run_dir / "stop-requested"
     stop_file.unlink(missing_ok=True)
+    from ..train.alive import ALIVE_DIR_ENV
+
+    alive = run_dir / "alive"  # the ranks' liveness beats (rrfp/train/alive.py), for /healthz
+    shutil.rmtree(alive, ignore_errors=True)
+    alive.mkdir()
+    os.environ[ALIVE_DIR_ENV] = str(alive)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     os.environ[STOP_FILE_ENV] = str(stop_file)
     os.environ.setdefault("OMP_NUM_THREADS", str(job.targs.threads))

@@ -89,6 +89,9 @@ def _main(args: argparse.Namespace) -> int:
         os.environ[PORT_RANGE_ENV] = args.port_range  # read where the transport binds (zmq_rendezvous.bind_in_range)
     init_distributed()
     layout = train_layout(args)  # this process's pp_rank in its pipeline, one per (dp_rank, tp_rank)
+    from . import alive
+
+    alive.start(layout.rank)  # rrfp node's /healthz: a beat one long task cannot hold up
     import logging
 
     for name in GlobalRankNames.LOGGERS:
