@@ -187,7 +187,9 @@ def test_sigterm_to_rrfp_train_ends_the_step_in_progress_commits_exits_143_and_r
         in out, out
     assert "Traceback" not in out and "exitcode" not in out, out
     assert ck.latest(ckdir) == ck.step_dir(ckdir, 3)
-    again = Proc(flags + ["--checkpoint-dir", str(ckdir), "--resume", "auto", "--loss-file", str(tmp_path / "b.txt")], env)
+    # The resumed run binds its ZeroMQ sockets in a port range (--port-range): it trains the same.
+    again = Proc(flags + ["--checkpoint-dir", str(ckdir), "--resume", "auto", "--loss-file", str(tmp_path / "b.txt"),
+                          "--port-range", "41000-41099"], env)
     assert again.finish(900) == 0, again.output()
     assert f"resumed from {ck.step_dir(ckdir, 3)} at step 3" in again.output()
     want = _losses(tmp_path / "ref.txt")
