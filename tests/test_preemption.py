@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from datetime import timedelta
 
 import pytest
 
@@ -65,12 +66,49 @@ def test_a_sigterm_during_step_3_stops_every_rank_after_step_3(stop_env):
     os.kill(os.getpid(), signal.SIGTERM)  # during step 3
     assert r2.requested
     t2, out2 = _in_thread(r2.after_step, 3, 6)
-    store.wait([REQUEST_KEY])  # rank 2's request is in the store before rank 0 ends step 3
+    r0.store.wait([REQUEST_KEY], timedelta(seconds=300))  # rank 2's request is in before rank 0 ends step 3
     assert r0.after_step(3, 6) is True
     assert r1.after_step(3, 6) is True  # a rank that never saw the signal follows rank 0's word
     t2.join(60)
     assert out2 == [True]
     assert [r.stopped_after for r in (r0, r1, r2)] == [3, 3, 3]
+
+
+def test_a_rank_waiting_in_the_store_still_hears_its_sigterm(stop_env, monkeypatch):
+    """The two-host case: the only rank a SIGTERM reaches is waiting in the store (here the
+    test hold; every rank other than 0 also waits for rank 0's word after each step). Its
+    handler must run during that wait and publish the request, or the job hangs until the
+    store's timeout. The signal is sent once the rank has said it holds."""
+    import torch.distributed as dist
+
+    import rrfp.train.stop as stop
+    from rrfp.train.stop import HOLD_ENV, REQUEST_KEY, STOP_FILE_ENV, GracefulStop
+
+    holding = threading.Event()
+    monkeypatch.setattr(stop, "say", lambda line, *a: holding.set() if "holding after step 2" in line else None)
+    monkeypatch.setenv(HOLD_ENV, "2")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    store = dist.HashStore()
+    monkeypatch.setenv(STOP_FILE_ENV, str(stop_env.parent / "node0-stop"))
+    r0 = GracefulStop(store, 0, 2)  # node 0: no SIGTERM there
+    monkeypatch.setenv(STOP_FILE_ENV, str(stop_env))
+    r1 = GracefulStop(store, 1, 2, timeout_s=120)  # node 1, the last rank: it holds, and the SIGTERM is its
+
+    def rank0() -> bool:
+        assert r0.after_step(2, 6) is False
+        assert holding.wait(120)
+        stop_env.write_text("1")  # node 1's daemon: its stop file, then the signal
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs in the main thread: rank 1's, in its wait
+        # Step 3 needs rank 1, which holds until the request is in: rank 0 ends it after that.
+        r0.store.wait([REQUEST_KEY], timedelta(seconds=120))
+        return r0.after_step(3, 6)
+
+    t, out = _in_thread(rank0)
+    assert r1.after_step(2, 6) is False  # heard "go", held, and the request went out during the hold
+    assert r1.requested
+    assert r1.after_step(3, 6) is True
+    t.join(120)
+    assert out == [True]
 
 
 def test_without_a_request_ranks_go_on_and_the_last_step_is_never_a_stop(stop_env):
@@ -85,7 +123,7 @@ def test_without_a_request_ranks_go_on_and_the_last_step_is_never_a_stop(stop_en
         assert r0.after_step(k, 4) is False
         t.join(60)
         assert out == [False]
-    assert store.check([verdict_key(3)]) and not store.check([verdict_key(1)])  # old words are deleted
+    assert r0.store.check([verdict_key(3)]) and not r0.store.check([verdict_key(1)])  # old words are deleted
     stop_env.write_text("1")
     assert r0.after_step(4, 4) is False and r1.after_step(4, 4) is False  # the run is over: exit 0
 
@@ -106,7 +144,7 @@ def test_a_rank_stopped_by_another_nodes_request_tells_its_daemon(tmp_path, stop
     stop_env.write_text("1")
     daemon1 = StopForwarder(other, "unused", children=lambda: [])
     assert not daemon1.peer_asked()
-    store.set(REQUEST_KEY, "0")
+    r0.store.set(REQUEST_KEY, "0")
     assert r0.after_step(2, 6) is True and r1.after_step(2, 6) is True
     assert other.read_text() == PEER and daemon1.peer_asked()
     assert stop_env.read_text() == "1"  # the signalled node's file is not touched

@@ -18,7 +18,13 @@ other rank reads that word after its own step ``k``, before it takes part in ste
 No rank has work of step ``k + 1`` before rank 0 starts it (every microbatch begins with rank
 0's forward, and the data-parallel all-reduce ties the replicas to it), so the read costs one
 store round trip per step and rank and holds back no rank that had work. A request that
-reaches the store while rank 0 runs step ``k`` stops the job after ``k``. (Before, rank 0
+reaches the store while rank 0 runs step ``k`` stops the job after ``k``.
+
+Waiting never blocks the request. Python runs a signal handler only in the main thread and
+only between bytecodes, never inside a store's blocking ``wait``; and one store client runs
+one call at a time. So the waits run on a thread of their own (the main thread waits on an
+event in short slices, between which the handler runs), and the request, the waits and the main thread's calls each
+use a client of their own (``Store.clone``), under a namespace of this rendezvous round. (Before, rank 0
 fixed the last step to ``k + 1`` and the others did not wait: the job ran one step past the
 one in progress, and with rank 0's step lines printed as the statistics arrive, about three
 past the last printed line.)
@@ -27,6 +33,7 @@ past the last printed line.)
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
 import threading
@@ -78,7 +85,10 @@ class GracefulStop:
     """
 
     def __init__(self, store, rank: int, world_size: int = 1, timeout_s: float = 60.0, checkpoint: bool = True) -> None:
-        self.store = store
+        base = _unprefixed(store)
+        self.store = _round_store(base)  # the main thread's
+        self._publisher = _round_store(base)  # the request's thread's
+        self._waiter = _Waiter(_round_store(base))
         self.rank = rank
         self.world_size = world_size
         self.checkpoint = checkpoint
@@ -111,7 +121,7 @@ class GracefulStop:
         if not self._published:
             self._published = True
             try:
-                self.store.set(REQUEST_KEY, str(self.rank))
+                self._publisher.set(REQUEST_KEY, str(self.rank))
             except Exception:  # noqa: BLE001 - the store's host is gone: the step fails on its own, and says why
                 pass
 
@@ -141,7 +151,7 @@ class GracefulStop:
                 self.store.delete_key(verdict_key(done - 1))
         else:
             try:
-                self.store.wait([key], timedelta(seconds=self.timeout_s))
+                self._waiter.wait(key, self.timeout_s)
             except RuntimeError as e:  # torch's store timeout (DistStoreError) or a lost store
                 raise TimeoutError(f"rank {self.rank}: no word from rank 0 on whether to go on after step {done} "
                                    f"within {self.timeout_s:g} s (--watchdog): {e}") from None
@@ -168,7 +178,64 @@ class GracefulStop:
             return
         say(f"rrfp train: rank {self.rank}: test hook {HOLD_ENV}: holding after step {done} until a stop is requested",
             sys.stderr)
-        self.store.wait([REQUEST_KEY], timedelta(seconds=self.timeout_s))
+        self._waiter.wait(REQUEST_KEY, self.timeout_s)
+
+
+HANDLER_DELAY_S = 0.05
+"""Longest delay of a SIGTERM's handler while the rank waits in the store (seconds)."""
+
+
+def _unprefixed(store):
+    """The store under ``store``'s prefixes (torch's default store is a PrefixStore over the
+    rendezvous round's TCPStore): its clones then see the same keys whatever the prefixes'
+    spelling (a PrefixStore's clone may join its prefix differently)."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def _round_store(base):
+    """A client of its own to ``base`` (``Store.clone``: a new connection), its keys under
+    this rendezvous round's name, so that a round that shares the store with an earlier one
+    (torch's agent can keep it) never reads the earlier round's words."""
+    import torch.distributed as dist
+
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    return dist.PrefixStore(f"rrfp/stop/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base.clone())
+
+
+class _Waiter:
+    """Runs a store's blocking ``wait`` on a thread of its own; the caller waits on an event in
+    slices of :data:`HANDLER_DELAY_S`, returning to the interpreter between them, which is when
+    a signal handler runs (the kernel hands a process-directed SIGTERM to any of the rank's
+    threads, so the main thread's lock wait is not interrupted by it)."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, name="rrfp-stop-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            key, timeout_s, done, out = self._jobs.get()
+            try:
+                self.store.wait([key], timedelta(seconds=timeout_s))
+            except Exception as e:  # noqa: BLE001 - handed to the caller, raised there
+                out.append(e)
+            done.set()
+
+    def wait(self, key: str, timeout_s: float) -> None:
+        """Until ``key`` is in the store.
+
+        Raises:
+            RuntimeError: the store's timeout (``timeout_s``) or a lost connection.
+        """
+        done, out = threading.Event(), []
+        self._jobs.put((key, timeout_s, done, out))
+        while not done.wait(HANDLER_DELAY_S):
+            pass  # a pending SIGTERM's handler runs here
+        if out:
+            raise out[0]
 
 
 class StopForwarder:
