@@ -24,7 +24,7 @@ import heapq
 
 from .backfill import Backfill
 from .errors import SchedulingError
-from .guards import NO_GUARD, Admission, ByteBudget, CompletionOrder, CountLimit, RankState
+from .guards import NO_GUARD, Admission, ByteBudget, CompletionOrder, CountLimit, OrderPeak, RankState
 from .memory import MemoryLedger, SizeFn
 from .policy import Hint, build_policy, policy_name
 from .readyset import KIND_CODE as _CODE, ReadySet
@@ -137,6 +137,8 @@ class Arbiter:
             st.guard = NO_GUARD
         elif memory_budget is not None:
             st.guard = ByteBudget(self.memory)
+        elif hint.held_to_order and name == "order":
+            st.guard = OrderPeak(order, self.ready)
         elif len(stages) == 1:
             st.guard = CountLimit()
         elif hint.backpressure == "admission":
@@ -321,6 +323,12 @@ class Arbiter:
         elif self._taken is not None:
             self._taken(t)
 
+    def planned(self) -> Task | None:
+        """In strict mode, the order's first task not finished as of the last decision (the
+        task the rank runs next, or waits for); None in readiness mode or once the order is
+        done. Backfilling's notices ask it (:mod:`rrfp.runtime.features.notices`)."""
+        return self.policy.planned() if self.strict else None
+
     # ------------------------------------------------------------ diagnostics
     def waiting_for(self, limit: int = 3) -> str:
         """What this rank waits for, in words (for the watchdog's error)."""
@@ -340,9 +348,9 @@ class Arbiter:
                     missing.append(f"gradient for {Task(s, bk, m)} {place.source(place.next_stage(s))}")
             if len(missing) >= limit:
                 break
-        planned = getattr(self.policy, "planned", None)
-        if self.strict and planned is not None and planned() is not None:
-            missing.insert(0, f"strict order's next task {planned()}")
+        planned = self.planned()
+        if planned is not None:
+            missing.insert(0, f"strict order's next task {planned}")
         if self.state.inflight >= self.limit:
             missing.append(f"in-flight limit {self.limit} reached")
         return "; ".join(missing[:limit + 1]) or "no ready task"
