@@ -188,6 +188,10 @@ def test_stop_forwarder_passes_sigterm_on_or_leaves_to_the_agent(tmp_path):
     with pytest.raises(SignalException):
         lingering(signal.SIGTERM, None)
     assert lingering.after_training and not (tmp_path / "stop3").exists()
+    over = StopForwarder(tmp_path / "stop4", "asked", children=lambda: [])
+    over.ended = True  # the launch is over: a SIGTERM is only noted (no exception while the last line is written)
+    over(signal.SIGTERM, None)
+    assert over.requested and not (tmp_path / "stop4").exists()
 
 
 def _losses(path) -> dict[int, str]:

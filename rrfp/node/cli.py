@@ -406,7 +406,10 @@ def _launch(config, job, stop) -> int:
     _quiet_launcher_logs(signalled)
     try:
         with no_restart_after(lambda: stop.requested or stop.stop_file.exists()):
-            elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
+            try:
+                elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
+            finally:
+                stop.ended = True
         say("rrfp node: " + (f"SIGTERM came after the last step: training finished; {saved(ckdir)}" if stop.requested
                              else "done"))
         return 0

@@ -325,7 +325,11 @@ def _run_launcher(run_args, degrees: tuple[int, int] | None = None, finished: tu
     from .stop import saved, stopped_cleanly
 
     try:
-        torchrun.run(run_args)
+        try:
+            torchrun.run(run_args)
+        finally:
+            if stop is not None:
+                stop.ended = True
     except ChildFailedError as e:
         if any(f.exitcode == PIPE_CLOSED for f in e.failures.values()):
             return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed

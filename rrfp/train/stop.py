@@ -24,7 +24,7 @@ Waiting never blocks the request. Python runs a signal handler only in the main 
 only between bytecodes, never inside a store's blocking ``wait``; and one store client runs
 one call at a time. So the waits run on a thread of their own (the main thread waits on an
 event in short slices, between which the handler runs), and the request, the waits and the main thread's calls each
-use a client of their own (``Store.clone``), under a namespace of this rendezvous round. (Before, rank 0
+use a client of their own (``Store.clone``). (Before, rank 0
 fixed the last step to ``k + 1`` and the others did not wait: the job ran one step past the
 one in progress, and with rank 0's step lines printed as the statistics arrive, about three
 past the last printed line.)
@@ -86,9 +86,9 @@ class GracefulStop:
 
     def __init__(self, store, rank: int, world_size: int = 1, timeout_s: float = 60.0, checkpoint: bool = True) -> None:
         base = _unprefixed(store)
-        self.store = _round_store(base)  # the main thread's
-        self._publisher = _round_store(base)  # the request's thread's
-        self._waiter = _Waiter(_round_store(base))
+        self.store = _own_client(base)  # the main thread's
+        self._publisher = _own_client(base)  # the request's thread's
+        self._waiter = _Waiter(_own_client(base))
         self.rank = rank
         self.world_size = world_size
         self.checkpoint = checkpoint
@@ -194,14 +194,15 @@ def _unprefixed(store):
     return store
 
 
-def _round_store(base):
+def _own_client(base):
     """A client of its own to ``base`` (``Store.clone``: a new connection), its keys under
-    this rendezvous round's name, so that a round that shares the store with an earlier one
-    (torch's agent can keep it) never reads the earlier round's words."""
+    ``rrfp/stop``. Each rendezvous round has a store of its own (``rrfp node`` sets
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``; the ``rrfp train`` launcher never restarts), so an
+    earlier round's words are never read. The round's restart count is no name for it: a node
+    whose agent rejoins on another node's restart keeps its own count."""
     import torch.distributed as dist
 
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-    return dist.PrefixStore(f"rrfp/stop/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base.clone())
+    return dist.PrefixStore("rrfp/stop", base.clone())
 
 
 class _Waiter:
@@ -264,6 +265,9 @@ class StopForwarder:
         self.on_request = on_request
         self.requested = False
         self.after_training = False
+        self.ended = False
+        """Set once the launch returned or raised: a SIGTERM then only marks the request (an
+        exception would surface wherever the launcher is, e.g. writing its last line)."""
 
     def __call__(self, signum, frame) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -271,6 +275,8 @@ class StopForwarder:
         if self.requested:
             return
         self.requested = True
+        if self.ended:
+            return
         if self.on_request is not None:
             self.on_request()
         ranks = self.children()
