@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"how tensors travel between ranks (rrfp/transport/registry.py): {transports.help_text(transports.PROCESS)}")
     p.add_argument("--port-range", default=None, metavar="LO-HI",
                    help="ports the ranks' ZeroMQ sockets bind, e.g. 29500-29599: each rank the first free one "
-                   "(a firewall or NetworkPolicy can then name them; docs/operations.md); default: env "
+                   "(a firewall or NetworkPolicy can then name them; docs/operations.md); without it, env "
                    "RRFP_PORT_RANGE, else a port the OS picks")
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
