@@ -51,10 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--placement", choices=["loop", "v"], default="loop", help="virtual-stage placement")
     p.add_argument("--transport", choices=transports.names(transports.PROCESS), default="zmq",
                    help=f"how tensors travel between ranks (rrfp/transport/registry.py): {transports.help_text(transports.PROCESS)}")
-    p.add_argument("--port-range", default=None, metavar="LO-HI",
-                   help="ports the ranks' ZeroMQ sockets bind, e.g. 29500-29599: each rank the first free one "
-                   "(a firewall or NetworkPolicy can then name them; docs/operations.md); without it, env "
-                   "RRFP_PORT_RANGE, else a port the OS picks")
+    add_port_flag(p)
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
@@ -129,6 +126,14 @@ def add_dp_shard_flag(p: argparse.ArgumentParser) -> None:
                    "(FSDP2 fully_shard of each block and stage over the DP ranks: gathered once per step, gradients "
                    "reduce-scattered; --precision bf16 computes in bf16 and reduces in fp32), optimizer (refused: "
                    "under FSDP2 it would hold more bytes than full for the same communication)")
+
+
+def add_port_flag(p: argparse.ArgumentParser) -> None:
+    """``--port-range``: where the ranks' ZeroMQ sockets bind (rrfp/transport/zmq_rendezvous.py)."""
+    p.add_argument("--port-range", default=None, metavar="LO-HI",
+                   help="ports the ranks' ZeroMQ sockets bind, e.g. 29500-29599: each rank the first free one "
+                   "(a firewall or NetworkPolicy can then name them; docs/operations.md); without it, env "
+                   "RRFP_PORT_RANGE, else a port the OS picks")
 
 
 def add_job_flags(p: argparse.ArgumentParser) -> None:
