@@ -14,6 +14,7 @@ import sys
 
 from ..errors import UsageError
 from ..scheduler.hints import HINT_NAMES, ORDER_HINTS
+from ..runtime.features.recheck import RECHECK_EVERY, recheck_steps
 from ..sim.auto import AUTO
 from ..lines import say
 from ..transport import registry as transports
@@ -55,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hint", default=DEFAULTS["hint"], help=f"auto (measure this job's costs, simulate and try the candidates, keep the fastest: rrfp/runtime/features/auto.py), "
                    f"{', '.join(HINT_NAMES + ORDER_HINTS)}, backfill:<order>; strict-<name> for the fixed order; "
                    "order:<per-rank actions> or a .csv file")
+    p.add_argument("--auto-recheck", default=str(RECHECK_EVERY), metavar="N|off",
+                   help="with --hint auto: steps between re-checks (one more trial round each; a switch needs a hint "
+                   "measured faster than the kept one beyond the tie); off: keep the first choice")
     p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], metavar="L",
                    help="in-flight limit: an integer, or '1f1b' for p - rank; without it, 32, except that a schedule "
                    "used as a hint (1f1b, gpipe, PyTorch's 1F1B...), and auto's candidates, keep that schedule's own peak unless --memory-budget is given")
@@ -83,6 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     # Parallel layout (rrfp/parallel): one pipeline per (dp, tp) coordinate.
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree: pipelines that each take 1/dp of the batch")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: ranks that share each stage's attention and MLP")
+    add_dp_shard_flag(p)
     from . import device
 
     device.add_flags(p)
@@ -110,6 +115,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="rank 0 writes every step's loss here at the end, one line '<step> <float.hex>' "
                    "(exact: two runs compare bit for bit)")
     p.set_defaults(func=run, _parser=p)
+
+
+def add_dp_shard_flag(p: argparse.ArgumentParser) -> None:
+    """``--dp-shard`` (rrfp/parallel/sharded.py)."""
+    p.add_argument("--dp-shard", choices=("none", "optimizer", "full"), default="none",
+                   help="with --dp: none (each replica holds whole parameters, gradients and AdamW states), full "
+                   "(FSDP2 fully_shard of each block and stage over the DP ranks: gathered once per step, gradients "
+                   "reduce-scattered; --precision bf16 computes in bf16 and reduces in fp32), optimizer (refused: "
+                   "under FSDP2 it would hold more bytes than full for the same communication)")
 
 
 def add_job_flags(p: argparse.ArgumentParser) -> None:
@@ -145,6 +159,7 @@ def validate(args: argparse.Namespace) -> None:
     """
     if not getattr(args, "checked_early", False):
         check_flags(args)
+    recheck_every(args)
     from . import device
 
     device.validate(args)
@@ -165,6 +180,26 @@ def validate(args: argparse.Namespace) -> None:
                 raise UsageError(f"{ENV_SECRET}: {e}") from None
     if args.data:
         _check_samples(args)
+
+
+def recheck_every(args: argparse.Namespace) -> int:
+    """``--auto-recheck`` as steps between ``auto``'s re-checks
+    (:func:`~rrfp.runtime.features.recheck.recheck_steps`; 0: ``off``).
+
+    Raises:
+        UsageError: neither ``off`` nor an integer >= 0, or other than the default with a hint
+            other than ``auto``.
+    """
+    from ..runtime.doors.names import hint_text
+
+    text = getattr(args, "auto_recheck", None)
+    try:
+        every = recheck_steps(text)
+    except ValueError as e:
+        raise UsageError(f"--auto-recheck={text!r}: {e}") from None
+    if every != RECHECK_EVERY and hint_text(args.hint) != AUTO:
+        raise UsageError(f"--auto-recheck={text!r} applies to --hint auto only; this run has --hint {args.hint}")
+    return every
 
 
 def _check_samples(args: argparse.Namespace) -> None:
