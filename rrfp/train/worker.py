@@ -49,9 +49,10 @@ TP_IMPL = "manual"
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run this rank of ``rrfp train`` under a launcher; returns 0, or ends the process with a
-    non-zero exit after one line on stderr (130: interrupted, :data:`PIPE_CLOSED`: the reader
-    of rank 0's output went away)."""
+    """Run this rank of ``rrfp train`` under a launcher; returns 0 (the run finished) or
+    :data:`~rrfp.train.stop.PREEMPTED` (stopped on SIGTERM after the checkpoint of the step in
+    progress), or ends the process with a non-zero exit after one line on stderr (130:
+    interrupted, :data:`PIPE_CLOSED`: the reader of rank 0's output went away)."""
     from .. import _pdeathsig
 
     _pdeathsig.die_with_parent()  # again: the API entry skips __main__ (already set: a no-op)
@@ -83,8 +84,15 @@ def main(args: argparse.Namespace) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    if getattr(args, "port_range", None):
+        from .._net import PORT_RANGE_ENV
+
+        os.environ[PORT_RANGE_ENV] = args.port_range  # read where the transport binds (zmq_rendezvous.bind_in_range)
     init_distributed()
     layout = train_layout(args)  # this process's pp_rank in its pipeline, one per (dp_rank, tp_rank)
+    from . import alive
+
+    alive.start(layout.rank)  # rrfp node's /healthz: a beat one long task cannot hold up
     import logging
 
     for name in GlobalRankNames.LOGGERS:
@@ -96,6 +104,15 @@ def _main(args: argparse.Namespace) -> int:
     run.train()
     if args.trace:
         write_trace(args, layout.pp_rank, layout.pp, run.records, run.out_bytes or {}, run.step_log)
+    if run.stop.stopped_after is not None:
+        # Stopped on SIGTERM, its checkpoint committed (Checkpointer.save ends with a barrier):
+        # not a finished run, so no linger, and the code a restart rule matches.
+        from .stop import PREEMPTED
+
+        dist.destroy_process_group()
+        if metrics_server is not None:
+            metrics_server.close()
+        return PREEMPTED
     from .linger import mark_finished
 
     if metrics_server is not None and args.metrics_linger > 0 and mark_finished(layout.rank):
@@ -230,8 +247,8 @@ class _Run:
         from .stop import GracefulStop
 
         sampler = self.data.sampler
-        self.stop = GracefulStop(default_store(), layout.rank, timeout_s=args.watchdog,  # before loading: SIGTERM may come any time
-                                 checkpoint=getattr(args, "checkpoint_dir", None) is not None)
+        self.stop = GracefulStop(default_store(), layout.rank, dist.get_world_size(), timeout_s=args.watchdog,
+                                 checkpoint=getattr(args, "checkpoint_dir", None) is not None)  # before loading: SIGTERM may come any time
         self.ckpt = Checkpointer(args, layout, stages, self.opt, n_samples=len(sampler.samples) if sampler else 0,
                                  schedule=self.sched, chooser=self.chooser)
         self.first = self.end = 0
@@ -372,6 +389,8 @@ class _Run:
 
     def _after(self, end: int) -> bool:
         """Checkpoint after step ``end`` (1-based) when due; True: a graceful stop was asked."""
+        from .stop import PREEMPTED
+
         args, layout = self.args, self.layout
         self.end = end
         pause_for_test(default_store(), end, layout.rank, args.watchdog)  # off unless a test sets its env
@@ -382,7 +401,8 @@ class _Run:
             if layout.rank == 0:
                 _after_step(self.reporter, end, f"rrfp train: checkpoint {path} committed after step {end}")
         if stopping and layout.pp_rank == 0:
-            _after_step(self.reporter, end, f"rrfp train: stopped after step {end} on request (SIGTERM)")
+            _after_step(self.reporter, end, f"rrfp train: stopped after step {end} on request (SIGTERM), "
+                        f"the step in progress; exit {PREEMPTED}")
         return stopping
 
     def _drain(self) -> None:
