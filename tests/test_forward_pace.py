@@ -154,16 +154,20 @@ def test_rrfp_train_dp2_grad_accum_with_an_evaluation_every_step_follows_the_dp1
     """``rrfp train --stages 2 --dp 2 --grad-accum 2 --eval-every 1`` (4 processes; on main it
     hung in most runs: a first-stage rank ran its two evaluation steps and sent the next
     training step's activations to a last-stage rank still held in the DP all-reduces, which
-    refused them) completes, and its training losses equal those of ``--dp 1`` without
-    ``--eval-every`` (evaluation changes no training; the layout no loss), as
-    tests/test_parallel_layouts.py compares DP with PP alone."""
+    refused them) completes, and its training and validation losses equal those of ``--dp 1``
+    with the same flags (the layout changes no loss), as tests/test_parallel_layouts.py
+    compares DP with PP alone. (The reference evaluates too: ``--eval-every`` holds samples
+    out of the training pool, so it changes the training batches.)"""
+    import re
+
     from runs import losses, train
 
-    common = ("--stages", "2", "--steps", "4", "--grad-accum", "2")
-    train(*common, "--loss-file", str(tmp_path / "ref"))
-    out = train(*common, "--dp", "2", "--dp-shard", "none", "--eval-every", "1", "--loss-file", str(tmp_path / "got"))
+    common = ("--stages", "2", "--steps", "4", "--grad-accum", "2", "--eval-every", "1")
+    ref_out = train(*common, "--loss-file", str(tmp_path / "ref"))
+    out = train(*common, "--dp", "2", "--dp-shard", "none", "--loss-file", str(tmp_path / "got"))
     ref, got = losses(tmp_path / "ref"), losses(tmp_path / "got")
     assert sorted(got) == sorted(ref) == [1, 2, 3, 4] and ref[4] != ref[1]
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=1e-6, abs=0), (step, got[step], ref[step])
-    assert "validation loss" in out
+    evals = lambda text: re.findall(r"eval after step +(\d+)/4 +validation loss +(\S+)", text)  # noqa: E731
+    assert evals(out) == evals(ref_out) and [s for s, _ in evals(ref_out)] == ["1", "2", "3", "4"]
