@@ -26,8 +26,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="peak TFLOP/s of one rank's device, for the step line's MFU; without it, a table of known "
                    "GPUs by name on CUDA (rrfp/train/flops.py), none on CPU")
     p.add_argument("--tensorboard", metavar="DIR", default=None,
-                   help="rank 0 writes the step line's values (loss, lr, grad norm, tok/s, TFLOP/s, MFU, bubble) "
-                   "as TensorBoard scalars to DIR")
+                   help="rank 0 writes the step line's values (loss, lr, grad norm, tok/s, TFLOP/s, MFU, bubble, "
+                   "memory by kind per rank) as TensorBoard scalars to DIR")
 
 
 def check_flags(args: argparse.Namespace) -> str | None:
@@ -139,6 +139,10 @@ class StepExtras:
         for r, (t, b) in enumerate(zip(row["tflops"], row["bubble"])):
             w.add_scalar(f"rank/{r}/tflops", t, k)
             w.add_scalar(f"rank/{r}/bubble", b, k)
+        if row.get("mem"):
+            from .memory import publish
+
+            publish(w, row["mem"], k)
 
     def evaluation(self, step: int, loss: float) -> None:
         """A validation loss after training step ``step`` (1-based) to TensorBoard."""
