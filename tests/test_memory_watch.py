@@ -136,8 +136,8 @@ def test_step_line_field_summary_and_checks():
     cuda = _mem(MIB, GIB, cuda_allocated=GIB, cuda_reserved=3 * GIB)
     assert step_text([cuda]) == "mem/rank [3.00] GiB"  # a GPU rank: its peak reserved
     s = summary_text(mems[:2], "how")
-    assert s.startswith("memory/rank at the last step, MiB: params [1.0 2.0]  grads [1.0 2.0]  optimizer [2.0 4.0]  "
-                        "activations [3.0 3.0]  gathered [0.0 0.0]; peak GiB: rss [0.50 0.25]  headroom [5.00 5.00] (how)")
+    assert s.startswith("memory/rank at the last step, MiB: params [1.00 2.00]  grads [1.00 2.00]  optimizer [2.00 4.00]  "
+                        "activations [3.00 3.00]  gathered [0.00 0.00]; peak GiB: rss [0.50 0.25]  headroom [5.00 5.00] (how)")
     assert mem_problem(mems[0]) is None
     assert mem_problem({**mems[0], "headroom": -5}) is None  # past the limit: reported, not refused
     assert mem_problem({**mems[0], "params": -1}) == "mem.params=-1 is not a non-negative integer byte count"
@@ -166,7 +166,7 @@ def test_rank_zero_prints_the_memory_field_and_drops_forged_figures(capsys):
     rep.summary(1.0)
     text = out.getvalue()
     assert "peak in-flight [1 1]  mem/rank [1.00 0.50] GiB" in text
-    assert "memory/rank at the last step, MiB: params [1.0 1.0]" in text and "(RSS VmHWM, reset per step)" in text
+    assert "memory/rank at the last step, MiB: params [1.00 1.00]" in text and "(RSS VmHWM, reset per step)" in text
 
 
 def _samples(registry) -> dict[tuple, float]:

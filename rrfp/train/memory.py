@@ -113,7 +113,7 @@ def _row(mems: Sequence[Mapping[str, Any] | None], key: str, unit: float, digits
 def summary_text(mems: Sequence[Mapping[str, Any] | None], sources: str = "") -> str:
     """The summary's breakdown of the last step, per rank: bytes by kind (MiB), the process's
     peaks and the headroom (GiB)."""
-    parts = [f"{k} {_row(mems, k, _MIB, 1)}" for k in KINDS]
+    parts = [f"{k} {_row(mems, k, _MIB, 2)}" for k in KINDS]
     peaks = [f"{k} {_row(mems, k, _GIB, 2)}" for k in PEAKS if any(m and m.get(k) is not None for m in mems)]
     peaks.append(f"headroom {_row(mems, 'headroom', _GIB, 2)}")
     how = f" ({sources})" if sources else ""
