@@ -5,7 +5,8 @@ Every rank adds three numbers to the statistics it already sends rank 0 each ste
 (:func:`rank_fields`): the learning rate it stepped with, its share of the squared global
 gradient norm, and the model FLOPs its stages ran (:mod:`rrfp.train.flops`). Rank 0 checks them
 like the rest of a peer's statistics (:func:`fields_problem`) and :class:`StepExtras` turns
-one step's messages into the line's fields.
+one step's messages into the line's fields. The memory figures ride in the same messages; their
+field, checks and scalars are :mod:`rrfp.train.memory`'s (TensorBoard: ``rank/R/memory/KIND``).
 """
 
 from __future__ import annotations
