@@ -183,7 +183,8 @@ def rank_main(cfg: dict) -> dict | None:
         gathered = fp.gathered_params + fp.gathered_grads if sharded is not None else sum(r["gathered"])
         mine["by"][n] = {"params": fp.params, "grads": fp.grads, "optimizer": fp.optimizer, "gathered": gathered,
                          "activations": max(act[n][1:] or act[n]), "own_activations": max(own[n][1:] or own[n] or [0]),
-                         "pp_rank": r["p"], "dp_rank": r["layout"].dp_rank}
+                         "pp_rank": r["p"], "dp_rank": r["layout"].dp_rank,
+                         "numel": sum(q.numel() for q in r["module"].parameters())}  # a DTensor's: the whole
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for r in runners.values():
@@ -254,9 +255,32 @@ def measured_tables(res: dict) -> list[str]:
     return lines
 
 
+def modelled(res: dict) -> tuple[float, float]:
+    """The memory model's (:func:`benchmarks.memory_model.kind_bytes_per_param`: fp32
+    replicated, or FSDP fp32 over DP 2) state and gathered bytes against the measured, per
+    (runtime, layout, rank): the smallest and largest ratio measured / modelled."""
+    from benchmarks.memory_model import kind_bytes_per_param
+
+    ratios = []
+    for r in res["ranks"]:
+        for n, f in r["by"].items():
+            pp, dp, sharded = LAYOUTS[n.split("/")[1]]
+            k = kind_bytes_per_param("FSDP fp32" if sharded else "replicated fp32", dp if sharded else 1)
+            ratios.append(_state(f) / (f["numel"] * (k["params"] + k["grads"] + k["optimizer"])))
+            if sharded:
+                ratios.append(f["gathered"] / (f["numel"] * (k["gathered_params"] + k["gathered_grads"])))
+    return min(ratios), max(ratios)
+
+
 def findings(res: dict) -> list[str]:
     """The measured run's ratios, as bullet lines."""
     ranks = res["ranks"]
+    model = ""
+    if all("numel" in f for r in ranks for f in r["by"].values()):  # raw figures from before it was recorded
+        lo, hi = modelled(res)
+        model = (" The memory model below (16 bytes per parameter replicated; 16/2 sharded, 4 + 4 gathered) gives "
+                 f"every measured state and gathered figure within measured / modelled {lo:.5f}-{hi:.5f} (AdamW's "
+                 "4-byte step counters, which the model leaves out).")
 
     def ratio(a: str, b: str, key) -> list[float]:
         return [key(r["by"][a]) / key(r["by"][b]) for r in ranks]
@@ -273,7 +297,7 @@ def findings(res: dict) -> list[str]:
     return [
         f"- State (parameters + gradients + AdamW) per rank, sharded / replicated: rrfp {max(state['rrfp']):.3f}, "
         f"torch {max(state['torch']):.3f} at most (target at most 0.55); both hold the same bytes by kind on every "
-        "rank and layout, and a step of either gathers the whole stage on top (column `gathered`).",
+        "rank and layout, and a step of either gathers the whole stage on top (column `gathered`)." + model,
         f"- Activations: rrfp's own measurement is within {100 * max(own):.2f}% of the meter's on every rank. torch / "
         "rrfp, per rank: " + "; ".join(f"{lay} [{' '.join(f'{x:.2f}' for x in v)}]" for lay, v in act.items()) +
         ". Both keep 1F1B's p - rank microbatches in flight; torch's first stage also still holds part of its "
@@ -300,6 +324,13 @@ def section(res: dict) -> str:
              "`rrfp.parallel.footprint` of the stage module and its AdamW, FSDP2's gathered bytes "
              "(`gathered_bytes`), and the benchmarks' `ActivationMeter` (saved-tensor hooks around the stage's "
              "forward and the loss).", ""]
+    def largest(pp: int, tp: int, dp: int) -> tuple[float, ...]:  # GiB: distributed optimizer; FSDP mixed
+        m = memory_model.LLAMA3_70B
+        n = max(m.stage_params(pp, r, tp) for r in range(pp)) / memory_model.GIB
+        return (n * memory_model.state_bytes_per_param("distributed optimizer", dp)[0],
+                *(n * b for b in memory_model.state_bytes_per_param("FSDP mixed", dp)))
+
+    tp8, pp8 = largest(4, 8, 4), largest(8, 1, 16)
     proj = ["### Projected: Llama-3 8B and 70B on 8-128 ranks", "", (memory_model.__doc__ or "").split("\n\n", 1)[1].strip(),
             "", memory_model.report(),
             "Reading the projection: with PP the stage stays gathered through the step (no per-microbatch "
@@ -311,8 +342,16 @@ def section(res: dict) -> str:
             "`rrfp/parallel/sharded.py`). Activations at 1F1B's in-flight limit do not depend on the layout: rank 0 holds "
             "L layers' worth of one microbatch whatever PP is, so at sequence 8192 they need full recomputation "
             "(`--activation-checkpointing`) or a smaller in-flight limit (`--inflight-limit`, `--memory-budget`) on "
-            "an 80 GiB device. `tests/test_memory_model.py` checks the arithmetic against Meta's parameter counts, "
-            "transformers' own Llama, Megatron's table and Korthikanti's formula."]
+            "an 80 GiB device, or tensor parallelism with sequence parallelism (34sbh/t; without it the 10sbh of "
+            "norms, residuals and dropout stay whole on every TP rank). TP divides the state as DP sharding does but "
+            f"without the gathered transient: the 70B at PP 4 x TP 8 x DP 4 holds {tp8[0]:.1f} GiB with the "
+            f"distributed optimizer and {tp8[1]:.1f} + {tp8[2]:.1f} with FSDP mixed, where PP 8 x DP 16 needs "
+            f"{pp8[0]:.1f} and {pp8[1]:.1f} + {pp8[2]:.1f}. rrfp's TP "
+            "(`--tp`, its GPT) keeps the embedding and head whole and has no sequence parallelism, so the TP rows are "
+            "Megatron's and torchtitan's layout, not rrfp's. `tests/test_memory_model.py` checks the arithmetic "
+            "against Meta's parameter counts, transformers' own Llama, Megatron's table, the ZeRO paper's example, "
+            "Korthikanti's formulas, and rrfp's own footprint of a small Llama's stages (replicated; FSDP2-sharded in "
+            "fp32 and bf16, with the gathered bytes a step holds)."]
     return "\n".join(intro + measured_tables(res) + [""] + findings(res) + [""] + proj) + "\n"
 
 
