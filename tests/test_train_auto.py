@@ -50,7 +50,7 @@ def _pipe():
     ``RankRuntime.set_hint`` (the one way ``auto`` switches)."""
     spec, hint, strict = resolve_hint("strict-1f1b", Placement(2), M)
     rt = SimpleNamespace(rank=0, stages={}, hooks=SimpleNamespace(final_kind="B"), loop=SimpleNamespace(record=False),
-                         sizer=None, spec=spec, hint=hint, strict=strict)
+                         sizer=None, spec=spec, hint=hint, strict=strict, inflight_limit=M, memory_budget=None)
     rt.set_hint = lambda *a: RankRuntime.set_hint(rt, *a)
     pipe = SimpleNamespace(spec=spec, hint=hint, strict=strict, n_microbatches=M, runtime=rt, runtimes=[rt],
                            plan=SimpleNamespace(limits=[M, M], budget=None), config=RuntimeConfig())

@@ -43,7 +43,7 @@ class SimConfig:
         limit: the in-flight limit: an int, a per-rank list, or ``"1f1b"`` (1F1B's own
             per-rank limits ``p - r``, which match its activation memory).
         memory_budget: activation bytes per rank: None (no budget), bytes (an int, or one
-            per rank), or ``"1f1b"`` / ``"gpipe"``: what the placement's fixed-order baseline
+            per rank, None for a rank without one), or ``"1f1b"`` / ``"gpipe"``: what the placement's fixed-order baseline
             (:func:`default_baseline`) or GPipe holds on each rank with these sizes
             (:func:`memory_budgets`). Needs ``act_bytes`` in the costs.
         costs: per-stage costs (None: every stage ``F = 10 ms``, ``B = 20 ms``).
@@ -99,7 +99,7 @@ class SimConfig:
             return list(lim)
         raise ValueError(f"in-flight limit {lim!r}: expected an integer >= 1, '1f1b', or one per rank")
 
-    def memory_budgets(self) -> list[int] | None:
+    def memory_budgets(self) -> list[int | None] | None:
         """Per rank, the memory budget in bytes (None: no budget).
 
         Raises:
@@ -115,7 +115,7 @@ class SimConfig:
         if isinstance(mb, (list, tuple)):
             if len(mb) != P:
                 raise ValueError(f"{len(mb)} memory budgets given for {P} ranks")
-            return [parse_size(x) for x in mb]
+            return [None if x is None else parse_size(x) for x in mb]
         if mb not in BUDGET_NAMES:
             return [parse_size(mb)] * P
         if mb == "gpipe":  # all forwards before any backward: every microbatch held

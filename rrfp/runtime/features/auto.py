@@ -268,6 +268,7 @@ class AutoHint:
         self.samples: dict[tuple[int, str], list[float]] = {}
         self.gaps: dict[int, list[float]] = {}
         self.act: dict[int, int] = {}
+        self.rank_memory: dict[int, tuple[int, int | None]] = {}  # rank -> its own (limit, budget)
         self.trial: list[str] = []
         self.walls: dict[str, list[sim_auto.Step]] = {}
         self.chosen: str | None = None
@@ -370,6 +371,9 @@ class AutoHint:
         mine: list = [("r", rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end)
                       for st in stats for rec in st.records]
         for rt in self.pipe.runtimes:
+            # Each rank's own in-flight limit and budget: another process may have been given
+            # other values, and every rank must rank on the same ones (or their trials differ).
+            mine.append(("l", rt.rank, int(rt.inflight_limit), rt.memory_budget))
             sizer = rt.sizer  # the memory budget's measured activation bytes (None: no budget)
             if sizer is not None:
                 for s in rt.stages:
@@ -381,6 +385,9 @@ class AutoHint:
             if item[0] == "a":
                 self.act[item[1]] = item[2]
                 continue
+            if item[0] == "l":
+                self.rank_memory[item[1]] = (item[2], item[3])
+                continue
             _, s, kind, m, t0, t1 = item
             self.samples.setdefault((s, kind), []).append(t1 - t0)
             ends[(s, kind, m)], starts[(s, kind, m)] = t1, t0
@@ -391,14 +398,26 @@ class AutoHint:
                 if t0 is not None:
                     self.gaps.setdefault(s, []).append(max(0.0, t0 - t1))
 
+    def memory(self) -> tuple[list[int], list[int | None] | None]:
+        """``(limits, budgets)``: per rank, the in-flight limit and memory budget the ranking
+        uses, each rank's own as it shared them while measuring (this process's plan for a rank
+        that did not); a budget only where that rank's activation bytes were measured (None:
+        no budget anywhere)."""
+        P, place = self.place.n_ranks, self.place
+        limits = [self.rank_memory.get(r, (self.limits[r], None))[0] for r in range(P)]
+        budgets = [self.rank_memory[r][1] if r in self.rank_memory else self.budget for r in range(P)]
+        budgets = [b if b is not None and all(self.act.get(s) for s in place.stages_of(r)) else None
+                   for r, b in enumerate(budgets)]
+        return limits, (budgets if any(b is not None for b in budgets) else None)
+
     def _rank(self) -> None:
         S = self.place.n_stages
         links = {s: [min(g)] for s, g in self.gaps.items() if g}
         prof = sim_auto.profile_from_samples(self.samples, links, S, [self.act.get(s, 0) for s in range(S)])
-        budget = self.budget if self.budget is not None and all(self.act.get(s) for s in range(S)) else None
+        limits, budgets = self.memory()
         self.ranking = sim_auto.rank(prof, n_ranks=self.place.n_ranks, n_virtual=self.place.n_virtual,
-                                     placement=self.place.kind, n_microbatches=self.M, limit=self.limits,
-                                     memory_budget=budget, backpressure=self.backpressure, candidates=self.known)
+                                     placement=self.place.kind, n_microbatches=self.M, limit=limits,
+                                     memory_budget=budgets, backpressure=self.backpressure, candidates=self.known)
         self.profile = prof
         self.trial = sim_auto.trial_candidates([h for h, _ in self.ranking.order], self.strict)
 
