@@ -20,6 +20,7 @@ from rrfp.scheduler import Placement, resolve_hint
 from rrfp.scheduler.tasks import TaskRecord
 from rrfp.sim import auto as sim_auto
 from rrfp.sim.auto import PROFILE_SEED, Profile, rank
+from rrfp.sim.calibration import Calibration
 from rrfp.sim.compare import SimConfig, run_one
 from rrfp.sim.costs import CostModel, StageCost
 from rrfp.sim.engine import DeadlockError
@@ -28,9 +29,11 @@ STAGES = tuple(StageCost(0.010, 0.020, 0.011, 0.011, 1000, 1) for _ in range(4))
 PROFILE = Profile(STAGES, (0.0, 0.0, 0.0))
 
 
-def _reference(hints, limit, budget=None, stages=STAGES, n_microbatches=8):
+def _reference(hints, limit, budget=None, stages=STAGES, n_microbatches=8, calibration=None, links=()):
+    # Link seconds travel as message bytes at 1 byte/ns, as rrfp.sim.auto.rank sends them.
     cfg = SimConfig(n_ranks=len(stages), n_microbatches=n_microbatches, limit=limit, costs=CostModel(stages),
-                    seed=PROFILE_SEED, memory_budget=budget)
+                    seed=PROFILE_SEED, memory_budget=budget, calibration=calibration,
+                    bandwidth=1e9 if any(links) else float("inf"))
     return {h: run_one(cfg, h, record=False)[0].makespan for h in hints}
 
 
@@ -75,6 +78,7 @@ def test_no_candidate_that_can_run_is_an_error(monkeypatch):
 
 M = 4
 ACT = 1000  # bytes per microbatch on every stage (the stand-in sizer's)
+GAP = 1 / 1024  # seconds between a rank's tasks: the calibrated model's time per task
 
 
 class Pair:
@@ -128,14 +132,15 @@ def _process(r: int, limit: int, budget: int | None):
 
 
 def _stats(pipe, r: int):
-    """Rank ``r``'s records of a step: its tasks back to back, F 10 ms, B 24 ms, I and W 12 ms."""
+    """Rank ``r``'s records of a step: its tasks ``GAP`` apart, F 10, B 24, I and W 12 units of
+    1/1024 s (binary fractions: every duration is exact, so the measured spread is 0)."""
     t, recs = 0.0, []
     for task in pipe.spec.all_tasks():
         if task.stage != r:
             continue
-        d = {"F": 0.010, "B": 0.024, "I": 0.012, "W": 0.012}[task.kind]
-        recs.append(TaskRecord(r, 0, task, t + 0.001, t + 0.001 + d))
-        t += 0.001 + d
+        d = {"F": 10, "B": 24, "I": 12, "W": 12}[task.kind] / 1024
+        recs.append(TaskRecord(r, 0, task, t + GAP, t + GAP + d))
+        t += GAP + d
     return SimpleNamespace(wall=t, records=recs)
 
 
@@ -164,6 +169,7 @@ def _measure(limits, budgets):
 def test_processes_given_different_limits_or_budgets_rank_alike_on_every_ranks_own(limits, budgets):
     ctls = _measure(limits, budgets)
     assert all(c.ranking is not None for c in ctls)
+    assert ctls[0].profile.compute_cv == 0 and ctls[0]._fit().calibration.task == GAP
     # Every rank's own figures, the same on both processes.
     assert ctls[0].memory() == ctls[1].memory() == (limits, None if budgets == [None, None] else budgets)
     assert ctls[0].ranking.order == ctls[1].ranking.order and ctls[0].trial == ctls[1].trial
@@ -171,5 +177,6 @@ def test_processes_given_different_limits_or_budgets_rank_alike_on_every_ranks_o
     profile = ctls[0].profile
     hints = [h for h, _ in ctls[0].ranking.order]
     stages = tuple(StageCost(c.F, c.B, c.I, c.W, c.act_bytes, c.msg_bytes) for c in profile.costs().stages)
-    ref = _reference(hints, limits, None if budgets == [None, None] else budgets, stages=stages, n_microbatches=M)
+    ref = _reference(hints, limits, None if budgets == [None, None] else budgets, stages=stages, n_microbatches=M,
+                     calibration=Calibration(task=GAP), links=profile.links)
     assert dict(ctls[0].ranking.order) == pytest.approx(ref)

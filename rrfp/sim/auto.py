@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 from ..scheduler.hints import resolve_hint
 from ..scheduler.tasks import B, F, I, W, Task
 from .compare import SimConfig, default_baseline, run_one
+from .calibration import Calibration
 from .costs import CostModel, StageCost
 from .engine import DeadlockError
 
@@ -276,6 +277,7 @@ def rank(
     backpressure: str = "admission",
     seeds: int = 1,
     candidates: Sequence[str] = CANDIDATES,
+    calibration: Calibration | None = None,
 ) -> Ranking:
     """Simulate each known candidate on ``profile`` at the user's memory and order them. A
     candidate that cannot run there (refused at those limits, or a simulation that deadlocks)
@@ -286,6 +288,9 @@ def rank(
             user's in-flight limit and byte budget, or ``"1f1b"``).
         seeds: noise draws per candidate (makespans averaged; draws start at
             :data:`PROFILE_SEED`).
+        calibration: what the runtime pays around the profile's tasks
+            (:class:`~rrfp.sim.calibration.Calibration`, fitted on the same steps; None:
+            nothing).
 
     Raises:
         ValueError: no candidate is known or none can run, or a bad configuration.
@@ -297,7 +302,7 @@ def rank(
         n_ranks=n_ranks, n_microbatches=n_microbatches, n_virtual=n_virtual, placement=placement, limit=limit,
         memory_budget=memory_budget, backpressure=backpressure, costs=profile.costs(),
         noise=_sigma(profile.compute_cv), comm_noise=_sigma(profile.message_cv),
-        bandwidth=_NS if any(profile.links) else math.inf,
+        bandwidth=_NS if any(profile.links) else math.inf, calibration=calibration,
     )
     if memory_budget is not None:  # resolved once for every candidate
         cfg = replace(cfg, memory_budget=cfg.memory_budgets())

@@ -7,11 +7,12 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
 1. Step 1 runs the placement's strict schedule (its one-time costs are not measured).
 2. Steps 2 and 3 measure: the strict schedule (``F``, ``B``), then the first split-backward
    candidate (``I``, ``W``). Every rank's task records are gathered; per stage and kind the
-   mean seconds and the spread; per link the message time, read as the gap between the
-   producer's end and the consumer's start (the ranks of one host share a monotonic clock; the
-   smallest gap per link, since a larger one includes the consumer's wait).
-3. :func:`rrfp.sim.auto.rank` simulates every known candidate on that profile at this job's
-   in-flight limit and memory budget.
+   mean seconds and the spread; what the runtime pays around them, the calibrated model of
+   :mod:`rrfp.sim.calibration` (:func:`~rrfp.sim.calibration.fit`: the runtime's time per
+   task, and per link the median time a consumer that waited for a message waited, from the
+   producer's end to its own start; the ranks of one host share a monotonic clock).
+3. :func:`rrfp.sim.auto.rank` simulates every known candidate on that profile and calibration
+   at every rank's own in-flight limit and memory budget (shared while measuring).
 4. Trial: the strict schedule and the best two by simulation
    (:func:`rrfp.sim.auto.trial_candidates`) run :data:`rrfp.sim.auto.TRIAL_ROUNDS` rounds,
    one step each, in rotating order (paired: each round's steps are neighbours, so machine
@@ -36,9 +37,10 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ...errors import PipelineError
 from ...scheduler.hints import resolve_hint
-from ...scheduler.tasks import F
+from ...scheduler.tasks import F, PipelineSpec, Task, TaskRecord
 from ...sim import auto as sim_auto
 from ...sim.auto import AUTO, TIE, TRIAL_ROUNDS, auto_first_hint
+from ...sim.calibration import Calibration, Fit, RankStep, fit
 from ..engine.inbox import ControlQueue
 
 __all__ = ["AUTO", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare", "Share"]
@@ -266,7 +268,7 @@ class AutoHint:
         self.current = self.strict
         self.plan: list[str] = [self.strict, self.strict] + ([self.split] if self.split else [])
         self.samples: dict[tuple[int, str], list[float]] = {}
-        self.gaps: dict[int, list[float]] = {}
+        self.measured: list[tuple[bool, list[TaskRecord]]] = []  # (split backward?, records) per measured step
         self.act: dict[int, int] = {}
         self.rank_memory: dict[int, tuple[int, int | None]] = {}  # rank -> its own (limit, budget)
         self.trial: list[str] = []
@@ -342,7 +344,7 @@ class AutoHint:
         step_hint = self.plan.pop(0)
         if self.ranking is None:
             if len(self.plan) < (3 if self.split else 2) - 1:  # not the warm-up step
-                await self._gather(stats)
+                await self._gather(stats, self._splits(step_hint))
             if not self.plan:
                 self._rank()
                 self.plan = [h for r in range(TRIAL_ROUNDS) for h in sim_auto.trial_order(self.trial, r)]
@@ -367,7 +369,7 @@ class AutoHint:
         if not self.plan:  # the trial's last round (or a re-check's round) is complete
             self._choose()
 
-    async def _gather(self, stats: Sequence[Any]) -> None:
+    async def _gather(self, stats: Sequence[Any], split: bool) -> None:
         mine: list = [("r", rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end)
                       for st in stats for rec in st.records]
         for rt in self.pipe.runtimes:
@@ -379,8 +381,7 @@ class AutoHint:
                 for s in rt.stages:
                     got = [sizer(s, m) for m in range(self.M)]
                     mine.append(("a", s, round(statistics.fmean(x for x in got if x)) if any(got) else 0))
-        ends: dict[tuple[int, str, int], float] = {}
-        starts: dict[tuple[int, str, int], float] = {}
+        recs: list[TaskRecord] = []
         for item in await self.share.gather(mine):
             if item[0] == "a":
                 self.act[item[1]] = item[2]
@@ -390,13 +391,27 @@ class AutoHint:
                 continue
             _, s, kind, m, t0, t1 = item
             self.samples.setdefault((s, kind), []).append(t1 - t0)
-            ends[(s, kind, m)], starts[(s, kind, m)] = t1, t0
-        rank_of, nxt = self.place.rank_of, self.place.next_stage
-        for (s, kind, m), t1 in ends.items():
-            if kind == F and nxt(s) is not None and rank_of(nxt(s)) != rank_of(s):
-                t0 = starts.get((nxt(s), F, m))
-                if t0 is not None:
-                    self.gaps.setdefault(s, []).append(max(0.0, t0 - t1))
+            recs.append(TaskRecord(self.place.rank_of(s), self.steps, Task(s, kind, m), t0, t1))
+        self.measured.append((split, recs))
+
+    def _fit(self) -> Fit | None:
+        """What the runtime paid around the measured tasks (:func:`rrfp.sim.calibration.fit`;
+        the ranks of one host share a monotonic clock), or None with too few tasks to tell."""
+        steps = []
+        for split, recs in self.measured:
+            spec = PipelineSpec(self.place, self.M, split)
+            by_rank: dict[int, list[TaskRecord]] = {}
+            for r in recs:
+                by_rank.setdefault(r.rank, []).append(r)
+            steps.append((spec, [RankStep(r, rs) for r, rs in by_rank.items()]))
+        try:
+            fits = [fit([ranks], spec) for spec, ranks in steps]
+        except ValueError:
+            return None
+        task = statistics.fmean(f.calibration.task for f in fits)
+        links = {s: statistics.median([f.links[s] for f in fits if s in f.links])
+                 for s in {s for f in fits for s in f.links}}
+        return Fit(Calibration(task=task), links, {})
 
     def memory(self) -> tuple[list[int], list[int | None] | None]:
         """``(limits, budgets)``: per rank, the in-flight limit and memory budget the ranking
@@ -412,12 +427,16 @@ class AutoHint:
 
     def _rank(self) -> None:
         S = self.place.n_stages
-        links = {s: [min(g)] for s, g in self.gaps.items() if g}
+        # The calibrated model (rrfp.sim.calibration): each task's measured cost, the runtime's
+        # time per task beside it, and per link the median time a waiting consumer waited.
+        fitted = self._fit()
+        links = {s: [h] for s, h in fitted.links.items()} if fitted else {}
         prof = sim_auto.profile_from_samples(self.samples, links, S, [self.act.get(s, 0) for s in range(S)])
         limits, budgets = self.memory()
         self.ranking = sim_auto.rank(prof, n_ranks=self.place.n_ranks, n_virtual=self.place.n_virtual,
                                      placement=self.place.kind, n_microbatches=self.M, limit=limits,
-                                     memory_budget=budgets, backpressure=self.backpressure, candidates=self.known)
+                                     memory_budget=budgets, backpressure=self.backpressure, candidates=self.known,
+                                     calibration=fitted.calibration if fitted else None)
         self.profile = prof
         self.trial = sim_auto.trial_candidates([h for h, _ in self.ranking.order], self.strict)
 
