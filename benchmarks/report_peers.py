@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .sim_pred import predict, predict_bounded, ratio_summary
+from .sim_pred import fit_model, predict, predict_bounded, ratio_summary
 from .systems import PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, kept_hint, peer_default, peer_strict
 
 PEERS_TITLE = "PyTorch's virtual-stage schedules at their own memory"
@@ -57,6 +57,7 @@ def predictions(res: dict) -> dict[str, dict[str, list[float]]]:
     for pi, ph in enumerate(res["phases"]):
         names = list(ph["rounds"][0]["systems"])
         rows: dict[str, list[float]] = {}
+        model = calibrated(res, pi, ph)
         for label, p in PEERS.items():
             peak = _memory(ph, p["torch"])
             if not {peer_default(label), peer_strict(label), p["torch"]} <= set(names) or not peak:
@@ -64,17 +65,31 @@ def predictions(res: dict) -> dict[str, dict[str, list[float]]]:
             sb = [b[p["placement"]] for b in res["virtual_stage_bytes"]]
             budgets = [int(x) for x in peak]
             kw = dict(n_virtual=2, placement=p["placement"], bound_budgets=budgets, stage_bytes=sb)
-            rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"], **kw)
+            rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"], model=model, **kw)
             rows[peer_default(label)], b_default = predict_bounded(
-                cfg, cal, pi, ph, kept_hint(ph, peer_default(label), default), budgets=budgets, **kw)
+                cfg, cal, pi, ph, kept_hint(ph, peer_default(label), default), budgets=budgets, model=model, **kw)
             rows[BOUND + label] = [min(a, b) for a, b in zip(b_strict, b_default)]
         if cfg.get("sleep"):
             for n in names:
                 spec = RRFP_SYSTEMS.get(n)
                 if spec and not spec.get("budget") and not spec.get("budget_from") and spec.get("virtual", 1) == 1:
-                    rows[n] = predict(cfg, cal, pi, ph, kept_hint(ph, n, default), limit=spec["limit"])
+                    rows[n] = predict(cfg, cal, pi, ph, kept_hint(ph, n, default), limit=spec["limit"], model=model)
         out[ph["name"]] = rows
     return out
+
+
+def calibrated(res: dict, pi: int, ph: dict):
+    """The calibrated model of phase ``ph`` (:func:`benchmarks.sim_pred.fit_model`), read off
+    the strict rows' task records where the setting kept them (``record_tasks``); None without
+    them (the predictions are then uncalibrated: no runtime cost, a core per rank)."""
+    if not ph.get("recorded"):
+        return None
+    recorded = {row: {int(k): v for k, v in steps.items()} for row, steps in ph["recorded"].items()}
+    try:
+        return fit_model(res["config"], res["calibration"], pi, ph, recorded, cores=res.get("cores"),
+                         background=res.get("background") or 0.0)
+    except ValueError:  # no strict row recorded in this phase
+        return None
 
 
 # --------------------------------------------------------------------------- peers
@@ -234,10 +249,13 @@ RANKS_NOTE = """\
 Every task sleeps for its compute (the setting's forward and backward sleeps, on a
 one-layer-per-stage GPT whose own compute is about a millisecond), plus the injected jitter, so 8
 or 16 rank processes fit on 2 cores. The simulator runs the same arbiter with each task's
-duration the sleep plus the rank's calibrated compute plus *the same keyed delay the real run
-injected* (same seed, steps, stages and microbatches), no runtime overhead and no message time. Real: the slowest rank's step
-time per round; real/simulated is the median of the per-round ratios (quartiles, n, 95%
-bootstrap interval of the median)."""
+duration the sleep plus *the same keyed delay the real run injected* (same seed, steps, stages
+and microbatches) plus the task's own cost, and what the runtime pays around tasks: the
+calibrated model (`rrfp.sim.calibration`, `benchmarks/sim_pred.py`'s `fit_model`) read off the
+strict 1F1B row's task records in the same rounds (each task's own cost in place, the runtime's
+time per task, per message and per step, the cores' sharing); the other rows are predicted out
+of sample. Real: the slowest rank's step time per round; real/simulated is the median of the
+per-round ratios (quartiles, n, 95% bootstrap interval of the median)."""
 
 
 def render(compare: dict[str, dict], quick: bool = False) -> tuple[list[str], list[list[str]]]:

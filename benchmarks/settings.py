@@ -94,6 +94,9 @@ for _p in (8, 16):
         # percent of the sleeps, so 16 ranks on 2 cores rarely wait for a core.
         "sleep": {"F": 0.010, "B": 0.020},
         "systems": list(RANKS_SYSTEMS),
+        # The rrfp rows keep their task records: the predictions' calibrated model is read off
+        # the strict row's (benchmarks/sim_pred.py, fit_model).
+        "record_tasks": True,
         # Sleep-dominated steps vary little round to round: few rounds pin the real/simulated ratio.
         "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": n} for lv, n in (("J0", 2), ("J2", 6))],
         "step_s": 0.035 * (15 + _p),  # (M + p - 1) tasks of 30 ms on the slowest rank, plus jitter

@@ -14,13 +14,13 @@ a small transformer stage costs most of a ``B``, not half). Around the tasks the
   that task's input was already there (the arbiter's decision, the executor's dispatch, the
   records, the step hooks): the mean over such gaps;
 - ``hop``: per cross-rank message, from the producing task's end until the consuming task can
-  start, when the consumer's rank was idle waiting for it, less ``task``: the codec, the socket,
-  waking the sender's I/O thread and the receiving process. The median over such waits (a
-  message the consumer does not wait for costs nothing, so the model adds it to every message
-  and lets the schedule hide it; the median predicted recorded step times better than the
-  mean, whose tail comes from rare long stalls: ``docs/simulator.md``);
-- ``step``: per step, the runtime's time before the first task (on the rank holding stage 0)
-  and after the last one (the median over ranks).
+  start, when the consumer's rank was idle from before the producer ended (so the whole wait
+  shows, whatever its length), less ``task``: the codec, the socket, waking the sender's I/O
+  thread and the receiving process. The mean over such waits (a message the consumer does not
+  wait for costs nothing, so the model adds it to every message and lets the schedule hide it);
+- ``step``: per step, the slowest rank's step time beyond the span of all tasks (first start
+  to last end): the runtime's set-up before the first task and its end after the last, and the
+  ranks leaving the step's start at different moments (the median over steps).
 
 Ranks sharing cores: ``N`` rank processes on ``cores`` cores beside ``background`` other
 runnable threads. A rank busy on the CPU competes with the ``K`` other ranks busy at that
@@ -224,7 +224,7 @@ class RankStep:
 @dataclass
 class Fit:
     """What :func:`fit` read off the steps: the calibration, per link (stage ``s`` to its
-    next) the median hop, and how many samples each figure had."""
+    next) the mean hop, and how many samples each figure had."""
 
     calibration: Calibration
     links: dict[int, float]
@@ -237,25 +237,25 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, **fields: Any) 
     :class:`RankStep`. A gap counts towards ``task`` when the next task's input was there before
     the previous task ended: an input of its own rank (or none), or a cross-rank one whose
     arrival is known and earlier. A wait counts towards ``hop`` when the consumer's rank was
-    idle from before the producer ended (its previous task ended earlier). ``fields``: the
-    calibration's other fields (``cores``, ...).
+    idle from before the producer ended (its previous task ended earlier). ``step`` needs every
+    rank's ``begin`` and ``end`` (else it is 0). ``fields``: the calibration's other fields
+    (``cores``, ...).
 
     Raises:
         ValueError: no gap to read ``task`` from (a figure without a sample is 0).
     """
-    place = spec.placement
     gaps: list[float] = []
     waits: dict[int, list[float]] = {}
-    starts: list[float] = []
-    ends: list[float] = []
+    outside: list[float] = []
     for ranks in steps:
         ended = {r.task: (r.rank, r.end) for rs in ranks for r in rs.records}
+        recs_all = [r for rs in ranks for r in rs.records]
+        timed = [rs for rs in ranks if rs.records and rs.begin is not None and rs.end is not None]
+        if timed and len(timed) == len(ranks):
+            span = max(r.end for r in recs_all) - min(r.start for r in recs_all)
+            outside.append(max(rs.end - rs.begin for rs in timed) - span)
         for rs in ranks:
             recs = sorted(rs.records, key=lambda r: r.start)
-            if recs and rs.begin is not None and 0 in place.stages_of(rs.rank):
-                starts.append(recs[0].start - rs.begin)
-            if recs and rs.end is not None:
-                ends.append(rs.end - recs[-1].end)
             for prev, nxt in zip(recs, recs[1:]):
                 src = spec.producer(nxt.task)
                 made = ended.get(src) if src is not None else None
@@ -272,11 +272,11 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, **fields: Any) 
         raise ValueError("calibration: no gap between two tasks whose input was there: record more tasks")
     task = max(0.0, statistics.fmean(gaps))
     every = [w for ws in waits.values() for w in ws]
-    hop = max(0.0, statistics.median(every) - task) if every else 0.0
-    links = {s: max(0.0, statistics.median(ws) - task) for s, ws in sorted(waits.items())}
-    step = (statistics.median(starts) if starts else 0.0) + (statistics.median(ends) if ends else 0.0)
-    cal = Calibration(task=task, hop=hop, step=max(0.0, step), **fields)
-    return Fit(cal, links, {"task": len(gaps), "hop": len(every), "step": len(starts) + len(ends)})
+    hop = max(0.0, statistics.fmean(every) - task) if every else 0.0
+    links = {s: max(0.0, statistics.fmean(ws) - task) for s, ws in sorted(waits.items())}
+    step = max(0.0, statistics.median(outside)) if outside else 0.0
+    cal = Calibration(task=task, hop=hop, step=step, **fields)
+    return Fit(cal, links, {"task": len(gaps), "hop": len(every), "step": len(outside)})
 
 
 WaitFn = Callable[[int, int, Task], float]  # (step, rank, task) -> seconds the task waited (not CPU)
