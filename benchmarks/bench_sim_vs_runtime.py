@@ -13,16 +13,18 @@ the sleeps; ``jitter4``'s model at 4 ranks). Rows: strict 1F1B, its split (``str
 
 The calibrated model (:func:`benchmarks.sim_pred.fit_model`) is read off the strict rows only
 (strict 1F1B for F and B, strict-split for I and W, as ``auto`` measures a job): each task's own
-cost in place, the runtime's time per task, per message and per step, and the cores' sharing
-(the machine's cores and its other runnable threads, measured by
-:func:`benchmarks.sim_pred.machine_background` before each setting). Every row is then predicted: the readiness rows' predictions are out of sample.
-Printed per row: real and simulated step time (median), real/simulated (median and range over
-rounds), and the speedup over strict 1F1B, real and simulated. Goals (issue 33): within 5%, and
+cost in place, the runtime's time per task, per message and per step. Every row is then
+predicted: the readiness rows' predictions are out of sample. Printed per row: real and
+simulated step time (median), real/simulated (median and range over rounds), the same with the
+core-sharing rescale (the costs rescaled from the duty they were measured at to each row's,
+with the machine's cores and its other load as the ranks see it, measured by
+:func:`benchmarks.sim_pred.machine_background` before each setting), uncalibrated, and the
+speedup over strict 1F1B, real and simulated. Goals (issue 33): within 5%, and
 speedups within 0.03, on a quiet machine; a loaded machine's figures are printed with the load.
 
 ``--fixture PATH`` writes one setting's recorded profile rows and step times as the fixture of
-``tests/test_sim_calibration.py``. ``--cores`` checks :meth:`Calibration.rescale
-<rrfp.sim.calibration.Calibration.rescale>` against N processes that alternate busy loops and
+``tests/test_sim_calibration.py``. ``--cores`` checks :meth:`Calibration.stretch
+<rrfp.sim.calibration.Calibration.stretch>` against N processes that alternate busy loops and
 sleeps at a given duty.
 """
 
@@ -149,14 +151,16 @@ def compare_rows(res: dict, meta: dict, recorded: dict) -> dict:
     from .sim_pred import fit_model, predict, timed_step_ids
 
     cfg, cal, ph = res["config"], res["calibration"], res["phases"][0]
-    model = fit_model(cfg, cal, 0, ph, recorded, cores=meta["cores"], background=meta["background"])
+    model = fit_model(cfg, cal, 0, ph, recorded)
+    shared = fit_model(cfg, cal, 0, ph, recorded, cores=meta["cores"], background=meta["background"])
     ids = timed_step_ids(0, ph)
-    out = {"model": model, "rows": {}}
+    out = {"model": model, "shared": shared, "rows": {}}
     for row, (hint, limit) in ROWS.items():
         if row not in recorded:
             continue
         real = [max(rs["t1"] - rs["t0"] for rs in recorded[row][sid]) for sid in ids]
         out["rows"][row] = {"real": real, "sim": predict(cfg, cal, 0, ph, hint, limit=limit, model=model),
+                            "cores": predict(cfg, cal, 0, ph, hint, limit=limit, model=shared),
                             "raw": predict(cfg, cal, 0, ph, hint, limit=limit)}
     return out
 
@@ -167,33 +171,35 @@ def report(name: str, res: dict, meta: dict, got: dict) -> list[str]:
     rows = got["rows"]
     lines = [f"{name}: {res['config']['n_ranks']} ranks, {'sleep-based' if res['config'].get('sleep') else 'real compute'}"
              f", {res['phases'][0]['level']}, {len(rows[STRICT]['real'])} timed rounds; load "
-             f"{meta['load'][0][0]:.1f} -> {meta['load'][1][0]:.1f}, {meta['cores']} cores beside "
-             f"{meta['background']:.1f} runnable; model: {got['model'].calibration.describe()} ({got['model'].source})"]
+             f"{meta['load'][0][0]:.1f} -> {meta['load'][1][0]:.1f}, {meta['cores']} cores, background "
+             f"{meta['background']:.1f}; model: {got['model'].calibration.describe()} ({got['model'].source}; "
+             f"the core-sharing rescale measured at duty {got['shared'].calibration.duty:.2f})"]
     lines.append(f"  {'row':26s} {'real ms':>8s} {'min':>7s} {'sim ms':>8s} {'real/sim':>8s} {'range':>13s} "
-                 f"{'uncal.':>7s} {'speedup real':>12s} {'sim':>6s} {'diff':>6s}")
+                 f"{'rescaled':>8s} {'uncal.':>7s} {'speedup real':>12s} {'sim':>6s} {'diff':>6s}")
     for row, v in rows.items():
         r = np.asarray(v["real"]) / np.asarray(v["sim"])
         raw = np.median(np.asarray(v["real"]) / np.asarray(v["raw"]))
+        resc = np.median(np.asarray(v["real"]) / np.asarray(v["cores"]))
         sp_real = np.median(np.asarray(rows[STRICT]["real"]) / np.asarray(v["real"]))
         sp_sim = np.median(np.asarray(rows[STRICT]["sim"]) / np.asarray(v["sim"]))
         lines.append(f"  {row:26s} {1e3 * np.median(v['real']):8.1f} {1e3 * min(v['real']):7.1f} "
-                     f"{1e3 * np.median(v['sim']):8.1f} {np.median(r):8.3f} {r.min():6.3f}-{r.max():6.3f} {raw:7.3f} "
+                     f"{1e3 * np.median(v['sim']):8.1f} {np.median(r):8.3f} {r.min():6.3f}-{r.max():6.3f} {resc:8.3f} {raw:7.3f} "
                      f"{sp_real:12.3f} {sp_sim:6.3f} {sp_real - sp_sim:+6.3f}")
     return lines
 
 
 def write_fixture(path: Path, res: dict, meta: dict, recorded: dict) -> None:
-    """One setting's recorded profile rows (task records, times relative to each rank's step
-    start, rounded to the microsecond) and every row's real step times: the fixture of
+    """One setting's recorded profile rows (task records, times from the step's first start on
+    any rank, rounded to the microsecond: the ranks share one clock) and every row's real step
+    times: the fixture of
     ``tests/test_sim_calibration.py``."""
     from .sim_pred import PROFILE_ROWS, timed_step_ids
 
     ph = res["phases"][0]
     ids = timed_step_ids(0, ph)
 
-    def rel(rs: dict) -> dict:
-        t0 = rs["t0"]
-        return {"rank": rs["rank"], "t0": 0.0, "t1": round(rs["t1"] - t0, 6),
+    def rel(rs: dict, t0: float) -> dict:
+        return {"rank": rs["rank"], "t0": round(rs["t0"] - t0, 6), "t1": round(rs["t1"] - t0, 6),
                 "tasks": [[s, k, m, round(a - t0, 6), round(b - t0, 6)] for s, k, m, a, b in rs["tasks"]],
                 "arr": [[s, m, g, round(t - t0, 6)] for s, m, g, t in rs["arr"]]}
 
@@ -204,7 +210,8 @@ def write_fixture(path: Path, res: dict, meta: dict, recorded: dict) -> None:
            "rows": {row: {"hint": ROWS[row][0], "limit": ROWS[row][1],
                           "step": [max(rs["t1"] - rs["t0"] for rs in recorded[row][sid]) for sid in ids]}
                     for row in ROWS if row in recorded},
-           "recorded": {row: {str(sid): [rel(rs) for rs in recorded[row][sid]] for sid in ids}
+           "recorded": {row: {str(sid): [rel(rs, min(x["t0"] for x in recorded[row][sid])) for rs in recorded[row][sid]]
+                              for sid in ids}
                         for row in PROFILE_ROWS if row in recorded}}
     path.write_text(json.dumps(out, separators=(",", ":")) + "\n")
 
@@ -212,55 +219,48 @@ def write_fixture(path: Path, res: dict, meta: dict, recorded: dict) -> None:
 # --------------------------------------------------------------------------- cores
 
 
-def _duty_worker(args: tuple) -> list[float]:
-    """Alternate ``busy`` seconds of a busy loop (as counted alone: ``loops`` iterations) and
-    ``idle`` seconds of sleep for ``seconds``; the wall time of each busy period."""
-    loops, idle, seconds = args
-    out, end = [], time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        for _ in range(loops):
+def _duty_worker(args: tuple) -> tuple[float, float, float]:
+    """Alternate busy loops of ``busy`` CPU seconds and sleeps of ``idle`` seconds for
+    ``seconds``: ``(wall, cpu, total)``, the busy periods' wall and CPU seconds and the time
+    run."""
+    busy, idle, seconds = args
+    wall = cpu = 0.0
+    t_start = time.perf_counter()
+    while time.perf_counter() - t_start < seconds:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        while time.thread_time() - c0 < busy:
             pass
-        out.append(time.perf_counter() - t0)
-        time.sleep(idle)
-    return out
+        wall, cpu = wall + time.perf_counter() - t0, cpu + time.thread_time() - c0
+        if idle:
+            time.sleep(idle)
+    return wall, cpu, time.perf_counter() - t_start
 
 
 def check_cores(counts=(1, 2, 4, 8, 16), duties=(0.1, 0.5, 1.0), busy: float = 0.002, seconds: float = 2.0) -> list[str]:
-    """:meth:`Calibration.rescale` against N processes busy at a duty: each alternates a busy
-    loop (``busy`` seconds alone) and a sleep; measured, the mean busy period over the one
-    process alone's; modelled, ``rescale(N, duty measured)`` with the cores and background of
-    the machine's (:func:`benchmarks.sim_pred.machine_background`)."""
+    """:meth:`Calibration.stretch` against N processes busy at a duty: each alternates busy
+    loops of ``busy`` CPU seconds and sleeps; measured, the busy periods' wall time over their
+    CPU time; modelled, ``stretch(N, duty measured)`` with the cores and the background the
+    machine had just before (:func:`benchmarks.sim_pred.machine_background`)."""
     import multiprocessing as mp
 
     from rrfp.sim.calibration import Calibration
 
     from .sim_pred import machine_background
 
-    t0 = time.perf_counter()
-    n = 0
-    while time.perf_counter() - t0 < 0.2:
-        for _ in range(10_000):
-            pass
-        n += 10_000
-    loops = max(1, int(n * busy / (time.perf_counter() - t0)))
-    cores, bg = machine_background()
-    cal = Calibration(cores=cores, background=bg)
-    alone = _duty_worker((loops, busy, 1.0))
-    base = sum(alone) / len(alone)
-    lines = [f"{cores} cores beside {bg:.1f} runnable (load {os.getloadavg()[0]:.1f}); a busy period alone {1e3 * base:.2f} ms"]
+    lines = []
     ctx = mp.get_context("fork")
     for duty in duties:
         idle = busy * (1 - duty) / duty
         for N in counts:
+            cores, bg = machine_background(0.3)
             with ctx.Pool(N) as pool:
-                got = pool.map(_duty_worker, [(loops, idle, seconds)] * N)
-            periods = [x for g in got for x in g]
-            mean = sum(periods) / len(periods)
-            measured_duty = min(1.0, mean / (mean + idle + 1e-4)) if duty < 1 else 1.0
-            lines.append(f"  N {N:2d}, duty {duty:.1f} (measured {measured_duty:.2f}): stretch measured "
-                         f"{mean / base:.2f}, model {cal.rescale(N, measured_duty):.2f}")
-    return lines
+                got = pool.map(_duty_worker, [(busy, idle, seconds)] * N)
+            wall, cpu, total = (sum(g[i] for g in got) for i in range(3))
+            u = min(1.0, wall / total)
+            lines.append(f"  N {N:2d}, duty {duty:.1f} (busy {u:.2f} of the time): stretch measured {wall / cpu:5.2f}, "
+                         f"model {Calibration(cores=cores, background=bg).stretch(N, u):5.2f} "
+                         f"({cores} cores, background {bg:.1f}; on a quiet machine {Calibration(cores=cores).stretch(N, u):5.2f})")
+    return [f"load {os.getloadavg()[0]:.1f}"] + lines
 
 
 def main(argv=None) -> int:

@@ -477,13 +477,9 @@ def run_setting(cfg: dict, timeout: float = 600.0) -> dict:
     """Launch the rank processes of one setting and return rank 0's result (plus wall time)."""
     from .launcher import launch
 
-    from .sim_pred import machine_background
-
-    cores, background = machine_background()  # beside the ranks: what the calibrated model shares cores with
     res = launch("benchmarks.compare:rank_main", cfg["n_ranks"], cfg, timeout=timeout, threads=cfg["threads"])
     out = res.result
     out["wall_seconds"] = res.seconds
-    out["cores"], out["background"] = cores, background
     return out
 
 

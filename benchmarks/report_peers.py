@@ -9,9 +9,9 @@ Targets (ratios measured side by side in one run):
   J0 and at least 1.10x at J2 and under message delays; where the simulator's ideal at that
   memory (the memory-aware ceiling: the schedule's order over the lower bound of any schedule
   within those bytes) is lower than the goal, at least 0.95 of that ceiling (it is shown);
-- 8 and 16 real ranks: real step time within 5% of the simulated one for strict orders and
-  within 10% for readiness hints; the default's real speedup over strict 1F1B within 0.05 of the
-  simulated speedup.
+- 8 and 16 real ranks: real step time within 5% of the calibrated simulator's, strict orders
+  and readiness hints alike; the default's real speedup over strict 1F1B within 0.03 of the
+  simulated speedup (issue 33).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ PEER_GOAL = 1.10  # J2 and message delays
 BOUND = "memory-aware bound: "
 """Prefix of a zero-bubble schedule's label in :func:`predictions`: per round, the smallest
 memory-aware lower bound (seconds) of its two rows, at the schedule's measured bytes."""
-STRICT_TOL, READY_TOL, SPEEDUP_TOL = 0.05, 0.10, 0.05
+STRICT_TOL, READY_TOL, SPEEDUP_TOL = 0.05, 0.05, 0.03
 
 
 def _timed(phase: dict, name: str) -> list[float]:
@@ -85,9 +85,8 @@ def calibrated(res: dict, pi: int, ph: dict):
     if not ph.get("recorded"):
         return None
     recorded = {row: {int(k): v for k, v in steps.items()} for row, steps in ph["recorded"].items()}
-    try:
-        return fit_model(res["config"], res["calibration"], pi, ph, recorded, cores=res.get("cores"),
-                         background=res.get("background") or 0.0)
+    try:  # costs in place, as the rows shared the cores (docs/simulator.md: no rescale)
+        return fit_model(res["config"], res["calibration"], pi, ph, recorded)
     except ValueError:  # no strict row recorded in this phase
         return None
 
@@ -252,9 +251,9 @@ or 16 rank processes fit on 2 cores. The simulator runs the same arbiter with ea
 duration the sleep plus *the same keyed delay the real run injected* (same seed, steps, stages
 and microbatches) plus the task's own cost, and what the runtime pays around tasks: the
 calibrated model (`rrfp.sim.calibration`, `benchmarks/sim_pred.py`'s `fit_model`) read off the
-strict 1F1B row's task records in the same rounds (each task's own cost in place, the runtime's
-time per task, per message and per step, the cores' sharing); the other rows are predicted out
-of sample. Real: the slowest rank's step time per round; real/simulated is the median of the
+strict 1F1B row's task records in the same rounds (each task's own cost in place, as the ranks
+shared the cores; the runtime's time per task, per message and per step); the other rows are
+predicted out of sample. Real: the slowest rank's step time per round; real/simulated is the median of the
 per-round ratios (quartiles, n, 95% bootstrap interval of the median)."""
 
 

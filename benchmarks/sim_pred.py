@@ -214,10 +214,11 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
 
 
 def machine_background(seconds: float = 0.5) -> tuple[int, float]:
-    """``(cores, runnable)``: this process's cores and the other threads runnable beside a
-    busy loop of ``seconds``, read off the CPU share the loop got (a fair scheduler gives it
-    ``cores / (1 + runnable)`` of a core when that is below one; 0 runnable when it got a
-    whole core): :attr:`rrfp.sim.calibration.Calibration.background`."""
+    """``(cores, background)``: this process's cores and the machine's other load as this
+    process's group sees it, read off the CPU share a busy loop of ``seconds`` got: a fair
+    scheduler gives it ``cores / (1 + background)`` of a core when that is below one (0 when it
+    got a whole core): :attr:`rrfp.sim.calibration.Calibration.background`. Rank processes
+    started from this one share its group."""
     import os
     import time
 
@@ -246,7 +247,7 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
         recorded: row -> step id -> per rank ``{"rank", "t0", "t1", "tasks": [[stage, kind, mb,
             start, end], ...], "arr": [[stage, mb, gradient?, time], ...]}`` (:mod:`benchmarks.compare`
             with ``record_tasks``, ``benchmarks/bench_sim_vs_runtime.py``).
-        cores, background: the machine's cores and other runnable threads
+        cores, background: the machine's cores and its other load as the ranks see it
             (:class:`~rrfp.sim.calibration.Calibration`).
 
     Raises:

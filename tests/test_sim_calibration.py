@@ -52,8 +52,11 @@ def test_stretch_of_ranks_sharing_cores_by_hand():
     assert two.stretch(1, 1.0) == 1.0 and two.stretch(4, 1.0) == 2.0  # 4 busy ranks on 2 cores
     # K ~ Bin(3, 1/2) other busy ranks: (1/8 + 3/8) x 1 + 3/8 x 3/2 + 1/8 x 2.
     assert two.stretch(4, 0.5) == pytest.approx(1.3125)
-    busy = Calibration(cores=2, background=3)  # 3 other threads: 4 runnable on 2 cores
-    assert busy.stretch(1, 0.0) == 2.0 and busy.stretch(2, 1.0) == 2.5
+    # A loaded machine gives the ranks' group 2 / (1 + 3) = half a core, which its busy ranks
+    # share: one busy rank runs at half speed, two at a quarter.
+    busy = Calibration(cores=2, background=3)
+    assert busy.stretch(1, 0.0) == 2.0 and busy.stretch(2, 1.0) == 4.0
+    assert busy.stretch(3, 0.5) == pytest.approx(0.25 * 2 + 0.5 * 4 + 0.25 * 6)
     # Costs measured at duty 0.5 on 4 ranks: a run at duty 1 stretches them by 2 / 1.3125.
     assert Calibration(cores=2, duty=0.5).rescale(4, 1.0) == pytest.approx(2 / 1.3125)
 
@@ -142,13 +145,12 @@ def _fixture():
 
 def test_a_recorded_real_runs_step_times_are_reproduced_within_5_percent():
     """The calibrated model read off the recorded strict rows (their task records: costs in
-    place, the runtime's time per task, per message and per step, the cores' sharing) predicts
-    every row's recorded step times, the readiness rows' out of sample, within 5% (median over
-    the rounds); the uncalibrated simulator misses them by more."""
+    place, as the ranks shared the cores; the runtime's time per task, per message and per
+    step) predicts every row's recorded step times, the readiness rows' out of sample, within
+    5% (median over the rounds); the uncalibrated simulator misses them by more."""
     data, phase, recorded = _fixture()
-    cfg, cal, machine = data["config"], data["calibration"], data["machine"]
-    model = sim_pred.fit_model(cfg, cal, 0, phase, recorded, cores=machine["cores"],
-                               background=machine["background"])
+    cfg, cal = data["config"], data["calibration"]
+    model = sim_pred.fit_model(cfg, cal, 0, phase, recorded)
     worst_raw = 0.0
     for row, v in data["rows"].items():
         sim = sim_pred.predict(cfg, cal, 0, phase, v["hint"], limit=v["limit"], model=model)
@@ -158,3 +160,26 @@ def test_a_recorded_real_runs_step_times_are_reproduced_within_5_percent():
         worst_raw = max(worst_raw, abs(float(np.median(np.asarray(v["step"]) / np.asarray(raw))) - 1))
     assert worst_raw > 0.05
     assert len(data["rows"]) >= 4 and set(data["recorded"]) < set(data["rows"])  # some rows out of sample
+
+
+def test_the_reports_predictions_use_the_model_read_off_the_settings_records():
+    """``rrfp bench``'s many-rank rows (benchmarks.report_peers.predictions): with the strict
+    row's task records kept, every row is predicted on the calibrated model fitted to them."""
+    from benchmarks import report_peers
+
+    data, phase, recorded = _fixture()
+    rows = {n: v for n, v in data["rows"].items() if n in ("rrfp strict-1f1b", "rrfp bf", "rrfp bf, 1F1B limits")}
+    rounds = [{"round": 2 + i, "kind": "timed", "systems": {n: {"step": v["step"][i]} for n, v in rows.items()}}
+              for i in range(phase["rounds"])]
+    ph = {"name": phase["name"], "level": phase["level"], "rounds": rounds,
+          "recorded": {n: {str(k): v for k, v in steps.items()} for n, steps in recorded.items()}}
+    res = {"config": {**data["config"], "hint": "bf"}, "calibration": data["calibration"], "phases": [ph]}
+    got = report_peers.predictions(res)[phase["name"]]
+    model = sim_pred.fit_model(data["config"], data["calibration"], 0, ph, recorded)
+    for n, v in rows.items():
+        assert got[n] == pytest.approx(sim_pred.predict(data["config"], data["calibration"], 0, ph, v["hint"],
+                                                        limit=v["limit"], model=model))
+    # Without the records: the uncalibrated simulator, as before.
+    del ph["recorded"]
+    assert report_peers.predictions(res)[phase["name"]]["rrfp bf"] == pytest.approx(
+        sim_pred.predict(data["config"], data["calibration"], 0, ph, "bf"))

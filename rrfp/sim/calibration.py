@@ -22,12 +22,16 @@ a small transformer stage costs most of a ``B``, not half). Around the tasks the
   to last end): the runtime's set-up before the first task and its end after the last, and the
   ranks leaving the step's start at different moments (the median over steps).
 
-Ranks sharing cores: ``N`` rank processes on ``cores`` cores beside ``background`` other
-runnable threads. A rank busy on the CPU competes with the ``K`` other ranks busy at that
-moment, each busy with probability ``duty`` (the ranks' share of the step spent on the CPU,
-independently), and the background; the kernel shares the cores fairly, so its CPU work
-stretches by ``E[max(1, (1 + K + background) / cores)]``, ``K ~ Binomial(N - 1, duty)``
-(:meth:`Calibration.stretch`). Costs measured in place already carry the stretch of the duty
+Ranks sharing cores: ``N`` rank processes on ``cores`` cores, beside other work. Linux shares
+the cores fairly between groups of processes (autogroup, cgroups), then within a group: the
+ranks, one group, get ``cores / (1 + background)`` cores however many of them are busy, where
+``background`` is the machine's other load as a busy loop of the ranks' group sees it (it gets
+``min(1, cores / (1 + background))`` of a core; 0 on a quiet machine). A rank busy on the CPU
+shares that with the ``K`` other ranks busy at that moment, each busy with probability
+``duty`` (the ranks' share of the step spent on the CPU, independently), so its CPU work
+stretches by ``E[max(1, (1 + K) (1 + background) / cores)]``, ``K ~ Binomial(N - 1, duty)``
+(:meth:`Calibration.stretch`). Checked by ``python -m benchmarks.bench_sim_vs_runtime --cores``
+(``docs/simulator.md``: N processes at a duty, measured stretch against the model). Costs measured in place already carry the stretch of the duty
 they were measured at (:attr:`Calibration.duty`); a schedule that keeps more ranks busy at once
 stretches more, fewer less (:meth:`Calibration.rescale`), which :meth:`Calibration.simulate`
 applies to each task's CPU part. Without ``cores`` (ranks on their own devices or cores) the
@@ -63,7 +67,8 @@ class Calibration:
         hop: seconds per cross-rank message, beside ``task``.
         step: seconds per step outside tasks.
         cores: cores the ranks share (None: each rank has its own; nothing is rescaled).
-        background: other runnable threads on those cores (``>= 0``).
+        background: the machine's other load, as the ranks' group sees it: a busy loop of
+            theirs gets ``cores / (1 + background)`` cores (``>= 0``; module docstring).
         duty: the ranks' CPU duty (``0..1``) when the costs were measured (None: measured
             with no other rank busy, as one rank at a time).
         source: where the figures come from (a line for reports).
@@ -92,7 +97,7 @@ class Calibration:
             raise ValueError(f"calibration cores={c!r}: expected an integer >= 1, or None")
         b = self.background
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1e6:
-            raise ValueError(f"calibration background={b!r}: expected runnable threads >= 0")
+            raise ValueError(f"calibration background={b!r}: expected a load >= 0")
         d = self.duty
         if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1):
             raise ValueError(f"calibration duty={d!r}: expected a share of time, 0 to 1, or None")
@@ -103,10 +108,11 @@ class Calibration:
         on the CPU ``duty`` of the time (module docstring); 1 without :attr:`cores`."""
         if self.cores is None:
             return 1.0
-        u, C, b, n = min(max(duty, 0.0), 1.0), self.cores, self.background, max(n_ranks - 1, 0)
+        u, n = min(max(duty, 0.0), 1.0), max(n_ranks - 1, 0)
+        per = (1.0 + self.background) / self.cores  # stretch per busy rank of the group
         if u in (0.0, 1.0):  # K is 0, or every other rank
-            return max(1.0, (1 + n * u + b) / C)
-        return sum(math.comb(n, k) * u ** k * (1.0 - u) ** (n - k) * max(1.0, (1 + k + b) / C) for k in range(n + 1))
+            return max(1.0, (1 + n * u) * per)
+        return sum(math.comb(n, k) * u ** k * (1.0 - u) ** (n - k) * max(1.0, (1 + k) * per) for k in range(n + 1))
 
     def rescale(self, n_ranks: int, duty: float) -> float:
         """The factor on costs measured at :attr:`duty` for a run whose ranks are busy
@@ -200,7 +206,7 @@ class Calibration:
 
     def describe(self) -> str:
         """One line: the figures in milliseconds."""
-        cores = "" if self.cores is None else (f", {self.cores} cores beside {self.background:.1f} runnable"
+        cores = "" if self.cores is None else (f", {self.cores} cores, background {self.background:.1f}"
                                                f"{'' if self.duty is None else f', measured at duty {self.duty:.2f}'}")
         return f"task {1e3 * self.task:.3f} ms, hop {1e3 * self.hop:.3f} ms, step {1e3 * self.step:.2f} ms{cores}"
 
