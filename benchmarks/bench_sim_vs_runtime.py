@@ -54,8 +54,8 @@ STRICT = "rrfp strict-1f1b"
 
 
 def rank_main(cfg: dict) -> dict | None:
-    """One rank of :mod:`benchmarks.compare` with :data:`ROWS` and each rrfp row's task records,
-    step edges and input arrivals (the records' clock, ``time.perf_counter``), saved to
+    """One rank of :mod:`benchmarks.compare` with :data:`ROWS` and each rrfp row's task records
+    and step edges (the records' clock, ``time.perf_counter``), saved to
     ``cfg["rec_dir"]/rank<r>.json``."""
     import torch.distributed as dist
 
@@ -67,25 +67,14 @@ def rank_main(cfg: dict) -> dict | None:
 
     def init(self, name, spec, *a, **kw):
         init0(self, name, spec, *a, **kw)
-        rt = self.pipe.runtime
-        rt.loop.record = True
-        admit0, self._arrived = rt.inbox._admit, []
-
-        def admit(msg, _admit=admit0, _log=self._arrived):
-            k = msg.key
-            _log.append((k.stage, k.microbatch, int(k.direction), time.perf_counter()))
-            return _admit(msg)
-
-        rt.inbox._admit = admit
+        self.pipe.runtime.loop.record = True
 
     def step(self, batch):
-        self._arrived.clear()
         t0 = time.perf_counter()
         step0(self, batch)
         t1 = time.perf_counter()
         tasks = [(r.task.stage, str(r.task.kind), r.task.mb, r.start, r.end) for r in self.pipe.last_stats.records]
-        log.setdefault(self.name, {})[batch.step_id] = {"rank": dist.get_rank(), "t0": t0, "t1": t1, "tasks": tasks,
-                                                        "arr": list(self._arrived)}
+        log.setdefault(self.name, {})[batch.step_id] = {"rank": dist.get_rank(), "t0": t0, "t1": t1, "tasks": tasks}
 
     compare.RrfpSystem.__init__, compare.RrfpSystem.step = init, step
     out = compare.rank_main(cfg)
@@ -200,8 +189,7 @@ def write_fixture(path: Path, res: dict, meta: dict, recorded: dict) -> None:
 
     def rel(rs: dict, t0: float) -> dict:
         return {"rank": rs["rank"], "t0": round(rs["t0"] - t0, 6), "t1": round(rs["t1"] - t0, 6),
-                "tasks": [[s, k, m, round(a - t0, 6), round(b - t0, 6)] for s, k, m, a, b in rs["tasks"]],
-                "arr": [[s, m, g, round(t - t0, 6)] for s, m, g, t in rs["arr"]]}
+                "tasks": [[s, k, m, round(a - t0, 6), round(b - t0, 6)] for s, k, m, a, b in rs["tasks"]]}
 
     cfg = {k: res["config"][k] for k in ("n_ranks", "n_microbatches", "seed", "sleep", "comm") if k in res["config"]}
     out = {"config": cfg, "calibration": res["calibration"], "phase": {"name": ph["name"], "level": ph["level"],

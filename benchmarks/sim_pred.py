@@ -26,6 +26,7 @@ injects it. The jitter's ``e`` is the stage's mean of forward and backward, as t
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -245,7 +246,7 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
 
     Args:
         recorded: row -> step id -> per rank ``{"rank", "t0", "t1", "tasks": [[stage, kind, mb,
-            start, end], ...], "arr": [[stage, mb, gradient?, time], ...]}`` (:mod:`benchmarks.compare`
+            start, end], ...]}`` (:mod:`benchmarks.compare`
             with ``record_tasks``, ``benchmarks/bench_sim_vs_runtime.py``).
         cores, background: the machine's cores and its other load as the ranks see it
             (:class:`~rrfp.sim.calibration.Calibration`).
@@ -274,13 +275,11 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
                 recs = [TaskRecord(rs["rank"], int(sid), Task(int(a), str(k), int(m)), t0, t1)
                         for a, k, m, t0, t1 in rs["tasks"]]
                 records += recs
-                arr = {(int(a), int(m), bool(g)): t for a, m, g, t in rs.get("arr") or []}
-                step.append(RankStep(rs["rank"], recs, rs.get("t0"), rs.get("t1"), arr))
+                step.append(RankStep(rs["rank"], recs, rs.get("t0"), rs.get("t1")))
             steps.append((spec, step))
     fits = [fit([step], spec) for spec, step in steps]
     med = lambda xs: statistics.median(xs)  # noqa: E731
-    cal = Calibration(task=med([f.calibration.task for f in fits]), hop=med([f.calibration.hop for f in fits]),
-                      step=med([f.calibration.step for f in fits]))
+    cal = Calibration(**{k: med([getattr(f.calibration, k) for f in fits]) for k in ("task", "recv", "hop", "step")})
     costs = stage_costs(records, P, wait=sleep)
     # stage 0's I is the runtime's no-op (its whole backward runs in W) when no split row ran.
     per = [{k: c.cost(k) for k in (F, B, I, W)} for c in costs.stages]
@@ -288,8 +287,7 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
         per[0][I], per[0][W] = 0.0, per[0][B]
     if cores is not None:
         cpu = lambda k, r, t: per[r][t.kind]  # noqa: E731
-        cal = Calibration(task=cal.task, hop=cal.hop, step=cal.step, cores=cores, background=background,
-                          duty=busy_share(records, P, cpu))
+        cal = dataclasses.replace(cal, cores=cores, background=background, duty=busy_share(records, P, cpu))
     n = sum(len(s) for _, s in steps) // P
     return RuntimeModel(cal, per, f"{', '.join(used)}: {n} timed step{'s' if n != 1 else ''}")
 

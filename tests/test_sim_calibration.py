@@ -63,10 +63,11 @@ def test_stretch_of_ranks_sharing_cores_by_hand():
 
 def test_runtime_costs_add_to_a_hand_computed_makespan():
     # 2 ranks, 1 microbatch, strict 1F1B: F0, hop, F1, B1, hop, B0 in a chain (F 1 s, B 2 s).
+    # F1 and B0 receive their input from the other rank: recv twice.
     spec, h, strict = _strict(2, 1)
-    cal = Calibration(task=0.1, hop=0.25, step=0.05)
+    cal = Calibration(task=0.1, recv=0.02, hop=0.25, step=0.05)
     res = cal.simulate(spec, h, lambda k, r, t: COST[t.kind], strict=strict)
-    assert res.makespan == pytest.approx(6 + 4 * 0.1 + 2 * 0.25 + 0.05)
+    assert res.makespan == pytest.approx(6 + 4 * 0.1 + 2 * 0.02 + 2 * 0.25 + 0.05)
     # Two steps: the runtime's step time between them and after the last.
     two = cal.simulate(spec, h, lambda k, r, t: COST[t.kind], strict=strict, steps=2)
     assert two.makespan == pytest.approx(2 * res.makespan)
@@ -110,6 +111,8 @@ def test_fit_reads_the_runtimes_costs_off_recorded_steps():
     got = fit([ranks], spec)
     assert got.calibration.task == pytest.approx(0.03)
     assert got.calibration.hop == pytest.approx(0.2) and got.links == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2})
+    # An input sent while its rank was busy costs no more than the runtime's gap here.
+    assert got.calibration.recv == pytest.approx(0.0, abs=1e-12) and got.samples["recv"] > 0
     assert got.calibration.step == pytest.approx(0.03 + 0.004 + 0.001)
     assert got.samples["task"] > 0 and got.samples["hop"] > 0
     costs = stage_costs([r for rs in ranks for r in rs.records], 4)

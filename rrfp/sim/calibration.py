@@ -13,6 +13,9 @@ a small transformer stage costs most of a ``B``, not half). Around the tasks the
 - ``task``: per task on its rank, the gap between a task's end and the next task's start when
   that task's input was already there (the arbiter's decision, the executor's dispatch, the
   records, the step hooks): the mean over such gaps;
+- ``recv``: per task whose input came from another rank and was sent while its rank was busy,
+  the mean gap before it beyond ``task``: receiving the message (the loop reads and decodes it
+  between tasks) and whatever of its flight was left;
 - ``hop``: per cross-rank message, from the producing task's end until the consuming task can
   start, when the consumer's rank was idle from before the producer ended (so the whole wait
   shows, whatever its length), less ``task``: the codec, the socket, waking the sender's I/O
@@ -55,7 +58,7 @@ from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task, TaskRecord
 from .costs import MAX_SECONDS, CostModel, StageCost
 from .engine import DelayFn, DurationFn, SimResult, simulate
 
-_SECONDS = ("task", "hop", "step")
+_SECONDS = ("task", "recv", "hop", "step")
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class Calibration:
 
     Attributes:
         task: seconds per task on its rank, beside the task's own cost.
+        recv: seconds more per task whose input came from another rank (receiving it).
         hop: seconds per cross-rank message, beside ``task``.
         step: seconds per step outside tasks.
         cores: cores the ranks share (None: each rank has its own; nothing is rescaled).
@@ -80,6 +84,7 @@ class Calibration:
     """
 
     task: float = 0.0
+    recv: float = 0.0
     hop: float = 0.0
     step: float = 0.0
     cores: int | None = None
@@ -124,7 +129,8 @@ class Calibration:
                  delay: DelayFn | None = None, steps: int = 1, step_overhead: float = 0.0,
                  **kw: Any) -> SimResult:
         """:func:`~rrfp.sim.engine.simulate` with what the runtime pays: each task's
-        ``duration`` plus :attr:`task`, each cross-rank message's ``delay`` plus :attr:`hop`,
+        ``duration`` plus :attr:`task` (and :attr:`recv` when its input comes from another
+        rank), each cross-rank message's ``delay`` plus :attr:`hop`,
         each step :attr:`step` more (between steps, and after the last), and with
         :attr:`cores`, each task's CPU part (``cpu(step, rank, task)`` seconds of its
         duration, default all of it, plus :attr:`task`) rescaled to the run's own duty: a first
@@ -139,7 +145,19 @@ class Calibration:
         Raises:
             as :func:`~rrfp.sim.engine.simulate`.
         """
-        hop, task = self.hop, self.task
+        hop, task, recv = self.hop, self.task, self.recv
+        rank_of = spec.placement.rank_of
+        remote = set()  # (stage, kind) of the tasks whose input comes from another rank
+        for t in spec.all_tasks():
+            src = spec.producer(t)
+            if src is not None and rank_of(src.stage) != rank_of(t.stage):
+                remote.add((t.stage, t.kind))
+        if recv and remote:
+            own = duration
+            duration = lambda k, r, t: own(k, r, t) + (recv if (t[0], t[1]) in remote else 0.0)  # noqa: E731
+            if cpu is not None:
+                own_cpu = cpu
+                cpu = lambda k, r, t: own_cpu(k, r, t) + (recv if (t[0], t[1]) in remote else 0.0)  # noqa: E731
         if delay is None:
             wire = (lambda step, src, dst, t: hop) if hop else None
         else:
@@ -208,7 +226,8 @@ class Calibration:
         """One line: the figures in milliseconds."""
         cores = "" if self.cores is None else (f", {self.cores} cores, background {self.background:.1f}"
                                                f"{'' if self.duty is None else f', measured at duty {self.duty:.2f}'}")
-        return f"task {1e3 * self.task:.3f} ms, hop {1e3 * self.hop:.3f} ms, step {1e3 * self.step:.2f} ms{cores}"
+        return (f"task {1e3 * self.task:.3f} ms, recv {1e3 * self.recv:.3f} ms, hop {1e3 * self.hop:.3f} ms, "
+                f"step {1e3 * self.step:.2f} ms{cores}")
 
 
 # ------------------------------------------------------------------ from recorded steps
@@ -217,14 +236,12 @@ class Calibration:
 @dataclass(frozen=True)
 class RankStep:
     """One rank's step as recorded: its tasks (the records' clock, seconds: ranks of one host
-    share a monotonic clock), and when known, when the step began and returned on that rank,
-    and when each cross-rank input arrived (``(stage, microbatch, gradient?) -> time``)."""
+    share a monotonic clock), and when known, when the step began and returned on that rank."""
 
     rank: int
     records: Sequence[TaskRecord]
     begin: float | None = None
     end: float | None = None
-    arrivals: Mapping[tuple[int, int, bool], float] | None = None
 
 
 @dataclass
@@ -240,17 +257,18 @@ class Fit:
 def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, **fields: Any) -> Fit:
     """:attr:`Calibration.task`, :attr:`~Calibration.hop` and :attr:`~Calibration.step` from
     recorded steps (the module docstring's rules): ``steps``, per step every rank's
-    :class:`RankStep`. A gap counts towards ``task`` when the next task's input was there before
-    the previous task ended: an input of its own rank (or none), or a cross-rank one whose
-    arrival is known and earlier. A wait counts towards ``hop`` when the consumer's rank was
-    idle from before the producer ended (its previous task ended earlier). ``step`` needs every
-    rank's ``begin`` and ``end`` (else it is 0). ``fields``: the calibration's other fields
-    (``cores``, ...).
+    :class:`RankStep`. A gap between two tasks of a rank counts towards ``task`` when the next
+    one's input is its own rank's (or none), towards ``recv`` when it came from another rank
+    whose producer ended before the previous task did, and the time from the producer's end to
+    the next task's start towards ``hop`` when the producer ended after it (the rank was idle,
+    waiting). ``step`` needs every rank's ``begin`` and ``end`` (else it is 0). ``fields``:
+    the calibration's other fields (``cores``, ...).
 
     Raises:
         ValueError: no gap to read ``task`` from (a figure without a sample is 0).
     """
     gaps: list[float] = []
+    received: list[float] = []
     waits: dict[int, list[float]] = {}
     outside: list[float] = []
     for ranks in steps:
@@ -267,22 +285,21 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, **fields: Any) 
                 made = ended.get(src) if src is not None else None
                 if made is None or made[0] == rs.rank:
                     gaps.append(nxt.start - prev.end)
-                    continue
-                at = None if rs.arrivals is None else rs.arrivals.get((nxt.task.stage, nxt.task.mb, nxt.task.kind != F))
-                if at is not None and at <= prev.end:
-                    gaps.append(nxt.start - prev.end)
-                elif prev.end <= made[1]:
+                elif made[1] < prev.end:
+                    received.append(nxt.start - prev.end)
+                else:
                     link = min(src.stage, nxt.task.stage)
                     waits.setdefault(link, []).append(nxt.start - made[1])
     if not gaps:
         raise ValueError("calibration: no gap between two tasks whose input was there: record more tasks")
     task = max(0.0, statistics.fmean(gaps))
+    recv = max(0.0, statistics.fmean(received) - task) if received else 0.0
     every = [w for ws in waits.values() for w in ws]
     hop = max(0.0, statistics.fmean(every) - task) if every else 0.0
     links = {s: max(0.0, statistics.fmean(ws) - task) for s, ws in sorted(waits.items())}
     step = max(0.0, statistics.median(outside)) if outside else 0.0
-    cal = Calibration(task=task, hop=hop, step=step, **fields)
-    return Fit(cal, links, {"task": len(gaps), "hop": len(every), "step": len(outside)})
+    cal = Calibration(task=task, recv=recv, hop=hop, step=step, **fields)
+    return Fit(cal, links, {"task": len(gaps), "recv": len(received), "hop": len(every), "step": len(outside)})
 
 
 WaitFn = Callable[[int, int, Task], float]  # (step, rank, task) -> seconds the task waited (not CPU)

@@ -9,8 +9,9 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
    candidate (``I``, ``W``). Every rank's task records are gathered; per stage and kind the
    mean seconds and the spread; what the runtime pays around them, the calibrated model of
    :mod:`rrfp.sim.calibration` (:func:`~rrfp.sim.calibration.fit`: the runtime's time per
-   task, and per link the median time a consumer that waited for a message waited, from the
-   producer's end to its own start; the ranks of one host share a monotonic clock).
+   task and per input received from another rank, and per link the mean time a consumer that
+   waited for a message waited, from the producer's end to its own start; the ranks of one
+   host share a monotonic clock).
 3. :func:`rrfp.sim.auto.rank` simulates every known candidate on that profile and calibration
    at every rank's own in-flight limit and memory budget (shared while measuring).
 4. Trial: the strict schedule and the best two by simulation
@@ -456,10 +457,10 @@ class AutoHint:
             fits = [fit([ranks], spec) for spec, ranks in steps]
         except ValueError:
             return None
-        task = statistics.fmean(f.calibration.task for f in fits)
+        task, recv = (statistics.fmean(getattr(f.calibration, k) for f in fits) for k in ("task", "recv"))
         links = {s: statistics.median([f.links[s] for f in fits if s in f.links])
                  for s in {s for f in fits for s in f.links}}
-        return Fit(Calibration(task=task), links, {})
+        return Fit(Calibration(task=task, recv=recv), links, {})
 
     def memory(self) -> tuple[list[int], list[int | None] | None]:
         """``(limits, budgets)``: per rank, the in-flight limit and memory budget the ranking
@@ -476,7 +477,7 @@ class AutoHint:
     def _rank(self) -> None:
         S = self.place.n_stages
         # The calibrated model (rrfp.sim.calibration): each task's measured cost, the runtime's
-        # time per task beside it, and per link the median time a waiting consumer waited.
+        # time per task and per received input beside it, per link what a waiting consumer waited.
         fitted = self._fit()
         links = {s: [h] for s, h in fitted.links.items()} if fitted else {}
         prof = sim_auto.profile_from_samples(self.samples, links, S, [self.act.get(s, 0) for s in range(S)])
