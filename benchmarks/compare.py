@@ -38,6 +38,7 @@ from rrfp.sim.jitter import LEVELS
 
 from .batches import Batch, TokenMeanLoss, make_batch  # noqa: F401 - importable from here
 from .harness import ActivationMeter, BenchError, ComputeTimer, Injector, JitterStage, calibrate, round_order
+from .sim_pred import PROFILE_ROWS
 from .workloads import MultimodalWorkload, TextWorkload, budgets_for, virtual_stage_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -306,7 +307,7 @@ def rank_main(cfg: dict) -> dict | None:
                                         budgets=budgets.get(spec.get("budget")),
                                         hold=rrfp_hold(delays) if delays is not None else None,
                                         chosen_hint=cfg.get("hint"), loss_fn=meter.metered(lm_loss),
-                                        record=bool(cfg.get("record_tasks")) and spec.get("virtual", 1) == 1)
+                                        record=bool(cfg.get("record_tasks")) and name in PROFILE_ROWS)
         else:
             wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1, stage=s, delays=delays,
                                     pack=work.pack if s == 0 else None) for m, s in zip(inner, stage_ids)]

@@ -94,9 +94,6 @@ for _p in (8, 16):
         # percent of the sleeps, so 16 ranks on 2 cores rarely wait for a core.
         "sleep": {"F": 0.010, "B": 0.020},
         "systems": list(RANKS_SYSTEMS),
-        # The rrfp rows keep their task records: the predictions' calibrated model is read off
-        # the strict row's (benchmarks/sim_pred.py, fit_model).
-        "record_tasks": True,
         # Sleep-dominated steps vary little round to round: few rounds pin the real/simulated ratio.
         "phases": [{"name": lv, "level": lv, "varlen": False, "rounds": n} for lv, n in (("J0", 2), ("J2", 6))],
         "step_s": 0.035 * (15 + _p),  # (M + p - 1) tasks of 30 ms on the slowest rank, plus jitter
@@ -133,6 +130,9 @@ def setting_config(name: str, quick: bool = False, systems: Sequence[str] | None
         for ph in cfg["phases"]:
             ph["rounds"] = rounds
     cfg["systems"] = list(systems or cfg.get("systems") or LEGACY_SYSTEMS) + list(candidate_systems(candidates))
+    # Every setting keeps its strict rows' task records: the calibrated model of the report's
+    # predictions is read off them (benchmarks/sim_pred.py, fit_model; issue 33).
+    cfg.setdefault("record_tasks", True)
     cfg["seed"] = seed
     cfg["setting"] = name
     cfg["run_id"] = f"bench-{name}-{time.time_ns()}"

@@ -101,6 +101,22 @@ def harness_sleep(cfg: dict, calibration: Sequence[dict], phase: dict, n_virtual
     return sleep
 
 
+def message_delay(cfg: dict) -> Callable[[int, int, int, Task], float] | None:
+    """``delay(step_id, src, dst, task)``: the seconds the harness holds the message ``task``
+    sends (:class:`benchmarks.workloads.MessageDelays`' keyed draw of the setting's ``comm``
+    level, by sending stage, microbatch and direction); None in a setting without message
+    delays."""
+    if not cfg.get("comm"):
+        return None
+    comm, seed = LEVELS[cfg["comm"]], cfg["seed"]
+
+    def delay(sid: int, src: int, dst: int, t: Task) -> float:
+        return injected_delay(comm, seed, sid, t.stage, t.mb, F if t.kind == F else B, 0.0,
+                              streams=(STREAM_COMM_HIT, STREAM_COMM_SIZE))
+
+    return delay
+
+
 def compute_cost(calibration: Sequence[dict], n_virtual: int = 1) -> Callable[[int, Task], float]:
     """``cost(rank, task)``, uncalibrated: the rank's calibrated compute (its share per virtual
     stage); a split backward's ``I`` and ``W`` half of ``B`` each, but on stage 0 ``I`` nothing
@@ -178,7 +194,6 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
     place = Placement(P, n_virtual, placement)
     limits = one_f_one_b_limits(P) if limit == "1f1b" else [int(limit)] * P
     spec, h, strict = resolve_hint(torch_order_hint(hint, P, M), place, M, inflight_limit=limits)
-    comm = LEVELS[cfg["comm"]] if cfg.get("comm") else None
     sleep = harness_sleep(cfg, calibration, phase, n_virtual, placement)
     if model is None:
         cost = compute_cost(calibration, n_virtual)
@@ -190,15 +205,13 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
         pos = {s: (place.rank_of(s), i) for r in range(P) for i, s in enumerate(place.stages_of(r))}
         act = lambda step, stage, mb: int(stage_bytes[pos[stage][0]][pos[stage][1]])  # noqa: E731
 
+    held = message_delay(cfg)
     for step_id in timed_step_ids(phase_index, phase):
         def duration(step: int, rank: int, t, sid=step_id) -> float:
             return sleep(sid, rank, t) + cost(rank, t)
 
         def delay(step: int, src: int, dst: int, t, sid=step_id) -> float:
-            if comm is None:
-                return 0.0
-            return injected_delay(comm, seed, sid, t.stage, t.mb, F if t.kind == F else B, 0.0,
-                                  streams=(STREAM_COMM_HIT, STREAM_COMM_SIZE))
+            return 0.0 if held is None else held(sid, src, dst, t)
 
         kw = dict(strict=strict, inflight_limit=limits, delay=delay, record=bound_budgets is not None,
                   memory_budget=list(budgets) if budgets is not None else None,
@@ -241,7 +254,8 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
     """The calibrated model of a setting's phase, read off the recorded steps of ``rows`` (those
     that ran; one stage per rank): each task's own cost (its recorded duration less what the
     harness slept in it, :func:`harness_sleep`; a kind no row ran is derived, ``I = W = B / 2``,
-    stage 0's ``I`` none), the runtime's time per task, per message and per step
+    stage 0's ``I`` none), the runtime's time per task, per message (beyond the message delays
+    the harness injected, :func:`message_delay`) and per step
     (:func:`rrfp.sim.calibration.fit`), and, with ``cores``, the duty the costs were measured at.
 
     Args:
@@ -277,7 +291,8 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
                 records += recs
                 step.append(RankStep(rs["rank"], recs, rs.get("t0"), rs.get("t1")))
             steps.append((spec, step))
-    fits = [fit([step], spec) for spec, step in steps]
+    held = message_delay(cfg)  # an input held by the harness arrived that much later
+    fits = [fit([step], spec, delay=held) for spec, step in steps]
     med = lambda xs: statistics.median(xs)  # noqa: E731
     cal = Calibration(**{k: med([getattr(f.calibration, k) for f in fits]) for k in ("task", "recv", "hop", "step")})
     costs = stage_costs(records, P, wait=sleep)

@@ -90,13 +90,14 @@ def test_ranks_sharing_one_core_stretch_their_cpu_work():
     assert res.makespan == pytest.approx(2 * 1.0 + 4 * (4 / 3))
 
 
-def _recorded_chain(task: float, hop: float, begin: float, end: float):
+def _recorded_chain(task: float, hop: float, begin: float, end: float, held=None):
     """Records of a simulated 4-rank strict 1F1B step (F 1 s, B 2 s, 4 microbatches) whose
-    runtime cost ``task`` precedes each task and each message took ``hop`` more: what a
-    recorded step shows (each record starts after the runtime's gap)."""
+    runtime cost ``task`` precedes each task and each message took ``hop`` more (and
+    ``held(step, src, dst, task)`` more, an injected delay): what a recorded step shows (each
+    record starts after the runtime's gap)."""
     spec, h, strict = _strict(4, 4)
     res = simulate(spec, h, lambda k, r, t: COST[t.kind] + task, strict=strict,
-                   delay=lambda k, a, b, t: hop)
+                   delay=lambda k, a, b, t: hop + (held(k, a, b, t) if held else 0.0))
     recs = [TaskRecord(r.rank, 0, r.task, r.start + task, r.end) for r in res.records]
     ranks = []
     for rank in range(4):
@@ -124,6 +125,16 @@ def test_fit_reads_the_runtimes_costs_off_recorded_steps():
         4 * 3 * 4 / (4 * (max(r.end for rs in ranks for r in rs.records) - min(r.start for rs in ranks for r in rs.records))))
     with pytest.raises(ValueError, match="no gap between two tasks"):
         fit([[RankStep(0, [])]], spec)
+
+
+def test_fit_leaves_out_the_message_delays_the_harness_injected():
+    # The comm setting holds some messages (here each forward of microbatch 1 and 3, 0.7 s):
+    # told of them, fit reads the same runtime figures as without; not told, its hop grows.
+    held = lambda k, a, b, t: 0.7 if t.kind == "F" and t.mb % 2 else 0.0  # noqa: E731
+    spec, ranks = _recorded_chain(task=0.03, hop=0.2, begin=0.004, end=0.001, held=held)
+    got = fit([ranks], spec, delay=held)
+    assert got.calibration.task == pytest.approx(0.03) and got.calibration.hop == pytest.approx(0.2)
+    assert fit([ranks], spec).calibration.hop > 0.25
 
 
 def test_the_harness_split_backward_as_the_runtime_runs_it():
@@ -186,3 +197,37 @@ def test_the_reports_predictions_use_the_model_read_off_the_settings_records():
     del ph["recorded"]
     assert report_peers.predictions(res)[phase["name"]]["rrfp bf"] == pytest.approx(
         sim_pred.predict(data["config"], data["calibration"], 0, ph, "bf"))
+
+
+def test_every_one_stage_row_of_a_recorded_setting_is_predicted_on_the_calibrated_model():
+    """``rrfp bench``'s settings all keep the strict row's records now: every row with one
+    stage per rank gets a calibrated prediction, a byte-budget row at its budget and PyTorch's
+    1F1B and GPipe as their orders run strictly. With alike microbatches a budget of ``P - r``
+    microbatches is 1F1B's in-flight count (full backward), an independent reference."""
+    from benchmarks import report_peers
+
+    data, phase, recorded = _fixture()
+    cfg = dict(data["config"])
+    names = ["rrfp strict-1f1b", "rrfp default, 1F1B memory", "rrfp default, GPipe memory", "torch 1F1B",
+             "torch GPipe"]
+    rounds = [{"round": 2 + i, "kind": "timed", "systems": {n: {"step": 1.0} for n in names}}
+              for i in range(phase["rounds"])]
+    ph = {"name": phase["name"], "level": phase["level"], "rounds": rounds,
+          "recorded": {n: {str(k): v for k, v in steps.items()} for n, steps in recorded.items()}}
+    P, M, a = cfg["n_ranks"], cfg["n_microbatches"], 3000
+    res = {"config": {**cfg, "hint": "bf"}, "calibration": data["calibration"], "phases": [ph],
+           "budgets": [{"1f1b": (P - r) * a, "gpipe": M * a} for r in range(P)]}
+    got = report_peers.predictions(res)[phase["name"]]
+    assert set(got) == set(names)
+    model = sim_pred.fit_model(cfg, data["calibration"], 0, ph, recorded)
+    pred = lambda hint, **kw: sim_pred.predict(cfg, data["calibration"], 0, ph, hint, model=model, **kw)  # noqa: E731
+    assert got["torch 1F1B"] == pytest.approx(pred("strict-1f1b"))
+    assert got["rrfp strict-1f1b"] == pytest.approx(pred("strict-1f1b"))
+    assert got["torch GPipe"] == pytest.approx(pred("strict-gpipe"))
+    assert got["rrfp default, 1F1B memory"] == pytest.approx(pred("bf", limit="1f1b"))
+    assert got["rrfp default, GPipe memory"] == pytest.approx(pred("bf"))
+    assert got["rrfp default, 1F1B memory"] != pytest.approx(got["rrfp default, GPipe memory"])
+    assert report_peers.models(res)[phase["name"]]["costs"] == model.costs
+    # Without budgets a budget row cannot be predicted: it is left out, not guessed.
+    del res["budgets"]
+    assert set(report_peers.predictions(res)[phase["name"]]) == {"rrfp strict-1f1b", "torch 1F1B", "torch GPipe"}

@@ -254,15 +254,20 @@ class Fit:
     samples: dict[str, int]
 
 
-def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, **fields: Any) -> Fit:
+def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn | None = None,
+        **fields: Any) -> Fit:
     """:attr:`Calibration.task`, :attr:`~Calibration.hop` and :attr:`~Calibration.step` from
     recorded steps (the module docstring's rules): ``steps``, per step every rank's
     :class:`RankStep`. A gap between two tasks of a rank counts towards ``task`` when the next
     one's input is its own rank's (or none), towards ``recv`` when it came from another rank
     whose producer ended before the previous task did, and the time from the producer's end to
     the next task's start towards ``hop`` when the producer ended after it (the rank was idle,
-    waiting). ``step`` needs every rank's ``begin`` and ``end`` (else it is 0). ``fields``:
-    the calibration's other fields (``cores``, ...).
+    waiting). ``delay(step, src, dst, task)``: what a message was held beyond the runtime's
+    own time (an injected delay, seconds; None: nothing): its input arrived that much after
+    the producer ended, so that arrival, not the producer's end, decides the gap's kind and
+    starts its wait (a simulation adds the same delay to :attr:`~Calibration.hop`).
+    ``step`` needs every rank's ``begin`` and ``end`` (else it is 0). ``fields``: the
+    calibration's other fields (``cores``, ...).
 
     Raises:
         ValueError: no gap to read ``task`` from (a figure without a sample is 0).
@@ -272,7 +277,7 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, **fields: Any) 
     waits: dict[int, list[float]] = {}
     outside: list[float] = []
     for ranks in steps:
-        ended = {r.task: (r.rank, r.end) for rs in ranks for r in rs.records}
+        ended = {r.task: (r.rank, r.end, r.step) for rs in ranks for r in rs.records}
         recs_all = [r for rs in ranks for r in rs.records]
         timed = [rs for rs in ranks if rs.records and rs.begin is not None and rs.end is not None]
         if timed and len(timed) == len(ranks):
@@ -285,11 +290,13 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, **fields: Any) 
                 made = ended.get(src) if src is not None else None
                 if made is None or made[0] == rs.rank:
                     gaps.append(nxt.start - prev.end)
-                elif made[1] < prev.end:
+                    continue
+                arrived = made[1] + (delay(made[2], made[0], rs.rank, src) if delay else 0.0)
+                if arrived < prev.end:
                     received.append(nxt.start - prev.end)
                 else:
                     link = min(src.stage, nxt.task.stage)
-                    waits.setdefault(link, []).append(nxt.start - made[1])
+                    waits.setdefault(link, []).append(nxt.start - arrived)
     if not gaps:
         raise ValueError("calibration: no gap between two tasks whose input was there: record more tasks")
     task = max(0.0, statistics.fmean(gaps))
