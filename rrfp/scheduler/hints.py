@@ -229,6 +229,8 @@ def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, ba
         spec, hint, _ = _resolve(STRICT_SPLIT, placement, n_microbatches, split_backward, inflight_limit, backpressure)
         if not spec.split_backward:
             raise ValueError(f"hint {text!r}: {name} needs the split backward (I and W); drop the full-backward setting")
+        if FLOATING[name] == _wfloat.WFloat.name:  # ahead runs later tasks: no such limit
+            _wfloat.check_limits(name, spec, hint.order, inflight_limit, backpressure)
         return spec, Hint(name, FLOATING[name], order=hint.order, backpressure=backpressure), False
     if name == STRICT_SPLIT:
         sched = placement_schedule(placement.n_virtual, placement.kind)

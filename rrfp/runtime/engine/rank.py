@@ -198,15 +198,26 @@ class RankRuntime:
             dst_rank, inbox.step, m, dst_stage, direction, tensors))
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self.memory_budget = memory_budget
-        self.sizer = None
+        self.sizer = self._wbytes = None
+        self.compute = TaskCompute(rank, self.stages, self.last_stage, loss_fn, self.router, self._ordered)
         if memory_budget is not None:
-            from .memory import ForwardSizer, WeightBytes
+            self.measure_activations()
 
-            self.sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()}, got[0])
-        self.compute = TaskCompute(rank, self.stages, self.last_stage, loss_fn, self.router, self._ordered,
-                                   self.sizer)
-        # Under a budget the ledger frees at I all but what W's store holds (measured).
-        self._wbytes = None if self.sizer is None else WeightBytes(self.compute._wstate)
+    def measure_activations(self) -> None:
+        """Measure what each forward saves for its backward from the next step on (a memory
+        budget does it by itself), so that :attr:`StepStats.peak_bytes` reports the most
+        activation bytes held at once. Without a budget nothing is gated by it; a
+        backfilling hint then keeps its forwards run ahead within the order's peak *bytes*
+        instead of its count of activations (:class:`~rrfp.scheduler.policy.BackfillOrder`).
+        Idempotent."""
+        if self.sizer is not None:
+            return
+        from .memory import ForwardSizer, WeightBytes
+
+        self.sizer = self.compute.sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()},
+                                                       self.spec.placement.stages_of(self.rank)[0])
+        # The ledger frees at I all but what W's store holds (measured).
+        self._wbytes = WeightBytes(self.compute._wstate)
 
     def set_loss_reduction(self, total_fn: Callable[[float], float], loss_fn: Callable[[float], float]) -> None:
         """Data parallelism (:mod:`rrfp.parallel.grads`): ``total_fn(local total)`` gives the
