@@ -14,6 +14,17 @@ from ..errors import UsageError
 HF_PREFIX = "hf:"
 
 
+def hf_missing() -> str | None:
+    """What is missing for a Hugging Face model (``rrfp[hf]``: transformers and safetensors),
+    one phrase, or None when both are installed. Found, not imported: that takes seconds."""
+    import importlib.util
+
+    for name in ("transformers", "safetensors"):
+        if importlib.util.find_spec(name) is None:
+            return f"needs the {name} package (pip install 'rrfp[hf]')"
+    return None
+
+
 def add_flags(p: argparse.ArgumentParser) -> None:
     """``--activation-checkpointing``."""
     from ..model.spec import AC_MODES
@@ -41,16 +52,15 @@ def hf_layers(args: argparse.Namespace) -> int:
     Raises:
         UsageError: an unknown name, a folder without a readable ``config.json`` or without
             safetensors weights (:func:`hf_weights_check`), an unsupported model type, positions
-            fewer than ``--max-len``, ``--tp`` above 1, or ``transformers`` not installed.
+            fewer than ``--max-len``, ``--tp`` above 1, or ``transformers`` or ``safetensors`` not
+            installed (:func:`hf_missing`).
     """
-    import importlib.util
-
     from ..model.spec import FAMILY_NAMES, HF_PRESETS, preset_layers
 
     spec = args.model[len(HF_PREFIX):]
     flag = f"--model={args.model!r}"
-    if importlib.util.find_spec("transformers") is None:  # found, not imported: that takes seconds
-        raise UsageError(f"{flag}: needs the transformers package (pip install 'rrfp[hf]')")
+    if (missing := hf_missing()) is not None:
+        raise UsageError(f"{flag}: {missing}")
     if getattr(args, "tp", 1) > 1:
         raise UsageError(f"{flag} with --tp {args.tp}: tensor parallelism covers the byte-level GPT presets; "
                          "expected --tp 1")
