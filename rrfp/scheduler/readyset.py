@@ -40,8 +40,9 @@ class Kind(NamedTuple):
             it first (RRFP §4.2); W computes local weight gradients only.
         finalises: after it the stage's weight gradients for the microbatch are complete
             (``B``, ``W``).
-        frees_input: it consumes the forward's saved activations (``B``, ``I``): the
-            microbatch's in-flight count drops.
+        frees_input: after it the forward's saved activations are all free (``B``; ``W``,
+            which reads the split layers' inputs ``F`` saved): the microbatch's in-flight count
+            drops (:data:`~rrfp.scheduler.tasks.IN_FLIGHT_END`).
         split: the backward form it exists in: True (split backward only: ``I``, ``W``),
             False (full backward only: ``B``), None (both: ``F``).
     """
@@ -58,8 +59,8 @@ class Kind(NamedTuple):
 KINDS: dict[str, Kind] = {
     F: Kind(F, 0, ACT, True, False, False, None),
     B: Kind(B, 1, GRAD, True, True, True, False),
-    I: Kind(I, 1, GRAD, True, False, True, True),
-    W: Kind(W, 2, LOCAL, False, True, False, True),
+    I: Kind(I, 1, GRAD, True, False, False, True),
+    W: Kind(W, 2, LOCAL, False, True, True, True),
 }
 """The task kinds, by name."""
 

@@ -22,6 +22,13 @@ from typing import Iterable, NamedTuple
 F, B, I, W = "F", "B", "I", "W"
 KINDS = (F, B, I, W)
 BACKWARD_INPUT = (B, I)  # kinds that produce the gradient the previous stage waits for
+IN_FLIGHT_END = (B, W)
+"""Kinds that end a microbatch's flight on a stage: the in-flight count (``D``) runs from its
+``F`` to its ``B``, or with the split backward to its ``W``, not its ``I``: ``W`` reads the
+split layers' inputs that ``F`` saved, so a microbatch whose ``W`` is pending still holds
+activations (counted until ``I``, ``bfw`` at 1F1B's limits held 3-5x strict 1F1B's bytes on the
+last rank). One rule for the arbiter's guards and :mod:`rrfp.scheduler.validate`'s limits;
+the zero-bubble orders at 1F1B's memory (ZB-H1) count the same way."""
 
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
 
