@@ -52,7 +52,7 @@ def test_wfloat_has_no_strict_form_and_needs_a_fixed_order():
     with pytest.raises(ValueError, match="no fixed order"):
         resolve_hint("wfloat", Placement(2, 3, "v"), 4)
     spec, h, strict = resolve_hint("ahead", Placement(2, 2, "v"), 4)
-    assert spec.split_backward and not strict and h.policy == "order-ahead"
+    assert spec.split_backward and not strict and h.policy == "ahead"
 
 
 def replay_bytes(records, size, p: int, steps: int) -> list[int]:

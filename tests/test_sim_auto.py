@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from rrfp.sim.auto import (CANDIDATES, PROFILE_SEED, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, medians,
+from rrfp.sim.auto import (PROFILE_SEED, all_candidates, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, medians,
                            forward_seconds, profile_from_samples, profile_of_config, rank, scaled, simulate_auto, trial_candidates, trial_order)
 from rrfp.sim.compare import SimConfig, run_one
 from rrfp.sim.costs import CostModel, StageCost
@@ -69,13 +69,14 @@ def test_profile_from_samples_means_spread_and_errors() -> None:
 
 
 def test_candidates_are_data() -> None:
-    assert CANDIDATES[0] == "strict" and "strict-split" in CANDIDATES and "backfill" in CANDIDATES
+    # The built-in entries that allow auto, in their tie order (the order before the hint table).
+    assert all_candidates() == ("strict", "strict-split", "backfill", "bf", "bfw-mem", "wfloat")
 
 
 @pytest.mark.parametrize("layout", [(1, "loop"), (2, "loop"), (2, "v")])
 def test_every_candidate_resolves_on_the_suites_placements(layout) -> None:
     known, skipped = known_candidates(4, layout[0], layout[1], 16)
-    assert skipped == [] and "wfloat" in known and len(known) == len(CANDIDATES)
+    assert skipped == [] and "wfloat" in known and len(known) == len(all_candidates())
 
 
 def _steps(*times: float, work: float = 0.0) -> list[tuple[float, float]]:

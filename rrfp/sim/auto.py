@@ -8,7 +8,7 @@ steps, :func:`simulate_auto`):
 1. Ranking: given a :class:`Profile` (per stage the mean ``F``, ``B``, ``I``, ``W`` seconds and
    activation bytes, per link the mean message seconds, and the spread of both) and the user's
    memory (in-flight limit, byte budget), :func:`rank` simulates every candidate of
-   :data:`CANDIDATES` on that profile and orders them by simulated makespan. The spread enters
+   :func:`all_candidates` on that profile and orders them by simulated makespan. The spread enters
    as lognormal noise with the measured coefficient of variation, so a candidate that only
    wins on steady durations is not preferred under a noisy profile.
 2. Trial: the strict schedule and the best two by simulation (:func:`trial_candidates`) run
@@ -18,8 +18,10 @@ steps, :func:`simulate_auto`):
    schedule on a tie within :data:`TIE`, so a policy measured slower than the strict schedule
    is never kept.
 
-Candidates are data: a name the hint registry does not resolve (a policy of another version,
-or one that does not fit the placement) is skipped and reported, never an error.
+Candidates are data: the hint table's entries that allow ``auto``
+(:attr:`rrfp.scheduler.registry.HintEntry.auto`, so a registered hint joins them); a name the
+table does not resolve for the shape (one that does not fit the placement) is skipped and
+reported, never an error.
 
 Pure module: no torch, no asyncio (it drives :mod:`rrfp.sim`).
 """
@@ -33,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from ..scheduler.hints import resolve_hint
+from ..scheduler.registry import auto_candidates
 from ..scheduler.tasks import B, F, I, W, Task
 from .compare import SimConfig, default_baseline, run_one
 from .costs import CostModel, StageCost
@@ -44,15 +47,6 @@ AUTO = "auto"
 
 STRICT = "strict"
 """Stands for the placement's own strict schedule (:func:`rrfp.sim.compare.default_baseline`)."""
-
-CANDIDATES = (STRICT, "strict-split", "backfill", "bf", "bfw-mem", "wfloat")
-"""What ``auto`` chooses from, in order of preference on a tie: the placement's strict schedule,
-that order with each backward split into ``I`` then ``W``, conservative backfilling over it,
-RRFP's BF, the memory-aware split-backward policy, and the split order whose ``W`` tasks float
-later (:mod:`rrfp.scheduler.wfloat`). Measured on the suite at 1F1B's memory, 4 and 8 ranks,
-the 120 points with variability: adding ``wfloat`` raised auto's median 1.049x -> 1.052x at
-min 1.000x both; adding ``ahead`` as well lowered it (median 1.050x, min 0.986x), so it is a
-hint, not a candidate."""
 
 PROFILE_SEED = 1_000_003
 """Seed of the ranking's noise: the ranking never sees a run's own draws."""
@@ -182,16 +176,30 @@ def profile_of_config(cfg: SimConfig, seed: int = PROFILE_SEED) -> Profile:
     return profile_from_samples(samples, msgs, S, act)
 
 
-def candidate_names(n_virtual: int, placement: str, candidates: Sequence[str] = CANDIDATES) -> list[str]:
-    """The candidates as hint names (``strict`` replaced by the placement's strict schedule;
-    dropped when the placement has none)."""
+def all_candidates() -> tuple[str, ...]:
+    """What ``auto`` chooses from, in order of preference on a tie: :data:`STRICT` (the
+    placement's strict schedule), then the hint table's entries that allow ``auto``
+    (:func:`rrfp.scheduler.registry.auto_candidates`): built in, ``strict-split`` (that order
+    with each backward split into ``I`` then ``W``), ``backfill`` (conservative backfilling over
+    it), ``bf`` (RRFP's BF), ``bfw-mem`` (the memory-aware split-backward policy) and ``wfloat``
+    (the split order whose ``W`` tasks float later, :mod:`rrfp.scheduler.wfloat`). Measured on
+    the suite at 1F1B's memory, 4 and 8 ranks, the 120 points with variability: adding
+    ``wfloat`` raised auto's median 1.049x -> 1.052x at min 1.000x both; adding ``ahead`` as
+    well lowered it (median 1.050x, min 0.986x), so it is a hint, not a candidate."""
+    return (STRICT, *auto_candidates())
+
+
+def candidate_names(n_virtual: int, placement: str, candidates: Sequence[str] | None = None) -> list[str]:
+    """The candidates (default :func:`all_candidates`) as hint names (``strict`` replaced by the
+    placement's strict schedule; dropped when the placement has none)."""
+    candidates = all_candidates() if candidates is None else candidates
     base = default_baseline(n_virtual, placement)
     out = [base if c == STRICT else c for c in candidates if c != STRICT or base]
     return list(dict.fromkeys(out))
 
 
 def known_candidates(n_ranks: int, n_virtual: int, placement: str, n_microbatches: int,
-                     candidates: Sequence[str] = CANDIDATES) -> tuple[list[str], list[tuple[str, str]]]:
+                     candidates: Sequence[str] | None = None) -> tuple[list[str], list[tuple[str, str]]]:
     """``(known, skipped)``: the candidates the hint registry resolves for this placement, and
     ``(name, why)`` for the others (logged at INFO on ``rrfp.auto``)."""
     from ..scheduler.tasks import Placement
@@ -202,7 +210,7 @@ def known_candidates(n_ranks: int, n_virtual: int, placement: str, n_microbatche
         try:
             resolve_hint(name, place, n_microbatches)
         except (ValueError, RuntimeError) as e:
-            skipped.append((name, str(e).split(":")[0]))
+            skipped.append((name, str(e).removeprefix(f"hint {name!r}: ").split(":")[0]))
             continue
         known.append(name)
     for name, why in skipped:
@@ -216,7 +224,7 @@ class Ranking:
 
     Attributes:
         order: ``(hint, simulated makespan in seconds)``, fastest first; ties keep
-            :data:`CANDIDATES`' order.
+            :func:`all_candidates`' order.
         strict: the placement's strict schedule's name (None: none).
         skipped: ``(name, why)`` of candidates the registry did not resolve.
     """
@@ -254,7 +262,7 @@ def rank(
     memory_budget: Any = None,
     backpressure: str = "admission",
     seeds: int = 1,
-    candidates: Sequence[str] = CANDIDATES,
+    candidates: Sequence[str] | None = None,
 ) -> Ranking:
     """Simulate each known candidate on ``profile`` at the user's memory and order them.
 
@@ -269,7 +277,8 @@ def rank(
     """
     known, skipped = known_candidates(n_ranks, n_virtual, placement, n_microbatches, candidates)
     if not known:
-        raise ValueError(f"auto: none of the candidates {', '.join(candidates)} is a known hint")
+        names = all_candidates() if candidates is None else candidates
+        raise ValueError(f"auto: none of the candidates {', '.join(names)} is a known hint")
     cfg = SimConfig(
         n_ranks=n_ranks, n_microbatches=n_microbatches, n_virtual=n_virtual, placement=placement, limit=limit,
         memory_budget=memory_budget, backpressure=backpressure, costs=profile.costs(),
@@ -364,7 +373,7 @@ class AutoRun:
 
 
 def simulate_auto(cfg: SimConfig, *, rounds: int = TRIAL_ROUNDS, seed: int = TRIAL_SEED,
-                  candidates: Sequence[str] = CANDIDATES) -> AutoRun:
+                  candidates: Sequence[str] | None = None) -> AutoRun:
     """``auto`` as it runs on ``cfg``'s workload, with simulated steps for real ones: rank the
     candidates on the profile :func:`profile_of_config` measures, then run the trial's
     ``rounds`` rounds, step ``j`` simulated on ``cfg`` under seed ``seed + j`` (none of them

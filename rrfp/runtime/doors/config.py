@@ -16,7 +16,7 @@ from ...scheduler.hints import Hint, resolve_hint
 from ...scheduler.memory import budget_bytes
 from ...scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
 from ...scheduler.validate import order_peak_inflight
-from ...sim.auto import AUTO, CANDIDATES, known_candidates
+from ...sim.auto import AUTO, all_candidates, known_candidates
 from .names import hint_text
 
 DEFAULT_INFLIGHT_LIMIT = 32
@@ -30,11 +30,11 @@ class RuntimeConfig:
     Attributes:
         hint: ``auto`` (the default: measure this job's steps, then keep the fastest of the
             candidate policies, never one measured slower than the placement's strict
-            schedule; :class:`~rrfp.runtime.features.auto.AutoHint`), ``bf``, ``bfw``, ``fb``,
-            ``b-priority``, ``f-priority``, ``bfw-mem``, ``backfill``, a schedule name
-            (``1f1b``, ``gpipe``...; PyTorch's names and classes too: ``"1F1B"``,
-            ``Schedule1F1B``) used as a hint, or ``strict-<schedule>`` for the fixed-order
-            baseline (RRFP §4).
+            schedule; :class:`~rrfp.runtime.features.auto.AutoHint`), or any name of the hint
+            table (:data:`rrfp.scheduler.registry.HINTS`: ``bf``, ``bfw-mem``, ``backfill``, a
+            schedule such as ``1f1b``..., and any hint registered in this process; PyTorch's
+            schedule names and classes too: ``"1F1B"``, ``Schedule1F1B``), ``strict-<name>``
+            for the fixed-order baseline (RRFP §4), ``order:...`` or a CSV file.
         inflight_limit: the in-flight limit (RRFP §6); a sequence gives one per rank. None:
             a schedule used as a hint, and ``auto``'s candidates, keep the (placement's
             strict) schedule's own peak in flight per rank (1F1B: ``p - r``;
@@ -177,12 +177,12 @@ def auto_first_hint(placement: Placement, n_microbatches: int, known: Sequence[s
     the caller has them (each resolves its schedule, and logs the skipped ones).
 
     Raises:
-        ValueError: no candidate of :data:`rrfp.sim.auto.CANDIDATES` fits the shape.
+        ValueError: no candidate of :func:`rrfp.sim.auto.all_candidates` fits the shape.
     """
     if known is None:
         known, _ = known_candidates(placement.n_ranks, placement.n_virtual, placement.kind, n_microbatches)
     if not known:
-        raise ValueError(f"hint {AUTO!r}: none of its candidates ({', '.join(CANDIDATES)}) fits "
+        raise ValueError(f"hint {AUTO!r}: none of its candidates ({', '.join(all_candidates())}) fits "
                          f"{placement.n_ranks} ranks x {placement.n_virtual} virtual stages ({placement.kind}), "
                          f"{n_microbatches} microbatches; name a hint")
     return next((c for c in known if c.startswith("strict-")), known[0])
