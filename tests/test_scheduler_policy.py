@@ -87,8 +87,16 @@ class LatestMicrobatchFirst(Policy):
         return None if best is None else best[1]
 
 
-def test_a_registered_policy_runs_through_the_arbiter_and_its_guard(monkeypatch):
-    monkeypatch.delitem(HINTS, "latest-mb", raising=False)  # restored (removed) after the test
+@pytest.fixture
+def table():
+    """The hint table as it was, restored after the test (its registrations are its own)."""
+    saved = dict(HINTS)
+    yield
+    HINTS.clear()
+    HINTS.update(saved)
+
+
+def test_a_registered_policy_runs_through_the_arbiter_and_its_guard(table):
     register("latest-mb", HintEntry(factory=lambda **_: LatestMicrobatchFirst()))
     spec, hint, strict = resolve_hint("latest-mb", Placement(1), 4, inflight_limit=2)
     assert hint == Hint("latest-mb", "latest-mb") and not strict and not spec.split_backward
@@ -102,8 +110,7 @@ def test_a_registered_policy_runs_through_the_arbiter_and_its_guard(monkeypatch)
     assert arb.policy.told == ["0F0"]
 
 
-def test_a_factory_that_builds_no_policy_is_refused(monkeypatch):
-    monkeypatch.delitem(HINTS, "not-a-policy", raising=False)
+def test_a_factory_that_builds_no_policy_is_refused(table):
     register("not-a-policy", lambda **_: object())
     spec, hint, _ = resolve_hint("not-a-policy", Placement(1), 2)
     with pytest.raises(TypeError, match="its factory built object, expected a rrfp.scheduler.policy.Policy"):

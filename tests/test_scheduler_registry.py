@@ -54,16 +54,24 @@ def doc_example() -> str:
 
 
 @pytest.fixture
-def plugin(tmp_path, monkeypatch):
+def table():
+    """The hint table as it was, restored after the test (its registrations are its own)."""
+    saved = dict(HINTS), dict(ALIASES)
+    yield
+    for live, old in zip((HINTS, ALIASES), saved):
+        live.clear()
+        live.update(old)
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch, table):
     """The example module, written to ``tmp_path/oldest_hints.py``; the test's registrations
-    are removed afterwards (the module stays out of ``sys.modules``)."""
+    are removed afterwards (and the module from ``sys.modules``)."""
     (tmp_path / "oldest_hints.py").write_text(doc_example() + LOGGING)
     log = tmp_path / "log"
     log.mkdir()
     monkeypatch.setenv("OLDEST_LOG", str(log))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    for name in ("oldest", "oldest-auto"):
-        monkeypatch.delitem(HINTS, name, raising=False)
     yield tmp_path, log
     sys.modules.pop("oldest_hints", None)
 
@@ -78,13 +86,12 @@ def test_the_docs_table_is_the_registrys():
                                                  "paste rrfp.scheduler.registry.markdown_table()")
 
 
-def test_every_reader_reads_the_table(monkeypatch):
+def test_every_reader_reads_the_table(table):
     for name in names():
         assert hint_form(name) == ("backfill" if name == "backfill" else "name") and name in forms()
     assert auto_candidates() == ["strict-split", "backfill", "bf", "bfw-mem", "wfloat"]
     assert names(order=False, auto=True) == ("bf", "bfw-mem")
     # A name registered now is a name for the resolver, the forms, auto and both --help texts.
-    monkeypatch.delitem(HINTS, "late-bf", raising=False)
     register("late-bf", HintEntry(factory=HINTS["bf"].factory, auto=True, auto_rank=35, help="bf, registered late"))
     assert resolve_hint("late-bf", Placement(2), 4)[1].policy == "late-bf"
     assert "late-bf" in forms() and all_candidates() == ("strict", "strict-split", "backfill", "bf", "late-bf",
@@ -107,7 +114,7 @@ def test_torch_schedule_names_are_aliases():
     assert (hint.name, strict, spec.split_backward) == ("zb-h1", True, True)
 
 
-def test_register_refuses_bad_names_and_entries():
+def test_register_refuses_bad_names_and_entries(table):
     for bad in ("", "strict-x", "auto", "a b", "a,b", "order:x", "x.csv", "interleaved1f1b"):
         with pytest.raises(ValueError, match="expected a plain name|already registered"):
             register(bad, lambda **_: None)
