@@ -223,14 +223,14 @@ class _Broken(nn.Module):
         raise ValueError("the user's own bug")
 
 
-@pytest.mark.parametrize("data_plane", [None, "fake"])
-def test_a_users_error_in_local_pipeline_is_the_only_thing_said(caplog, data_plane):
+@pytest.mark.parametrize("transport", [None, "fake-plane"])
+def test_a_users_error_in_local_pipeline_is_the_only_thing_said(caplog, transport):
     """A stage's own exception reaches the caller as it was raised, and the ranks of the one
     process, aborted together, log no "rank 0 lost" for each other before it."""
     caplog.set_level("WARNING", logger="rrfp")
     with pytest.raises(ValueError, match="^the user's own bug$"):
         with rrfp.LocalPipeline([nn.Linear(2, 2), _Broken()], 2, lambda y, t: F.mse_loss(y, t),
-                                data_plane=data_plane) as pipe:
+                                transport=transport) as pipe:
             pipe.step(torch.ones(4, 2), target=torch.ones(4, 2))
     assert [r.getMessage() for r in caplog.records if r.levelno >= 30] == []
 

@@ -442,7 +442,7 @@ async def test_recv_cancel_does_not_lose_message() -> None:
     await b.start()
     waiter = asyncio.create_task(b.recv())
     await asyncio.sleep(0)  # one loop step: the waiter now waits inside recv()
-    b._deliver_frames(0, encode(k(1), []))  # hands the message to the waiter...
+    b.deliver_frames(0, encode(k(1), []))  # hands the message to the waiter...
     waiter.cancel()  # ...which is cancelled before it resumes
     with pytest.raises(asyncio.CancelledError):
         await waiter

@@ -1,67 +1,75 @@
-"""One conformance suite that every transport runs (transport contract v2, issue 14).
+"""One conformance suite that every transport runs (transport contract v2, issue 14), read from
+the transport registry (issue 30).
 
-Kinds: ``zmq`` (ZeroMQ frames), ``torch`` (ZeroMQ announcements + gloo point-to-point, all
-ranks in this process on one loop), ``fake`` (in-process FakeNetwork), ``fake-plane`` (fake
-control plane + tagged fake data plane) and ``fake-nccl`` (fake control plane + data plane
-matched by order alone, like NCCL). The fake kinds run with seeded random delays, so
-messages overtake each other. Codec-level hostile input (every malformed header shape) is
-covered in test_transport.py; here each transport shows it refuses and counts a hostile
-message on its real delivery path and keeps receiving.
+Kinds: every name of :mod:`rrfp.transport.registry` (``zmq``: ZeroMQ frames; ``torch``: ZeroMQ
+announcements + gloo point-to-point, all ranks in this process on one loop; ``fake``:
+in-process FakeNetwork; ``fake-plane``: fake control plane + tagged fake data plane;
+``fake-nccl``: fake control plane + data plane matched by order alone, like NCCL) plus
+``memory``, a stranger's transport (tests/memory_transport.py) registered from outside the
+package and written against Transport's public members only. Names with an in-process builder
+are built by it (the fakes with seeded random delays, so messages overtake each other); the
+others one rank at a time over a TCPStore, as processes would. Codec-level hostile input
+(every malformed header shape) is covered in test_transport.py; here each transport shows it
+refuses and counts a hostile message on its real delivery path and keeps receiving.
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed import TCPStore
 
+import memory_transport
+from reference import ATOL, RTOL, sequential_reference
 from rrfp.transport import (
     Direction,
-    FakeNetwork,
     MsgKey,
     PeerLost,
     PlaneTransport,
     TransportClosed,
-    ZmqTransport,
     encode,
-    wrap_fake,
 )
+from rrfp.transport import registry
+from rrfp.transport.base import Transport
 from rrfp.transport.planes import ANNOUNCE
-from rrfp.transport.torch_plane import TorchDataPlane, gloo_groups
+from rrfp.transport.registry import LocalContext, ProcessContext
+from rrfp.transport.torch_plane import TorchDataPlane
 
-KINDS = ["zmq", "torch", "fake", "fake-plane", "fake-nccl"]
+KINDS = [*registry.names(), memory_transport.NAME]
 DELAY = (0.0, 0.004)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def stranger_registered():
+    """The stranger's transport in the registry while this module's tests run."""
+    registry.register(memory_transport.NAME, memory_transport.ENTRY)
+    yield
+    registry.unregister(memory_transport.NAME)
 
 
 @contextlib.asynccontextmanager
 async def group(kind: str, n: int, seed: int = 0) -> AsyncIterator[list[Any]]:
-    """``n`` started transports of ``kind`` on the running loop; all aborted on exit."""
+    """``n`` started transports of ``kind`` on the running loop, built through the registry;
+    all aborted on exit."""
     job = f"c-{uuid.uuid4().hex[:8]}"
     stores: list[Any] = []
-    if kind in ("zmq", "torch"):
+    if registry.get(kind).local is not None:
+        ts: list[Any] = registry.build_local(kind, LocalContext(n, seed=seed, delay=DELAY, job=job)).transports
+    else:
         master = TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
         stores = [master] + [TCPStore("127.0.0.1", master.port, n, is_master=False) for _ in range(n - 1)]
-        ts: list[Any] = [ZmqTransport(r, n, stores[r], job) for r in range(n)]
-        if kind == "torch":
-            ts = [
-                PlaneTransport(t, TorchDataPlane(r, lambda r=r: gloo_groups(stores[r], r, n, f"{job}/gloo"), "cpu"))
-                for r, t in enumerate(ts)
-            ]
-    else:
-        net = FakeNetwork(n, seed=seed, delay=DELAY)
-        ts = [net.transport(r) for r in range(n)]
-        if kind != "fake":
-            ts, _ = wrap_fake(ts, "fake" if kind == "fake-plane" else "fake-nccl", seed=seed + 7, delay=DELAY)
-    for t in ts:
-        t.job = job  # FakeTransport has no job of its own; the keys below use it
-        if isinstance(t, PlaneTransport):
-            t.control.job = job  # and checks arrivals against it
+        ts = [registry.build_rank(kind, ProcessContext(r, n, job, stores[r])) for r in range(n)]
+    assert all(t.job == job for t in ts)
     try:
         await asyncio.wait_for(asyncio.gather(*(t.start() for t in ts)), 30)
         yield ts
@@ -250,7 +258,7 @@ async def test_hostile_input_refused_counted_and_receiving_continues(kind: str) 
         inner = victim.control if isinstance(victim, PlaneTransport) else victim
         bad = _hostile(victim, job)
         for frames in bad:
-            inner._deliver_frames(0, frames)  # the delivery path every arrival takes
+            inner.deliver_frames(0, frames)  # the delivery path every arrival takes
         assert rejected(victim) == len(bad)
         assert victim.stats["messages_received"] == 0
         want = payload(0, 1, 1)
@@ -268,7 +276,7 @@ async def test_replayed_announcement_is_refused() -> None:
         ts[0].send(1, key, [torch.ones(3)])
         m = await asyncio.wait_for(ts[1].recv(), 10)
         assert m.tensors[0].tolist() == [1.0, 1.0, 1.0]
-        ts[1].control._deliver_frames(0, encode(key, [], {ANNOUNCE: {"seq": 0, "tensors": [["float32", [3], False]]}}))
+        ts[1].control.deliver_frames(0, encode(key, [], {ANNOUNCE: {"seq": 0, "tensors": [["float32", [3], False]]}}))
         assert rejected(ts[1]) == 1
 
 
@@ -344,14 +352,18 @@ async def test_polled_completion_reports_each_work_once_in_any_order() -> None:
     plane.close()
 
 
-def test_unknown_data_plane_is_one_line_naming_the_choices(capsys, monkeypatch) -> None:
+def test_unknown_transport_is_one_line_naming_the_choices(capsys, monkeypatch) -> None:
     from rrfp.cli import main
     from rrfp.parallel.bootstrap import default_transport
 
-    with pytest.raises(ValueError, match="unknown data plane 'nccl': expected one of zmq, torch"):
-        default_transport(0, 2, "j", data_plane="nccl")
-    with pytest.raises(ValueError, match="unknown data plane 'torch': expected one of fake, fake-nccl"):
-        wrap_fake([], "torch")
+    with pytest.raises(ValueError, match="^unknown transport 'nccl': expected one of zmq, torch$"):
+        default_transport(0, 2, "j", "nccl")
+    with pytest.raises(ValueError, match="^transport 'torch' does not run within one process: expected one of "
+                                         "fake, fake-plane, fake-nccl, memory$"):
+        registry.build_local("torch", LocalContext(2))
+    with pytest.raises(ValueError, match="^transport 'memory' does not run between processes: expected one of "
+                                         "zmq, torch$"):
+        default_transport(0, 2, "j", "memory")
 
     def no_launch(*a, **k):
         raise AssertionError("a process was launched")
@@ -367,10 +379,8 @@ def test_unknown_data_plane_is_one_line_naming_the_choices(capsys, monkeypatch) 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.timeout(60)
 async def test_device_tensors_stay_on_the_device_end_to_end() -> None:
-    net = FakeNetwork(2, seed=1, delay=DELAY)
-    ts, wire = wrap_fake([net.transport(r) for r in range(2)], "fake-nccl", seed=2, delay=DELAY, device="cuda")
-    for t in ts:
-        t.job = "cuda"
+    built = registry.build_local("fake-nccl", LocalContext(2, seed=1, delay=DELAY, job="cuda", device="cuda"))
+    ts, wire = built.transports, built.wire
     await asyncio.gather(*(t.start() for t in ts))
     try:
         assert all(t.device_tensors for t in ts)
@@ -383,3 +393,39 @@ async def test_device_tensors_stay_on_the_device_end_to_end() -> None:
     finally:
         for t in ts:
             t.abort()
+
+
+def test_the_strangers_transport_uses_only_public_members_of_transport() -> None:
+    """Every underscore attribute tests/memory_transport.py touches is one it defines itself:
+    nothing of Transport's private state (the suite above then shows that is enough)."""
+    tree = ast.parse(Path(memory_transport.__file__).read_text())
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_")}
+    own = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    own |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+    assert used <= own, used - own
+    private = {name for name in vars(Transport) if name.startswith("_") and not name.startswith("__")}
+    probe = memory_transport.MemoryTransport(memory_transport.MemoryHub(1, None), 0)
+    private |= {name for name in vars(probe) if name.startswith("_")}
+    assert private and not (used & private), used & private  # the check can fail: Transport has private state
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["memory", "fake-plane"])
+def test_a_local_pipeline_step_over_a_registered_transport_equals_the_reference(kind: str) -> None:
+    """LocalPipeline(transport=NAME) builds its ranks' transports through the registry: the
+    stranger's runs a 3-rank step whose loss and gradients equal the one-process reference."""
+    import rrfp
+
+    torch.manual_seed(7)
+    mods = [nn.Sequential(nn.Linear(5, 5), nn.Tanh()) for _ in range(3)]
+    x, y = torch.randn(12, 5), torch.randn(12, 5)
+    _, ref_loss, ref_grads = sequential_reference(mods, x, y)
+    with rrfp.LocalPipeline(mods, 4, F.mse_loss, transport=kind, hint="bfw", watchdog=30) as pipe:
+        assert all(type(t).__module__ == ("memory_transport" if kind == "memory" else "rrfp.transport.planes")
+                   for t in pipe.transports)
+        loss = pipe.step(x, target=y)
+        assert sum(t.stats["messages_received"] for t in pipe.transports) > 0
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    for m, grads in zip(mods, ref_grads):
+        for p, g in zip(m.parameters(), grads):
+            torch.testing.assert_close(p.grad, g, rtol=RTOL, atol=ATOL)

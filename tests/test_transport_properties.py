@@ -118,7 +118,7 @@ def test_every_hint_completes_and_no_tensor_lands_in_another_buffer(n_ranks, n_v
     targets = [torch.full((rows(m), width(m)), float(m + 1)) for m in range(n_mb)]
     with LocalPipeline(
         stages, n_mb, weighted_loss, hint=hint, n_virtual=n_virtual, delay=(0.0, max_delay), seed=seed,
-        watchdog=20.0, data_plane="fake-nccl",
+        watchdog=20.0, transport="fake-nccl",
     ) as pipe:
         loss = pipe.step(microbatches=[microbatch(m) for m in range(n_mb)], targets=targets)
         wire = pipe.wire

@@ -45,40 +45,34 @@ def default_store() -> dist.Store:
 
 
 def default_transport(
-    rank: int, world_size: int, job: str, data_plane: str = "zmq", device: torch.device | str | None = None
+    rank: int, world_size: int, job: str, transport: str = "zmq", device: torch.device | str | None = None
 ):
     """This rank's transport, rendezvousing through the default store.
 
     Args:
         rank, world_size, job: as :class:`~rrfp.transport.zmq.ZmqTransport`.
-        data_plane: ``zmq`` (tensors ride ZeroMQ frames through host memory; the CPU default)
-            or ``torch`` (ZeroMQ announces, torch.distributed point-to-point moves the tensors:
-            NCCL when ``device`` is CUDA, else gloo).
-        device: where received tensors are allocated with ``torch`` (default: CPU).
+        transport: a name of :mod:`rrfp.transport.registry` that runs between processes:
+            ``zmq`` (tensors ride ZeroMQ frames through host memory; the CPU default), ``torch``
+            (ZeroMQ announces, torch.distributed point-to-point moves the tensors: NCCL when
+            ``device`` is CUDA, else gloo), or one registered from outside.
+        device: where received tensors are allocated (default: CPU).
 
     Returns:
-        a :class:`~rrfp.transport.zmq.ZmqTransport`, or a
-        :class:`~rrfp.transport.planes.PlaneTransport` over one.
+        the registry's transport for this rank, not started.
 
     Raises:
-        ValueError: for an unknown data plane.
+        ValueError: a name the registry has no process-to-process builder for (before the
+            process group is joined).
     """
-    from ..transport.factory import check_data_plane
-    from ..transport.zmq import ZmqTransport
+    from ..transport import registry
 
-    check_data_plane(data_plane)
+    registry.get(transport, registry.PROCESS)
     init_distributed()
-    control = ZmqTransport(rank, world_size, default_store(), job)
-    if data_plane == "zmq":
-        return control
-    from ..transport.planes import N_CHANNELS, PlaneTransport
-    from ..transport.torch_plane import TorchDataPlane
+    ctx = registry.ProcessContext(rank, world_size, job, default_store(), torch.device("cpu" if device is None else device),
+                                  new_group=_new_group)
+    return registry.build_rank(transport, ctx)
 
-    dev = torch.device("cpu" if device is None else device)
-    backend = "nccl" if dev.type == "cuda" else "gloo"
 
-    def groups() -> list:
-        # Every rank calls new_group in the same order (inside start(), which all ranks run).
-        return [dist.new_group(backend=backend) for _ in range(N_CHANNELS)]
-
-    return PlaneTransport(control, TorchDataPlane(rank, groups, dev))
+def _new_group(backend: str) -> dist.ProcessGroup:
+    """A new group of every rank of the job (each rank calls it in the same order)."""
+    return dist.new_group(backend=backend)

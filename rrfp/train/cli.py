@@ -17,6 +17,7 @@ from ..plugins import add_flag as add_plugin_flag
 from ..scheduler.registry import forms as hint_forms
 from ..sim.auto import AUTO
 from ..lines import say
+from ..transport import registry as transports
 from .early import DEFAULT_STAGES, SAMPLE_POOL, check_flags
 from .linger import FINISHED_ENV, all_finished
 
@@ -47,9 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"pipeline degree: pipeline ranks (processes); without it, the world size under torchrun, else {DEFAULTS['stages']}")
     p.add_argument("--virtual-stages", type=int, default=DEFAULTS["virtual_stages"], help="virtual stages per rank")
     p.add_argument("--placement", choices=["loop", "v"], default="loop", help="virtual-stage placement")
-    p.add_argument("--transport", choices=["zmq", "torch"], default="zmq",
-                   help="data plane for tensors between ranks: zmq (ZeroMQ frames through host memory) or torch "
-                   "(ZeroMQ announces, torch.distributed point-to-point moves them: NCCL on GPU, gloo on CPU)")
+    p.add_argument("--transport", choices=transports.names(transports.PROCESS), default="zmq",
+                   help=f"how tensors travel between ranks (rrfp/transport/registry.py): {transports.help_text(transports.PROCESS)}")
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")

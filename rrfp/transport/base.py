@@ -1,6 +1,9 @@
-"""Transport interface shared by the ZeroMQ transport and the in-process fake.
+"""The Transport interface every transport implements (ZeroMQ, the data-plane composition, the
+in-process fakes, and any registered from outside through :mod:`.registry`).
 
-A transport moves tagged tensor messages between the ranks of one job. Sends never
+:class:`Transport`'s docstring is the contract: what a transport implements, the public members
+it may call (its private state is no part of it), what the runtime calls, the loop rules and
+the errors. A transport moves tagged tensor messages between the ranks of one job. Sends never
 block the caller; arrivals from every peer come out of one :meth:`Transport.recv`
 in arrival order (no ordering promise across messages: the runtime keys inputs by
 :class:`~rrfp.transport.keys.MsgKey`). A peer that disconnects without first
@@ -14,8 +17,9 @@ import abc
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from torch import Tensor
@@ -143,12 +147,48 @@ class Transport(abc.ABC):
     (error path). A malformed incoming message is rejected, counted in
     ``stats["rejected"]`` and logged; receiving continues.
 
+    **The runtime calls** :meth:`start`, :meth:`send`, :meth:`set_handler` (or :meth:`recv`),
+    :meth:`flush`, :meth:`close`, :meth:`abort`, and reads ``rank``, ``world_size``, ``job``,
+    ``stats``, ``device_tensors``, ``lost_peers``. It may look for an optional
+    ``async wait_lost(timeout) -> PeerLost | None`` (the first peer lost, waiting for one to be
+    noticed; :class:`~rrfp.transport.zmq.ZmqTransport` has it) to name a failure's root cause.
+
+    **An implementation implements** :meth:`start`, :meth:`send`, :meth:`flush`, :meth:`close`
+    and :meth:`abort` (their docstrings are the contract), and keeps the lifecycle flags:
+    ``started = True`` once :meth:`start` succeeded, ``closing = True`` when :meth:`close`
+    begins, ``closed = True`` once its resources are released. It may override
+    :meth:`on_peer_lost` (calling ``super()``), :meth:`wake_flush` and :meth:`close_outcome`.
+
+    **An implementation may call** the members under "for implementations": on receipt,
+    :meth:`deliver_frames` (wire frames: size, dtype and job checked, then decoded; bad ones
+    refused and counted) or :meth:`deliver_message` (a message it built itself); :meth:`on_bye`
+    and :meth:`on_peer_lost` as peers leave; :meth:`reject` for input it refuses itself;
+    :meth:`fail` for a terminal error of its own; in ``send``, :meth:`check_send`; in ``close``,
+    :meth:`await_byes` then :meth:`close_outcome`; :meth:`peers`, :meth:`said_bye`,
+    ``lost_peers``, ``error`` and ``peer_event`` to wait on peers. A transport made of these
+    members alone passes ``tests/test_transport_conformance.py`` (the test registers one).
+
+    Threads and the loop: every member is called on the event loop thread that ran
+    :meth:`start`, and none blocks it (``send`` encodes and enqueues; I/O waits in coroutines,
+    or in threads that hand results back with ``loop.call_soon_threadsafe``). Deliveries
+    reach the handler of :meth:`set_handler` synchronously, in the order delivered.
+
+    Errors: ``send`` raises at once (CodecError, ValueError, TransportClosed) and sends nothing;
+    a lost peer is reported on ``recv``/the handler's ``on_error``, on ``flush`` and on
+    ``close``, never by ``send``; refused input is only counted and logged.
+
     Attributes:
         rank: this rank, ``0 <= rank < world_size``.
         world_size: number of ranks.
+        job: job id; with it, arrivals for another job are refused (None: not checked).
+        max_bytes: largest accepted payload per message, bytes.
         stats: counters ``messages_sent``, ``bytes_sent``, ``messages_received``,
             ``bytes_received`` (wire bytes, header included), ``rejected``,
-            ``peers_lost``.
+            ``peers_lost``; implementations may add their own.
+        started, closing, closed: the lifecycle flags above.
+        lost_peers: read-only view, rank -> :class:`PeerLost`, of the peers lost so far.
+        peer_event: set on every BYE, lost peer and close (and whenever an implementation
+            sets it); a waiter clears it, re-checks its condition, then waits.
     """
 
     rank: int
@@ -177,19 +217,21 @@ class Transport(abc.ABC):
         self.job = job
         self.max_bytes = max_bytes
         self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.started = False
+        self.closing = False
+        self.closed = False
+        self._lost: dict[int, PeerLost] = {}
+        self.lost_peers: Mapping[int, PeerLost] = MappingProxyType(self._lost)
+        self.peer_event = asyncio.Event()
         self._mailbox = _Mailbox()
         self._byes: set[int] = set()
-        self._lost: dict[int, PeerLost] = {}
-        self._bye_event = asyncio.Event()
-        self._started = False
-        self._closing = False
-        self._closed = False
 
-    # -- interface -------------------------------------------------------------
+    # -- implemented by every transport ----------------------------------------
 
     @abc.abstractmethod
     async def start(self) -> None:
-        """Connect to every peer. Raises TimeoutError or PeerLost on failure."""
+        """Connect to every peer, then set ``started``. Raises TimeoutError or PeerLost on
+        failure (after releasing what it made, as :meth:`abort`)."""
 
     @abc.abstractmethod
     def send(
@@ -198,15 +240,43 @@ class Transport(abc.ABC):
         key: MsgKey,
         tensors: Sequence[Tensor | None],
         meta: dict[str, Any] | None = None,
-    ) -> None:
+    ) -> Any:
         """Encode now and enqueue for ``dst``; never blocks or yields.
 
         ``dst`` may be ``self.rank`` (loopback). The tensors' bytes are read
         later, from the sender coroutine or the I/O thread: do not modify them in
-        place after sending (clone first if you must). Raises CodecError for an
+        place after sending (clone first if you must). Returns None, or a handle with
+        ``done() -> bool`` that the runtime keeps until done (the tensors' bytes are in use
+        until then; :class:`~rrfp.transport.planes.SendHandle`). Raises CodecError for an
         unencodable payload, ValueError for a bad ``dst``, TransportClosed after
-        close/abort.
+        close/abort (:meth:`check_send` raises the last two).
         """
+
+    @abc.abstractmethod
+    async def flush(self) -> None:
+        """Return once every message enqueued so far is handed to the wire.
+
+        Raises PeerLost if a peer is lost while waiting."""
+
+    @abc.abstractmethod
+    async def close(self, timeout: float = 30.0) -> None:
+        """Graceful shutdown; call it on every rank (concurrently).
+
+        Sends BYE to every peer after all earlier sends, waits up to ``timeout``
+        seconds for BYE from every peer (:meth:`await_byes`), then releases resources
+        (``closed``, :meth:`fail` with TransportClosed). Messages not yet received are
+        discarded. Always releases resources; afterwards raises (:meth:`close_outcome`)
+        PeerLost if a peer vanished without BYE, or TimeoutError naming the ranks whose
+        BYE never came. A second call, or one before :meth:`start`, returns at once.
+        """
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Close immediately without waiting (error path). Peers see this rank as
+        lost unless it already said goodbye. Pending ``recv`` raise TransportClosed
+        (:meth:`fail`). Idempotent."""
+
+    # -- called by the runtime -------------------------------------------------
 
     async def recv(self) -> Message:
         """Next arrival from any peer, in arrival order.
@@ -231,53 +301,43 @@ class Transport(abc.ABC):
         """
         self._mailbox.set_handler(handler, on_error)
 
-    @abc.abstractmethod
-    async def flush(self) -> None:
-        """Return once every message enqueued so far is handed to the wire.
-
-        Raises PeerLost if a peer is lost while waiting."""
-
-    @abc.abstractmethod
-    async def close(self, timeout: float = 30.0) -> None:
-        """Graceful shutdown; call it on every rank (concurrently).
-
-        Sends BYE to every peer after all earlier sends, waits up to ``timeout``
-        seconds for BYE from every peer, then releases resources. Messages not
-        yet received are discarded. Always releases resources; afterwards raises
-        PeerLost if a peer vanished without BYE, or TimeoutError naming the ranks
-        whose BYE never came.
-        """
-
-    @abc.abstractmethod
-    def abort(self) -> None:
-        """Close immediately without waiting (error path). Peers see this rank as
-        lost unless it already said goodbye. Pending ``recv`` raise TransportClosed."""
-
-    # -- helpers for implementations ------------------------------------------
+    # -- for implementations ---------------------------------------------------
 
     @property
-    def closed(self) -> bool:
-        return self._closed
+    def error(self) -> BaseException | None:
+        """The terminal error :meth:`recv` raises (a PeerLost, TransportClosed, or what
+        :meth:`fail` was given); None while receiving goes on."""
+        return self._mailbox.error
 
-    @property
-    def lost_peers(self) -> dict[int, PeerLost]:
-        """Peers lost so far (rank -> error)."""
-        return dict(self._lost)
-
-    def _peers(self) -> set[int]:
+    def peers(self) -> set[int]:
+        """Every rank but this one."""
         return set(range(self.world_size)) - {self.rank}
 
-    def _check_send(self, dst: int) -> None:
-        if self._closed or self._closing:
+    def said_bye(self, rank: int) -> bool:
+        """True once ``rank``'s BYE arrived (its later disconnect is no loss)."""
+        return rank in self._byes
+
+    def check_send(self, dst: int) -> None:
+        """The checks every ``send`` starts with.
+
+        Raises:
+            TransportClosed: after close/abort (or while closing).
+            RuntimeError: before :meth:`start` succeeded.
+            ValueError: ``dst`` not a rank of this transport.
+        """
+        if self.closed or self.closing:
             raise TransportClosed(f"rank {self.rank}: send after close")
-        if not self._started:
+        if not self.started:
             raise RuntimeError(f"rank {self.rank}: send before start()")
         if not isinstance(dst, int) or not 0 <= dst < self.world_size:
             raise ValueError(f"dst {dst!r} out of range for world_size {self.world_size}")
 
-    def _deliver_frames(self, src: int, frames: Sequence[Any]) -> None:
-        """Decode wire frames from ``src`` into the mailbox, rejecting bad input."""
-        if self._closed:
+    def deliver_frames(self, src: int, frames: Sequence[Any]) -> None:
+        """Decode wire frames (:func:`~rrfp.transport.codec.encode`'s) from ``src`` and deliver
+        the message; a message that fails the codec's checks (sizes against ``max_bytes``
+        before any allocation, dtypes, the header's shape) or names another job is refused
+        (:meth:`reject`) and receiving continues. Dropped once ``closed``."""
+        if self.closed:
             return
         nbytes = frames_nbytes(frames)
         try:
@@ -285,32 +345,37 @@ class Transport(abc.ABC):
             if self.job is not None and key.job != self.job:
                 raise CodecError(f"message for job {key.job!r}, this is job {self.job!r}")
         except CodecError as e:
-            self._reject(src, str(e))
+            self.reject(src, str(e))
             return
         self.stats["messages_received"] += 1
         self.stats["bytes_received"] += nbytes
         self._mailbox.put(Message(src, key, tensors, meta))
 
-    def _deliver_message(self, msg: Message, nbytes: int) -> None:
-        if self._closed:
+    def deliver_message(self, msg: Message, nbytes: int) -> None:
+        """Deliver a message the implementation built and checked itself (fresh tensors
+        owned by the receiver), counting ``nbytes`` received. Dropped once ``closed``."""
+        if self.closed:
             return
         self.stats["messages_received"] += 1
         self.stats["bytes_received"] += nbytes
         self._mailbox.put(msg)
 
-    def _reject(self, src: int | str, why: str) -> None:
+    def reject(self, src: int | str, why: str) -> None:
+        """Count (``stats["rejected"]``) and log a refused message from ``src``."""
         n = self.stats["rejected"] = self.stats["rejected"] + 1
         # Bounded logging: a broken or hostile peer must not flood the log.
         if n <= 10 or n & (n - 1) == 0:
             log.warning("rank %d: rejected message #%d from %s: %s", self.rank, n, src, why)
 
-    def _on_bye(self, src: int) -> None:
+    def on_bye(self, src: int) -> None:
+        """``src`` said goodbye: its later disconnect is no loss."""
         self._byes.add(src)
-        self._bye_event.set()
+        self.peer_event.set()
 
-    def _on_peer_lost(self, src: int, reason: str) -> None:
-        """Record that ``src`` is gone; not an error if it said goodbye first."""
-        if src in self._byes or src in self._lost or self._closed:
+    def on_peer_lost(self, src: int, reason: str) -> None:
+        """Record that ``src`` is gone (not an error if it said goodbye first, or after
+        ``closed``): logged, counted, and the terminal error of :meth:`recv`."""
+        if src in self._byes or src in self._lost or self.closed:
             return
         exc = PeerLost(src, reason)
         self._lost[src] = exc
@@ -320,29 +385,40 @@ class Transport(abc.ABC):
         else:
             log.error("%s: %s lost: %s", self.rank_name(self.rank), self.rank_name(src), reason)
         self._mailbox.fail(exc)
-        self._bye_event.set()
-        self._wake_flush()
+        self.peer_event.set()
+        self.wake_flush()
 
-    def _wake_flush(self) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """End receiving with ``exc``: pending and later :meth:`recv` raise it, queued
+        messages are dropped, the handler's ``on_error`` gets it once. A lost peer stays the
+        error reported; only a TransportClosed replaces it."""
+        self._mailbox.fail(exc)
+
+    def wake_flush(self) -> None:
         """Hook: wake flush() waiters so they notice a lost peer."""
 
-    async def _await_byes(self, timeout: float) -> set[int]:
+    async def await_byes(self, timeout: float) -> set[int]:
         """Wait up to ``timeout`` s for BYE or loss of every peer; return the rest."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            missing = self._peers() - self._byes - set(self._lost)
+            missing = self.peers() - self._byes - set(self._lost)
             remaining = deadline - loop.time()
             if not missing or remaining <= 0:
                 return missing
-            self._bye_event.clear()
+            self.peer_event.clear()
             try:
-                await asyncio.wait_for(self._bye_event.wait(), remaining)
+                await asyncio.wait_for(self.peer_event.wait(), remaining)
             except TimeoutError:
                 pass
 
-    def _close_outcome(self, missing: set[int], timeout: float) -> None:
-        """After resources are released: raise if the goodbye was not mutual."""
+    def close_outcome(self, missing: set[int], timeout: float) -> None:
+        """After resources are released: raise if the goodbye was not mutual.
+
+        Raises:
+            PeerLost: the lowest rank lost.
+            TimeoutError: naming the ranks in ``missing``.
+        """
         if self._lost:
             raise self._lost[min(self._lost)]
         if missing:

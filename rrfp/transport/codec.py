@@ -12,12 +12,12 @@ Decoding treats its input as untrusted: the declared payload is checked against
 fixed limits before any tensor is allocated, and each frame's length against the
 header before its tensor is, so no allocation exceeds the bytes actually received;
 nothing is ever unpickled. Every problem raises :class:`CodecError` with a
-one-line message.
+one-line message. The limits, the dtypes and the header's checks are :mod:`.header`'s; this
+module assembles and reads the frames.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +27,22 @@ import torch
 import zmq
 from torch import Tensor
 
+from .header import (
+    DEFAULT_MAX_BYTES,
+    DTYPES,
+    HEADER_KEYS,
+    MAX_HEADER_BYTES,
+    MAX_NDIM,
+    MAX_TENSORS,
+    CodecError,
+    check_key,
+    check_meta,
+    descriptor,
+    is_int64,
+    parse_descriptors,
+    parse_header,
+    unpack_header,
+)
 from .keys import Direction, MsgKey
 
 __all__ = [
@@ -45,55 +61,11 @@ __all__ = [
     "wire_bytes",
 ]
 
-MAX_HEADER_BYTES = 64 * 1024
-"""Largest accepted header frame, in bytes."""
-MAX_TENSORS = 4096
-"""Most tensor entries (None included) in one message."""
-MAX_NDIM = 16
-"""Most dimensions of one tensor."""
-DEFAULT_MAX_BYTES = 256 * 1024**2
-"""Default limit on the declared payload of one message (sum of tensor bytes): well under
-the 4 GiB a hostile peer could once make a rank buffer, above any activation of the presets."""
-MAX_META_DEPTH = 8
-"""Deepest nesting of lists/maps accepted inside ``meta``."""
-MAX_JOB_LEN = 256
 _ALLOC_COPY_MIN = 64 * 1024
-
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE: dict[str, int] = {k: v.itemsize for k, v in DTYPES.items()}
-_GRAD_DTYPES = frozenset(
-    k for k, v in DTYPES.items() if v.is_floating_point or v.is_complex
-)
-_HEADER_KEYS = frozenset(
-    ("job", "step", "microbatch", "stage", "direction", "tensors", "meta")
-)
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 Frame = bytes | memoryview
 """An outgoing frame. Decoding accepts anything with the buffer protocol (bytes,
 bytearray, memoryview, zmq.Frame)."""
-
-
-class CodecError(ValueError):
-    """A message could not be encoded or decoded; the message says why, on one line."""
-
-    def __init__(self, msg: str) -> None:
-        first = msg.splitlines()[0] if msg else "codec error"
-        super().__init__(first[:500])
 
 
 # ---------------------------------------------------------------------------
@@ -109,7 +81,7 @@ def _fixstr(s: str) -> bytes:
     return bytes([0xA0 | len(b)]) + b
 
 
-_H_MAP = bytes([0x80 | len(_HEADER_KEYS)])
+_H_MAP = bytes([0x80 | len(HEADER_KEYS)])
 _H_STEP = _fixstr("step")
 _H_MICROBATCH = _fixstr("microbatch")
 _H_STAGE = _fixstr("stage")
@@ -134,7 +106,7 @@ def _pack_int(v: Any, what: str) -> bytes:
     b = _SMALL_INTS.get(v) if type(v) is int else None
     if b is not None:
         return b
-    if not _is_int64(v):
+    if not is_int64(v):
         raise CodecError(f"key.{what} must be an int64, got {v!r}")
     return msgpack.packb(int(v))
 
@@ -175,7 +147,7 @@ def encode(
     if n > MAX_TENSORS:
         raise CodecError(f"too many tensors: {n} > {MAX_TENSORS}")
     if type(key) is not MsgKey:
-        _check_key(key)
+        check_key(key)
     job = key.job
     prefix = _job_prefix.get(job) if type(job) is str else None
     if prefix is None:
@@ -226,7 +198,7 @@ def encode(
 # The rare paths of encode(), out of its per-message path: a job, a tensor description
 # or a meta dict not seen before.
 def _new_prefix(key: MsgKey) -> bytes:
-    _check_key(key)
+    check_key(key)
     job = key.job
     prefix = _H_MAP + msgpack.packb({"job": job})[1:] + _H_STEP
     if len(_job_prefix) >= _CACHE_MAX:
@@ -245,26 +217,12 @@ def _new_desc(i: int, t: Tensor, ck: tuple) -> bytes:
 
 def _pack_meta(meta: Any) -> bytes:
     if not isinstance(meta, dict):
-        raise CodecError(f"meta: expected a dict, got {_tname(meta)}")
-    _check_meta(meta, where="meta")
+        raise CodecError(f"meta: expected a dict, got {type(meta).__name__}")
+    check_meta(meta, where="meta")
     try:
         return msgpack.packb(meta, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise CodecError(f"header not serializable: {e}") from e
-
-
-def descriptor(i: int, t: Tensor) -> list:
-    """``[dtype name, shape, requires_grad]``: how the wire describes tensor ``i`` of a message.
-
-    Raises:
-        CodecError: a dtype outside :data:`DTYPES`, or more than :data:`MAX_NDIM` dims.
-    """
-    name = _DTYPE_NAMES.get(t.dtype)
-    if name is None:
-        raise CodecError(f"tensor {i}: unsupported dtype {t.dtype}")
-    if t.dim() > MAX_NDIM:
-        raise CodecError(f"tensor {i}: ndim {t.dim()} > {MAX_NDIM}")
-    return [name, list(t.shape), bool(t.requires_grad)]
 
 
 def _pack_desc(i: int, t: Tensor) -> bytes:
@@ -314,46 +272,12 @@ def wire_bytes(t: Tensor) -> Tensor:
     return t.view(torch.uint8)
 
 
-def _check_key(key: MsgKey) -> None:
-    if not isinstance(key, MsgKey):
-        raise CodecError(f"key: expected MsgKey, got {type(key).__name__}")
-    if not isinstance(key.job, str) or len(key.job) > MAX_JOB_LEN:
-        raise CodecError(f"key.job must be a str of at most {MAX_JOB_LEN} characters")
-    for field in ("step", "microbatch", "stage"):
-        v = getattr(key, field)
-        if not _is_int64(v):
-            raise CodecError(f"key.{field} must be an int64, got {v!r}")
-    try:
-        Direction(key.direction)
-    except ValueError as e:
-        raise CodecError(f"key.direction: unknown direction {key.direction!r}") from e
-
-
 # ---------------------------------------------------------------------------
 # decode
 
 
-class _DType:
-    """What decoding needs to know about one wire dtype name."""
-
-    __slots__ = ("grad", "itemsize", "name", "numpy", "torch", "view")
-
-    def __init__(self, name: str, dtype: torch.dtype) -> None:
-        self.name = name
-        self.torch = dtype
-        self.itemsize = dtype.itemsize
-        self.grad = dtype.is_floating_point or dtype.is_complex
-        # numpy lacks bfloat16: build an int16 array, then reinterpret in torch.
-        self.view = dtype if dtype == torch.bfloat16 else None
-        self.numpy = np.dtype(np.int16) if self.view is not None else torch.empty(
-            0, dtype=dtype
-        ).numpy().dtype
-
-
-_DTYPE_INFO: dict[str, _DType] = {k: _DType(k, v) for k, v in DTYPES.items()}
 _BOOL_BYTES = b"\x00\x01"
 _BOOL_SCAN_MAX = 1024
-_Desc = tuple[_DType, list[int], bool, int]
 
 
 def decode(
@@ -384,7 +308,7 @@ def decode(
         head = _byte_view(head, "header")
     if len(head) > MAX_HEADER_BYTES:
         raise CodecError(f"header too big: {len(head)} bytes > {MAX_HEADER_BYTES}")
-    key, descs, n_frames, meta = _parse_header(_unpack(head), max_bytes)
+    key, descs, n_frames, meta = parse_header(unpack_header(head), max_bytes)
     if n - 1 != n_frames:
         raise CodecError(
             f"frame count mismatch: header declares {n_frames} tensor frames, got {n - 1}"
@@ -466,148 +390,3 @@ def _byte_view(f: Any, what: str) -> memoryview:
     elif not mv.c_contiguous:  # a stepped slice: numpy and msgpack would refuse it later
         raise CodecError(f"{what}: frame buffer is not contiguous")
     return mv
-
-
-def _unpack(head: Any) -> Any:
-    try:
-        # No ext_hook: ext payloads stay inert ExtType/Timestamp values that
-        # _check_meta rejects; nothing is ever turned into an arbitrary object.
-        # Keywords spelled out: expanding a dict of them costs ~20% of the call.
-        return msgpack.unpackb(
-            head,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_str_len=MAX_HEADER_BYTES,
-            max_bin_len=MAX_HEADER_BYTES,
-            max_array_len=MAX_HEADER_BYTES,
-            max_map_len=MAX_HEADER_BYTES // 2,
-            max_ext_len=MAX_HEADER_BYTES,
-        )
-    except msgpack.StackError as e:
-        raise CodecError("bad msgpack header: nesting too deep") from e
-    except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise CodecError(f"bad msgpack header: {e}") from e
-
-
-_DIRECTION_OF = {int(d): d for d in Direction}
-
-
-def _parse_header(obj: Any, max_bytes: int) -> tuple[MsgKey, list[_Desc | None], int, dict]:
-    """Validate a header; return its key, tensor descriptors, tensor frame count and
-    meta. Raises CodecError, also when the declared payload exceeds ``max_bytes``."""
-    if type(obj) is not dict:
-        raise CodecError(f"header: expected a map, got {_tname(obj)}")
-    if obj.keys() != _HEADER_KEYS:
-        keys = set(obj)
-        missing = sorted(_HEADER_KEYS - keys)
-        if missing:
-            raise CodecError(f"header: missing field {missing[0]!r}")
-        raise CodecError(f"header: unexpected field {min(map(str, keys - _HEADER_KEYS))!r}")
-    job = obj["job"]
-    if type(job) is not str or len(job) > MAX_JOB_LEN:
-        raise CodecError(f"header.job: expected a str of at most {MAX_JOB_LEN} chars")
-    step, microbatch, stage, d = obj["step"], obj["microbatch"], obj["stage"], obj["direction"]
-    for field, v in (("step", step), ("microbatch", microbatch), ("stage", stage), ("direction", d)):
-        # msgpack yields exact ints, and bools as bool: ``type is int`` excludes them.
-        if type(v) is not int or not _INT64_MIN <= v <= _INT64_MAX:
-            raise CodecError(f"header.{field}: expected an int64, got {_tname(v)}")
-    direction = _DIRECTION_OF.get(d)
-    if direction is None:
-        raise CodecError(f"header.direction: unknown direction {d}")
-    key = MsgKey(job, step, microbatch, stage, direction)
-
-    tl = obj["tensors"]
-    if type(tl) is not list:
-        raise CodecError(f"header.tensors: expected a list, got {_tname(tl)}")
-    if len(tl) > MAX_TENSORS:
-        raise CodecError(f"too many tensors: {len(tl)} > {MAX_TENSORS}")
-    descs: list[_Desc | None] = []
-    total = 0
-    n_frames = 0
-    for i, d in enumerate(tl):
-        if d is None:
-            descs.append(None)
-            continue
-        if type(d) is not list or len(d) != 3:
-            raise CodecError(f"tensor {i}: expected [dtype, shape, requires_grad]")
-        name, shape, rg = d
-        info = _DTYPE_INFO.get(name) if type(name) is str else None
-        if info is None:
-            raise CodecError(f"tensor {i}: unknown dtype {str(name)[:40]!r}")
-        if type(shape) is not list:
-            raise CodecError(f"tensor {i}: shape must be a list, got {_tname(shape)}")
-        if len(shape) > MAX_NDIM:
-            raise CodecError(f"tensor {i}: ndim {len(shape)} > {MAX_NDIM}")
-        for s in shape:
-            if type(s) is not int or not 0 <= s <= _INT64_MAX:
-                if not _is_int64(s):
-                    raise CodecError(f"tensor {i}: dim must be an int, got {_tname(s)}")
-                raise CodecError(f"tensor {i}: negative dim {s}")
-        if type(rg) is not bool:
-            raise CodecError(f"tensor {i}: requires_grad must be a bool")
-        if rg and not info.grad:
-            raise CodecError(f"tensor {i}: requires_grad on non-floating dtype {name}")
-        # Python ints: a giant declared shape cannot overflow, it just exceeds the limit.
-        nbytes = math.prod(shape) * info.itemsize
-        total += nbytes
-        if total > max_bytes:
-            raise CodecError(f"declared payload exceeds limit: > {max_bytes} bytes at tensor {i}")
-        descs.append((info, shape, rg, nbytes))
-        n_frames += 1
-
-    meta = obj["meta"]
-    if type(meta) is not dict:
-        raise CodecError(f"header.meta: expected a map, got {_tname(meta)}")
-    if meta:
-        _check_meta(meta, where="meta")
-    return key, descs, n_frames, meta
-
-
-def _check_meta(v: Any, where: str, depth: int = 0) -> None:
-    """Accept only plain msgpack data (no ext types), nested at most MAX_META_DEPTH."""
-    if v is None or isinstance(v, (bool, float, str, bytes)):
-        return
-    if isinstance(v, int):
-        if not (_INT64_MIN <= v <= 2**64 - 1):
-            raise CodecError(f"{where}: integer out of range")
-        return
-    if isinstance(v, (msgpack.ExtType, msgpack.Timestamp)):
-        raise CodecError(f"{where}: ext type not allowed")
-    if depth >= MAX_META_DEPTH and isinstance(v, (list, tuple, dict)):
-        raise CodecError(f"{where}: nesting deeper than {MAX_META_DEPTH}")
-    if isinstance(v, (list, tuple)):
-        for i, x in enumerate(v):
-            _check_meta(x, f"{where}[{i}]", depth + 1)
-        return
-    if isinstance(v, dict):
-        for k, x in v.items():
-            if not isinstance(k, str):
-                raise CodecError(f"{where}: map keys must be str, got {_tname(k)}")
-            _check_meta(x, f"{where}.{k}", depth + 1)
-        return
-    raise CodecError(f"{where}: unexpected type {_tname(v)}")
-
-
-def _is_int64(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and _INT64_MIN <= v <= _INT64_MAX
-
-
-def _tname(v: Any) -> str:
-    return type(v).__name__
-
-
-def parse_descriptors(tensors: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> list[tuple[torch.dtype, list[int], bool, int] | None]:
-    """Validate a list of tensor descriptors ``[dtype_name, shape, requires_grad] | None``
-    (a header's ``tensors`` field, as a data-plane announcement carries it) with the same
-    limits as :func:`decode`, before anything is allocated.
-
-    Returns:
-        per entry ``(dtype, shape, requires_grad, nbytes)`` or None.
-
-    Raises:
-        CodecError: as :func:`decode` for a bad ``tensors`` field.
-    """
-    header = {"job": "", "step": 0, "microbatch": 0, "stage": 0, "direction": 0, "tensors": tensors, "meta": {}}
-    _, descs, _, _ = _parse_header(header, max_bytes)
-    return [None if d is None else (d[0].torch, d[1], d[2], d[3]) for d in descs]

@@ -23,7 +23,8 @@ from torch import Tensor
 
 from ..errors import TransportClosed
 from .base import Message, Transport
-from .codec import DEFAULT_MAX_BYTES, _check_meta, encode, frames_nbytes
+from .codec import DEFAULT_MAX_BYTES, encode, frames_nbytes
+from .header import check_meta
 from .keys import MsgKey
 
 __all__ = ["DelayFn", "FakeNetwork", "FakeTransport"]
@@ -45,6 +46,7 @@ class FakeNetwork:
         encode: pass payloads through the codec (catches aliasing and codec bugs);
             if False the receiver gets the sender's tensor objects.
         max_bytes: decode limit per message when ``encode``.
+        job: job id every transport checks arrivals against (None: not checked).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class FakeNetwork:
         delay: tuple[float, float] | DelayFn = (0.0, 0.0),
         encode: bool = True,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        job: str | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -65,6 +68,7 @@ class FakeNetwork:
         self.seed = seed
         self.encode = encode
         self.max_bytes = max_bytes
+        self.job = job
         self._delay = delay
         self._transports: dict[int, FakeTransport] = {}
         self._rngs: dict[tuple[int, int], random.Random] = {}
@@ -92,7 +96,7 @@ class FakeNetwork:
         if t is None:
             t = self._transports[rank] = FakeTransport(self, rank)
             for r in self.dead:
-                t._on_peer_lost(r, "killed")
+                t.on_peer_lost(r, "killed")
         return t
 
     def kill(self, rank: int) -> None:
@@ -121,7 +125,7 @@ class FakeNetwork:
             own._die(own_error)
         for r, t in self._transports.items():
             if r != rank:
-                t._on_peer_lost(rank, reason)
+                t.on_peer_lost(rank, reason)
 
     def _draw(self, src: int, dst: int, key: MsgKey | None) -> float:
         if self._const_delay is not None:
@@ -188,12 +192,12 @@ class FakeNetwork:
         if t is None or dst in self.dead:
             return
         if item is _BYE:
-            t._on_bye(src)
+            t.on_bye(src)
         elif self.encode:
-            t._deliver_frames(src, item)
+            t.deliver_frames(src, item)
         else:
             msg, nbytes = item
-            t._deliver_message(msg, nbytes)
+            t.deliver_message(msg, nbytes)
 
     def _pump(self) -> None:
         self._timer = None
@@ -212,13 +216,13 @@ class FakeTransport(Transport):
     """One rank's end of a :class:`FakeNetwork`; same contract as any Transport."""
 
     def __init__(self, net: FakeNetwork, rank: int) -> None:
-        super().__init__(rank, net.world_size, max_bytes=net.max_bytes)
+        super().__init__(rank, net.world_size, job=net.job, max_bytes=net.max_bytes)
         self._net = net
 
     async def start(self) -> None:
-        if self._closed:
+        if self.closed:
             raise TransportClosed(f"rank {self.rank}: start after close")
-        self._started = True
+        self.started = True
 
     def send(
         self,
@@ -227,7 +231,7 @@ class FakeTransport(Transport):
         tensors: Sequence[Tensor | None],
         meta: dict[str, Any] | None = None,
     ) -> None:
-        self._check_send(dst)
+        self.check_send(dst)
         if self._net.encode:
             frames = encode(key, tensors, meta)
             nbytes = frames_nbytes(frames)
@@ -236,7 +240,7 @@ class FakeTransport(Transport):
             if meta is None:
                 meta = {}
             else:
-                _check_meta(meta, "meta")
+                check_meta(meta, "meta")
                 meta = dict(meta)
             nbytes = sum(t.nbytes for t in tensors if t is not None)
             item = (Message(self.rank, key, list(tensors), meta), nbytes)
@@ -246,25 +250,25 @@ class FakeTransport(Transport):
 
     async def flush(self) -> None:
         # Sends are on the (fake) wire as soon as send() returns.
-        if self._lost:
-            raise self._lost[min(self._lost)]
+        if self.lost_peers:
+            raise self.lost_peers[min(self.lost_peers)]
 
     async def close(self, timeout: float = 30.0) -> None:
-        if self._closed or self._closing:
+        if self.closed or self.closing:
             return
-        if not self._started:
+        if not self.started:
             self._finish(TransportClosed(f"rank {self.rank}: closed"))
             return
-        self._closing = True
-        for p in self._peers():
+        self.closing = True
+        for p in self.peers():
             if p not in self._net.dead:
                 self._net._post(self.rank, p, None, _BYE)
-        missing = await self._await_byes(timeout)
+        missing = await self.await_byes(timeout)
         self._finish(TransportClosed(f"rank {self.rank}: closed"))
-        self._close_outcome(missing, timeout)
+        self.close_outcome(missing, timeout)
 
     def abort(self) -> None:
-        if self._closed:
+        if self.closed:
             return
         self._net._gone(self.rank, "aborted", TransportClosed(f"rank {self.rank}: aborted"))
 
@@ -272,6 +276,6 @@ class FakeTransport(Transport):
         self._finish(err)
 
     def _finish(self, err: BaseException) -> None:
-        self._closed = True
-        self._mailbox.fail(err)
-        self._bye_event.set()
+        self.closed = True
+        self.fail(err)
+        self.peer_event.set()

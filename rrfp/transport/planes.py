@@ -44,7 +44,8 @@ from torch import Tensor
 
 from ..errors import PeerLost, TransportClosed
 from .base import Message, Transport
-from .codec import CodecError, descriptor, parse_descriptors, wire_bytes
+from .codec import wire_bytes
+from .header import CodecError, descriptor, parse_descriptors
 from .keys import Direction, MsgKey
 
 __all__ = ["ANNOUNCE", "DataPlane", "PlaneTransport", "SendHandle", "channel_of"]
@@ -184,7 +185,7 @@ class PlaneTransport(Transport):
         return self.plane.name
 
     async def start(self) -> None:
-        if self._started or self._closed:
+        if self.started or self.closed:
             raise RuntimeError(f"rank {self.rank}: start() called twice")
         try:
             await self.plane.start()
@@ -193,7 +194,7 @@ class PlaneTransport(Transport):
             self.abort()
             raise
         self.control.set_handler(self._on_control, self._on_control_error)
-        self._started = True
+        self.started = True
 
     # -- send ------------------------------------------------------------------
 
@@ -204,7 +205,7 @@ class PlaneTransport(Transport):
         tensors: Sequence[Tensor | None],
         meta: dict[str, Any] | None = None,
     ) -> SendHandle:
-        self._check_send(dst)
+        self.check_send(dst)
         if meta and ANNOUNCE in meta:
             raise ValueError(f"meta key {ANNOUNCE!r} is reserved for the transport")
         if key.direction == Direction.CTL or all(t is None for t in tensors):
@@ -243,7 +244,7 @@ class PlaneTransport(Transport):
     def _sent(self, h: SendHandle, dst: int, exc: BaseException | None) -> None:
         h._one_done(exc)
         if exc is not None:
-            self._on_peer_lost(dst, f"data plane send failed: {_one_line(exc)}")
+            self.on_peer_lost(dst, f"data plane send failed: {_one_line(exc)}")
         if h.done():
             self._inflight_tx.discard(h)
             self._check_idle()
@@ -260,7 +261,7 @@ class PlaneTransport(Transport):
         nbytes = sum(t.nbytes for t in out if t is not None)
         self.stats["messages_sent"] += 1
         self.stats["bytes_sent"] += nbytes
-        self._deliver_message(Message(self.rank, key, out, dict(meta) if meta else {}), nbytes)
+        self.deliver_message(Message(self.rank, key, out, dict(meta) if meta else {}), nbytes)
         return _DONE
 
     # -- receive ---------------------------------------------------------------
@@ -268,7 +269,7 @@ class PlaneTransport(Transport):
     def _on_control(self, msg: Message) -> None:
         ann = msg.meta.pop(ANNOUNCE, None) if msg.meta else None
         if ann is None:
-            self._deliver_message(msg, 0)
+            self.deliver_message(msg, 0)
             return
         src = msg.src
         try:
@@ -283,16 +284,16 @@ class PlaneTransport(Transport):
                 raise CodecError("announcement.seq: expected an int")
             descs = parse_descriptors(ann["tensors"], self.max_bytes)
         except CodecError as e:
-            self._reject(src, str(e))
+            self.reject(src, str(e))
             return
         ch = channel_of(msg.key.direction, src, self.rank)
         nxt = self._rx_next[src][ch]
         early = self._rx_early.setdefault((src, ch), {})
         if seq < nxt or seq in early:
-            self._reject(src, f"replayed announcement seq {seq} on channel {ch}")
+            self.reject(src, f"replayed announcement seq {seq} on channel {ch}")
             return
         if seq - nxt >= MAX_EARLY:
-            self._reject(src, f"announcement seq {seq} too far ahead of {nxt} on channel {ch}")
+            self.reject(src, f"announcement seq {seq} too far ahead of {nxt} on channel {ch}")
             return
         early[seq] = (msg, descs)
         # The data plane matches by order: post receives strictly in the sender's order.
@@ -314,7 +315,7 @@ class PlaneTransport(Transport):
             try:
                 t = torch.empty(shape, dtype=dtype, device=dev)
             except RuntimeError as e:  # a zero-size shape whose other dims overflow torch's arithmetic
-                self._reject(msg.src, f"shape {shape} not allocatable: {_one_line(e)}")
+                self.reject(msg.src, f"shape {shape} not allocatable: {_one_line(e)}")
                 return
             tensors.append(t)
             if nbytes:
@@ -334,7 +335,7 @@ class PlaneTransport(Transport):
             return
         if exc is not None:
             self._inflight_rx.discard(inb)
-            self._on_peer_lost(inb.msg.src, f"data plane receive failed: {_one_line(exc)}")
+            self.on_peer_lost(inb.msg.src, f"data plane receive failed: {_one_line(exc)}")
             self._check_idle()
             return
         inb.pending -= 1
@@ -350,21 +351,21 @@ class PlaneTransport(Transport):
                 continue
             if t.dtype is torch.bool and t.device.type == "cpu" and t.numel() and int(t.view(torch.uint8).max()) > 1:
                 # torch assumes bool bytes are 0 or 1; anything else is not a bool.
-                self._reject(msg.src, f"tensor {i}: bool data holds bytes other than 0 and 1")
+                self.reject(msg.src, f"tensor {i}: bool data holds bytes other than 0 and 1")
                 return
             if d[2]:
                 t.requires_grad_(True)
-        self._deliver_message(msg, inb.nbytes)
+        self.deliver_message(msg, inb.nbytes)
 
     def _on_control_error(self, exc: BaseException) -> None:
         if isinstance(exc, PeerLost):
-            self._on_peer_lost(exc.rank, exc.reason)
-        elif not self._closing:
-            self._mailbox.fail(exc)
+            self.on_peer_lost(exc.rank, exc.reason)
+        elif not self.closing:
+            self.fail(exc)
             self._idle.set()
 
-    def _on_peer_lost(self, src: int, reason: str) -> None:
-        super()._on_peer_lost(src, reason)
+    def on_peer_lost(self, src: int, reason: str) -> None:
+        super().on_peer_lost(src, reason)
         self._check_idle()
 
     def _check_idle(self) -> None:
@@ -372,25 +373,25 @@ class PlaneTransport(Transport):
             self._idle.set()
 
     def _busy(self) -> bool:
-        lost = self._lost
+        lost = self.lost_peers
         return any(i.msg.src not in lost for i in self._inflight_rx) or (bool(self._inflight_tx) and not lost)
 
     # -- flush / close ---------------------------------------------------------
 
     async def flush(self) -> None:
         await self.control.flush()
-        if self._lost:
-            raise self._lost[min(self._lost)]
+        if self.lost_peers:
+            raise self.lost_peers[min(self.lost_peers)]
 
     async def close(self, timeout: float = 30.0) -> None:
-        if self._closed or self._closing:
+        if self.closed or self.closing:
             return
-        if not self._started:
+        if not self.started:
             self.abort()
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        self._closing = True
+        self.closing = True
         err: BaseException | None = None
         try:
             await self.control.close(timeout)
@@ -406,26 +407,26 @@ class PlaneTransport(Transport):
                 self.plane.abort()
         self.plane.close()
         self._finish(TransportClosed(f"rank {self.rank}: closed"))
-        if self._lost:
-            raise self._lost[min(self._lost)]
+        if self.lost_peers:
+            raise self.lost_peers[min(self.lost_peers)]
         if err is not None:
             raise err
 
     def abort(self) -> None:
-        if self._closed:
+        if self.closed:
             return
         self.control.abort()
         self.plane.abort()
         self._finish(TransportClosed(f"rank {self.rank}: aborted"))
 
     def _finish(self, exc: BaseException) -> None:
-        self._closed = True
+        self.closed = True
         self._inflight_rx.clear()
         self._inflight_tx.clear()
         self._rx_early.clear()
-        self._mailbox.fail(exc)
+        self.fail(exc)
         self._idle.set()
-        self._bye_event.set()
+        self.peer_event.set()
 
 
 def _one_line(exc: BaseException) -> str:

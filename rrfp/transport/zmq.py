@@ -143,8 +143,8 @@ class ZmqTransport(Transport):
         # Lost-rank notices received: sender -> the rank it says was lost first.
         self._notices: dict[int, int] = {}
         self._notice_sent = False
-        self._rendezvous = Rendezvous(store, job, rank, sorted(self._peers()), auth, connect_timeout, self.stats,
-                                      self._reject)
+        self._rendezvous = Rendezvous(store, job, rank, sorted(self.peers()), auth, connect_timeout, self.stats,
+                                      self.reject)
         self._receiver: Receiver | None = None
         self._host = host
         self._hwm = hwm
@@ -183,14 +183,14 @@ class ZmqTransport(Transport):
             PeerLost: a peer disconnected during start.
             TransportClosed: abort() was called meanwhile.
         """
-        if self._started or self._closed:
+        if self.started or self.closed:
             raise RuntimeError(f"rank {self.rank}: start() called twice")
         try:
             await self._start()
         except BaseException:
             self.abort()
             raise
-        self._started = True
+        self.started = True
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -205,7 +205,7 @@ class ZmqTransport(Transport):
         self._bind(host, loop)
         self.peer_endpoints = await asyncio.to_thread(self._rendezvous.exchange, self.endpoint)
         self._check_alive()
-        for p in sorted(self._peers()):
+        for p in sorted(self.peers()):
             self._connect_peer(p, loop)
         await self._await_connections(deadline, loop)
 
@@ -236,9 +236,9 @@ class ZmqTransport(Transport):
         self.endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
         # Checked frame by frame as a message is read: routing id + header + tensors.
         self._receiver = Receiver(router, self.rank, self._rank_of, self._auth is not None, MAX_TENSORS + 2,
-                                  self.max_bytes + MAX_HEADER_BYTES, self.stats, reject=self._reject,
-                                  on_bye=self._on_bye, on_lost_notice=self._on_lost_notice,
-                                  deliver=self._deliver_frames, fail=self._mailbox.fail, closed=lambda: self._closed)
+                                  self.max_bytes + MAX_HEADER_BYTES, self.stats, reject=self.reject,
+                                  on_bye=self.on_bye, on_lost_notice=self._on_lost_notice,
+                                  deliver=self.deliver_frames, fail=self.fail, closed=lambda: self.closed)
         self._receiver.start(loop)
 
     def _connect_peer(self, p: int, loop: asyncio.AbstractEventLoop) -> None:
@@ -274,14 +274,14 @@ class ZmqTransport(Transport):
         """
         # Wake on each handshake, and on loss (which sets _bye_event).
         for fut in self._connected.values():
-            fut.add_done_callback(lambda _f: self._bye_event.set())
-        while not all(f.done() for f in self._connected.values()) and not self._lost:
+            fut.add_done_callback(lambda _f: self.peer_event.set())
+        while not all(f.done() for f in self._connected.values()) and not self.lost_peers:
             remaining = deadline - loop.time()
-            if remaining <= 0 or self._closed:
+            if remaining <= 0 or self.closed:
                 break
-            self._bye_event.clear()
+            self.peer_event.clear()
             try:
-                await asyncio.wait_for(self._bye_event.wait(), remaining)
+                await asyncio.wait_for(self.peer_event.wait(), remaining)
             except TimeoutError:
                 break
         self._check_alive()
@@ -293,10 +293,10 @@ class ZmqTransport(Transport):
             )
 
     def _check_alive(self) -> None:
-        if self._closed:
+        if self.closed:
             raise TransportClosed(f"rank {self.rank}: aborted during start")
-        if self._lost:
-            raise self._lost[min(self._lost)]
+        if self.lost_peers:
+            raise self.lost_peers[min(self.lost_peers)]
 
     def _sockopts(self, s: zmq.Socket) -> None:
         s.setsockopt(zmq.LINGER, 0)
@@ -329,9 +329,9 @@ class ZmqTransport(Transport):
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            if not self._closed:
+            if not self.closed:
                 log.exception("rank %d: sender to rank %d failed", self.rank, p)
-                self._mailbox.fail(
+                self.fail(
                     TransportClosed(f"rank {self.rank}: sender to rank {p} failed: {e!r}")
                 )
                 self._progress.set()
@@ -352,7 +352,7 @@ class ZmqTransport(Transport):
                 if starting and cut_in_a_row and what == zmq.EVENT_DISCONNECTED:
                     continue  # the cut handshake's own disconnect: libzmq reconnects
                 if (starting and what == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                        and cut_in_a_row < START_RETRIES and not self._closed):
+                        and cut_in_a_row < START_RETRIES and not self.closed):
                     cut_in_a_row += 1
                     self.handshake_retries += 1
                     log.info("rank %d: handshake with rank %d cut before an outcome; reconnecting (%d of %d)",
@@ -378,20 +378,20 @@ class ZmqTransport(Transport):
             raise
         except Exception as e:
             # Without its monitor a peer's death would go unnoticed: fail loudly.
-            if not self._closed:
+            if not self.closed:
                 log.exception("rank %d: monitor of rank %d failed", self.rank, p)
-                self._on_peer_lost(p, f"monitor failed: {e!r}")
+                self.on_peer_lost(p, f"monitor failed: {e!r}")
 
     def _on_disconnect(self, p: int, reason: str) -> None:
-        if p in self._byes or self._closed:
+        if self.said_bye(p) or self.closed:
             return
-        if self._closing:
-            asyncio.get_running_loop().call_later(self._bye_grace, self._on_peer_lost, p, reason)
-        elif self._lost:
-            self._on_peer_lost(p, reason)
+        if self.closing:
+            asyncio.get_running_loop().call_later(self._bye_grace, self.on_peer_lost, p, reason)
+        elif self.lost_peers:
+            self.on_peer_lost(p, reason)
         else:
             # The peer's notice naming the rank it lost first may still be on its way.
-            asyncio.get_running_loop().call_later(_LOST_NOTICE_GRACE, self._on_peer_lost, p, reason)
+            asyncio.get_running_loop().call_later(_LOST_NOTICE_GRACE, self.on_peer_lost, p, reason)
 
     # -- root cause ------------------------------------------------------------
 
@@ -399,21 +399,21 @@ class ZmqTransport(Transport):
         """``src`` is leaving because it lost rank X first: fail with X, not with src."""
         x = self._rank_of.get(body)
         if x is None or x == self.rank:
-            self._reject(src, f"malformed lost-rank notice {body[:16]!r}")
+            self.reject(src, f"malformed lost-rank notice {body[:16]!r}")
             return
         self._notices[src] = x
-        if x not in self._lost:
-            self._on_peer_lost(x, f"reported by rank {src}, which stopped because of it")
+        if x not in self.lost_peers:
+            self.on_peer_lost(x, f"reported by rank {src}, which stopped because of it")
 
-    def _on_peer_lost(self, src: int, reason: str) -> None:
-        first = not self._lost
-        if src in self._notices and src not in self._lost and self._notices[src] in self._lost:
+    def on_peer_lost(self, src: int, reason: str) -> None:
+        first = not self.lost_peers
+        if src in self._notices and src not in self.lost_peers and self._notices[src] in self.lost_peers:
             return  # src left because of a loss we already report
-        super()._on_peer_lost(src, reason)
-        if first and self._lost:
+        super().on_peer_lost(src, reason)
+        if first and self.lost_peers:
             # Tell the others why we are about to leave, straight to ZeroMQ (the sender
             # coroutines may never run again): they then name the same root cause.
-            self._send_lost_notices(next(iter(self._lost)))
+            self._send_lost_notices(next(iter(self.lost_peers)))
 
     async def wait_lost(self, timeout: float | None = None) -> PeerLost | None:
         """The first peer lost, waiting up to ``timeout`` s for one to be noticed.
@@ -427,28 +427,28 @@ class ZmqTransport(Transport):
             timeout = self._hb_timeout_ms / 1000 + 1.0
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
-        while not self._lost and not self._closed and (left := end - loop.time()) > 0:
-            self._bye_event.clear()
+        while not self.lost_peers and not self.closed and (left := end - loop.time()) > 0:
+            self.peer_event.clear()
             try:
-                await asyncio.wait_for(self._bye_event.wait(), left)
+                await asyncio.wait_for(self.peer_event.wait(), left)
             except TimeoutError:
                 break
-        return self._first_lost() if self._lost else None
+        return self._first_lost() if self.lost_peers else None
 
     def _first_lost(self) -> PeerLost:
-        return next(iter(self._lost.values()))
+        return next(iter(self.lost_peers.values()))
 
-    def _close_outcome(self, missing: set[int], timeout: float) -> None:
-        if self._lost:
+    def close_outcome(self, missing: set[int], timeout: float) -> None:
+        if self.lost_peers:
             raise self._first_lost()
-        super()._close_outcome(missing, timeout)
+        super().close_outcome(missing, timeout)
 
-    def _wake_flush(self) -> None:
+    def wake_flush(self) -> None:
         self._progress.set()
 
     def _send_lost_notices(self, lost: int) -> None:
         for p, d in self._direct.items():
-            if p != lost and p not in self._lost and not d.closed:
+            if p != lost and p not in self.lost_peers and not d.closed:
                 try:
                     send_now(d, [LOST_NOTICE, str(lost).encode()])
                 except zmq.ZMQError:
@@ -464,7 +464,7 @@ class ZmqTransport(Transport):
         tensors: Sequence[Tensor | None],
         meta: dict[str, Any] | None = None,
     ) -> None:
-        self._check_send(dst)
+        self.check_send(dst)
         if key.job != self.job:
             raise ValueError(f"key.job {key.job!r} is not this transport's job {self.job!r}")
         frames = encode(key, tensors, meta)
@@ -473,13 +473,13 @@ class ZmqTransport(Transport):
             # fresh tensors that do not alias the sender's.
             self.stats["messages_sent"] += 1
             self.stats["bytes_sent"] += frames_nbytes(frames)
-            self._deliver_frames(self.rank, frames)
+            self.deliver_frames(self.rank, frames)
             return
         self._enqueue(dst, frames)
 
     def _enqueue(self, dst: int, frames: list[Frame]) -> None:
         direct = self._direct.get(dst)
-        if direct is not None and not self._outq[dst] and dst not in self._lost:
+        if direct is not None and not self._outq[dst] and dst not in self.lost_peers:
             # The sender coroutine is idle exactly when the queue is empty, so this keeps
             # per-peer order. Nothing waits on a direct send (flush and close wait for
             # the queues), so no progress event is set.
@@ -498,10 +498,10 @@ class ZmqTransport(Transport):
 
     async def flush(self) -> None:
         while True:
-            if self._lost:
+            if self.lost_peers:
                 raise self._first_lost()
-            if self._mailbox.error is not None:
-                raise self._mailbox.error
+            if self.error is not None:
+                raise self.error
             if self._pending == 0:
                 return
             self._progress.clear()
@@ -509,8 +509,8 @@ class ZmqTransport(Transport):
 
     async def _drain_live(self) -> None:
         """Wait until the queues of all peers not lost are handed to ZeroMQ."""
-        while any(q for p, q in self._outq.items() if p not in self._lost):
-            if self._mailbox.error is not None and not isinstance(self._mailbox.error, PeerLost):
+        while any(q for p, q in self._outq.items() if p not in self.lost_peers):
+            if self.error is not None and not isinstance(self.error, PeerLost):
                 return
             self._progress.clear()
             await self._progress.wait()
@@ -518,17 +518,17 @@ class ZmqTransport(Transport):
     # -- shutdown --------------------------------------------------------------
 
     async def close(self, timeout: float = 30.0) -> None:
-        if self._closed or self._closing:
+        if self.closed or self.closing:
             return
-        if not self._started:
+        if not self.started:
             self.abort()
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        self._closing = True
-        for p in self._peers():
+        self.closing = True
+        for p in self.peers():
             self._enqueue(p, [BYE])
-        missing = await self._await_byes(timeout)
+        missing = await self.await_byes(timeout)
         try:
             # Our BYEs must be in ZeroMQ's queues before the sockets close; a lost
             # peer's queue may never drain, so it is not waited for.
@@ -536,12 +536,12 @@ class ZmqTransport(Transport):
         except TimeoutError:
             pass  # reported below as missing BYEs
         await self._teardown(graceful=True)
-        self._close_outcome(missing, timeout)
+        self.close_outcome(missing, timeout)
 
     def abort(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._rendezvous.stop()
         for t in self._tasks:
             t.cancel()
@@ -557,12 +557,12 @@ class ZmqTransport(Transport):
                 self._ctx.term()
             else:
                 self._ctx.destroy(linger=0)
-        self._mailbox.fail(TransportClosed(f"rank {self.rank}: aborted"))
-        self._bye_event.set()
+        self.fail(TransportClosed(f"rank {self.rank}: aborted"))
+        self.peer_event.set()
         self._progress.set()
 
     async def _teardown(self, graceful: bool) -> None:
-        self._closed = True
+        self.closed = True
         self._rendezvous.stop()
         for t in self._tasks:
             t.cancel()
@@ -575,7 +575,7 @@ class ZmqTransport(Transport):
         if self._ctx is not None:
             # term() blocks until lingering frames are out: keep the loop free.
             await asyncio.to_thread(self._ctx.term)
-        self._mailbox.fail(TransportClosed(f"rank {self.rank}: closed"))
+        self.fail(TransportClosed(f"rank {self.rank}: closed"))
         self._progress.set()
 
     def _close_sockets(self, linger_ms: int) -> None:
@@ -589,7 +589,7 @@ class ZmqTransport(Transport):
             m.close(linger=0)
         for p, d in self._dealers.items():
             # Lingering toward a lost peer would only stall ctx.term().
-            d.close(linger=0 if p in self._lost else linger_ms)
+            d.close(linger=0 if p in self.lost_peers else linger_ms)
         if self._router is not None:
             self._router.close(linger=0)
 

@@ -52,9 +52,10 @@ class RuntimeConfig:
         device: where the stages compute (``"cpu"``, ``"cuda:1"``); None: where they are.
         executor: ``auto``, ``inline``, ``thread`` or ``cuda`` (:mod:`rrfp.runtime.engine.executor`).
         launch_ahead: the CUDA executor's launch-ahead window, 1 or 2 tasks.
-        transport: a :class:`~rrfp.transport.base.Transport`, or the data plane's name
-            (``zmq``, ``torch``); None: ZeroMQ through torch.distributed's store. In-process
-            pipelines run over the fake network and take only None.
+        transport: a :class:`~rrfp.transport.base.Transport`, or a name of
+            :mod:`rrfp.transport.registry` (``zmq``, ``torch``, or one registered); None: ZeroMQ
+            through torch.distributed's store. In-process pipelines take only the name of an
+            in-process one (``fake``, the default, ``fake-plane``, ``fake-nccl``, ...).
         layout: a :class:`~rrfp.parallel.layout.ParallelLayout` or a torch ``DeviceMesh`` whose
             dimensions are named from ``pp``, ``dp``, ``tp`` (any order and subset).
         tied: parameters shared by stages, ``{name: {stage_index: parameter name}}`` (stage

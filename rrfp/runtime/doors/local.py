@@ -1,4 +1,4 @@
-"""In-process pipelines: every rank of a pipeline in one process over the fake transport.
+"""In-process pipelines: every rank of a pipeline in one process over an in-process transport.
 
 :class:`LocalPipeline` is :class:`~rrfp.runtime.doors.pipeline.Pipeline` with another process
 model: it builds every rank through the same path (:mod:`rrfp.runtime.doors.front`) and runs the
@@ -18,7 +18,7 @@ from ..engine.stage import PipelineStage
 
 
 class LocalPipeline(FrontDoor):
-    """Every rank of a pipeline in this process, over the in-process fake transport.
+    """Every rank of a pipeline in this process, over an in-process transport (the fake network).
 
     For users' unit tests and for ours: the same :class:`RankRuntime` as a real job, with
     seeded per-message delays so messages overtake each other. Steps, returns, defaults and
@@ -35,16 +35,19 @@ class LocalPipeline(FrontDoor):
             sums the named parameters' gradients over their stages after each step (modules
             that share one ``nn.Parameter`` need no tie). ``layout`` may only be PP-only.
         n_virtual: virtual stages per rank.
+        transport: a name of :mod:`rrfp.transport.registry` that runs within one process
+            (``config.transport``; None: ``fake``, tensors ride the fake network): ``fake-plane``
+            or ``fake-nccl`` put announcements on the fake network and tensors on an in-process
+            data plane (``fake-nccl``: matched by order alone, like NCCL) with the same seeded
+            ``delay``, see :attr:`wire`; or one registered from outside.
         delay: ``(low, high)`` seconds of uniform random delay per message.
         seed: seeds the message delays.
-        data_plane: None (tensors ride the fake network), ``fake`` or ``fake-nccl``: announcements
-            on the fake network, tensors on an in-process data plane (``fake-nccl``: matched by
-            order alone, like NCCL) with the same seeded ``delay``; see :attr:`wire`.
         encode: pass every message through the codec, as between processes.
         dw_builders: one per stage (None for none): that stage's ``PipelineStage(dw_builder=)``.
 
     Raises:
-        ValueError: as :class:`Pipeline`; a transport, or a layout with DP or TP.
+        ValueError: as :class:`Pipeline`; a transport that is not a name of an in-process one,
+            or a layout with DP or TP.
         TypeError: an unknown option.
     """
 
@@ -63,7 +66,6 @@ class LocalPipeline(FrontDoor):
         n_virtual: int = 1,
         delay: tuple[float, float] = (0.0, 0.0),
         seed: int = 0,
-        data_plane: str | None = None,
         encode: bool = True,
         dw_builders: Sequence[Callable[[], Callable[[], None]] | None] | None = None,
         config: RuntimeConfig | None = None,
@@ -75,9 +77,12 @@ class LocalPipeline(FrontDoor):
             raise ValueError(f"dw_builders: {len(dw_builders)} given, expected one per stage ({n_stages}, None for none)")
         if n_virtual < 1 or n_stages % n_virtual:
             raise ValueError(f"{n_stages} stage modules do not split into ranks of {n_virtual} virtual stages")
-        if config.transport is not None:
-            raise ValueError(f"transport={config.transport!r}: LocalPipeline runs over the in-process fake network "
-                             "(choose its data plane with data_plane=)")
+        from ...transport import registry
+
+        transport = "fake" if config.transport is None else config.transport
+        if not isinstance(transport, str):
+            raise ValueError(f"transport={transport!r}: LocalPipeline builds its ranks' transports by name, expected "
+                             f"one of {', '.join(registry.names(registry.LOCAL))}")
         n_ranks = n_stages // n_virtual
         _check_local_layout(config.layout, n_ranks)
         the_plan = plan(config, n_ranks, n_virtual, n_microbatches)
@@ -85,22 +90,17 @@ class LocalPipeline(FrontDoor):
                   for s in the_plan.placement.stages_of(r)] for r in range(n_ranks)]
         for r, stages in enumerate(ranks):
             check_rank(the_plan, r, stages, config)
+        job = config.job if config.job is not None else "rrfp-local"
+        group = registry.build_local(transport, registry.LocalContext(n_ranks, seed=seed, delay=delay, encode=encode,
+                                                                      job=job))
         self._setup(new_event_loop(), the_plan, config, n_microbatches, loss_fn, args_chunk_spec,
                     kwargs_chunk_spec, output_merge_spec, scale_grads)
         self.modules = self._modules = list(modules)
         self.n_ranks = n_ranks
         self._ties = _local_ties(config.tied, self.modules)
-        from ...transport.fake import FakeNetwork
-
-        self.net = FakeNetwork(n_ranks, seed=seed, delay=delay, encode=encode)
-        self.transports = self._transports = [self.net.transport(r) for r in range(n_ranks)]
-        self.wire = None
-        if data_plane is not None:
-            from ...transport.factory import wrap_fake
-
-            self.transports, self.wire = wrap_fake(self.transports, data_plane, seed=seed + 1, delay=delay)
-            self._transports = self.transports
-        job = config.job if config.job is not None else "rrfp-local"
+        self._group = group
+        self.net, self.wire = self._group.network, self._group.wire
+        self.transports = self._transports = list(self._group.transports)
 
         async def build():
             for t in self.transports:
@@ -119,7 +119,8 @@ class LocalPipeline(FrontDoor):
     def _abort_transports(self) -> None:
         # All ranks are in this process and end together: none reports the others lost (the
         # user's own error is the one thing to say).
-        self.net.abort_all()
+        if self._group.abort_all is not None:
+            self._group.abort_all()
         for t in self._transports:
             t.abort()
 

@@ -213,8 +213,8 @@ def _as_layout(layout: Any):
 
 
 def _transport(transport: Any, rank: int, n_ranks: int, job: str, device: Any, stages: Sequence[PipelineStage]):
-    """The rank's transport: the caller's, or the default (ZeroMQ through the store) with the
-    named data plane, receiving on the device the stages will compute on."""
+    """The rank's transport: the caller's, or the registry's by name (default ``zmq``) through
+    the store, receiving on the device the stages will compute on."""
     if transport is not None and not isinstance(transport, str):
         return transport
     from ...parallel.bootstrap import default_transport
@@ -222,7 +222,7 @@ def _transport(transport: Any, rank: int, n_ranks: int, job: str, device: Any, s
     if transport is None:
         return default_transport(rank, n_ranks, job)
     plane_device = torch.device(device) if device is not None else stages[0].device
-    return default_transport(rank, n_ranks, job, data_plane=transport, device=plane_device)
+    return default_transport(rank, n_ranks, job, transport, device=plane_device)
 
 
 def _agree_on_construction(job: str, rank: int, n_ranks: int, error: BaseException | None, timeout_s: float) -> None:
