@@ -5,7 +5,7 @@ factory of the policy it runs in readiness mode, its default backward form, the 
 (a schedule built from the pipeline's shape), its strict form, whether ``auto`` may try it and
 a one-line help. Everything that knows hint names reads it: the resolver
 (:func:`rrfp.scheduler.hints.resolve_hint`), the arbiter (which policy a rank builds),
-``rrfp train``'s early checks, ``auto``'s candidates (:func:`rrfp.sim.auto.candidates`), the
+``rrfp train``'s early checks, ``auto``'s candidates (:func:`rrfp.sim.auto.all_candidates`), the
 ``--help`` of ``rrfp train --hint`` and ``rrfp simulate --hints`` and docs/scheduling.md's table
 (:func:`markdown_table`; a test keeps the two equal). PyTorch's schedule names are aliases
 (:data:`ALIASES`, :func:`canonical`).
@@ -58,7 +58,7 @@ class HintEntry:
             policy that ranks whatever is ready.
         strict: its strict form (:data:`COMPILE`, :data:`ORDER`, None); default: ``COMPILE``
             for a policy, ``ORDER`` for an entry with an order.
-        auto: ``auto`` may try it (:func:`rrfp.sim.auto.candidates`): an entry with an order
+        auto: ``auto`` may try it (:func:`rrfp.sim.auto.all_candidates`): an entry with an order
             in its strict form (the fixed order), a policy as itself.
         auto_rank: ``auto``'s preference on a tie, lower first (the built-ins use 10-50).
         help: one line for ``--help`` and docs/scheduling.md.
