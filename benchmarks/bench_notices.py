@@ -82,9 +82,9 @@ def notices_per_step(p: int, M: int) -> tuple[list[int], int]:
     counts = []
     with LocalPipeline(split_toy(ToyModel(cfg), p), M, toy_loss, hint="backfill:1f1b") as pipe:
         for _ in range(2):
-            before = sum(rt.notices.n_sent for rt in pipe.runtimes)
+            before = sum(rt.features["notices"].n_sent for rt in pipe.runtimes)
             pipe.step(*x, target=y)
-            counts.append(sum(rt.notices.n_sent for rt in pipe.runtimes) - before)
+            counts.append(sum(rt.features["notices"].n_sent for rt in pipe.runtimes) - before)
     return counts, 2 * M * (p - 1)
 
 

@@ -133,7 +133,7 @@ def _agree_worker(args) -> None:
     pipe = Pipeline(PipelineStage(mod, layout.pp_rank, 2), 8, lm_loss, loss_weight_fn=count_tokens, layout=layout,
                     job="bench-tp")
     samples = load_samples(None, 128, 0, limit=32 * (args.steps + 1))
-    ex = pipe.runtime.loop.agree
+    ex = pipe.tp_agreement.exchange
     rows = []
     for k in range(args.steps):
         mbs = make_microbatches(samples[32 * k:32 * (k + 1)], 8)
@@ -141,7 +141,7 @@ def _agree_worker(args) -> None:
         t0 = time.perf_counter()
         pipe.step(microbatches=[(m.tokens,) for m in mbs], targets=[m.targets for m in mbs])
         wall = time.perf_counter() - t0
-        ag = pipe.runtime.loop.agreement
+        ag = pipe.tp_agreement.agreement
         rows.append({"wall": wall, "agree_s": ex.seconds - s0, "rounds": ex.rounds - r0,
                      "mismatches": ag.mismatches})
     pipe.close()

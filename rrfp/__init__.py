@@ -23,7 +23,7 @@ _LAZY = {
     "StepHooks": "rrfp.runtime.engine.hooks",
     "PipelineError": "rrfp.errors",
     "WatchdogTimeout": "rrfp.errors",
-    "PeerLost": "rrfp.transport.base",
+    "PeerLost": "rrfp.errors",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -78,6 +78,31 @@ def run(scenario: str, out: str, dp: int, tp: int, steps: int = 1, tied: bool = 
                f"{out}/{scenario}.rank{layout.rank}.pt")
 
 
+def accumulation(out: str, case: str, pp: int, dp: int) -> None:
+    """Two steps of ``case`` (tests/tie_cases.py) without ``zero_grad`` between them, on PP
+    ``pp`` x DP ``dp``: each replica its rows of each step's batch."""
+    import tie_cases as C
+
+    from rrfp.parallel import ParallelLayout
+    from rrfp.runtime.doors.pipeline import Pipeline
+    from rrfp.runtime.engine.stage import PipelineStage
+
+    layout = ParallelLayout.build(pp, dp, 1)
+    p = layout.pp_rank
+    _, modules, tied = C.build(case, pp)
+    mod = modules[p]
+    pipe = Pipeline(PipelineStage(mod, p, pp), M, lm_loss, loss_weight_fn=count_tokens, layout=layout, watchdog=60,
+                    job=f"accum-{case}-{pp}", tied=tied, hint="1f1b")
+    rows = slice(layout.dp_rank * C.ROWS // dp, (layout.dp_rank + 1) * C.ROWS // dp)
+    for k in range(2):
+        ids, mask, targets = C.batch(case, k)
+        kwargs = {"attention_mask": mask[rows]} if mask is not None and p == 0 else {}
+        pipe.step(ids[rows] if p == 0 else None, target=targets[rows] if p == pp - 1 else None, **kwargs)
+    pipe.close()
+    torch.save({"coords": (p, layout.dp_rank), "grads": C.stage_grads([mod])[p]},
+               f"{out}/accum-{case}-pp{pp}.rank{layout.rank}.pt")
+
+
 def ddp_refused(out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -113,6 +138,11 @@ def main(rank: int, world: int, port: int, out: str) -> None:
     run("tp", out, dp=1, tp=2, jitter=True, clip=0.05)
     run("tied_tp", out, dp=1, tp=2, tied=True, jitter=True, tp_exchange="gloo")
     ddp_refused(out)
+    import tie_cases
+
+    for case in tie_cases.CASES:
+        accumulation(out, case, pp=4, dp=1)
+        accumulation(out, case, pp=2, dp=2)
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def test_auto_runs_its_candidates_at_the_strict_schedules_memory():
 def test_the_control_plane_share_gathers_in_rank_order_and_keeps_other_messages():
     """Two ranks' runtimes over the fake network: parts larger than one control message come
     back whole and in rank order on both, max and sum agree, and a control message that is
-    not auto's stays for its reader."""
+    not auto's stays in the rank's control queue for its reader."""
     import asyncio
 
     from rrfp.runtime.features import auto
@@ -156,7 +156,7 @@ def test_the_control_plane_share_gathers_in_rank_order_and_keeps_other_messages(
         assert [[list(t) for t in g] for g in got] == [want, want]
         assert pipe.run(both(lambda r, sh: sh.max(1.0 + r))) == [2.0, 2.0]
         assert pipe.run(both(lambda r, sh: sh.sum(1.0 + r))) == [3.0, 3.0]
-        assert [m.meta for m in shares[0].held] == [{"users": 1}] and shares[1].held == []
+        assert [m.meta for m in rts[0].poll_control()] == [{"users": 1}] and rts[1].poll_control() == []
 
 
 @pytest.mark.parametrize("parts, says", [
@@ -186,7 +186,7 @@ def test_a_malformed_auto_part_from_a_peer_is_refused_naming_it(parts, says):
 
         async def peer_sends():
             for p in parts:
-                rts[1].send_control(0, 1, {"rrfp-auto": 1, "part": 0, "of": 1, "items": [9.0], **p})
+                rts[1].send_control(0, 1, {"kind": auto.KIND, "rrfp-auto": 1, "part": 0, "of": 1, "items": [9.0], **p})
 
         pipe.run(peer_sends())
         with pytest.raises(PipelineError, match=re.escape(f"rank 1 sent a malformed auto message (exchange 1): ")

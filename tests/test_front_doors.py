@@ -283,3 +283,54 @@ def test_a_close_that_fails_part_way_leaves_no_task_pending():
     del pipe
     gc.collect()
     assert said == []
+
+
+def _one_rank_pipeline(mod, m, **options):
+    from rrfp.transport.fake import FakeNetwork
+
+    return rrfp.Pipeline(rrfp.PipelineStage(mod, 0, 1), m, F.mse_loss, rank=0, n_ranks=1,
+                         transport=FakeNetwork(1).transport(0), **options)
+
+
+@pytest.mark.parametrize("door", ["local", "pipeline"])
+def test_a_target_batch_of_4_rows_for_16_inputs_is_refused_in_one_line(door):
+    """The field trial's case: 16 input rows and 4 target rows in 4 microbatches trained on
+    main, the loss broadcasting one target row over each microbatch's 4 outputs. Refused
+    before anything runs: no gradient appears."""
+    torch.manual_seed(4)
+    mods = [nn.Linear(3, 3), nn.Linear(3, 3)]
+    x, y = torch.randn(16, 3), torch.randn(4, 3)
+    pipe = rrfp.LocalPipeline(mods, 4, F.mse_loss) if door == "local" else \
+        _one_rank_pipeline(nn.Sequential(*mods), 4)
+    with pipe:
+        with pytest.raises(ValueError) as e:
+            pipe.step(x, target=y)
+        with pytest.raises(ValueError) as pre:  # pre-split: one target per microbatch
+            pipe.step(microbatches=[(a,) for a in x.split(4)], targets=list(y.split(1)))
+        pipe.step(x, target=torch.randn(16, 3))  # the right target still trains
+    assert str(e.value) == ("target batch of 4 rows != input batch of 16 rows (input 0): "
+                            "expected one target row per input sample")
+    assert str(pre.value) == ("microbatch 0: target batch of 1 rows != input batch of 4 rows (input 0): "
+                              "expected one target row per input sample")
+
+
+def test_a_target_matches_the_inputs_along_their_split_dimension():
+    """A sequence-first input ``[T, B, H]`` split along dim 1 (``args_chunk_spec``) has B rows;
+    the target, split along dim 0 as PyTorch's schedules do, has B too: accepted."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+    class SeqFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x).sum(0)  # [T, b, H] -> [b, H]
+
+    x, y = torch.randn(5, 8, 3), torch.randn(8, 3)
+    with rrfp.LocalPipeline([SeqFirst()], 2, F.mse_loss, args_chunk_spec=(TensorChunkSpec(1),)) as pipe:
+        loss = pipe.step(x, target=y)
+    torch.testing.assert_close(loss, F.mse_loss(pipe.modules[0](x), y).detach(), rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError, match=r"^target batch of 5 rows != input batch of 8 rows"):
+        with rrfp.LocalPipeline([SeqFirst()], 2, F.mse_loss, args_chunk_spec=(TensorChunkSpec(1),)) as pipe:
+            pipe.step(x, target=torch.randn(5, 3))

@@ -25,7 +25,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sim", ("rrfp.sim",)),
     ("transport", ("rrfp.transport",)),
     ("parallel", ("rrfp.parallel",)),
-    ("runtime", ("rrfp.runtime",)),
+    # runtime/ in three rooms: the per-rank engine, the step features that join it through its
+    # seams (observers, control handlers, the decider), and the front doors that build both.
+    ("engine", ("rrfp.runtime", "rrfp.runtime.engine")),
+    ("features", ("rrfp.runtime.features",)),
+    ("doors", ("rrfp.runtime.doors",)),
     ("train", ("rrfp.train",)),
     ("package", ("rrfp",)),  # rrfp/__init__.py, the public names
     ("cli", ("rrfp.cli", "rrfp.__main__", "rrfp.bench_cli", "rrfp.gpu_check", "rrfp.node")),
@@ -177,7 +181,41 @@ def test_the_walk_finds_deferred_imports_cycles_and_upward_arrows(tmp_path):
     assert g["rrfp.runtime.c"] == {("benchmarks.micro", 1), ("rrfp.runtime.b", 2)}
     assert cycles({m: {t for t, _ in ts} for m, ts in g.items()}) == [frozenset({"rrfp.scheduler.a",
                                                                                  "rrfp.runtime.b"})]
-    assert upward_arrows(g) == ["rrfp.scheduler.a:2 imports rrfp.runtime.b (runtime is above scheduler)"]
+    assert upward_arrows(g) == ["rrfp.scheduler.a:2 imports rrfp.runtime.b (engine is above scheduler)"]
+
+
+def test_the_runtimes_three_rooms_are_layers(tmp_path):
+    """The engine may not import a feature, nor a feature a front door; a door may use both."""
+    pkg = tmp_path / "rrfp"
+    for room in ("engine", "features", "doors"):
+        (pkg / "runtime" / room).mkdir(parents=True)
+        (pkg / "runtime" / room / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "runtime" / "__init__.py").write_text("")
+    (pkg / "runtime" / "engine" / "loop.py").write_text("from ..features import notices\n")
+    (pkg / "runtime" / "features" / "notices.py").write_text("from ..engine import loop\n")
+    (pkg / "runtime" / "features" / "auto.py").write_text("def f():\n    from ..doors.config import plan\n")
+    (pkg / "runtime" / "doors" / "config.py").write_text("from ..features import notices\nfrom ..engine import loop\n")
+    assert upward_arrows(graph(pkg)) == [
+        "rrfp.runtime.engine.loop:1 imports rrfp.runtime.features.notices (features is above engine)",
+        "rrfp.runtime.features.auto:2 imports rrfp.runtime.doors.config (doors is above features)",
+    ]
+
+
+def test_the_packages_error_names_load_no_torch():
+    """``rrfp.PeerLost`` (and the other errors) come from rrfp/errors.py, which imports nothing:
+    a launcher or the simulator can catch them without loading torch (on main before this, the
+    name was wired to rrfp.transport.base, which loads it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rrfp; [getattr(rrfp, n) for n in ('PeerLost', 'PipelineError', 'WatchdogTimeout')]; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
+    from rrfp.errors import PeerLost
+
+    assert rrfp.PeerLost is PeerLost
 
 
 @pytest.mark.parametrize("cycle", sorted(KNOWN_CYCLES, key=sorted))

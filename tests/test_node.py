@@ -175,30 +175,29 @@ def test_two_daemons_sigterm_then_resume_then_rank_killed_mid_checkpoint(tmp_pat
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_export_loads_into_gpt_with_the_pipelined_logits(tmp_path, reference):
-    """``rrfp export`` writes one state dict; GPT loaded from it gives the logits of the four
-    trained stage modules chained (loaded from the same checkpoint's shards), bit for bit."""
-    from rrfp.model.gpt import GPT, GPT_PRESETS, build_stage
+def test_export_loads_with_from_pretrained_with_the_pipelined_logits(tmp_path, reference):
+    """``rrfp export`` writes a Hugging Face folder (GPT-2 configured as rrfp's GPT); loaded with
+    ``from_pretrained`` it gives the logits of the four trained stage modules chained (loaded
+    from the same checkpoint by the model's names), bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    from rrfp.model.gpt import GPT_PRESETS, build_stage
+    from rrfp.model.names import full_names
 
-    out = tmp_path / "model.pt"
+    out = tmp_path / "hf"
     proc = Proc([sys.executable, "-m", "rrfp", "export", str(reference), "--out", str(out)], _env())
     assert proc.finish(600) == 0, proc.output()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     cfg = dataclasses.replace(GPT_PRESETS["tiny"], max_len=64)
-    model = GPT(cfg)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    model.load_state_dict(torch.load(out))
-    assert any(not torch.equal(init[k], v) for k, v in model.state_dict().items())  # trained weights
-
     shards = _model_state(reference)
     stages = [build_stage(cfg, 4, s) for s in range(4)]
-    for s, st in enumerate(stages):
-        st.load_state_dict({n: shards[f"model.stage{s}.{n}"] for n in st.state_dict()})
+    for st in stages:
+        st.load_state_dict({n: shards[f"model.{full_names(st)[n]}"] for n in st.state_dict()})
     tokens = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(1))
     x = tokens
     with torch.no_grad():
         for st in stages:
             x = st(x)
-        assert torch.equal(model(tokens), x)
+        assert torch.equal(model(tokens).logits, x)
 
 
 def test_export_refuses_a_truncated_shard_in_one_line(tmp_path, reference):
@@ -211,7 +210,7 @@ def test_export_refuses_a_truncated_shard_in_one_line(tmp_path, reference):
     shard = sorted(damaged.glob("*.distcp"))[0]
     with open(shard, "r+b") as f:
         f.truncate(100)
-    out = tmp_path / "model.pt"
+    out = tmp_path / "hf"
     proc = Proc([sys.executable, "-m", "rrfp", "export", str(damaged), "--out", str(out)], _env())
     assert proc.finish(600) == 2, proc.output()
     err = proc.output().strip().splitlines()

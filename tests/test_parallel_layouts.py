@@ -4,7 +4,8 @@ One launch of 4 processes runs every scenario (``tests/par_worker.py``): PP2 x D
 token counts per replica, PP2 x DP2 with the embedding tied to the head across the first and
 last stage, PP2 x DP2 after 3 SGD steps with global-norm clipping, PP2 x TP2 (with jitter on
 one TP rank, the collective-bearing tasks' order must match; TP agreement over the control
-plane), PP2 x TP2 with the tie (agreement over gloo), and a DDP-wrapped stage refused.
+plane), PP2 x TP2 with the tie (agreement over gloo), a DDP-wrapped stage refused, and two
+steps without ``zero_grad`` on PP4 and PP2 x DP2 for rrfp's GPT, GPT-2 and Qwen2 with tied copies.
 """
 
 from __future__ import annotations
@@ -153,6 +154,25 @@ def test_pp2_tied_embedding_in_each_tp_pipeline_matches_reference(results):
             torch.testing.assert_close(g, want, **TOL, msg=lambda m: f"pp {pp} tp {tp} {name}: {m}")
         if pp == 1:
             torch.testing.assert_close(part["losses"][0], losses[0], **TOL)
+
+
+@pytest.mark.parametrize("pp,dp", [(4, 1), (2, 2)])
+@pytest.mark.parametrize("case", ["gpt", "gpt2", "qwen2"])
+def test_two_steps_without_zero_grad_give_g1_plus_g2_in_pipeline(results, case, pp, dp):
+    """The field trial's tied copies (GPT-2 off by 6.25e-2, Qwen2 by 0.146 on main) over
+    processes: every parameter, each tie's copies included, ends with the sum of the whole
+    model's two steps' gradients (tests/tie_cases.py). At DP 2 every replica's earlier total
+    was summed once per replica too, untied parameters included."""
+    import tie_cases as C
+
+    want = C.reference_grads(case, steps=2)
+    parts = [torch.load(results / f"accum-{case}-pp{pp}.rank{r}.pt") for r in range(4)]
+    seen = set()
+    for part in parts:
+        for name, g in part["grads"].items():
+            torch.testing.assert_close(g, want[name], **TOL, msg=lambda m: f"rank {part['coords']} {name}: {m}")
+            seen.add(name)
+    assert seen == set(want)
 
 
 def test_ddp_wrapped_stage_is_refused_with_one_line(results):

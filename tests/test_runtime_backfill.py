@@ -59,14 +59,14 @@ def _run(hint: str, durations: dict, *, steps: int = 2, mute_rank: int | None = 
                              task_delay=lambda step, rank, t: durations[(t.stage, t.kind)], **extra)
     sent = []
     for r, rt in enumerate(pipe.runtimes):
-        rt.notices.clock = loop.time  # the simulated clock: the costs are the forced seconds
-        send = rt.notices._send
+        rt.features["notices"].clock = loop.time  # the simulated clock: the costs are the forced seconds
+        send = rt.features["notices"]._send
 
         def logged(dst, step, meta, r=r, send=send):
             sent.append((r, dst, step, Task(*meta["task"]), meta["s"]))
             if r != mute_rank:
                 send(dst, step, meta)
-        rt.notices._send = logged
+        rt.features["notices"]._send = logged
     steps_out, losses = [], []
     with pipe:
         for _ in range(steps):
@@ -159,7 +159,7 @@ def test_a_forward_that_fits_in_time_is_not_run_ahead_past_the_orders_bytes():
     durations = {(0, F): 0.1, (0, B): 0.1, (1, F): 1.0, (1, B): 1.0}
     steps, sent, _, _, pipe = _run("backfill:", durations, budget=1 << 40, order=order)
     assert any(src == 1 and step == 1 and str(t) == "1B0" for src, _, step, t, _ in sent)
-    assert pipe.runtimes[0].notices.averages(Task(0, F, 1)) == pytest.approx(0.1)
+    assert pipe.runtimes[0].features["notices"].averages(Task(0, F, 1)) == pytest.approx(0.1)
     want = [["0F0", "0B0", "0F1", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]
     assert [s[1] for s in steps] == [want, want]
     assert steps[1][2] == [0, 0]
@@ -262,7 +262,7 @@ def test_forged_notices_over_the_network_are_counted_and_the_step_still_matches(
         pipe = LocalPipeline(mods, 2, toy_loss, hint="backfill:" + ORDER, record=True, watchdog=60,
                              task_delay=lambda step, rank, t: FITS[(t.stage, t.kind)])
     for rt in pipe.runtimes:
-        rt.notices.clock = loop.time
+        rt.features["notices"].clock = loop.time
     with pipe:
         pipe.step(*x, target=y)
         job = pipe.runtimes[0].job
@@ -294,7 +294,7 @@ def test_a_forward_only_step_between_backfilling_steps():
         pipe = LocalPipeline(split_toy(model, 2), 2, toy_loss, hint="backfill:" + ORDER, record=True, watchdog=60,
                              task_delay=lambda step, rank, t: FITS[(t.stage, t.kind)])
     for rt in pipe.runtimes:
-        rt.notices.clock = loop.time
+        rt.features["notices"].clock = loop.time
     with pipe:
         pipe.step(*x, target=y)
         with torch.no_grad():

@@ -334,3 +334,46 @@ def test_order_peak_bytes_with_w_bytes_hand_computed():
     assert order_peak_bytes(order, lambda s, m: 100) == 200
     assert order_peak_bytes(order, lambda s, m: 100, lambda s, m: 30) == 230
     assert order_peak_bytes(order, lambda s, m: 100, lambda s, m: None) == 300
+
+
+TORCH_SCHEDULES = {  # PyTorch's schedules as rrfp plans them: (virtual stages per rank, placement)
+    "GPipe": (1, "loop"), "1F1B": (1, "loop"), "Interleaved1F1B": (2, "loop"), "LoopedBFS": (2, "loop"),
+    "InterleavedZeroBubble": (1, "loop"), "ZBVZeroBubble": (2, "v"), "DualPipeV": (2, "v"),
+}
+
+
+@SETTINGS
+@given(
+    name=st.sampled_from(sorted(TORCH_SCHEDULES)),
+    p=st.integers(2, 5),
+    m_per_rank=st.integers(1, 4),
+    seed=st.integers(0, 10_000),
+    delays=st.booleans(),
+)
+def test_a_torch_schedule_as_hint_holds_at_most_its_orders_bytes_whatever_each_stage_holds(name, p, m_per_rank, seed,
+                                                                                            delays):
+    """The front doors' plan for a schedule used as a hint (no limit, no budget) against the
+    same order run strictly, which is PyTorch's run of it (tests/test_scheduler_schedules.py
+    compares the orders): every step completes and no rank holds more bytes, with each virtual
+    stage its own size (the count limits alone held up to 1.7x the order's bytes here), a
+    split backward's bytes held until W as PyTorch does. The same against torch's processes:
+    tests/test_hint_memory.py."""
+    from rrfp.runtime.doors.config import RuntimeConfig, plan
+
+    v, kind = TORCH_SCHEDULES[name]
+    m = p * m_per_rank
+    try:
+        pl = plan(RuntimeConfig(hint=name, placement=kind), p, v, m)
+    except ValueError:  # a shape the schedule does not take
+        return
+    sizes = [_keyed(seed, "size", s).randint(1, 1000) for s in range(p * v)]
+
+    def size(step, s, mb):
+        return sizes[s]
+
+    _, dur, delay = _budgets_and_timing(pl.placement, size, m, 1, 1.0, seed, delays)
+    res = simulate(pl.spec, pl.hint, dur, inflight_limit=pl.limits, delay=delay, act_bytes=size)
+    assert len(res.records) == len(pl.spec.all_tasks())
+    for r in range(p):
+        own = order_peak_bytes(pl.hint.order[r], lambda s, mb: sizes[s], lambda s, mb: sizes[s])
+        assert _peak(res.records, size, r) <= own, (r, sizes)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from rrfp.parallel.exchange import LocalExchange
+from rrfp.runtime.features import agreement
 from rrfp.runtime.doors.pipeline import new_event_loop
 from rrfp.runtime.engine.rank import RankRuntime
 from rrfp.runtime.engine.stage import PipelineStage
@@ -125,7 +126,7 @@ def _run_jittered(seed: int, n_pp: int = 3, M: int = 6) -> tuple[list[list[str]]
 
     async def main():
         exchanges = [LocalExchange(2) for _ in range(n_pp)]
-        runtimes = []
+        runtimes, drivers = [], []
         for tp in range(2):
             net = FakeNetwork(n_pp, seed=seed * 2 + tp, delay=(0.0, 0.0005), encode=False)
             for pp in range(n_pp):
@@ -134,7 +135,7 @@ def _run_jittered(seed: int, n_pp: int = 3, M: int = 6) -> tuple[list[list[str]]
                 rt = RankRuntime(pp, [PipelineStage(_Lin(pp), pp, n_pp)], spec, hint, t, strict=strict,
                                  job=f"tp{tp}", loss_fn=lambda out, y: ((out - y) ** 2).mean(), watchdog=20,
                                  record=True, task_delay=jitter if tp == 1 else None)
-                rt.set_tp_agreement(exchanges[pp].member(tp))
+                drivers.append(agreement.attach(rt, exchanges[pp].member(tp)))
                 runtimes.append(rt)
         x = torch.randn(M, 8, generator=torch.Generator().manual_seed(seed))
         mbs = [(x[m:m + 1],) for m in range(M)]
@@ -145,7 +146,7 @@ def _run_jittered(seed: int, n_pp: int = 3, M: int = 6) -> tuple[list[list[str]]
         for rt in runtimes:
             await rt.close()
         orders = [[str(r.task) for r in st.records if r.task.kind in (F, B)] for st in stats]
-        return orders, sum(rt.loop.agreement.mismatches for rt in runtimes)
+        return orders, sum(d.agreement.mismatches for d in drivers)
 
     try:
         return loop.run_until_complete(main())

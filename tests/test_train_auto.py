@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from rrfp.runtime.features.auto import TRIAL_ROUNDS, AutoHint, DistShare, LocalShare
 from rrfp.runtime.doors.config import RuntimeConfig, plan
+from rrfp.runtime.doors.front import FrontDoor
+from rrfp.runtime.engine.rank import RankRuntime
 from rrfp.scheduler import Placement, resolve_hint
 from rrfp.scheduler.tasks import TaskRecord
 
@@ -44,11 +46,16 @@ def three_candidates(monkeypatch):
 
 
 def _pipe():
+    """A stand-in front door whose hint switches go through the real ``FrontDoor.set_hint`` and
+    ``RankRuntime.set_hint`` (the one way ``auto`` switches)."""
     spec, hint, strict = resolve_hint("strict-1f1b", Placement(2), M)
-    rt = SimpleNamespace(stages={}, hooks=SimpleNamespace(final_kind="B"), loop=SimpleNamespace(record=False),
-                         _sizer=None, spec=spec, hint=hint, strict=strict)
-    return SimpleNamespace(spec=spec, hint=hint, strict=strict, n_microbatches=M, runtime=rt, _runtimes=[rt],
+    rt = SimpleNamespace(rank=0, stages={}, hooks=SimpleNamespace(final_kind="B"), loop=SimpleNamespace(record=False),
+                         sizer=None, spec=spec, hint=hint, strict=strict)
+    rt.set_hint = lambda *a: RankRuntime.set_hint(rt, *a)
+    pipe = SimpleNamespace(spec=spec, hint=hint, strict=strict, n_microbatches=M, runtime=rt, runtimes=[rt],
                            plan=SimpleNamespace(limits=[M, M], budget=None), config=RuntimeConfig())
+    pipe.set_hint = lambda text: FrontDoor.set_hint(pipe, text)
+    return pipe
 
 
 def _after(ctl, k, stats):

@@ -3,7 +3,7 @@ agreement. One function, used by :class:`~rrfp.runtime.doors.pipeline.Pipeline`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from .grads import GradSync, resolve_ties
 from .layout import ParallelLayout
@@ -12,13 +12,13 @@ __all__ = ["attach_layout"]
 
 
 def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_stages: int, rank_of, *,
-                  tp_exchange: str = "control", job: str = "rrfp", run=None) -> GradSync | None:
+                  tp_exchange: str = "control", job: str = "rrfp", run=None,
+                  join_tp: Callable[[Any], Any] | None = None) -> GradSync | None:
     """Register this rank's :class:`GradSync` (DP reduction, tied sums, global token count) and,
     at TP > 1, the TP agreement exchange on ``runtime``.
 
     Args:
-        runtime: the rank's runtime (``add_step_hooks``, ``set_loss_reduction``,
-            ``set_tp_agreement``).
+        runtime: the rank's runtime (``add_step_hooks``, ``set_loss_reduction``).
         layout: the rank's layout.
         stages: its :class:`~rrfp.runtime.engine.stage.PipelineStage` objects, in virtual-stage order.
         tied: ``Pipeline(..., tied=...)`` (see :func:`~rrfp.parallel.grads.resolve_ties`).
@@ -27,9 +27,12 @@ def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_sta
             (an all-gather on a gloo group); see :mod:`rrfp.parallel.exchange`.
         job: the job id the TP ranks share (without the DP/TP suffix).
         run: runs a coroutine on the rank's event loop (starts the control transport).
+        join_tp: at TP > 1, called with the TP group's exchange (:mod:`.exchange`); the front
+            door joins it to the runtime as its TP agreement
+            (:func:`rrfp.runtime.features.agreement.attach`).
 
     Raises:
-        ValueError: an unknown ``tp_exchange``.
+        ValueError: an unknown ``tp_exchange``; TP > 1 without ``join_tp``.
 
     Returns:
         the :class:`GradSync`, or None when there is nothing to reduce (DP 1, no ties).
@@ -44,7 +47,9 @@ def attach_layout(runtime, layout: ParallelLayout, stages: Sequence, tied, n_sta
         if layout.dp > 1:
             runtime.set_loss_reduction(sync.global_weight_total, sync.global_loss)
     if layout.tp > 1:
-        runtime.set_tp_agreement(_exchange(layout, tp_exchange, job, run))
+        if join_tp is None:
+            raise ValueError(f"a layout with tp={layout.tp} needs join_tp, which joins the TP agreement to the runtime")
+        join_tp(_exchange(layout, tp_exchange, job, run))
     return sync
 
 

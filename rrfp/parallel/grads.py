@@ -10,12 +10,24 @@
 - ``on_step_end()``: every reduction is done; tied parameters' gradients are summed over the
   ranks that own them (a process group of those ranks), then the step ends and the optimizer
   may run.
+- :meth:`GradSync.begin_step` (called by the front door before a training step's first
+  backward): see "Accumulation over steps" below.
 
 The loss is the mean over every real token of the **global** batch (all DP replicas):
 :meth:`GradSync.global_weight_total` turns a replica's loss-weight total (its token count)
 into the sum over replicas, so microbatch ``m`` of replica ``r`` is weighted ``n_m / N`` with
 ``N`` the global count. Each replica's gradients are then partial sums of the global
 gradient, and the DP reduction is a plain SUM, for any per-replica token counts.
+
+Accumulation over steps (``step()`` twice without ``zero_grad``, as PyTorch accumulates): after
+a step every copy of a gradient holds the same total (each DP replica's copy of a stage's
+gradient, each stage's copy of a tied parameter), and the next step's backward adds to it. A
+SUM over copies would then add that earlier total once per copy (the field trial's GPT-2 tie
+was off by 6.25e-2). So before a step's first backward one copy, the canonical one, keeps the
+earlier total and every other copy's gradient is set to None: the canonical copy is DP rank
+0's, and of a tie the first owner's (:func:`tie_copies` puts it first). The step's sums then
+count the earlier total exactly once, which is also what PyTorch's DDP (an average) gives for
+equal copies, at no extra memory.
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from torch import nn
 
 from .layout import ParallelLayout
 
-__all__ = ["GradSync", "Tie", "resolve_ties"]
+__all__ = ["GradSync", "Tie", "resolve_ties", "tie_copies"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +78,28 @@ def resolve_ties(tied, n_stages: int) -> list[Tie]:
                 raise ValueError(f"tied parameter {name!r}: stage {s!r} outside 0..{n_stages - 1}")
             norm[s] = p
         out.append(Tie(str(name), norm))
+    return out
+
+
+def tie_copies(tie: Tie, modules: Mapping[int, nn.Module]) -> list[nn.Parameter]:
+    """The copies of ``tie`` held in ``modules`` (``{stage_index: module}``, the stages of this
+    process), in owner order: the first owner's copy first when it is here (the canonical copy,
+    module doc). A parameter two stages share as one object counts once (autograd already sums
+    into it).
+
+    Raises:
+        ValueError: a stage here without the named parameter.
+    """
+    out: list[nn.Parameter] = []
+    for s in sorted(tie.owners):
+        if s not in modules:
+            continue
+        try:
+            p = modules[s].get_parameter(tie.owners[s])
+        except AttributeError:
+            raise ValueError(f"tied parameter {tie.name!r}: stage {s} has no parameter {tie.owners[s]!r}") from None
+        if all(p is not q for q in out):
+            out.append(p)
     return out
 
 
@@ -108,14 +142,12 @@ class GradSync:
         self._tie_groups: list = []
         self._tie_params: list[list[nn.Parameter]] = []
         stage_rank = stage_rank or (lambda s: s)
+        # Copies that give up their gradient before a step (the module doc's accumulation).
+        aside = [p for ps in self._params.values() for p in ps] if layout.dp_rank != 0 else []
         for tie in self.ties:
-            mine = []
-            for s, name in tie.owners.items():
-                if s in self.stages:
-                    try:
-                        mine.append(self.stages[s].get_parameter(name))
-                    except AttributeError:
-                        raise ValueError(f"tied parameter {tie.name!r}: stage {s} has no parameter {name!r}") from None
+            mine = tie_copies(tie, self.stages)
+            copies = mine[1:] if min(tie.owners) in self.stages else mine
+            aside += copies
             owners = sorted({stage_rank(s) for s in tie.owners})
             group = None
             if len(owners) > 1 and dist.is_initialized():
@@ -129,11 +161,16 @@ class GradSync:
             self._tie_groups.append(group)
             self._tie_params.append(mine)
             # The first owner counts the tied parameter in the global norm; the others hold copies.
-            first = min(tie.owners)
-            for s, name in tie.owners.items():
-                if s != first and s in self.stages:
-                    self.stages[s].get_parameter(name)._rrfp_tied_copy = True
+            for p in copies:
+                p._rrfp_tied_copy = True
+        self._aside = list({id(p): p for p in aside}.values())
         self.reduced = 0  # stage reductions completed (tests, benchmarks)
+
+    def begin_step(self) -> None:
+        """Before a training step's first backward: every copy but the canonical one drops the
+        gradient earlier steps left (module doc), so the step's sums count it once."""
+        for p in self._aside:
+            p.grad = None
 
     # ------------------------------------------------------------ step hooks
     def on_stage_grads_final(self, stage_index: int):

@@ -24,9 +24,9 @@ import heapq
 
 from .backfill import Backfill
 from .errors import SchedulingError
-from .guards import NO_GUARD, Admission, ByteBudget, CompletionOrder, CountLimit, RankState
+from .guards import NO_GUARD, Admission, ByteBudget, CompletionOrder, CountLimit, OrderPeak, RankState
 from .memory import MemoryLedger, SizeFn
-from .policy import Hint, Policy
+from .policy import Hint, Policy, in_order
 from .readyset import ReadySet
 from .registry import policy_factory
 from .tasks import B_CODE, F, F_CODE, I, KIND_CODE as _CODE, W, W_CODE, PipelineSpec, Task, kinds_of
@@ -146,6 +146,8 @@ class Arbiter:
             st.guard = NO_GUARD
         elif memory_budget is not None:
             st.guard = ByteBudget(self.memory)
+        elif hint.held_to_order and factory is in_order:  # readiness over a schedule used as a hint
+            st.guard = OrderPeak(order, self.ready)
         elif len(stages) == 1:
             st.guard = CountLimit()
         elif hint.backpressure == "admission":
@@ -325,6 +327,12 @@ class Arbiter:
         self.ready.take(t)
         self._taken(t, self.state)
 
+    def planned(self) -> Task | None:
+        """In strict mode, the order's first task not finished as of the last decision (the
+        task the rank runs next, or waits for); None in readiness mode or once the order is
+        done. Backfilling's notices ask it (:mod:`rrfp.runtime.features.notices`)."""
+        return self.policy.planned() if self.strict else None
+
     # ------------------------------------------------------------ diagnostics
     def waiting_for(self, limit: int = 3) -> str:
         """What this rank waits for, in words (for the watchdog's error)."""
@@ -344,8 +352,8 @@ class Arbiter:
                     missing.append(f"gradient for {Task(s, bk, m)} {place.source(place.next_stage(s))}")
             if len(missing) >= limit:
                 break
-        planned = self.policy.planned()
-        if self.strict and planned is not None:
+        planned = self.planned()
+        if planned is not None:
             missing.insert(0, f"strict order's next task {planned}")
         if self.state.inflight >= self.limit:
             missing.append(f"in-flight limit {self.limit} reached")

@@ -358,6 +358,10 @@ class Hint:
             (``admission`` or ``completion-order``, :mod:`rrfp.scheduler.guards`); one stage
             per rank always disables forwards.
         backfill: strict order with conservative backfilling (:mod:`rrfp.scheduler.backfill`).
+        held_to_order: readiness over the order holds at most what the order holds: a forward
+            waits for every backward task the order puts before it
+            (:class:`~rrfp.scheduler.guards.OrderPeak`; set by the front doors' plan for a
+            schedule used as a hint without a limit or budget).
     """
 
     name: str
@@ -365,3 +369,4 @@ class Hint:
     order: Order | None = field(default=None, compare=False)
     backpressure: str = "admission"
     backfill: bool = False
+    held_to_order: bool = False

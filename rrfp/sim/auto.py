@@ -218,6 +218,25 @@ def known_candidates(n_ranks: int, n_virtual: int, placement: str, n_microbatche
     return known, skipped
 
 
+def auto_first_hint(placement: Any, n_microbatches: int, known: Sequence[str] | None = None) -> str:
+    """The hint ``auto`` runs first and keeps when it cannot choose: the placement's strict
+    schedule (``strict-1f1b`` with one stage per rank), else the first candidate that fits.
+    ``placement``: a :class:`~rrfp.scheduler.tasks.Placement`. ``known``: the candidates
+    :func:`known_candidates` gave for this shape, when the caller has them (each resolves its
+    schedule, and logs the skipped ones).
+
+    Raises:
+        ValueError: no candidate of :func:`all_candidates` fits the shape.
+    """
+    if known is None:
+        known, _ = known_candidates(placement.n_ranks, placement.n_virtual, placement.kind, n_microbatches)
+    if not known:
+        raise ValueError(f"hint {AUTO!r}: none of its candidates ({', '.join(all_candidates())}) fits "
+                         f"{placement.n_ranks} ranks x {placement.n_virtual} virtual stages ({placement.kind}), "
+                         f"{n_microbatches} microbatches; name a hint")
+    return next((c for c in known if c.startswith("strict-")), known[0])
+
+
 @dataclass
 class Ranking:
     """The outcome of :func:`rank`.

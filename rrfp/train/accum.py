@@ -9,10 +9,9 @@ total (``RankRuntime.set_loss_reduction``), so the gradients that reach every st
 already the whole batch's, and nothing is rescaled afterwards. The step loss is the sum of the
 N steps' weighted losses: the whole batch's mean over its tokens.
 
-Each pipeline step starts from empty gradients and its gradients are added to the earlier
-steps' afterwards: the step hooks that reduce gradients in place (DP all-reduce, the sum of a
-tied weight's copies) then see one step's gradients at a time, and since they are linear the
-sum of their results is the reduction of the sum.
+The N pipeline steps run without ``zero_grad`` between them, as a user's loop accumulates:
+the front door keeps gradients of earlier steps in one copy (DP rank 0's, a tie's first
+owner's; :mod:`rrfp.parallel.grads`), so the DP all-reduce and the tie sums count them once.
 """
 
 from __future__ import annotations
@@ -74,16 +73,9 @@ def accumulated_step(pipe, mbs, per_step: int, n: int, first: bool, last: bool):
 
         rt.set_loss_reduction(whole_batch, saved[1])
     stats, loss = [], None
-    params = [p for st in pipe.stages for p in st.submod.parameters()]
     try:
         for j in range(n):
-            earlier = [p.grad for p in params]
-            for p in params:
-                p.grad = None
             run(mbs[j * per_step:(j + 1) * per_step] if mbs is not None else None)
-            for p, g in zip(params, earlier):
-                if g is not None:
-                    p.grad = g if p.grad is None else p.grad.add_(g)
             stats.append(pipe.last_stats)
             if pipe.last_loss is not None:
                 loss = float(pipe.last_loss) + (loss or 0.0)

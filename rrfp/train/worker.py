@@ -218,7 +218,8 @@ class _Run:
         sampler = self.data.sampler
         self.stop = GracefulStop(default_store(), layout.rank, timeout_s=args.watchdog,  # before loading: SIGTERM may come any time
                                  checkpoint=getattr(args, "checkpoint_dir", None) is not None)
-        self.ckpt = Checkpointer(args, layout, stages, self.opt, n_samples=len(sampler.samples) if sampler else 0)
+        self.ckpt = Checkpointer(args, layout, stages, self.opt, n_samples=len(sampler.samples) if sampler else 0,
+                                 schedule=self.sched, chooser=self.chooser)
         self.first = self.end = 0
         resume = self.ckpt.resume_path()
         if resume is not None:

@@ -140,11 +140,61 @@ class StepIO:
         return float((self.loss_weight_fn or batch_share)(target))
 
 
+def _input_rows(args: Sequence[Any], kwargs: dict, args_chunk_spec, kwargs_chunk_spec) -> list[tuple[int, Any]]:
+    """``(rows, name)`` of every tensor input that is split: its size along the dimension its
+    chunk spec splits (dim 0 without a spec, as torch splits). A replicated input (a spec
+    without ``split_dim``) is not a batch."""
+    specs = [*zip(range(len(args)), args, args_chunk_spec or [None] * len(args)),
+             *((k, v, (kwargs_chunk_spec or {}).get(k)) for k, v in kwargs.items())]
+    out = []
+    for name, v, spec in specs:
+        dim = 0 if spec is None else getattr(spec, "split_dim", None)
+        if isinstance(v, torch.Tensor) and isinstance(dim, int) and -v.dim() <= dim < v.dim():
+            out.append((int(v.shape[dim]), name))
+    return out
+
+
+def check_target_rows(target: Any, inputs: Sequence[tuple[int, Any]], where: str = "") -> None:
+    """A target must have one row (dim 0, as PyTorch's schedules split it) per input sample: a
+    smaller one would broadcast over each microbatch's outputs in most losses and train on
+    the wrong pairs without a word. Inputs of several batch sizes (e.g. images and the texts
+    they belong to) pass when one of them matches; a flattened target (``[B*T]`` for ``[B,
+    T]`` inputs) does not: flatten in ``loss_fn`` instead.
+
+    Args:
+        target: the whole target, or one microbatch's.
+        inputs: :func:`_input_rows` of the matching inputs (empty: nothing to compare).
+        where: a prefix naming the microbatch.
+
+    Raises:
+        ValueError: one line naming both sizes.
+    """
+    if not inputs or not isinstance(target, torch.Tensor) or target.dim() == 0:
+        return
+    rows = target.shape[0]
+    if any(n == rows for n, _ in inputs):
+        return
+    sizes = ", ".join(f"{n} rows (input {name!r})" for n, name in inputs)
+    raise ValueError(f"{where}target batch of {rows} rows != input batch of {sizes}: "
+                     "expected one target row per input sample")
+
+
 def prepare_inputs(pipe, args, kwargs, microbatches, target, targets, has_first: bool, has_last: bool):
     """The microbatches this rank feeds its runtime: stage 0's inputs (torch's splitting
     under the pipeline's chunk specs, or the caller's pre-split ``microbatches``), every
-    local stage's keyword inputs, and the last stage's targets."""
+    local stage's keyword inputs, and the last stage's targets.
+
+    Raises:
+        ValueError: inputs that do not split, or a target whose batch is not the inputs'
+            (:func:`check_target_rows`; compared where this process is given both, whole or
+            pre-split: a rank given only the target has no input to compare with).
+    """
     M = pipe.n_microbatches
+    if has_last and target is not None and targets is None and microbatches is None:
+        check_target_rows(target, _input_rows(args, kwargs, pipe.args_chunk_spec, pipe.kwargs_chunk_spec))
+    if has_last and targets is not None and microbatches is not None:
+        for m, (mb, t) in enumerate(zip(microbatches, targets)):
+            check_target_rows(t, _input_rows(as_tuple(mb), {}, pipe.args_chunk_spec, None), f"microbatch {m}: ")
     kwarg_mbs = None
     if microbatches is not None:
         microbatches = [as_tuple(x) for x in microbatches]

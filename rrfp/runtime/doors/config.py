@@ -16,7 +16,7 @@ from ...scheduler.hints import Hint, resolve_hint
 from ...scheduler.memory import budget_bytes
 from ...scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
 from ...scheduler.validate import order_peak_inflight
-from ...sim.auto import AUTO, all_candidates, known_candidates
+from ...sim.auto import AUTO, auto_first_hint
 from .names import hint_text
 
 DEFAULT_INFLIGHT_LIMIT = 32
@@ -38,7 +38,9 @@ class RuntimeConfig:
         inflight_limit: the in-flight limit (RRFP §6); a sequence gives one per rank. None:
             a schedule used as a hint, and ``auto``'s candidates, keep the (placement's
             strict) schedule's own peak in flight per rank (1F1B: ``p - r``;
-            :func:`schedule_limits`) unless ``memory_budget`` is set; otherwise 32.
+            :func:`schedule_limits`; a schedule used as a hint also holds at most its
+            order's activations per virtual stage, see :func:`plan`) unless
+            ``memory_budget`` is set; otherwise 32.
         placement: ``loop`` or ``v`` for virtual stages.
         backpressure: with virtual stages, ``admission`` or ``completion-order`` (RRFP App. C.2).
         memory_budget: activation bytes per rank (``64MiB``, ``1.5GB``, an int; None: none).
@@ -107,7 +109,7 @@ class Plan:
     Attributes:
         placement: which rank holds which stage; spec: the pipeline's shape.
         hint, strict: the resolved hint and whether it is followed strictly (under ``auto``,
-            the first step's: the placement's strict schedule, :func:`auto_first_hint`).
+            the first step's: the placement's strict schedule, :func:`~rrfp.sim.auto.auto_first_hint`).
         limits: the in-flight limit of each rank.
         budget: the memory budget in bytes (None: none).
         auto: the hint is ``auto`` (the front door chooses on its steps).
@@ -171,32 +173,17 @@ def schedule_limits(spec: PipelineSpec, hint: Hint) -> list[int]:
     return limits
 
 
-def auto_first_hint(placement: Placement, n_microbatches: int, known: Sequence[str] | None = None) -> str:
-    """The hint ``auto`` runs first and keeps when it cannot choose: the placement's strict
-    schedule (``strict-1f1b`` with one stage per rank), else the first candidate that fits.
-    ``known``: the candidates :func:`rrfp.sim.auto.known_candidates` gave for this shape, when
-    the caller has them (each resolves its schedule, and logs the skipped ones).
-
-    Raises:
-        ValueError: no candidate of :func:`rrfp.sim.auto.all_candidates` fits the shape.
-    """
-    if known is None:
-        known, _ = known_candidates(placement.n_ranks, placement.n_virtual, placement.kind, n_microbatches)
-    if not known:
-        raise ValueError(f"hint {AUTO!r}: none of its candidates ({', '.join(all_candidates())}) fits "
-                         f"{placement.n_ranks} ranks x {placement.n_virtual} virtual stages ({placement.kind}), "
-                         f"{n_microbatches} microbatches; name a hint")
-    return next((c for c in known if c.startswith("strict-")), known[0])
-
-
 def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: int) -> Plan:
     """Resolve ``config`` for ``n_ranks`` ranks of ``n_virtual`` stages each.
 
     The one rule for limits left unset: a schedule used as a hint keeps its own peak in flight
-    (:func:`schedule_limits`), and so do ``auto``'s candidates, at the placement's strict
-    schedule's peak, so that trying a policy never holds more activations than the fixed
-    schedule does; with a ``memory_budget`` (or a policy) the limit is
-    :data:`DEFAULT_INFLIGHT_LIMIT`. ``rrfp train`` resolves its flags through here too.
+    (:func:`schedule_limits`) and holds at most what its order holds on every virtual stage
+    at once (each forward waits for the backwards the order puts before it:
+    :class:`~rrfp.scheduler.guards.OrderPeak`, so its activation bytes never exceed the
+    schedule's own), and ``auto``'s candidates keep the placement's strict schedule's peak in
+    flight, so that trying a policy never holds more activations than the fixed schedule
+    does; with a ``memory_budget`` (or a policy) the limit is :data:`DEFAULT_INFLIGHT_LIMIT`.
+    ``rrfp train`` resolves its flags through here too.
 
     Raises:
         ValueError: an unknown hint, placement, backpressure or budget, bad limits, a negative
@@ -225,4 +212,7 @@ def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: in
                                       backpressure=config.backpressure)
     if not auto and not given and budget is None and hint.order is not None and not strict:
         limits = schedule_limits(spec, hint)
+        # The count limits alone let virtual stages hold another mix than the order ever does
+        # (more of a larger stage): each forward also waits for the order's earlier backwards.
+        hint = dataclasses.replace(hint, held_to_order=True)
     return Plan(place, spec, hint, strict, limits, budget, auto)

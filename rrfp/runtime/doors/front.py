@@ -17,12 +17,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .compat import StepIO, check_grad_mode, merge_outputs, prepare_inputs
+from ...scheduler.hints import resolve_hint
 from ...scheduler.tasks import Placement
 from .config import Plan, RuntimeConfig
 from ..engine.executor import EXECUTORS, make_executor
 from ..engine.rank import RankRuntime, StepStats
 from ..engine.split import disable_split_backward
 from ..engine.stage import PipelineStage
+from ..features import notices
 
 log = logging.getLogger("rrfp")
 
@@ -76,7 +78,9 @@ def _v_stages(plan: Plan, rank: int) -> list[int]:
 async def build_runtime(plan: Plan, config: RuntimeConfig, rank: int, stages: Sequence[PipelineStage],
                         transport, io: StepIO, job: str) -> RankRuntime:
     """One rank's runtime, for every front door: its stages moved to ``config.device``, its
-    executor made by name. Built inside the loop so that its asyncio primitives bind to it.
+    executor made by name, backfilling's started notices attached
+    (:mod:`rrfp.runtime.features.notices`). Built inside the loop so that its asyncio
+    primitives bind to it.
 
     Raises:
         ValueError: an unknown executor, or ``cuda`` on a non-CUDA device.
@@ -88,12 +92,14 @@ async def build_runtime(plan: Plan, config: RuntimeConfig, rank: int, stages: Se
             st.submod.to(device)
             st.device = device
     ex = make_executor(config.executor, stages[0].device, window=config.launch_ahead)
-    return RankRuntime(
+    rt = RankRuntime(
         rank, stages, plan.spec, plan.hint, transport, strict=plan.strict, inflight_limit=plan.limits[rank],
         job=job, loss_fn=io.loss if io.loss_fn is not None else None, loss_weight_fn=io.weight,
         watchdog=config.watchdog, task_delay=config.task_delay, record=config.record,
         deterministic=config.deterministic, executor=ex, memory_budget=plan.budget,
     )
+    notices.attach(rt)
+    return rt
 
 
 class FrontDoor:
@@ -101,10 +107,13 @@ class FrontDoor:
 
     A subclass sets, in its constructor, :meth:`_setup`'s fields (with an event loop from its
     own module's ``new_event_loop``, which tests replace with a simulated-time loop), then
-    ``_runtimes`` (the ranks this process runs) and ``_transports`` (theirs), then, under
+    ``runtimes`` (the ranks this process runs) and ``_transports`` (theirs), then, under
     ``hint="auto"``, :meth:`_start_auto` with how its ranks share figures.
 
     Attributes:
+        runtimes: the :class:`~rrfp.runtime.engine.rank.RankRuntime` of every rank this process
+            runs (one for :class:`~rrfp.runtime.doors.pipeline.Pipeline`), in rank order.
+        spec, hint, strict: what the next step runs (:meth:`set_hint` changes them).
         auto: the ``auto`` controller (:class:`~rrfp.runtime.features.auto.AutoHint`; None under a
             named hint), run around every training step while ``drive_auto`` is True.
     """
@@ -124,7 +133,8 @@ class FrontDoor:
         self.scale_grads = scale_grads
         self._io = StepIO(loss_fn, config.loss_weight_fn)
         self._loop = loop
-        self._runtimes: list[RankRuntime] = []
+        self.runtimes: list[RankRuntime] = []
+        self._hint_text: str | None = None  # set_hint's, when called
         self._transports: list = []
         self._modules: list = []
         self._step = 0
@@ -148,7 +158,28 @@ class FrontDoor:
         under ``auto`` a measuring or trial candidate, or the kept one, ``auto.chosen``)."""
         from .names import hint_text
 
-        return self.auto.current if self.auto is not None else hint_text(self.config.hint)
+        if self.auto is not None:
+            return self.auto.current
+        return self._hint_text if self._hint_text is not None else hint_text(self.config.hint)
+
+    def set_hint(self, text: str) -> None:
+        """Run the hint ``text`` (any form ``hint=`` takes but ``auto``) on every rank this
+        process runs, from the next step on: the pipeline's and every rank's spec, hint and
+        strict mode, each rank's split backward and its step hooks' final kind
+        (:meth:`RankRuntime.set_hint <rrfp.runtime.engine.rank.RankRuntime.set_hint>`), at this
+        pipeline's in-flight limits and backpressure. Every process of the pipeline must switch
+        before the same step (``auto`` does: :mod:`rrfp.runtime.features.auto`).
+
+        Raises:
+            ValueError: a hint that does not resolve for this pipeline's placement and
+                microbatches (nothing changed).
+        """
+        spec, hint, strict = resolve_hint(text, self.spec.placement, self.n_microbatches,
+                                          inflight_limit=list(self.plan.limits), backpressure=self.config.backpressure)
+        for rt in self.runtimes:
+            rt.set_hint(spec, hint, strict)
+        self.spec, self.hint, self.strict = spec, hint, strict
+        self._hint_text = text
 
     # ------------------------------------------------------------------ steps
 
@@ -184,8 +215,9 @@ class FrontDoor:
 
         Raises:
             RuntimeError: called under ``torch.no_grad()`` (use :meth:`eval`), or after close.
-            ValueError: inputs that do not split into ``n_microbatches``, or no target for
-                the last stage with a ``loss_fn``.
+            ValueError: inputs that do not split into ``n_microbatches``, no target for
+                the last stage with a ``loss_fn``, or a target whose batch (dim 0) is not the
+                inputs' where this process is given both (one line naming both sizes).
         """
         check_grad_mode(self)
         keep = self.RETURN_OUTPUTS if return_outputs is None else return_outputs
@@ -223,8 +255,8 @@ class FrontDoor:
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list but got a {type(losses).__name__}")
         last = self.spec.n_stages - 1
-        has_first = any(0 in rt.stages for rt in self._runtimes)
-        has_last = any(last in rt.stages for rt in self._runtimes)
+        has_first = any(0 in rt.stages for rt in self.runtimes)
+        has_last = any(last in rt.stages for rt in self.runtimes)
         forward_only = forward_only or self.loss_fn is None
         if has_last and not forward_only and targets is None and target is None:
             raise ValueError("the last stage needs a target: pass target= or targets=")
@@ -238,6 +270,8 @@ class FrontDoor:
         auto = self.auto if self.auto is not None and self.drive_auto and not forward_only else None
         if auto is not None:
             auto.before_step(self._auto_steps)
+        if not forward_only:
+            self._before_backward()
         stats = await self._run_ranks(mbs, kwarg_mbs, targets, mb_losses, outputs, forward_only)
         self._end_step(stats, mb_losses, losses, forward_only)
         if auto is not None:
@@ -255,7 +289,7 @@ class FrontDoor:
             self._step, mbs if 0 in rt.stages else None, targets if last in rt.stages else None,
             mb_losses if last in rt.stages else None, kwargs=kwarg_mbs,
             outputs=outputs if last in rt.stages else None, forward_only=forward_only,
-            sum_losses=not self.scale_grads)) for rt in self._runtimes]
+            sum_losses=not self.scale_grads)) for rt in self.runtimes]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -271,7 +305,7 @@ class FrontDoor:
         self._step += 1
         self._book_stats(stats)
         last = self.spec.n_stages - 1
-        loss = next((s.loss for s, rt in zip(stats, self._runtimes) if last in rt.stages), None)
+        loss = next((s.loss for s, rt in zip(stats, self.runtimes) if last in rt.stages), None)
         self.last_loss = None if loss is None else float(loss)
         if losses is not None and mb_losses is not None:
             losses.clear()
@@ -281,6 +315,10 @@ class FrontDoor:
 
     def _book_stats(self, stats: list[StepStats]) -> None:
         self.last_stats = stats
+
+    def _before_backward(self) -> None:
+        """Work a process model adds before a training step's first backward (gradients that
+        earlier steps left, kept in one copy: :mod:`rrfp.parallel.grads`)."""
 
     def _after_backward(self) -> None:
         """Work a process model adds once a training step's gradients are final."""
@@ -303,7 +341,7 @@ class FrontDoor:
             self._close_parts()
 
     async def _aclose(self) -> None:
-        for rt in self._runtimes:
+        for rt in self.runtimes:
             await rt.close()
         await asyncio.gather(*(t.close() for t in self._transports))
 
@@ -320,7 +358,7 @@ class FrontDoor:
         at most ``ABORT_DRAIN_S`` seconds for them."""
         self._abort_transports()
         self._end_tasks()
-        for rt in self._runtimes:
+        for rt in self.runtimes:
             rt.stop()  # the inbox's timer fd, the executor's threads: before the loop closes
         if not self._loop.is_closed():
             self._loop.close()

@@ -108,7 +108,7 @@ class LocalPipeline(FrontDoor):
             return [await build_runtime(the_plan, config, r, ranks[r], self.transports[r], self._io, job)
                     for r in range(n_ranks)]
 
-        self.runtimes = self._runtimes = self.run(build())
+        self.runtimes = self.run(build())
         self.last_stats: list[StepStats] = []
         if the_plan.auto:
             from ..features.auto import LocalShare
@@ -123,6 +123,13 @@ class LocalPipeline(FrontDoor):
             self._group.abort_all()
         for t in self._transports:
             t.abort()
+
+    def _before_backward(self) -> None:
+        # Gradients left by a step without zero_grad stay in a tie's first copy only, so the
+        # sum below counts them once (as Pipeline's GradSync: rrfp/parallel/grads.py).
+        for params in self._ties:
+            for p in params[1:]:
+                p.grad = None
 
     def _after_backward(self) -> None:
         # Tied copies: each owner's gradient becomes the sum over the tie, as Pipeline's
@@ -152,7 +159,7 @@ def _check_local_layout(layout: Any, n_ranks: int) -> None:
 
 def _local_ties(tied: Any, modules: Sequence[nn.Module]) -> list[list[nn.Parameter]]:
     """The parameters of each tie, as distinct objects (a shared ``nn.Parameter`` is summed
-    by autograd already).
+    by autograd already), the first owner's first (:func:`~rrfp.parallel.grads.tie_copies`).
 
     Raises:
         ValueError: a bad tie (see :func:`~rrfp.parallel.grads.resolve_ties`) or a parameter
@@ -160,17 +167,8 @@ def _local_ties(tied: Any, modules: Sequence[nn.Module]) -> list[list[nn.Paramet
     """
     if not tied:
         return []
-    from ...parallel.grads import resolve_ties
+    from ...parallel.grads import resolve_ties, tie_copies
 
-    out = []
-    for tie in resolve_ties(tied, len(modules)):
-        params = []
-        for s, name in tie.owners.items():
-            found = dict(modules[s].named_parameters()).get(name)
-            if found is None:
-                raise ValueError(f"tied parameter {tie.name!r}: stage {s} has no parameter {name!r}")
-            if all(found is not p for p in params):
-                params.append(found)
-        if len(params) > 1:
-            out.append(params)
-    return out
+    by_stage = dict(enumerate(modules))
+    ties = (tie_copies(tie, by_stage) for tie in resolve_ties(tied, len(modules)))
+    return [params for params in ties if len(params) > 1]

@@ -71,14 +71,17 @@ class Pipeline(FrontDoor):
     :meth:`step` for every training step (they share step times, seconds, and task records):
     through the process group where torch.distributed is initialised (``group``, else every
     process of the job; with a ``layout``, every process), else over this pipeline's own
-    control plane (control messages that are not ``auto``'s, received meanwhile, are kept in
-    ``auto.share.held``). Its lines go to the ``rrfp`` logger at INFO from one rank.
+    control plane (``auto``'s figures go to its own handler, :meth:`Inbox.on_control
+    <rrfp.runtime.engine.inbox.Inbox.on_control>`: other control messages stay for
+    ``runtime.control()``). Its lines go to the ``rrfp`` logger at INFO from one rank.
 
     Attributes:
         auto: the :class:`~rrfp.runtime.features.auto.AutoHint` under ``hint="auto"`` (else None):
             ``auto.chosen`` is the hint kept (None before its trial ends), ``auto.run_length(n)``
             keeps the strict schedule throughout a run of ``n`` steps too short to choose.
         hint_name: the hint the last step ran (text).
+        tp_agreement: the rank's :class:`~rrfp.runtime.features.agreement.AgreementDriver` with
+            a layout of TP > 1 (else None).
         drive_auto: False: the caller calls ``auto.before_step`` / ``auto.after_step`` itself
             (``rrfp train`` does, once per optimizer step).
 
@@ -147,36 +150,47 @@ class Pipeline(FrontDoor):
         self._transports = [self.transport]
         self.run(self.transport.start())
         self.runtime = self.run(build_runtime(the_plan, config, rank, stages, self.transport, self._io, job))
-        self._runtimes = [self.runtime]
+        self.runtimes = [self.runtime]
         self.grad_sync = None
+        self.tp_agreement = None
         if layout is not None or config.tied:
             from ...parallel.attach import attach_layout
             from ...parallel.layout import ParallelLayout
 
             self.grad_sync = attach_layout(
                 self.runtime, layout or ParallelLayout.build(n_ranks), stages, config.tied, n_stages,
-                the_plan.placement.rank_of, tp_exchange=config.tp_exchange, job=base_job, run=self.run)
+                the_plan.placement.rank_of, tp_exchange=config.tp_exchange, job=base_job, run=self.run,
+                join_tp=self._join_tp)
         self.last_stats: StepStats | None = None
         if the_plan.auto:
             self._start_auto(*_auto_share(self.runtime, rank, n_ranks, None if layout is not None else group,
                                           config.watchdog))
 
+    def _join_tp(self, exchange) -> None:
+        from ..features import agreement
+
+        self.tp_agreement = agreement.attach(self.runtime, exchange)
+
     def _book_stats(self, stats: list[StepStats]) -> None:
         self.last_stats = stats[0]
 
+    def _before_backward(self) -> None:
+        # Gradients left by a step without zero_grad: one copy keeps them (DP rank 0's, a
+        # tie's first owner's), so the DP and tie sums count them once.
+        if self.grad_sync is not None:
+            self.grad_sync.begin_step()
+
     async def _aclose(self) -> None:
         await super()._aclose()
-        agree = getattr(self.runtime.loop, "agree", None)
-        if hasattr(agree, "aclose"):  # the TP agreement's control transport: say goodbye too
-            await agree.aclose()
+        if self.tp_agreement is not None:  # the TP agreement's control transport: say goodbye too
+            await self.tp_agreement.aclose()
 
     def _close_parts(self) -> None:
         # The DP reduction's and TP agreement's helper threads (rrfp.parallel).
         if getattr(self, "grad_sync", None) is not None:
             self.grad_sync.close()
-        agree = getattr(self.runtime.loop, "agree", None)
-        if hasattr(agree, "close"):
-            agree.close()
+        if getattr(self, "tp_agreement", None) is not None:
+            self.tp_agreement.close()
 
 
 def _auto_share(runtime, rank: int, n_ranks: int, group: Any, timeout_s: float):

@@ -127,7 +127,7 @@ class TaskCompute:
         self._prev = router.consumers(Direction.GRAD)  # by stage: the consumer of its input gradients
         self._inputs: dict[tuple[int, int], tuple] = {}  # a forward's inputs, until its backward
         self._ordered = ordered
-        self._sizer = sizer
+        self.sizer = sizer
         self._out: dict[tuple[int, int], tuple] = {}
         self._wstate: dict[tuple[int, int], Any] = {}
         self._seed: dict[int, float] = {}  # last stage: microbatch -> loss weight
@@ -177,8 +177,8 @@ class TaskCompute:
             dst = self._next[s]
             return [] if out is None or dst is None else [(dst, m, Direction.ACT, list(as_tuple(out)))]
         inputs = self._inputs[(s, m)] = self._take(s, m, Direction.ACT)
-        if self._sizer is not None:
-            with self._sizer.measure(s, m, inputs), torch.enable_grad():
+        if self.sizer is not None:
+            with self.sizer.measure(s, m, inputs), torch.enable_grad():
                 out = self._forward_graph(stage, s, m, inputs)
         elif torch.is_grad_enabled():  # entering enable_grad() costs more than the check
             out = self._forward_graph(stage, s, m, inputs)

@@ -6,10 +6,12 @@ or the next, a stage and microbatch this rank runs, sent by the rank the
 :class:`~rrfp.runtime.engine.router.Router` names, not a duplicate), puts its tensors in the router's
 slot for (stage, microbatch, direction), tells the arbiter that an input arrived, and wakes the
 scheduler loop.
-Control messages (``Direction.CTL``) go to a bounded queue, except backfilling's started
-notices, which go to the rank's :class:`~rrfp.runtime.features.notices.StartedNotices`. Anything a correct pipeline cannot
-send is refused and counted (:attr:`Inbox.rejected`), never fatal: a forged or replayed message
-must not stop a job.
+Control messages (``Direction.CTL``: no tensors, a map as meta) go by their meta's ``kind`` to
+the handler a step feature registered for it (:meth:`Inbox.on_control`: backfilling's started
+notices, ``auto``'s figures), else to a bounded queue the rank's own code reads
+(:meth:`Inbox.control`, :meth:`Inbox.poll_control`). Anything a correct pipeline cannot send is
+refused and counted (:attr:`Inbox.rejected`), never fatal: a forged or replayed message must not
+stop a job.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from ...scheduler.arbiter import Arbiter, SchedulingError
 from ...transport.base import Message
 from ...transport.keys import Direction
 from ...errors import PipelineError
-from ..features.notices import STARTED, StartedNotices
 from .router import Router
 from .stage import PipelineStage
 from .timer import DeadlineTimers
@@ -31,7 +32,13 @@ from .timer import DeadlineTimers
 log = logging.getLogger("rrfp.runtime")
 
 MAX_CONTROL_BACKLOG = 4096
-"""Control messages a rank keeps unread before refusing more."""
+"""Control messages a rank keeps unread before refusing more (per :class:`ControlQueue`)."""
+
+ControlHandler = Callable[[Message, int], "str | None"]
+"""``handler(msg, step) -> None`` (taken) or the reason it is refused (counted with the
+inbox's refusals). ``step``: the step this rank runs, or runs next between steps. Called on the
+event loop thread inside the transport's delivery callback: it must not block; an exception it
+raises fails the rank's step, as a bad arrival does."""
 
 
 class Inbox:
@@ -71,7 +78,8 @@ class Inbox:
         self.error: BaseException | None = None
         self.closed = False
         self.wake = asyncio.Event()
-        self._control: asyncio.Queue[Message] = asyncio.Queue()
+        self._handlers: dict[str, ControlHandler] = {}
+        self._control = ControlQueue(self)
         # How an arrival's tensors reach its stage's device: the stage's own to_device unless
         # an executor copies on its stream (CUDA).
         self.place: Callable[[PipelineStage, Sequence], tuple] | None = None
@@ -79,8 +87,20 @@ class Inbox:
         # before the arbiter learns of it, as if the wire had delivered it that much later.
         self.hold: Callable[[Message], float] | None = None
         self._timers: DeadlineTimers | None = None  # the holds' release times (made on first use)
-        # Started notices are admitted here while the rank backfills (RankRuntime sets it).
-        self.notices: StartedNotices | None = None
+
+    def on_control(self, kind: str, handler: ControlHandler) -> None:
+        """Hand every control message whose meta's ``kind`` is ``kind`` to ``handler`` (see
+        :data:`ControlHandler`) instead of the control queue; one handler per kind.
+
+        Raises:
+            ValueError: ``kind`` is not a non-empty string, or already has a handler.
+        """
+        if not isinstance(kind, str) or not kind:
+            raise ValueError(f"control kind {kind!r}: expected a non-empty string")
+        if kind in self._handlers:
+            raise ValueError(f"rank {self.rank}: control kind {kind!r} already has a handler "
+                             f"({self._handlers[kind]!r})")
+        self._handlers[kind] = handler
 
     # ------------------------------------------------------------ transport callbacks
     def handle(self, msg: Message) -> None:
@@ -128,18 +148,12 @@ class Inbox:
                 return self.reject(msg, "control message with tensors")
             if not isinstance(msg.meta, dict):  # the codec refuses it; a transport that skips it must not crash us
                 return self.reject(msg, f"control meta of type {type(msg.meta).__name__}, expected a map")
-            if msg.meta.get("kind") == STARTED:  # backfilling's started notice (rrfp.runtime.features.notices)
-                if self.notices is None:
-                    return self.reject(msg, "a started notice, but this rank is not backfilling")
-                problem = self.notices.receive(msg, self.step if self.step is not None else self.last_step + 1)
-                if problem is not None:
-                    return self.reject(msg, problem)
-                if key.step == self.step and self.notices.opens_window(self.arb):
-                    self.wake.set()  # the planned task's window may now allow a later task
-                return
-            if self._control.qsize() >= MAX_CONTROL_BACKLOG:
-                return self.reject(msg, "control backlog full")
-            self._control.put_nowait(msg)
+            kind = msg.meta.get("kind")
+            handler = self._handlers.get(kind) if kind.__class__ is str else None
+            problem = (self._control.put(msg) if handler is None
+                       else handler(msg, self.step if self.step is not None else self.last_step + 1))
+            if problem is not None:
+                self.reject(msg, problem)
             return
         # Only the rank holding the producing stage may send (the transport authenticates ``msg.src``).
         problem = self.router.sender_problem(msg.src, key.stage, key.direction)
@@ -229,33 +243,67 @@ class Inbox:
 
     # ------------------------------------------------------------ control messages
     async def control(self, timeout: float | None = None) -> Message:
-        """Next control (``Direction.CTL``) message addressed to this rank.
+        """Next control (``Direction.CTL``) message addressed to this rank that no handler
+        took (:meth:`ControlQueue.get`)."""
+        return await self._control.get(timeout)
+
+    def poll_control(self) -> list[Message]:
+        """Control messages no handler took, received so far, without waiting."""
+        return self._control.poll()
+
+
+class ControlQueue:
+    """Control messages kept for a reader: the inbox's own queue (messages no handler takes),
+    or a step feature's (a handler that returns :meth:`put`'s answer). Bounded, so a forged
+    flood cannot grow a rank's memory.
+
+    Args:
+        inbox: the rank's inbox (its ``error`` ends a wait; its ``wake`` tells of one).
+        cap: messages kept unread before :meth:`put` refuses more.
+    """
+
+    def __init__(self, inbox: Inbox, cap: int = MAX_CONTROL_BACKLOG) -> None:
+        self.inbox = inbox
+        self.cap = cap
+        self._queue: asyncio.Queue[Message] = asyncio.Queue()
+
+    def put(self, msg: Message) -> str | None:
+        """Keep ``msg`` for the reader; returns why it is refused (the queue is full), or None."""
+        if self._queue.qsize() >= self.cap:
+            return "control backlog full"
+        self._queue.put_nowait(msg)
+        return None
+
+    async def get(self, timeout: float | None = None) -> Message:
+        """The next message, in arrival order.
 
         Raises:
             TimeoutError: none within ``timeout`` seconds.
             the inbox's error (a lost peer, a closed rank) as soon as it happens.
         """
-        if self.error is not None:
-            raise self.error
-        get = asyncio.ensure_future(self._control.get())
+        inbox = self.inbox
+        if inbox.error is not None:
+            raise inbox.error
+        get = asyncio.ensure_future(self._queue.get())
         err = asyncio.ensure_future(self._wake_on_error())
         done, _ = await asyncio.wait({get, err}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         err.cancel()
         if get in done:
             return get.result()
         get.cancel()
-        if self.error is not None:
-            raise self.error
-        raise TimeoutError(f"rank {self.rank}: no control message within {timeout} s")
+        if inbox.error is not None:
+            raise inbox.error
+        raise TimeoutError(f"rank {inbox.rank}: no control message within {timeout} s")
 
-    def poll_control(self) -> list[Message]:
-        """Control messages received so far, without waiting."""
+    def poll(self) -> list[Message]:
+        """The messages received so far, without waiting."""
         out = []
-        while not self._control.empty():
-            out.append(self._control.get_nowait())
+        while not self._queue.empty():
+            out.append(self._queue.get_nowait())
         return out
 
     async def _wake_on_error(self) -> None:
-        while self.error is None:
-            self.wake.clear()
-            await self.wake.wait()
+        inbox = self.inbox
+        while inbox.error is None:
+            inbox.wake.clear()
+            await inbox.wake.wait()

@@ -10,9 +10,13 @@ The watchdog's clock is the event loop's own (``loop.time()``), the clock its ti
 and the one the fake transport's message delays are drawn on: a test that runs the loop on
 simulated time (tests/virtual_time.py) decides every watchdog outcome without real delays.
 
-Under a backfilling hint the loop sets the arbiter's ``Backfill.now`` before each decision and
-tells the rank's :class:`~rrfp.runtime.features.notices.StartedNotices` when a task starts (which sends
-its started notice) and finishes (its measured seconds).
+Step features join the loop through two seams and nothing else: step observers
+(:mod:`~rrfp.runtime.engine.observer`, :meth:`SchedulerLoop.add_observer`) are told when a step
+begins and ends, before each decision, when a task starts and finishes, and when the loop
+waits (backfilling's started notices, :mod:`rrfp.runtime.features.notices`); a decider
+(:meth:`SchedulerLoop.set_decider`) takes the arbiter's place in choosing each task when the
+choice must be agreed with other ranks first (TP agreement,
+:mod:`rrfp.runtime.features.agreement`).
 
 The arbiter runs one task at a time (``Arbiter.running``): an executor whose tasks complete on
 the host at launch (CUDA: the kernels are queued on the rank's stream, in order) may run up to
@@ -25,20 +29,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Callable
+from typing import Awaitable, Callable
 
-from ...scheduler.agreement import TPAgreement, decode_task, encode_task
 from ...scheduler.arbiter import Arbiter
 from ...scheduler.tasks import Task, TaskRecord
 from ...errors import WatchdogTimeout
 from .executor import Executor, Pending, RunFn
 from .hooks import HookRunner
 from .inbox import Inbox
-from ..features.notices import StartedNotices
+from .observer import StepObserver
 
-_AGAIN = object()  # the TP group disagreed on the proposed task
+AGAIN = object()
+"""What a decider returns when no task may run yet but the loop should look at arrivals and
+ask again at once (the TP group disagreed on the proposed task)."""
+
 DelayFn = Callable[[int, int, Task], float]  # (step, rank, task) -> extra seconds
 EmitFn = Callable[[list], None]  # hands a finished task's outputs on (loop thread)
+DeciderFn = Callable[[Arbiter], Awaitable]
+"""``await decide(arb)``: the next task (committed on ``arb``), None when nothing may run now
+(the loop waits for an event), or :data:`AGAIN`."""
 
 
 class SchedulerLoop:
@@ -71,11 +80,26 @@ class SchedulerLoop:
         self._clock: Callable[[], float] = time.monotonic  # the watchdog's: run() binds the loop's
         self._progress = 0.0  # the watchdog's clock at the last task's end (or the step's start)
         self._last_end = 0.0
-        self.agree = None  # TP agreement's exchange (RankRuntime.set_tp_agreement), None: no TP
-        self.notices: StartedNotices | None = None  # backfilling's (RankRuntime sets it)
-        self._noticing: StartedNotices | None = None  # the notices, in a backfilling step
-        self.agreement: TPAgreement | None = None
+        self.observers: tuple[StepObserver, ...] = ()  # every registered observer
+        self._watching: tuple[StepObserver, ...] = ()  # those taking this step's task events
+        self.decide: DeciderFn | None = None  # None: the arbiter's own next()
         executor.bind(inbox.wake.set)
+
+    def add_observer(self, observer: StepObserver) -> None:
+        """Tell ``observer`` what this loop does from the next step on
+        (:mod:`~rrfp.runtime.engine.observer`: the events, when each fires, their order)."""
+        self.observers = (*self.observers, observer)
+
+    def set_decider(self, decide: DeciderFn) -> None:
+        """Choose each task with ``await decide(arb)`` instead of ``arb.next()`` (see
+        :data:`DeciderFn`); one decider per loop.
+
+        Raises:
+            ValueError: a decider is already set.
+        """
+        if self.decide is not None:
+            raise ValueError(f"rank {self.rank}: a decider is already set ({self.decide!r})")
+        self.decide = decide
 
     async def run(self, arb: Arbiter, step: int, stats, run_fn: RunFn, emit: EmitFn,
                   hooks: HookRunner | None = None) -> None:
@@ -94,8 +118,8 @@ class SchedulerLoop:
         running.clear()
         inbox, ex = self.inbox, self.executor
         wake = inbox.wake
-        bf = getattr(arb, "backfill", None)  # a forward-only step's arbiter never backfills
-        notices = self._noticing = self.notices if bf is not None else None
+        decide = self.decide
+        watching = self._watching = tuple(o for o in self.observers if o.step_begins(step, arb) is not False)
         try:
             while True:
                 if inbox.error is not None:
@@ -117,17 +141,19 @@ class SchedulerLoop:
                     self._finish(p, step, stats, hooks)
                 if arb.finished:
                     if not running:
-                        return
+                        break
                 elif arb.running is None and len(running) < ex.window:
-                    if notices is not None:
-                        bf.now = notices.clock()
-                    task = arb.next() if self.agree is None else await self._agreed(arb)
-                    if task is _AGAIN:  # the TP group disagreed: look at arrivals, arbitrate again
+                    if watching:
+                        for o in watching:
+                            o.before_decision()
+                    task = arb.next() if decide is None else await decide(arb)
+                    if task is AGAIN:  # e.g. the TP group disagreed: look at arrivals, decide again
                         await asyncio.sleep(0)
                         continue
                     if task is not None:
-                        if notices is not None:  # before the task: an inline one runs inside launch
-                            notices.started(step, task)
+                        if watching:  # before the task: an inline one runs inside launch
+                            for o in watching:
+                                o.task_started(step, task)
                         p = ex.launch(task, run_fn)
                         if p.done and p.error is None:  # inline: finished inside launch
                             if self.task_delay is not None:
@@ -142,19 +168,8 @@ class SchedulerLoop:
                 await self._wait_for_event()
         finally:
             self._disarm_watchdog()
-
-    async def _agreed(self, arb: Arbiter):
-        """TP agreement (RRFP §4.2, :mod:`rrfp.scheduler.agreement`): the task this rank's TP
-        group agreed on (committed), a task that needs no agreement, None when nothing is
-        ready, or ``_AGAIN`` after a mismatch (nothing committed, no state advanced)."""
-        ag = self.agreement
-        if ag is None or ag.arb is not arb:
-            ag = self.agreement = TPAgreement(arb)
-        task, need = ag.propose()
-        if not need:
-            return task
-        codes = await self.agree(encode_task(task))
-        return task if ag.decide([decode_task(c) for c in codes]) else _AGAIN
+        for o in self.observers:
+            o.step_ends(step, stats)
 
     async def _delay(self, step: int, task: Task) -> None:
         # Injected delays stand for device time: the rank stays busy but its loop keeps
@@ -180,8 +195,9 @@ class SchedulerLoop:
             stats.records.append(TaskRecord(self.rank, step, p.task, p.t0, t1))
         self._last_end = t1
         self._progress = self._clock()
-        if self._noticing is not None:
-            self._noticing.finished(p.task)
+        if self._watching:
+            for o in self._watching:
+                o.task_finished(step, p.task, p.t0, t1)
         self.executor.release(p)
         if hooks is not None:
             hooks.task_done(p.task)
@@ -189,8 +205,9 @@ class SchedulerLoop:
     # ------------------------------------------------------------ watchdog
     async def _wait_for_event(self) -> None:
         wake = self.inbox.wake
-        if self._noticing is not None:
-            self._noticing.idle()
+        if self._watching:
+            for o in self._watching:
+                o.idle()
         if self.watchdog <= 0:
             await wake.wait()
             return

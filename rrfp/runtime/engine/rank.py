@@ -14,6 +14,10 @@
   microseconds where a hop to a worker thread and back costs about 90 us on a 2-core machine);
 - :mod:`~rrfp.runtime.engine.outbox`: sends, which never block compute;
 - :mod:`~rrfp.runtime.engine.hooks`: step hooks (a stage's gradients are final; the step ends);
+- step features join through :mod:`~rrfp.runtime.engine.observer` (the loop's events),
+  :meth:`~rrfp.runtime.engine.inbox.Inbox.on_control` (their control messages), a decider
+  (:meth:`~rrfp.runtime.engine.loop.SchedulerLoop.set_decider`) and :attr:`RankRuntime.backfill_for`;
+  :mod:`rrfp.runtime.features` holds them;
 - :mod:`~rrfp.runtime.engine.compute`: the tasks themselves (F, B, I, W on the stage modules) and
   ``run_backward``.
 
@@ -30,6 +34,7 @@ import torch
 
 from ...scheduler.arbiter import Arbiter
 from ...scheduler.hints import Hint
+from ...scheduler.backfill import Backfill
 from ...scheduler.readyset import finalising_kind
 from ...scheduler.tasks import PipelineSpec, TaskRecord
 from ...transport.base import Message, Transport
@@ -39,7 +44,6 @@ from .executor import Executor, InlineExecutor
 from ...scheduler.forward import ForwardArbiter
 from .hooks import HookRunner, StepHooks
 from .inbox import Inbox
-from ..features.notices import StartedNotices
 from .loop import DelayFn, SchedulerLoop
 from .ordered import _OrderedGrads
 from .outbox import Outbox
@@ -118,8 +122,15 @@ class RankRuntime:
             (the :class:`~rrfp.runtime.engine.compute.TaskCompute`): the parts (see the module
             docstring). The knobs live on their parts: ``loop.watchdog``, ``loop.task_delay``,
             ``loop.record``, ``compute.loss_fn``; refusals are counted in ``inbox.rejected``.
-        notices: backfilling's :class:`~rrfp.runtime.features.notices.StartedNotices` (its cost
-            averages, the started notices sent and received; its ``clock``).
+        features: the step features attached to this rank, by name (``notices``: backfilling's
+            :class:`~rrfp.runtime.features.notices.StartedNotices`; ``tp-agreement``), for
+            inspection; each registers itself through the seams (module docstring).
+        backfill_for: ``(step, spec) -> Backfill``, where a backfilling step's arbiter takes its
+            :class:`~rrfp.scheduler.backfill.Backfill` (backfilling's notices set it; None: a
+            backfilling hint fails the step with a ValueError).
+        sizer: the memory budget's :class:`~rrfp.runtime.engine.memory.ForwardSizer` (the
+            activation bytes it measured per stage and microbatch, ``sizer(stage, mb)``), or
+            None without a budget.
     """
 
     def __init__(
@@ -170,9 +181,8 @@ class RankRuntime:
             self.inbox.place = lambda stage, tensors: copies.to_device(stage.device, tensors)
         self.loop = SchedulerLoop(rank, self.inbox, self.executor, watchdog=watchdog, task_delay=task_delay,
                                   record=record)
-        # Backfilling's notices: admitted whatever this step's hint (a neighbour may already run
-        # the next step under another), sent and read only in backfilling steps.
-        self.notices = self.inbox.notices = self.loop.notices = StartedNotices(spec, rank, self.outbox.send_control)
+        self.features: dict[str, Any] = {}
+        self.backfill_for: Callable[[int, PipelineSpec], Backfill] | None = None
         self._loss_total = self._loss_global = None
         self.hooks = HookRunner(self.stages, spec.n_microbatches, finalising_kind(spec.split_backward))
         self._receiving = False
@@ -181,15 +191,15 @@ class RankRuntime:
             dst_rank, inbox.step, m, dst_stage, direction, tensors))
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self.memory_budget = memory_budget
-        self._sizer = None
+        self.sizer = None
         if memory_budget is not None:
             from .memory import ForwardSizer, WeightBytes
 
-            self._sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()}, got[0])
+            self.sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()}, got[0])
         self.compute = TaskCompute(rank, self.stages, self.last_stage, loss_fn, self.router, self._ordered,
-                                   self._sizer)
+                                   self.sizer)
         # Under a budget the ledger frees at I all but what W's store holds (measured).
-        self._wbytes = None if self._sizer is None else WeightBytes(self.compute._wstate)
+        self._wbytes = None if self.sizer is None else WeightBytes(self.compute._wstate)
 
     def set_loss_reduction(self, total_fn: Callable[[float], float], loss_fn: Callable[[float], float]) -> None:
         """Data parallelism (:mod:`rrfp.parallel.grads`): ``total_fn(local total)`` gives the
@@ -204,11 +214,26 @@ class RankRuntime:
         replica), so a caller can wrap them and put them back."""
         return self._loss_total, self._loss_global
 
-    def set_tp_agreement(self, exchange) -> None:
-        """Tensor parallelism: agree with the TP group before every F and B (RRFP §4.2;
-        :class:`~rrfp.runtime.engine.loop.SchedulerLoop`), ``exchange`` all-gathering the proposals
-        (:mod:`rrfp.parallel.exchange`)."""
-        self.loop.agree = exchange
+    def set_hint(self, spec: PipelineSpec, hint: Hint, strict: bool) -> None:
+        """Run ``hint`` (resolved with ``spec`` and ``strict``, as
+        :func:`~rrfp.scheduler.hints.resolve_hint` gives them) from the next step on: a split
+        backward is enabled on the stage modules where ``spec`` has one (idempotent; a full
+        backward still works on them), and the step hooks' final kind follows (``B``, or ``W``
+        with a split backward). The front doors call it for every rank
+        (:meth:`~rrfp.runtime.doors.front.FrontDoor.set_hint`).
+
+        Raises:
+            ValueError: ``spec`` of another placement or microbatch count (nothing changed).
+        """
+        if spec.placement != self.spec.placement or spec.n_microbatches != self.spec.n_microbatches:
+            raise ValueError(f"rank {self.rank}: a hint for {spec.placement}, {spec.n_microbatches} microbatches; "
+                             f"this pipeline is {self.spec.placement}, {self.spec.n_microbatches} microbatches")
+        if spec.split_backward:
+            for st in self.stages.values():
+                if st.dw_builder is None:  # with one, the user's module defers its own weight gradients
+                    enable_split_backward(st.submod)
+        self.spec, self.hint, self.strict = spec, hint, strict
+        self.hooks.final_kind = finalising_kind(spec.split_backward)
 
     def add_step_hooks(self, hooks: StepHooks) -> None:
         """Register step hooks (:mod:`rrfp.runtime.engine.hooks`): ``on_stage_grads_final(stage)``
@@ -306,8 +331,6 @@ class RankRuntime:
         stats.peak_inflight = arb.peak_inflight
         stats.peak_mb_inflight = arb.peak_mb_inflight
         stats.peak_bytes = arb.peak_bytes
-        if getattr(arb, "backfill", None) is not None:
-            stats.n_backfilled = arb.backfill.n_backfilled
         if weights is not None:
             if losses is not None:
                 losses.extend(mb_losses)
@@ -351,12 +374,15 @@ class RankRuntime:
             return ForwardArbiter(self.spec, self.rank)
         backfill = None
         if self.hint.backfill and self.strict:
-            backfill = self.notices.backfill(step, self.spec)
+            if self.backfill_for is None:
+                raise ValueError(f"rank {self.rank}: hint {self.hint.name!r} backfills, but no backfilling feature "
+                                 "is attached (rrfp.runtime.features.notices.attach)")
+            backfill = self.backfill_for(step, self.spec)
         arb = Arbiter(self.spec, self.rank, self.hint, strict=self.strict, inflight_limit=self.inflight_limit,
-                      memory_budget=self.memory_budget, act_bytes=self._sizer, w_bytes=self._wbytes,
+                      memory_budget=self.memory_budget, act_bytes=self.sizer, w_bytes=self._wbytes,
                       backfill=backfill)
-        if self._sizer is not None:
-            self._sizer.begin_step(self.router.waiting(Direction.ACT))
+        if self.sizer is not None:
+            self.sizer.begin_step(self.router.waiting(Direction.ACT))
         return arb
 
     def _step_loss(self, mb_losses: list, weights: list[float]) -> float:

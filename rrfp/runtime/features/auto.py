@@ -25,8 +25,8 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
 
 One process says, one line each, which steps measure and which run the trial (with the
 candidates) before they run, and what was kept and why. The candidates are
-:data:`rrfp.sim.auto.CANDIDATES`; names this build's registry does not know are skipped and
-named in the last line.
+:func:`rrfp.sim.auto.all_candidates` (the hint table's entries that allow auto); names that do
+not fit the shape are skipped and named in the last line.
 """
 
 from __future__ import annotations
@@ -36,13 +36,12 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ...errors import PipelineError
 from ...scheduler.hints import resolve_hint
-from ...scheduler.tasks import B, F, W
+from ...scheduler.tasks import F
 from ...sim import auto as sim_auto
-from ...sim.auto import TIE, TRIAL_ROUNDS
-from ..doors.config import AUTO, auto_first_hint
+from ...sim.auto import AUTO, TIE, TRIAL_ROUNDS, auto_first_hint
+from ..engine.inbox import ControlQueue
 
-__all__ = ["AUTO", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare", "Share",
-           "switch_hint"]
+__all__ = ["AUTO", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare", "Share"]
 
 RECHECK_EVERY = 50
 """Steps between re-checks: one more trial round (three steps) per 50, about 6% of steps run a
@@ -55,6 +54,9 @@ under the codec's 64 KiB header limit)."""
 _MAX_PARTS = 4096
 """Most parts one exchange may have (a million items): a peer announcing more is refused
 before this rank waits for them."""
+
+KIND = "auto"
+"""The ``kind`` of :class:`ControlShare`'s control messages (its inbox handler's)."""
 
 
 class Share(Protocol):
@@ -119,17 +121,19 @@ class DistShare:
 
 
 class ControlShare:
-    """Over rrfp's own control plane (:meth:`RankRuntime.send_control` and ``control``), for
-    a pipeline without a torch.distributed process group: each rank sends its part to every
-    other rank, in messages of at most :data:`_PART_ITEMS` items, and waits for theirs.
+    """Over rrfp's own control plane, for a pipeline without a torch.distributed process group:
+    each rank sends its part to every other rank (:meth:`RankRuntime.send_control`), in
+    messages of at most :data:`_PART_ITEMS` items, and waits for theirs. Wire format: meta
+    ``{"kind": "auto", "rrfp-auto": exchange, "part": i, "of": parts, "items": [...]}``.
+
+    A step feature: the rank's inbox hands it the control messages of kind :data:`KIND`
+    (:meth:`~rrfp.runtime.engine.inbox.Inbox.on_control`) into a queue of its own, so the
+    caller's own control traffic stays in ``runtime.control()``, untouched.
 
     Args:
         runtime: this rank's :class:`~rrfp.runtime.engine.rank.RankRuntime`.
         n_ranks: the pipeline's ranks.
         timeout: seconds to wait for a peer's part.
-
-    Control messages that are not ``auto``'s, received while it waits, are kept in
-    :attr:`held` in arrival order (the caller's own control traffic is not lost).
 
     Raises (from each method):
         TimeoutError: a peer's part did not arrive within ``timeout`` seconds.
@@ -140,8 +144,9 @@ class ControlShare:
     def __init__(self, runtime: Any, n_ranks: int, timeout: float) -> None:
         self.rt, self.n, self.timeout = runtime, n_ranks, timeout or None
         self.seq = 0
-        self.held: list = []
         self._early: dict[tuple[int, int], dict[int, dict]] = {}  # (seq, src) -> part -> its message
+        self._parts = ControlQueue(runtime.inbox)
+        runtime.inbox.on_control(KIND, lambda msg, step: self._parts.put(msg))
 
     async def _exchange(self, items: list) -> list[list]:
         self.seq += 1
@@ -150,7 +155,8 @@ class ControlShare:
         for dst in range(self.n):
             if dst != me:
                 for i, part in enumerate(parts):
-                    self.rt.send_control(dst, seq, {"rrfp-auto": seq, "part": i, "of": len(parts), "items": part})
+                    self.rt.send_control(dst, seq, {"kind": KIND, "rrfp-auto": seq, "part": i, "of": len(parts),
+                                                    "items": part})
         got: dict[int, dict[int, list]] = {r: {} for r in range(self.n) if r != me}
         want: dict[int, int] = {}
         for src in list(got):
@@ -158,11 +164,8 @@ class ControlShare:
                 _check_part(meta, src, seq, self.n, me, got[src], want.get(src))
                 got[src][meta["part"]], want[src] = meta["items"], meta["of"]
         while any(len(got[r]) < want.get(r, 1) for r in got):
-            msg = await self.rt.control(timeout=self.timeout)
+            msg = await self._parts.get(timeout=self.timeout)
             meta = msg.meta
-            if not isinstance(meta, dict) or "rrfp-auto" not in meta:
-                self.held.append(msg)
-                continue
             early = self._early.setdefault((seq + 1, msg.src), {}) if meta.get("rrfp-auto") == seq + 1 else None
             _check_part(meta, msg.src, seq, self.n, me, got.get(msg.src, {}), want.get(msg.src), early)
             if early is not None:
@@ -211,26 +214,6 @@ def _check_part(meta: dict, src: Any, seq: int, n: int, me: int, have: dict, of:
         raise bad(f"part {part} of {parts} again, or a second count of parts (first {of})")
     if early is not None and part in early:
         raise bad(f"part {part} of exchange {k} again")
-
-
-def switch_hint(pipe: Any, text: str, limits: Sequence[int], backpressure: str = "admission") -> None:
-    """Make ``pipe`` (a front door) run ``text`` on every rank it runs from its next step.
-
-    Raises:
-        ValueError: a hint that does not resolve for the pipeline's placement.
-    """
-    from ..engine.split import enable_split_backward
-
-    spec, hint, strict = resolve_hint(text, pipe.spec.placement, pipe.n_microbatches, inflight_limit=list(limits),
-                                      backpressure=backpressure)
-    pipe.spec, pipe.hint, pipe.strict = spec, hint, strict
-    for rt in pipe._runtimes:
-        if spec.split_backward:
-            for st in rt.stages.values():
-                if st.dw_builder is None:  # idempotent; a full backward still works on routed layers
-                    enable_split_backward(st.submod)
-        rt.spec, rt.hint, rt.strict = spec, hint, strict
-        rt.hooks.final_kind = W if spec.split_backward else B
 
 
 def step_figures(hint: str, stats: Sequence[Any]) -> tuple[float, float]:
@@ -290,7 +273,7 @@ class AutoHint:
         self.chosen: str | None = None
         self.ranking: sim_auto.Ranking | None = None
         self.measure: Callable[[str, Sequence[Any]], tuple[float, float]] = step_figures
-        self._record = [rt.loop.record for rt in pipe._runtimes]
+        self._record = [rt.loop.record for rt in pipe.runtimes]
         self.too_short = False
         self.run_steps: int | None = None
         self.steps = 0
@@ -341,10 +324,10 @@ class AutoHint:
                      f"then {', '.join(self.plan[1:])}), then {TRIAL_ROUNDS} trial rounds of one step per candidate")
         want = self.plan[0] if self.plan else (self.chosen or self.current)
         if want != self.current:
-            switch_hint(self.pipe, want, self.limits, self.backpressure)
+            self.pipe.set_hint(want)
             self.current = want
         # Task records while measuring costs and in trial steps (their forward seconds).
-        for rt, keep in zip(self.pipe._runtimes, self._record):
+        for rt, keep in zip(self.pipe.runtimes, self._record):
             rt.loop.record = keep or bool(self.plan)
 
     async def after_step(self, k: int, stats: Sequence[Any]) -> None:
@@ -386,8 +369,8 @@ class AutoHint:
     async def _gather(self, stats: Sequence[Any]) -> None:
         mine: list = [("r", rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end)
                       for st in stats for rec in st.records]
-        for rt in self.pipe._runtimes:
-            sizer = getattr(rt, "_sizer", None)
+        for rt in self.pipe.runtimes:
+            sizer = rt.sizer  # the memory budget's measured activation bytes (None: no budget)
             if sizer is not None:
                 for s in rt.stages:
                     got = [sizer(s, m) for m in range(self.M)]

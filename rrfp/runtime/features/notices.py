@@ -22,7 +22,14 @@ format, authentication and size limits: key ``(job, step, 0, 0, CTL)``, meta
 framed, ``benchmarks/bench_notices.py``). With no estimate yet (a kind's first task) it sends
 nothing.
 
-The receiver (:meth:`StartedNotices.receive`, called by the inbox) keeps, per step,
+A step feature (:func:`attach`): the rank's scheduler loop tells it when a task starts and
+finishes and when the loop waits (:class:`~rrfp.runtime.engine.observer.StepObserver`, only in
+backfilling steps: the others pay nothing), the inbox hands it the ``started`` control messages
+(:meth:`~rrfp.runtime.engine.inbox.Inbox.on_control`), and the rank takes each backfilling
+step's :class:`~rrfp.scheduler.backfill.Backfill` from it
+(:attr:`~rrfp.runtime.engine.rank.RankRuntime.backfill_for`).
+
+The receiver (:meth:`StartedNotices.receive`) keeps, per step,
 ``producer task -> estimated end`` on its own clock: the board its
 :class:`~rrfp.scheduler.backfill.Backfill` reads with ``complete_notices=False`` (a notice may
 still be in transit, so a producer without one never lets the rank backfill). A notice that a
@@ -45,6 +52,7 @@ from typing import Callable
 from ...scheduler.backfill import Backfill, CostAverages
 from ...scheduler.tasks import KINDS, F, PipelineSpec, Task
 from ...transport.base import Message
+from ..engine.observer import StepObserver
 
 STARTED = "started"
 """The ``kind`` of a started notice's meta."""
@@ -57,7 +65,7 @@ SendFn = Callable[[int, int, dict], None]
 """``send(dst_rank, step, meta)``: a control message to another rank."""
 
 
-class StartedNotices:
+class StartedNotices(StepObserver):
     """One rank's side of backfilling: its cost averages, the notices it sends, and the
     board of the notices it received.
 
@@ -65,6 +73,8 @@ class StartedNotices:
         spec: the pipeline's shape.
         rank: this rank's pipeline index.
         send: sends a control message (the outbox's ``send_control``).
+        wake: wakes the rank's scheduler loop (a notice for the producer of the task the
+            rank waits for may let it run a later task now); None: never woken.
 
     Attributes:
         averages: per-(stage, kind) mean measured seconds of this rank's tasks (persists over
@@ -73,9 +83,10 @@ class StartedNotices:
         n_sent, n_received: notices sent and admitted so far.
     """
 
-    def __init__(self, spec: PipelineSpec, rank: int, send: SendFn) -> None:
+    def __init__(self, spec: PipelineSpec, rank: int, send: SendFn, wake: Callable[[], None] | None = None) -> None:
         self.spec, self.rank = spec, rank
         self._send = send
+        self._wake = wake
         self.averages = CostAverages()
         self.clock: Callable[[], float] = time.monotonic
         self.n_sent = self.n_received = 0
@@ -88,6 +99,10 @@ class StartedNotices:
         self._busy_from: float | None = None  # start of the current stretch of work (see receive)
         self._launches = 0
         self._last: Task | None = None  # the task of the last notice admitted
+        self._made: tuple[int, Backfill] | None = None  # the last Backfill made, for its step
+        self._bf: Backfill | None = None  # the running backfilling step's
+        self._arb = None  # and its arbiter
+        self._step: int | None = None  # and its index
 
     # ------------------------------------------------------------ the step
     def backfill(self, step: int, spec: PipelineSpec) -> Backfill:
@@ -97,8 +112,34 @@ class StartedNotices:
         self.spec = spec
         for k in [k for k in self._boards if k < step]:
             del self._boards[k]
-        return Backfill(self.spec, self.rank, self.averages.high, self._boards.setdefault(step, {}),
-                        complete_notices=False)
+        bf = Backfill(self.spec, self.rank, self.averages.high, self._boards.setdefault(step, {}),
+                      complete_notices=False)
+        self._made = (step, bf)
+        return bf
+
+    def step_begins(self, step: int, arb) -> bool:
+        """A step whose arbiter was built with :meth:`backfill`'s Backfill for it is a
+        backfilling step: this feature takes its task events; any other step pays nothing."""
+        made, self._made = self._made, None
+        if made is None or made[0] != step:
+            self._bf = self._arb = self._step = None
+            return False
+        self._bf, self._arb, self._step = made[1], arb, step
+        return True
+
+    def before_decision(self) -> None:
+        self._bf.now = self.clock()
+
+    def task_started(self, step: int, task: Task) -> None:
+        self.started(step, task)
+
+    def task_finished(self, step: int, task: Task, start: float, end: float) -> None:
+        self.finished(task)  # on this feature's own clock (a test's simulated one)
+
+    def step_ends(self, step: int, stats) -> None:
+        if self._bf is not None:
+            stats.n_backfilled = self._bf.n_backfilled
+        self._bf = self._arb = self._step = None
 
     def started(self, step: int, task: Task) -> None:
         """This rank starts ``task`` now: time it, and send its consumer rank a notice when the
@@ -191,13 +232,17 @@ class StartedNotices:
         self._last = task
         return None
 
-    def opens_window(self, arb) -> bool:
-        """Whether the notice just admitted is for the producer of ``arb``'s planned task (the
-        only notice that can change its next decision: a wake-up for any other costs a
-        decision for nothing)."""
-        planned = getattr(getattr(arb, "policy", None), "planned", None)
-        p = planned() if planned is not None else None
-        return p is not None and self.spec.producer(p) == self._last
+    def on_notice(self, msg: Message, current: int) -> str | None:
+        """The inbox's handler of ``started`` control messages (:meth:`receive`); wakes the
+        scheduler loop when the notice admitted is for the producer of the task a running
+        backfilling step waits for (the only notice that can change its next decision: a
+        wake-up for any other costs a decision for nothing)."""
+        problem = self.receive(msg, current)
+        if problem is None and msg.key.step == self._step and self._wake is not None:
+            planned = self._arb.planned()
+            if planned is not None and self.spec.producer(planned) == self._last:
+                self._wake()
+        return problem
 
     def _receiver(self, task: Task) -> int:
         """The rank receiving ``task``'s output (-1: none, or the rank that runs ``task``)."""
@@ -206,3 +251,20 @@ class StartedNotices:
             return -1
         dst = self._rank_of(c.stage)
         return -1 if dst == self._rank_of(task.stage) else dst
+
+
+def attach(runtime) -> StartedNotices:
+    """Backfilling's started notices on ``runtime`` (a
+    :class:`~rrfp.runtime.engine.rank.RankRuntime`): admitted whatever a step's hint (a
+    neighbour may already run the next step under another), sent and read only in backfilling
+    steps. Registered as ``runtime.features["notices"]``.
+
+    Raises:
+        ValueError: notices already attached (the inbox has a ``started`` handler).
+    """
+    notices = StartedNotices(runtime.spec, runtime.rank, runtime.send_control, runtime.inbox.wake.set)
+    runtime.inbox.on_control(STARTED, notices.on_notice)
+    runtime.loop.add_observer(notices)
+    runtime.backfill_for = notices.backfill
+    runtime.features["notices"] = notices
+    return notices
