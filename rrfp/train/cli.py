@@ -85,6 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     # Parallel layout (rrfp/parallel): one pipeline per (dp, tp) coordinate.
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree: pipelines that each take 1/dp of the batch")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: ranks that share each stage's attention and MLP")
+    add_dp_shard_flag(p)
     from . import device
 
     device.add_flags(p)
@@ -112,6 +113,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="rank 0 writes every step's loss here at the end, one line '<step> <float.hex>' "
                    "(exact: two runs compare bit for bit)")
     p.set_defaults(func=run, _parser=p)
+
+
+def add_dp_shard_flag(p: argparse.ArgumentParser) -> None:
+    """``--dp-shard`` (rrfp/parallel/sharded.py)."""
+    p.add_argument("--dp-shard", choices=("none", "optimizer", "full"), default="none",
+                   help="with --dp: none (each replica holds whole parameters, gradients and AdamW states), full "
+                   "(FSDP2 fully_shard of each block and stage over the DP ranks: gathered once per step, gradients "
+                   "reduce-scattered; --precision bf16 computes in bf16 and reduces in fp32), optimizer (refused: "
+                   "under FSDP2 it would hold more bytes than full for the same communication)")
 
 
 def add_job_flags(p: argparse.ArgumentParser) -> None:

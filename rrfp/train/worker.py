@@ -155,6 +155,18 @@ class _RankData:
 
             for st in self.stages:
                 shard_gpt_stage(st.submod, layout.tp_rank, layout.tp, layout.tp_group, TP_IMPL)
+        if getattr(args, "dp_shard", "none") == "full":
+            from ..parallel.train import dp_shard_mesh, shard_stage
+
+            dev = device.resolve_device(args.device)  # sharded where it computes (CUDA: untested here)
+            if dev.type == "cuda":
+                torch.cuda.set_device(dev)
+            mesh = dp_shard_mesh(layout, dev.type)
+            for st in self.stages:  # FSDP2's mixed precision stands for autocast under bf16
+                st.submod.to(dev)
+                st.device = dev
+                shard_stage(st.submod, layout, args.precision, last=st.stage_index == n_stages - 1, mesh=mesh)
+            return
         for st in self.stages:
             use_autocast(st.submod, args.precision, st.device.type, last=st.stage_index == n_stages - 1)
 
@@ -301,7 +313,9 @@ class _Run:
             self.step_flops.take()
         if args.clip_grad is not None:
             clip_grad_norm_(params, args.clip_grad, layout)
-        gnorm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])) \
+        # This rank's own part (an FSDP2 shard's local tensor): a finiteness check, no collective.
+        gnorm = float(torch.nn.utils.get_total_norm([getattr(p.grad, "_local_tensor", p.grad) for p in params
+                                                     if p.grad is not None])) \
             if any(p.grad is not None for p in params) else 0.0
         poisoned = check_finite(k, layout.rank, None if loss is None else float(loss), gnorm)
         if poisoned is None:
