@@ -134,13 +134,6 @@ class Arbiter:
             validate_rank_order(spec, rank, list(hint.order[rank]))
             order = hint.order[rank]
         self.ready = r = ReadySet(stages, spec.n_microbatches)
-        self.policy = p = factory(order=order, ready=r, backfill=backfill, memory=self.memory,
-                                  w_bytes=w_bytes if self.memory is not None else None)
-        if not isinstance(p, Policy):
-            raise TypeError(f"hint {hint.name!r}: its factory built {type(p).__name__}, expected a "
-                            "rrfp.scheduler.policy.Policy (subclass it)")
-        r.configure(queues=p.queues, depth_first=p.depth_first)
-        self._taken = p.taken
         self.state = st = RankState(stages, spec.n_microbatches, inflight_limit, spec.backward_kind)
         if strict:
             st.guard = NO_GUARD
@@ -154,6 +147,13 @@ class Arbiter:
             st.guard = Admission()
         else:
             st.guard = CompletionOrder(st)
+        self.policy = p = factory(order=order, ready=r, state=st, backfill=backfill, memory=self.memory,
+                                  w_bytes=w_bytes if self.memory is not None else None)
+        if not isinstance(p, Policy):
+            raise TypeError(f"hint {hint.name!r}: its factory built {type(p).__name__}, expected a "
+                            "rrfp.scheduler.policy.Policy (subclass it)")
+        r.configure(queues=p.queues, depth_first=p.depth_first)
+        self._taken = p.taken
         # The ready set's arrays and heaps by kind code, aliased: the event paths below run
         # once per message and task in the simulator.
         self._act, self._grad = r.act, r.grad

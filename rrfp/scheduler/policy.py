@@ -100,6 +100,8 @@ class KindPolicy(Policy):
         free_first: when the byte budget refuses an admission the count allows
             (:data:`~rrfp.scheduler.guards.REFUSED`), run a ready ``W`` first: it frees the
             bytes the forward waits for.
+        guard_binds: the rank's guard can decide (:attr:`Guard.may_bind`); False spares
+            :meth:`taken` asking it (the simulator calls it once per task).
 
     Attributes:
         phase: the kind the policy prefers next (``F`` or ``B``): ``first``, then, when
@@ -110,9 +112,10 @@ class KindPolicy(Policy):
     queues = True
 
     def __init__(self, name: str, first: str, alternate: bool, *, depth_first: bool = False,
-                 free_first: bool = False) -> None:
+                 free_first: bool = False, guard_binds: bool = True) -> None:
         self.name, self.first, self.alternate = name, first, alternate
         self.depth_first, self.free_first = depth_first, free_first
+        self.guard_binds = guard_binds
         self.phase = first
 
     def choose(self, ready: ReadySet, state: RankState) -> Task | None:
@@ -152,17 +155,16 @@ class KindPolicy(Policy):
         completion order) leaves the round where it was. A fixed priority keeps no round."""
         if self.alternate:
             k = task[1]
-            if k != W:
-                g = state.guard
-                if not (g.may_bind and g.binding(state)):
-                    self.phase = B if k == F else F
+            if k != W and not (self.guard_binds and state.guard.binding(state)):
+                self.phase = B if k == F else F
 
 
 def kind_policy(name: str, first: str, alternate: bool, *, depth_first: bool = False,
                 free_first: bool = False) -> "PolicyFactory":
     """A factory of :class:`KindPolicy` (a fresh one per rank and step: it keeps its round)."""
-    def factory(**_) -> KindPolicy:
-        return KindPolicy(name, first, alternate, depth_first=depth_first, free_first=free_first)
+    def factory(*, state: RankState | None = None, **_) -> KindPolicy:
+        return KindPolicy(name, first, alternate, depth_first=depth_first, free_first=free_first,
+                          guard_binds=state is None or state.guard.may_bind)
     return factory
 
 
@@ -323,8 +325,9 @@ def room_ahead(prefix: Sequence[int], ahead: Sequence[tuple[int, int | None]], p
 
 PolicyFactory = Callable[..., Policy]
 """Builds one rank's policy for one step from keywords (``order``: the rank's order or None;
-``ready``: its :class:`ReadySet`; ``backfill``; ``memory``: its :class:`MemoryLedger` or None;
-``w_bytes``), taking what it needs and ignoring the rest (``**_``)."""
+``ready``: its :class:`ReadySet`; ``state``: its :class:`RankState`, guard set; ``backfill``;
+``memory``: its :class:`MemoryLedger` or None; ``w_bytes``), taking what it needs and ignoring
+the rest (``**_``)."""
 
 
 def in_order(*, order, ready, **_) -> InOrder:

@@ -50,8 +50,8 @@ class HintEntry:
 
     Attributes:
         factory: builds the rank's policy in readiness mode (:data:`PolicyFactory`: keywords
-            ``order``, ``ready``, ``backfill``, ``memory``, ``w_bytes``); None: readiness over
-            :attr:`order` (:class:`~rrfp.scheduler.policy.InOrder`).
+            ``order``, ``ready``, ``state``, ``backfill``, ``memory``, ``w_bytes``); None:
+            readiness over :attr:`order` (:class:`~rrfp.scheduler.policy.InOrder`).
         backward: the backward form unless the caller forces one: :data:`FULL` or
             :data:`SPLIT`.
         order: the order it needs, built from the pipeline's shape (a schedule); None: a
