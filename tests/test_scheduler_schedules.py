@@ -10,7 +10,6 @@ import re
 import pytest
 
 from rrfp.scheduler import (
-    HINT_NAMES,
     SCHEDULES,
     Hint,
     Placement,
@@ -28,7 +27,10 @@ from rrfp.scheduler import (
     resolve_hint,
     validate_schedule,
 )
+from rrfp.scheduler.registry import names
 from rrfp.sim.engine import simulate
+
+HINT_NAMES = names(order=False) + tuple(SCHEDULES)  # the policies and the named schedules
 
 
 # --------------------------------------------------------------- PyTorch's generators
@@ -301,7 +303,7 @@ def test_every_hint_name_resolves_in_both_modes():
 
 def test_strict_policy_is_compiled_with_nominal_durations():
     spec, hint, strict = resolve_hint("strict-bf", Placement(4), 8, inflight_limit=one_f_one_b_limits(4))
-    assert strict and hint.first == "B" and hint.alternate
+    assert strict and hint.policy == "bf"
     assert hint.order == one_f_one_b(spec)
     spec, hint, _ = resolve_hint("strict-bfw", Placement(2), 2)
     assert spec.split_backward

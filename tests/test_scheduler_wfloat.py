@@ -52,7 +52,7 @@ def test_wfloat_has_no_strict_form_and_needs_a_fixed_order():
     with pytest.raises(ValueError, match="no fixed order"):
         resolve_hint("wfloat", Placement(2, 3, "v"), 4)
     spec, h, strict = resolve_hint("ahead", Placement(2, 2, "v"), 4)
-    assert spec.split_backward and not strict and h.policy == "order-ahead"
+    assert spec.split_backward and not strict and h.policy == "ahead"
 
 
 def test_wfloat_refuses_limits_below_its_orders_own():
@@ -65,14 +65,14 @@ def test_wfloat_refuses_limits_below_its_orders_own():
             resolve_hint("wfloat", Placement(4), 8, inflight_limit=limits)
     with pytest.raises(ValueError, match="limit 1 on rank 2 is below its order's own 2"):
         resolve_hint("wfloat", Placement(4), 8, inflight_limit=[4, 3, 1, 1])
-    assert resolve_hint("wfloat", Placement(4), 8, inflight_limit=[4, 3, 2, 1])[1].policy == "w-float"
+    assert resolve_hint("wfloat", Placement(4), 8, inflight_limit=[4, 3, 2, 1])[1].policy == "wfloat"
     # With virtual stages and admission backpressure the guard counts microbatches: the
     # strict-split order of 2 ranks x 2 loop stages, 4 microbatches, admits 4 then 3 (hand count
     # of its first local stage's F minus I).
     with pytest.raises(ValueError, match=r"per rank \[4, 3\]"):
         resolve_hint("wfloat", Placement(2, 2, "loop"), 4, inflight_limit=[4, 2])
     # ahead runs later ready tasks while the planned one waits, so no limit is refused.
-    assert resolve_hint("ahead", Placement(4), 8, inflight_limit=1)[1].policy == "order-ahead"
+    assert resolve_hint("ahead", Placement(4), 8, inflight_limit=1)[1].policy == "ahead"
 
 
 @pytest.mark.parametrize("p, v, kind, m, backpressure", [

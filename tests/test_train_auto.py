@@ -251,7 +251,7 @@ def test_a_recorded_choice_that_is_no_candidate_here_is_measured_anew(share) -> 
 
 def test_tied_candidates_resolve_to_the_fixed_preference(share) -> None:
     # bfw-mem measured 0.4% faster than bf, within TIE: bf comes first in the order of
-    # preference (CANDIDATES'), so noise of that size cannot flip the choice.
+    # preference (all_candidates()'), so noise of that size cannot flip the choice.
     ctl, ran, lines = _drive(share, lambda k, h: {"strict-1f1b": 1.0, "bf": 0.9, "bfw-mem": 0.8964}[h],
                              TRIAL_END + 1, 0)
     assert sorted(ctl.trial) == ["bf", "bfw-mem", "strict-1f1b"]

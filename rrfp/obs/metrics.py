@@ -44,9 +44,11 @@ from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from ..scheduler.tasks import KINDS
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-TASK_KINDS = ("F", "B", "I", "W")
+TASK_KINDS = tuple(KINDS)
 DIRECTIONS = ("sent", "received")
 REJECT_REASONS = ("decode", "routing")
 """``decode``: refused by the transport before delivery (malformed, oversized, unknown

@@ -31,11 +31,11 @@ class RuntimeConfig:
     Attributes:
         hint: ``auto`` (the default: measure this job's steps, then keep the fastest of the
             candidate policies, never one measured slower than the placement's strict
-            schedule; :class:`~rrfp.runtime.features.auto.AutoHint`), ``bf``, ``bfw``, ``fb``,
-            ``b-priority``, ``f-priority``, ``bfw-mem``, ``backfill``, a schedule name
-            (``1f1b``, ``gpipe``...; PyTorch's names and classes too: ``"1F1B"``,
-            ``Schedule1F1B``) used as a hint, or ``strict-<schedule>`` for the fixed-order
-            baseline (RRFP §4).
+            schedule; :class:`~rrfp.runtime.features.auto.AutoHint`), or any name of the hint
+            table (:data:`rrfp.scheduler.registry.HINTS`: ``bf``, ``bfw-mem``, ``backfill``, a
+            schedule such as ``1f1b``..., and any hint registered in this process; PyTorch's
+            schedule names and classes too: ``"1F1B"``, ``Schedule1F1B``), ``strict-<name>``
+            for the fixed-order baseline (RRFP §4), ``order:...`` or a CSV file.
         inflight_limit: the in-flight limit (RRFP §6); a sequence gives one per rank. None:
             a schedule used as a hint, and ``auto``'s candidates, keep the (placement's
             strict) schedule's own peak in flight per rank (1F1B: ``p - r``;

@@ -22,7 +22,7 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
    median of step times rescaled to the trial's median forward work; among the hints within
    :data:`rrfp.sim.auto.TIE` of it, or within the trial steps' own spread where that is
    larger (:func:`rrfp.sim.auto.margin`), the strict schedule, else the first in the fixed order of
-   :data:`rrfp.sim.auto.CANDIDATES`, so a policy measured slower than the strict schedule is
+   :func:`rrfp.sim.auto.all_candidates`, so a policy measured slower than the strict schedule is
    never kept and noise below the tie cannot flip the choice), the rule the suite's ``auto``
    uses too.
 5. Every ``recheck_every`` steps (default :data:`RECHECK_EVERY`; 0: never) one more round is
@@ -36,8 +36,8 @@ runs what the run before it chose.
 
 One process says, one line each, which steps measure and which run the trial (with the
 candidates) before they run, and what was kept and why. The candidates are
-:data:`rrfp.sim.auto.CANDIDATES`; names this build's registry does not know are skipped and
-named in the last line.
+:func:`rrfp.sim.auto.all_candidates` (the hint table's entries that allow auto); names that do
+not fit the shape are skipped and named in the last line.
 """
 
 from __future__ import annotations
