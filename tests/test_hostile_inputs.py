@@ -169,6 +169,13 @@ def test_simulate_refuses_encoder_stages_100_and_other_flags_its_mode_does_not_r
     assert _line(capsys, "simulate") == tail
 
 
+def test_simulate_suite_reads_plugin_for_its_hints(capsys):
+    """``--plugin`` makes a plugin's hints names ``--hint`` takes, so ``--suite`` reads it: the
+    suite goes on to its own checks (here the bound on its work), not "does not take --plugin"."""
+    assert main(["simulate", "--suite", "--plugin", "json", "--suite-ranks", "256"]) == 2
+    assert _line(capsys, "simulate").startswith("--suite-ranks x --suite-scenarios x --seeds x hints: 849,346,560 tasks")
+
+
 def test_save_errors_name_no_space_left_and_the_folder(tmp_path, monkeypatch):
     """torch's zip writer reports a full disk as "unexpected pos": the line says what it is
     (the file system is full) and where, and the job's half-written folder is deleted."""

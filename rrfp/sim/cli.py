@@ -22,7 +22,9 @@ from typing import Any
 
 from .. import _json as strict_json
 from ..errors import UsageError
+from ..plugins import add_flag as add_plugin_flag, load as load_plugins
 from ..resources import doc_path
+from ..scheduler.registry import forms as hint_forms
 from .auto import AUTO, TRIAL_ROUNDS, medians, simulate_auto
 from .compare import SimConfig, compare, default_baseline, sweep, sweep_table
 from .costs import MAX_BYTES, MAX_SECONDS, CostModel, StageCost, load_costs, short
@@ -51,8 +53,10 @@ def register(subparsers: Any) -> None:
     g.add_argument("--step-overhead", type=float, default=0.0, help="seconds between a rank's steps (optimizer)")
 
     g = p.add_argument_group("scheduling")
-    g.add_argument("--hint", action="append", default=[], help="a hint (repeatable): auto, bf, bfw, strict-1f1b, ...")
-    g.add_argument("--hints", default=None, help="comma-separated hints, side by side; without --hint/--hints, bf,bfw (and the baseline)")
+    g.add_argument("--hint", action="append", default=[], help="a hint (repeatable): auto, or " + hint_forms())
+    g.add_argument("--hints", default=None, help="comma-separated hints, side by side; without --hint/--hints, bf,bfw "
+                   "(and the baseline)")
+    add_plugin_flag(g)
     g.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
                    help="with virtual stages: admission (the limit counts microbatches in flight) or "
                    "completion-order (RRFP App. C.2)")
@@ -486,8 +490,10 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         UsageError: bad flags, an unknown hint, a hint that does not fit, a schedule that
-            cannot finish, or an output that cannot be written.
+            cannot finish, or an output that cannot be written, or a ``--plugin`` that cannot
+            be imported.
     """
+    load_plugins(getattr(args, "plugin", None))  # before any hint is read: its hints are names here
     _check_numbers(args)
     check_flags(args, register)  # flags the mode (single run, --sweep, --suite) does not read
     _check_outputs(args)

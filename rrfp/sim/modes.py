@@ -18,9 +18,10 @@ from ..errors import UsageError
 
 ONLY_SWEEP = ("depths", "mb_per_stage", "jitter_levels", "imbalance", "out")
 ONLY_SUITE = ("suite_ranks", "suite_scenarios", "suite_jobs")
-SUITE_READS = frozenset({"suite", "suite_ranks", "suite_scenarios", "suite_jobs", "hint", "hints", "seed", "seeds",
-                         "markdown"})
-"""What ``--suite`` reads; its scenarios fix every other setting (docs/suite.md)."""
+SUITE_READS = frozenset({"suite", "suite_ranks", "suite_scenarios", "suite_jobs", "hint", "hints", "plugin", "seed",
+                         "seeds", "markdown"})
+"""What ``--suite`` reads; its scenarios fix every other setting (docs/suite.md). ``--plugin``
+makes the hints it registers names that ``--hint`` takes."""
 
 NOT_READ: dict[str, dict[str, str]] = {
     "single": {**{d: "a --sweep axis" for d in ONLY_SWEEP}, **{d: "sets up --suite" for d in ONLY_SUITE},
@@ -75,7 +76,8 @@ def check_flags(args: argparse.Namespace, register: Callable[[Any], None]) -> No
             costs = any(f.startswith(("--cost", "--act-bytes", "--msg-bytes")) for f in ignored)
             why = "its scenarios have fixed costs" if costs else "its scenarios fix every other setting"
             raise UsageError(f"--suite does not take {', '.join(ignored)}: {why} (docs/suite.md); it reads "
-                             "--hint/--hints, --suite-ranks, --suite-scenarios, --suite-jobs, --seed, --seeds and --markdown")
+                             "--hint/--hints, --plugin, --suite-ranks, --suite-scenarios, --suite-jobs, --seed, "
+                             "--seeds and --markdown")
         return
     ignored = [d for d in flag if d in given and d in NOT_READ[m]]
     if ignored:

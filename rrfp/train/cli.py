@@ -13,7 +13,8 @@ import os
 import sys
 
 from ..errors import UsageError
-from ..scheduler.hints import HINT_NAMES, ORDER_HINTS
+from ..plugins import add_flag as add_plugin_flag
+from ..scheduler.registry import forms as hint_forms
 from ..runtime.features.recheck import RECHECK_EVERY, recheck_steps
 from ..sim.auto import AUTO
 from ..lines import say
@@ -55,9 +56,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
-    p.add_argument("--hint", default=DEFAULTS["hint"], help=f"auto (measure this job's costs, simulate and try the candidates, keep the fastest: rrfp/runtime/features/auto.py), "
-                   f"{', '.join(HINT_NAMES + ORDER_HINTS)}, backfill:<order>; strict-<name> for the fixed order; "
-                   "order:<per-rank actions> or a .csv file")
+    p.add_argument("--hint", default=DEFAULTS["hint"], help="auto (measure this job's costs, simulate and try the "
+                   "candidates, keep the fastest: rrfp/runtime/features/auto.py), or one of " + hint_forms()
+                   + "; PyTorch's schedule names too (Interleaved1F1B...), and the hints a --plugin registers")
+    add_plugin_flag(p)
     p.add_argument("--auto-recheck", default=str(RECHECK_EVERY), metavar="N|off",
                    help="with --hint auto: steps between re-checks (one more trial round each; a switch needs a hint "
                    "measured faster than the kept one beyond the tie); off: keep the first choice")
