@@ -72,7 +72,7 @@ def test_export_of_an_hf_run_loads_with_from_pretrained(tmp_path):
 def test_export_refuses_a_multimodal_checkpoint_in_one_line(tmp_path):
     step = tmp_path / "step-00000001"
     step.mkdir()
-    meta = {"format": 3, "step": 1, "args": {"model": "multimodal", "tp": 1}}
+    meta = {"format": 3, "step": 1, "args": {"model": "multimodal", "tp": 1}, "data": {"next_step": 1, "n_samples": 0}}
     (step / "rrfp.json").write_text(json.dumps(meta))
     p = _rrfp("export", str(step), "--out", str(tmp_path / "hf"), cwd=tmp_path)
     err = p.stderr.strip().splitlines()

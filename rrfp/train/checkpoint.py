@@ -210,8 +210,10 @@ def read_meta(path: str | os.PathLike) -> dict:
         raise ValueError(f"not a committed checkpoint (no {META_FILE} in {os.fspath(path)!r}){hint}") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"unreadable {META_FILE}: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") not in _FORMATS or not isinstance(meta.get("step"), int):
-        raise ValueError(f"{f} is not an rrfp checkpoint description of format {' or '.join(map(str, _FORMATS))}")
+    from .ckpt_verify import meta_problem
+
+    if problem := meta_problem(meta, os.fspath(f), _FORMATS):
+        raise ValueError(problem)
     return meta
 
 

@@ -82,7 +82,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--trace", metavar="DIR", default=None, help="write to DIR: trace.json (Chrome trace, open in Perfetto), timeline.png, "
                    "profile.json (per-stage costs for rrfp simulate --costs) and records.rank*.json (each rank's tasks)")
-    p.add_argument("--watchdog", type=float, default=60.0, help="seconds without progress before a rank fails with what it waits for")
+    p.add_argument("--watchdog", type=float, default=60.0, help="seconds a rank may wait, or one task run, before the rank fails naming it")
     from ..obs.server import add_flags as add_metrics_flags
 
     add_metrics_flags(p, "serve Prometheus metrics on this port + rank (each rank its own endpoint, /metrics; "
@@ -298,6 +298,18 @@ def launch(args: argparse.Namespace) -> int:
     import torch.distributed.run as torchrun
 
     argv = getattr(args, "argv", None) or ["train"]
+    from .._pdeathsig import LAUNCHER_PID_ENV
+    from .._secret import private_secret_file
+    from ..transport.auth import ENV_SECRET, JobAuth
+
+    # One secret per run, handed to the ranks as a --job-secret-file only this user can read
+    # (rrfp/_secret.py), deleted when the run ends: never in argv, nor in their environment,
+    # which /proc/<pid>/environ shows for the process's whole life. A --job-secret-file or a
+    # secret already in the environment is kept.
+    remove_secret = None
+    if not getattr(args, "job_secret_file", None) and not os.environ.get(ENV_SECRET):
+        secret_file, remove_secret = private_secret_file(JobAuth.generate())
+        argv = [*argv, "--job-secret-file", secret_file]
     # SIGTERM stays the launcher's own (StopForwarder, below): torchrun's agent would pass it on
     # as "die now", and the ranks could not end their step and commit a checkpoint.
     run_args = torchrun.get_args_parser().parse_args(
@@ -305,17 +317,6 @@ def launch(args: argparse.Namespace) -> int:
          "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT", "-m", "rrfp", *argv]
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    from .._pdeathsig import LAUNCHER_PID_ENV
-    from ..transport.auth import ENV_SECRET, JobAuth
-
-    # One secret per run, handed to the ranks only through their environment (never disk
-    # or argv); a --job-secret-file or a secret already in the environment is kept.
-    # The launcher hands its own environment to the ranks, so the secret is set there for this
-    # run only and removed after it: a caller running `rrfp train` in-process (tests, notebooks)
-    # must not be left with a secret that turns on CURVE for its own later transports.
-    made_secret = not getattr(args, "job_secret_file", None) and not os.environ.get(ENV_SECRET)
-    if made_secret:
-        os.environ[ENV_SECRET] = JobAuth.generate()
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     import tempfile
 
@@ -339,8 +340,8 @@ def launch(args: argparse.Namespace) -> int:
                              getattr(args, "checkpoint_dir", None))
     finally:
         signal.signal(signal.SIGTERM, old_handler)
-        if made_secret:
-            os.environ.pop(ENV_SECRET, None)
+        if remove_secret is not None:
+            remove_secret()
         for name in (LAUNCHER_PID_ENV, FINISHED_ENV, STOP_FILE_ENV):
             os.environ.pop(name, None)
         state.cleanup()

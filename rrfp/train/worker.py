@@ -32,8 +32,8 @@ from ..scheduler.tasks import Placement
 from . import device
 from .accum import accumulated_step
 from .early import SAMPLE_POOL, inflight_limits
-from .failures import (GlobalRankNames, QuietAfterReaderLeft, PIPE_CLOSED, lost_peer, mark_reader_gone,
-                       named_globally, reader_gone, stop_quietly)
+from .failures import (GlobalRankNames, QuietAfterReaderLeft, PIPE_CLOSED, end_finished, flush_output, lost_peer,
+                       mark_reader_gone, named_globally, reader_gone, stop_quietly)
 from .guard import check_finite, pause_for_test
 from .heldout import eval_steps, evaluate, split_held_out
 from .optim import lr_scheduler
@@ -49,10 +49,11 @@ TP_IMPL = "manual"
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run this rank of ``rrfp train`` under a launcher; returns 0 (the run finished) or
-    :data:`~rrfp.train.stop.PREEMPTED` (stopped on SIGTERM after the checkpoint of the step in
-    progress), or ends the process with a non-zero exit after one line on stderr (130:
-    interrupted, :data:`PIPE_CLOSED`: the reader of rank 0's output went away)."""
+    """Run this rank of ``rrfp train`` under a launcher, then end the process
+    (:func:`~rrfp.train.failures.end_finished`): 0 when the run finished,
+    :data:`~rrfp.train.stop.PREEMPTED` when it stopped on SIGTERM after the checkpoint of the
+    step in progress, or non-zero after one line on stderr (130: interrupted,
+    :data:`PIPE_CLOSED`: the reader of rank 0's output went away)."""
     from .. import _pdeathsig
 
     _pdeathsig.die_with_parent()  # again: the API entry skips __main__ (already set: a no-op)
@@ -63,7 +64,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         configure_auth(args)
-        return _main(args)
+        code = _main(args)
+        flush_output()  # here: a reader gone meanwhile is the quiet stop below
     except BrokenPipeError:
         # `rrfp train | head`: the reader is gone. Stop as Unix tools do, quietly, and tell the
         # other ranks (through the launcher's store) that this is no failure to report.
@@ -80,6 +82,7 @@ def main(args: argparse.Namespace) -> int:
         if rank.isdigit():
             write_error_file(e, int(rank), line)
         os._exit(1)
+    end_finished(code)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -405,7 +408,10 @@ class _Run:
         stopping = self.stop.after_step(end, args.steps)
         if self.ckpt.root is not None and (stopping or end == args.steps or (
                 args.checkpoint_every and end % args.checkpoint_every == 0)):
-            path = self.ckpt.save(end)
+            from .ckpt_verify import save_errors
+
+            with save_errors(self.ckpt.root, end, layout.rank):  # a full disk: one line, not every rank's traceback
+                path = self.ckpt.save(end)
             if layout.rank == 0:
                 _after_step(self.reporter, end, f"rrfp train: checkpoint {path} committed after step {end}")
         if stopping and layout.pp_rank == 0:

@@ -259,13 +259,19 @@ class FrontDoor:
 
     def run(self, coro):
         """Run a coroutine on this pipeline's event loop (e.g. :meth:`astep`, ``runtime.control()``)."""
-        return self._loop.run_until_complete(coro)
+        try:
+            return self._loop.run_until_complete(coro)
+        except (KeyboardInterrupt, SystemExit):
+            # These leave the loop at once, the step's other tasks pending: end them now, so
+            # that close() neither raises the interrupt again nor logs it.
+            self._end_tasks()
+            raise
 
     def _loop_run(self, coro):
         if self._loop.is_closed():
             coro.close()
             raise RuntimeError("this pipeline is closed: build a new one to run more steps")
-        return self._loop.run_until_complete(coro)
+        return self.run(coro)
 
     async def _step_async(self, args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets,
                           forward_only):
