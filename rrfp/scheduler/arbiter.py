@@ -20,7 +20,7 @@ Pure module: no torch, no asyncio, no I/O.
 
 from __future__ import annotations
 
-import heapq
+from heapq import heappush
 
 from .backfill import Backfill
 from .errors import SchedulingError
@@ -91,7 +91,7 @@ class Arbiter:
     __slots__ = ("backfill", "_wsize", "spec", "rank", "hint", "strict", "limit", "stages", "_vidx", "_last_stage",
                  "_n_mb", "n_tasks", "n_done", "running", "memory", "ready", "policy", "_taken", "_next_taken", "state", "_act",
                  "_grad", "_done_f", "_done_b", "_done_w", "_rdy_f", "_rdy_b", "_rdy_w", "_rf", "_rb", "_rw",
-                 "_queues", "_rfl")
+                 "_queues", "_rfl", "_fsign")
 
     def __init__(
         self,
@@ -161,7 +161,7 @@ class Arbiter:
         self._done_f, self._done_b, self._done_w = r.done[F_CODE], r.done[B_CODE], r.done[W_CODE]
         self._rdy_f, self._rdy_b, self._rdy_w = r.ready[F_CODE], r.ready[B_CODE], r.ready[W_CODE]
         self._rf, self._rb, self._rw, self._rfl = r.f, r.b, r.w, r.fl
-        self._queues = r.queues
+        self._queues, self._fsign = r.queues, r.fsign
         if stages[0] == 0:
             for m in range(spec.n_microbatches):
                 self._act[m] = 1
@@ -212,17 +212,17 @@ class Arbiter:
             if self._done_f[i]:
                 self._rdy_b[i] = 1
                 if self._queues:
-                    heapq.heappush(self._rb, (-v, mb, stage))
+                    heappush(self._rb, (-v, mb, stage))
         else:
             if self._act[i]:
                 raise SchedulingError(f"rank {self.rank}: duplicate activation for stage {stage} microbatch {mb}")
             self._act[i] = 1
             self._rdy_f[i] = 1
             if self._queues:
-                e = (v * self.ready.fsign, mb, stage)
-                heapq.heappush(self._rf, e)
+                e = (v * self._fsign, mb, stage)
+                heappush(self._rf, e)
                 if e[0] > 0:  # breadth-first, past the first virtual stage (ReadySet.fl)
-                    heapq.heappush(self._rfl, e)
+                    heappush(self._rfl, e)
 
     @property
     def peak_bytes(self) -> int:
@@ -266,7 +266,7 @@ class Arbiter:
             if s == self._last_stage or self._grad[i]:
                 self._rdy_b[i] = 1
                 if self._queues:
-                    heapq.heappush(self._rb, (-v, m, s))
+                    heappush(self._rb, (-v, m, s))
         elif k == W:
             self._done_w[i] = 1
         else:
@@ -277,7 +277,7 @@ class Arbiter:
             if k == I:
                 self._rdy_w[i] = 1
                 if self._queues:
-                    heapq.heappush(self._rw, (m, -v, s))
+                    heappush(self._rw, (m, -v, s))
 
     # --------------------------------------------------------------- decisions
     def next(self) -> Task | None:
