@@ -177,14 +177,18 @@ class KindPolicy(Policy):
         the plain path."""
         f = state.guard.forward(ready, state)
         if f is ANY:
-            f = ready.f[0] if ready.f else None
+            rf = ready.f
+            f = rf[0] if rf else None
         elif f is LATER:
             f = ready.later_forward()
         elif f is not None:
             return Policy.next_taken(self, ready, state)
         rb = ready.b
         if f is not None and (not rb or self.phase == F):
-            heap, code, m, s = ready.f, F_CODE, f[1], f[2]
+            heap = ready.f
+            code = F_CODE
+            m = f[1]
+            s = f[2]
             i = f[0] * ready.fsign * ready.n_mb + m
             kind = F
             if heap[0] is not f and heap[0] != f:  # a later forward below first-stage ones
