@@ -71,7 +71,8 @@ KIND_CODE: dict[str, int] = {k.name: k.code for k in KINDS.values()}
 F_CODE, B_CODE, W_CODE = KINDS[F].code, KINDS[B].code, KINDS[W].code
 """The ready-set codes by name: forwards, input backwards (``B`` or ``I``), ``W``."""
 KIND_INDEX: dict[str, int] = {name: i for i, name in enumerate(KINDS)}
-"""Kind name -> a stable small integer (wire encodings: TP agreement's all-gather)."""
+"""Kind name -> a stable small integer (F 0, B 1, I 2, W 3: wire encodings, TP agreement's
+all-gather, and the kind code of :mod:`rrfp.sim.jitter`'s keys, so a new kind goes last)."""
 BACKWARD_INPUT = tuple(k.name for k in KINDS.values() if k.input == GRAD)
 """Kinds that produce the gradient the previous stage waits for (``B``, ``I``)."""
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .tasks import BACKWARD_INPUT, F, W, PipelineSpec, Task
+from .tasks import BACKWARD_INPUT, F, KINDS, PipelineSpec, Task
 
 
 class ScheduleError(ValueError):
@@ -48,18 +48,18 @@ def _foreign_reason(spec: PipelineSpec, rank: int, t: Task) -> str | None:
         return f"stage {t.stage} is on rank {owner}"
     if not 0 <= t.mb < spec.n_microbatches:
         return f"microbatch {t.mb} does not exist (the step has microbatches 0..{spec.n_microbatches - 1})"
-    if spec.split_backward and t.kind == "B":
-        return "the backward is split: use I (input gradient) and W (weight gradient) instead of B"
-    if not spec.split_backward and t.kind in ("I", W):
+    if KINDS[t.kind].split not in (None, spec.split_backward):
+        if spec.split_backward:
+            return "the backward is split: use I (input gradient) and W (weight gradient) instead of B"
         return "the backward is not split: use B instead of I and W"
     return None
 
 
 def _task_sort_key(spec: PipelineSpec, t: Task) -> tuple[int, int, int]:
     # Missing tasks are reported in the order a 1F1B-like step would reach them.
-    rank_of_kind = {F: 0, "B": 1, "I": 1, W: 2}
+    # Kinds in ready-set code order: F, then B or I, then W.
     v = spec.placement.virtual_index(t.stage)
-    return (t.mb, rank_of_kind[t.kind], v if t.kind == F else -v)
+    return (t.mb, KINDS[t.kind].code, v if t.kind == F else -v)
 
 
 def validate_schedule(

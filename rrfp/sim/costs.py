@@ -51,8 +51,10 @@ import tomllib
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping
 
-_FIELDS = ("F", "B", "I", "W", "act_bytes", "msg_bytes", "w_bytes")
-_SECONDS = ("F", "B", "I", "W")
+from ..scheduler.tasks import KINDS
+
+_SECONDS = tuple(KINDS)
+_FIELDS = (*_SECONDS, "act_bytes", "msg_bytes", "w_bytes")
 
 MAX_SECONDS = 1e9
 """Largest accepted time of one task or message, in seconds (about 31 years). Real costs are

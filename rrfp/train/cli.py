@@ -15,11 +15,13 @@ import sys
 from ..errors import UsageError
 from ..plugins import add_flag as add_plugin_flag
 from ..scheduler.registry import forms as hint_forms
+from ..runtime.features.recheck import RECHECK_EVERY, recheck_steps
 from ..sim.auto import AUTO
 from ..lines import say
 from ..transport import registry as transports
 from .early import DEFAULT_STAGES, SAMPLE_POOL, check_flags
 from .linger import FINISHED_ENV, all_finished
+from .stop import PREEMPTED
 
 DEFAULTS = dict(
     stages=DEFAULT_STAGES,
@@ -50,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--placement", choices=["loop", "v"], default="loop", help="virtual-stage placement")
     p.add_argument("--transport", choices=transports.names(transports.PROCESS), default="zmq",
                    help=f"how tensors travel between ranks (rrfp/transport/registry.py): {transports.help_text(transports.PROCESS)}")
+    add_port_flag(p)
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
@@ -57,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "candidates, keep the fastest: rrfp/runtime/features/auto.py), or one of " + hint_forms()
                    + "; PyTorch's schedule names too (Interleaved1F1B...), and the hints a --plugin registers")
     add_plugin_flag(p)
+    p.add_argument("--auto-recheck", default=str(RECHECK_EVERY), metavar="N|off",
+                   help="with --hint auto: steps between re-checks (one more trial round each; a switch needs a hint "
+                   "measured faster than the kept one beyond the tie); off: keep the first choice")
     p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], metavar="L",
                    help="in-flight limit: an integer, or '1f1b' for p - rank; without it, 32, except that a schedule "
                    "used as a hint (1f1b, gpipe, PyTorch's 1F1B...), and auto's candidates, keep that schedule's own peak unless --memory-budget is given")
@@ -124,6 +130,14 @@ def add_dp_shard_flag(p: argparse.ArgumentParser) -> None:
                    "under FSDP2 it would hold more bytes than full for the same communication)")
 
 
+def add_port_flag(p: argparse.ArgumentParser) -> None:
+    """``--port-range``: where the ranks' ZeroMQ sockets bind (rrfp/transport/zmq_rendezvous.py)."""
+    p.add_argument("--port-range", default=None, metavar="LO-HI",
+                   help="ports the ranks' ZeroMQ sockets bind, e.g. 29500-29599: each rank the first free one "
+                   "(a firewall or NetworkPolicy can then name them; docs/operations.md); without it, env "
+                   "RRFP_PORT_RANGE, else a port the OS picks")
+
+
 def add_job_flags(p: argparse.ArgumentParser) -> None:
     """Evaluation, learning-rate schedule, clipping, precision, output and config flags."""
     from .precision import PRECISIONS
@@ -157,6 +171,7 @@ def validate(args: argparse.Namespace) -> None:
     """
     if not getattr(args, "checked_early", False):
         check_flags(args)
+    recheck_every(args)
     from . import device
 
     device.validate(args)
@@ -177,6 +192,44 @@ def validate(args: argparse.Namespace) -> None:
                 raise UsageError(f"{ENV_SECRET}: {e}") from None
     if args.data:
         _check_samples(args)
+    from .._net import parse_port_range
+
+    spec, what = port_range(args)
+    if spec:
+        try:
+            parse_port_range(spec, what)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+
+def port_range(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The ZeroMQ port range the ranks will bind in (``--port-range``, else
+    ``RRFP_PORT_RANGE``) and where it came from, for an error line."""
+    from .._net import PORT_RANGE_ENV
+
+    if getattr(args, "port_range", None):
+        return args.port_range, "--port-range"
+    return os.environ.get(PORT_RANGE_ENV) or None, PORT_RANGE_ENV
+
+
+def recheck_every(args: argparse.Namespace) -> int:
+    """``--auto-recheck`` as steps between ``auto``'s re-checks
+    (:func:`~rrfp.runtime.features.recheck.recheck_steps`; 0: ``off``).
+
+    Raises:
+        UsageError: neither ``off`` nor an integer >= 0, or other than the default with a hint
+            other than ``auto``.
+    """
+    from ..runtime.doors.names import hint_text
+
+    text = getattr(args, "auto_recheck", None)
+    try:
+        every = recheck_steps(text)
+    except ValueError as e:
+        raise UsageError(f"--auto-recheck={text!r}: {e}") from None
+    if every != RECHECK_EVERY and hint_text(args.hint) != AUTO:
+        raise UsageError(f"--auto-recheck={text!r} applies to --hint auto only; this run has --hint {args.hint}")
+    return every
 
 
 def _check_samples(args: argparse.Namespace) -> None:
@@ -220,6 +273,11 @@ def run(args: argparse.Namespace) -> int:
     if (done := nothing_to_do(args)) is not None:
         say(done)  # the run is complete already: starting ranks would change nothing
         return 0
+    from .._net import port_range_problem
+
+    spec, what = port_range(args)
+    if problem := port_range_problem(spec, args.stages * args.dp * args.tp, what):  # all ranks on this host
+        raise UsageError(problem)
     import uuid
 
     from .ckpt_lock import FolderInUse, hold
@@ -240,9 +298,11 @@ def launch(args: argparse.Namespace) -> int:
     import torch.distributed.run as torchrun
 
     argv = getattr(args, "argv", None) or ["train"]
+    # SIGTERM stays the launcher's own (StopForwarder, below): torchrun's agent would pass it on
+    # as "die now", and the ranks could not end their step and commit a checkpoint.
     run_args = torchrun.get_args_parser().parse_args(
         ["--standalone", "--nproc-per-node", str(args.stages * args.dp * args.tp), "--max-restarts", "0", "--monitor-interval", "0.5",
-         "-m", "rrfp", *argv]
+         "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT", "-m", "rrfp", *argv]
     )
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     from .._pdeathsig import LAUNCHER_PID_ENV
@@ -257,26 +317,40 @@ def launch(args: argparse.Namespace) -> int:
     if made_secret:
         os.environ[ENV_SECRET] = JobAuth.generate()
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    import tempfile
+
+    from .stop import STOP_FILE_ENV, StopForwarder
+
+    world = args.stages * args.dp * args.tp
+    state = tempfile.TemporaryDirectory(prefix="rrfp-train-")
     finished = None
     if getattr(args, "metrics_linger", 0) > 0:
-        import tempfile
-
-        finished = tempfile.TemporaryDirectory(prefix="rrfp-train-finished-")
-        os.environ[FINISHED_ENV] = finished.name
+        finished = os.path.join(state.name, "finished")
+        os.mkdir(finished)
+        os.environ[FINISHED_ENV] = finished
+    then = ", commit a checkpoint" if getattr(args, "checkpoint_dir", None) else ""
+    stop = StopForwarder(os.path.join(state.name, "stop-requested"),
+                         f"rrfp train: SIGTERM: asking the ranks to end the step in progress{then} and exit {PREEMPTED}",
+                         finished=finished and (lambda: all_finished(finished, world)))
+    os.environ[STOP_FILE_ENV] = str(stop.stop_file)
+    old_handler = signal.signal(signal.SIGTERM, stop)
     try:
-        return _run_launcher(run_args, (args.dp, args.tp),
-                             finished and (finished.name, args.stages * args.dp * args.tp))
+        return _run_launcher(run_args, (args.dp, args.tp), finished and (finished, world), stop,
+                             getattr(args, "checkpoint_dir", None))
     finally:
+        signal.signal(signal.SIGTERM, old_handler)
         if made_secret:
             os.environ.pop(ENV_SECRET, None)
-        os.environ.pop(LAUNCHER_PID_ENV, None)
-        if finished is not None:
-            os.environ.pop(FINISHED_ENV, None)
-            finished.cleanup()
+        for name in (LAUNCHER_PID_ENV, FINISHED_ENV, STOP_FILE_ENV):
+            os.environ.pop(name, None)
+        state.cleanup()
 
 
-def _run_launcher(run_args, degrees: tuple[int, int] | None = None, finished: tuple[str, int] | None = None) -> int:
-    """torchrun's ``run`` on the prepared arguments; the exit code of ``rrfp train``.
+def _run_launcher(run_args, degrees: tuple[int, int] | None = None, finished: tuple[str, int] | None = None,
+                  stop=None, checkpoint_dir: str | None = None) -> int:
+    """torchrun's ``run`` on the prepared arguments; the exit code of ``rrfp train``: 0 when
+    the run finished, :data:`~rrfp.train.stop.PREEMPTED` when ``stop`` (the launcher's
+    :class:`~rrfp.train.stop.StopForwarder`) was asked, 1 on a failure.
     ``finished``: the folder where the ranks mark their training over and the world size
     (rrfp/train/linger.py): a signal after every rank marked it ends the linger, exit 0."""
     import torch.distributed.run as torchrun
@@ -290,11 +364,25 @@ def _run_launcher(run_args, degrees: tuple[int, int] | None = None, finished: tu
 
     signalled = LauncherSignals()
     _quiet_launcher_logs(signalled)
+    from .stop import saved, stopped_cleanly
+
     try:
-        torchrun.run(run_args)
+        try:
+            torchrun.run(run_args)
+        finally:
+            if stop is not None:
+                stop.ended = True
     except ChildFailedError as e:
         if any(f.exitcode == PIPE_CLOSED for f in e.failures.values()):
             return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
+        if stop is not None and stop.requested:
+            if stopped_cleanly(e.failures):
+                say(f"rrfp train: stopped on SIGTERM: every rank ended the step in progress and exited {PREEMPTED}; "
+                    f"{saved(checkpoint_dir)}")
+            else:
+                say(f"rrfp train: stopped on SIGTERM before every rank could finish a step; {saved(checkpoint_dir)}",
+                    sys.stderr)
+            return PREEMPTED
         say(f"rrfp train: error: {describe_failures(e.failures, signalled.pids, degrees)}", sys.stderr)
         return 1
     except (KeyboardInterrupt, SignalException) as e:
@@ -306,6 +394,8 @@ def _run_launcher(run_args, degrees: tuple[int, int] | None = None, finished: tu
         return 128 + int(sig)
     finally:
         logging.getLogger(LauncherSignals.LOGGER).removeFilter(signalled)
+    if stop is not None and stop.requested:
+        say(f"rrfp train: SIGTERM came after the last step: training finished; {saved(checkpoint_dir)}")
     return 0
 
 
@@ -314,12 +404,14 @@ PIPE_CLOSED = 141
 
 
 class _NoPipeClosedErrors:
-    """Drops the agent's error record for a rank that stopped because its reader left, and
-    its note that it stops the others (the one-line summary says so)."""
+    """Drops the agent's error record for a rank that stopped because its reader left or on a
+    SIGTERM stop (:data:`~rrfp.train.stop.PREEMPTED`), and its note that it stops the others
+    (the one-line summary says so)."""
 
     def filter(self, record) -> bool:
         text = record.getMessage()
-        return f"exitcode: {PIPE_CLOSED})" not in text and "closing signal SIGTERM" not in text
+        return not any(f"exitcode: {code})" in text for code in (PIPE_CLOSED, PREEMPTED)) \
+            and "closing signal SIGTERM" not in text
 
 
 def _quiet_launcher_logs(recorder=None) -> None:

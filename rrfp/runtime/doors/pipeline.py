@@ -6,6 +6,15 @@ Switching from PyTorch is a one-line change::
     schedule = rrfp.Pipeline(stage, n_microbatches=8, loss_fn=loss_fn)   # hint="auto"
     schedule.step(x, target=y, losses=losses)   # then optimizer.step() as usual
 
+Several stages per rank, as torch's multi-stage schedules take them: this rank's
+:class:`PipelineStage` objects in placement order, ``placement="loop"`` (interleaved, rank ``r``
+of ``p`` holds ``r, r + p, ...``) or ``"v"`` (rank ``r`` holds ``r`` and ``2p - 1 - r``)::
+
+    ids = Placement(p, 2, "loop").stages_of(rank)          # p = 2: rank 0 [0, 2], rank 1 [1, 3]
+    schedule = rrfp.Pipeline([PipelineStage(mods[s], s, 2 * p) for s in ids], 8, loss_fn)
+    ids = Placement(p, 2, "v").stages_of(rank)             # p = 2: rank 0 [0, 3], rank 1 [1, 2]
+    schedule = rrfp.Pipeline([PipelineStage(mods[s], s, 2 * p) for s in ids], 8, loss_fn, placement="v")
+
 :class:`Pipeline` is one process's rank of a multi-process pipeline;
 :class:`~rrfp.runtime.doors.local.LocalPipeline` runs every rank in one process over the fake
 transport. Both take a :class:`~rrfp.runtime.doors.config.RuntimeConfig` (or its fields as keyword
@@ -36,7 +45,10 @@ class Pipeline(FrontDoor):
     """This rank's part of a multi-process pipeline (one process per pipeline rank).
 
     Args:
-        stages: this rank's :class:`PipelineStage` (or its virtual stages, in placement order).
+        stages: this rank's :class:`PipelineStage`, or a list of them: its virtual stages, in
+            the order the placement puts them on this rank (``Placement(n_ranks, len(stages),
+            placement).stages_of(rank)``); every stage's ``num_stages`` is ``n_ranks *
+            len(stages)``.
         n_microbatches: microbatches per step.
         loss_fn: ``loss_fn(output, target, **loss_kwargs) -> scalar tensor`` on the last
             stage; None: every step runs forwards only (as PyTorch's schedules).
@@ -92,9 +104,14 @@ class Pipeline(FrontDoor):
             stages (None without them): ``reduced``, ``gathered`` bytes, for
             :func:`rrfp.parallel.footprint.footprint`.
 
+    An autocast around :meth:`step` (``with torch.autocast(...)``) holds with every executor:
+    the ``thread`` executor re-enters the caller's autocast on its worker for each task
+    (:mod:`rrfp.runtime.engine.autocast`).
+
     Raises:
-        ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch, a
-            sharded stage it cannot drive: :func:`~rrfp.parallel.sharded.check_sharded_stages`...);
+        ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch, stages
+            that are not ``n_ranks`` x ``len(stages)``, a sharded stage it cannot drive:
+            :func:`~rrfp.parallel.sharded.check_sharded_stages`...);
             ``auto`` where none of its candidates fits the shape.
         TypeError: an unknown option, naming it and the known ones.
         TimeoutError: (from :meth:`step`, ``auto`` over the control plane) a peer's figures
