@@ -248,7 +248,9 @@ def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_pat
         from test_deploy import dashboard_exprs
 
         bubble = next(e for title, e in dashboard_exprs() if title.startswith("Bubble"))
-        got = query(bubble.replace("$__rate_interval", "1h"))
+        # Grafana fills the dashboard's variables; here the scrape job is "rrfp" and the series
+        # carry no namespace label, which PromQL's namespace="" matches.
+        got = query(bubble.replace("$__rate_interval", "1h").replace("$namespace", "").replace("$job", "rrfp"))
         assert set(got) == {str(r) for r in range(RANKS)} and all(0 <= v <= 100 for v in got.values()), got
     finally:
         proc.stop()

@@ -184,7 +184,7 @@ def test_guard_verdicts_from_a_hand_built_ready_set():
 def test_kind_table():
     assert finalising_kind(False) == B and finalising_kind(True) == W
     assert [k.name for k in KINDS.values() if k.needs_agreement] == ["F", "B", "I"]
-    assert [k.name for k in KINDS.values() if k.frees_input] == ["B", "I"]
+    assert [k.name for k in KINDS.values() if k.frees_input] == ["B", "W"]
 
 
 def test_backfill_over_an_unknown_order_names_what_was_typed():

@@ -143,9 +143,10 @@ def check_run(spec: PipelineSpec, hint, strict: bool, limits: list[int], res, st
 
 
 def peaks_from_records(spec: PipelineSpec, records) -> tuple[list[int], list[int]]:
-    """Per rank, the most activations held (F done, its backward not) and the most
-    microbatches in flight (F done on the rank's first virtual stage, its backward not) at
-    any moment of a step, recomputed from the executed tasks alone."""
+    """Per rank, the most activations held (F done, its B, or W with the split backward, not:
+    W reads what F saved) and the most microbatches in flight (F done on the rank's first
+    virtual stage, its B or W not) at any moment of a step, recomputed from the executed tasks
+    alone."""
     place = spec.placement
     acts, mbs = [0] * place.n_ranks, [0] * place.n_ranks
     first = {r: place.stages_of(r)[0] for r in range(place.n_ranks)}
@@ -155,7 +156,7 @@ def peaks_from_records(spec: PipelineSpec, records) -> tuple[list[int], list[int
     for (r, _), recs in by_rank_step.items():
         a = b = 0
         for rec in sorted(recs, key=lambda x: x.end):
-            d = 1 if rec.task.kind == "F" else -1 if rec.task.kind in ("B", "I") else 0
+            d = 1 if rec.task.kind == "F" else -1 if rec.task.kind in ("B", "W") else 0
             a += d
             if rec.task.stage == first[r]:
                 b += d

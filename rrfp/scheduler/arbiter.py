@@ -175,7 +175,8 @@ class Arbiter:
 
     @property
     def inflight(self) -> int:
-        """Activations held now (``D``: forwards minus input backwards finished)."""
+        """Activations held now (``D``: forwards minus ``B``, or ``W`` with the split backward,
+        finished: :data:`~rrfp.scheduler.tasks.IN_FLIGHT_END`)."""
         return self.state.inflight
 
     @property
@@ -184,7 +185,7 @@ class Arbiter:
 
     @property
     def mb_inflight(self) -> int:
-        """Microbatches in flight now (first virtual stage's F done, its backward not)."""
+        """Microbatches in flight now (first virtual stage's F done, its B or W not)."""
         return self.state.mb_inflight
 
     @property
@@ -267,14 +268,18 @@ class Arbiter:
                 self._rdy_b[i] = 1
                 if self._queues:
                     heappush(self._rb, (-v, m, s))
-        elif k == W:
-            self._done_w[i] = 1
         else:
-            self._done_b[i] = 1
-            st.inflight -= 1
-            if v == 0:
-                st.mb_inflight -= 1
-            if k == I:
+            if k == W:
+                self._done_w[i] = 1
+            else:
+                self._done_b[i] = 1
+            # In flight until B, or W with the split backward (tasks.IN_FLIGHT_END: W reads
+            # what F saved, so an I frees only part of it).
+            if k != I:
+                st.inflight -= 1
+                if v == 0:
+                    st.mb_inflight -= 1
+            else:
                 self._rdy_w[i] = 1
                 if self._queues:
                     heappush(self._rw, (m, -v, s))

@@ -3,8 +3,11 @@
 choose; backwards and ``W`` are never gated. Guards read the ready set and the rank's public
 counters (:class:`RankState`) and change nothing.
 
-``D`` is the number of forwards minus input backwards finished so far this step on the rank
-(activations held). In readiness mode, once ``D`` reaches the in-flight limit:
+``D`` is the number of forwards minus ``B`` finished so far this step on the rank
+(activations held); with the split backward a microbatch counts until its ``W``, not its ``I``
+(:data:`~rrfp.scheduler.tasks.IN_FLIGHT_END`: ``W`` reads what ``F`` saved, so at 1F1B's
+limits every hint holds at most the microbatches strict 1F1B holds, as ZB-H1 does). In
+readiness mode, once ``D`` reaches the in-flight limit:
 
 - one stage per rank (:class:`CountLimit`): forwards are disabled; ready backwards (and ``W``
   fillers) still run;
@@ -18,8 +21,9 @@ counters (:class:`RankState`) and change nothing.
 - ``V > 1``, ``completion-order`` backpressure (:class:`CompletionOrder`, RRFP App. C.2):
   while ``D`` is at the limit, the rank follows the deterministic microbatch-by-microbatch
   completion order (``m = 0..M-1``, each ``F_0..F_{V-1}, B_{V-1}..B_0``). It waits for its
-  next task there instead of skipping it, until ``D`` drops below the limit; ``W`` may fill the
-  wait (it never changes ``D``). The bound is ``limit + V``. It serialises deep interleaved
+  next task there instead of skipping it, until ``D`` drops below the limit; with the split
+  backward a ready ``W`` runs first (it lowers ``D``) and may fill the wait. The bound is
+  ``limit + V``. It serialises deep interleaved
   pipelines once the limit binds: simulated, 16 ranks x 2 virtual stages, 128 microbatches,
   limit 32 took 10x strict interleaved 1F1B.
 
@@ -219,6 +223,8 @@ class CompletionOrder:
             return ANY
         done, n = ready.done, self._n
         pos = self._pos
+        if ready.ready[2].find(1) >= 0:  # a ready W lowers D (split backward): it goes first
+            return Only(None)
         c, i = self._flag
         nv = len(state.stages)
         if pos < n and done[c][i]:

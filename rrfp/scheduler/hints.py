@@ -268,6 +268,8 @@ def _named(text, name, strict, entry: HintEntry, placement, n_microbatches, spli
         order = entry.order(spec)
     except ValueError as e:  # named: a schedule's own message starts with its name
         raise ValueError(str(e) if str(e).startswith(name + " ") else f"hint {text!r}: {e}") from None
+    if entry.check is not None and not strict:
+        entry.check(name, spec, order, inflight_limit, backpressure)
     hint = Hint(name, name if entry.factory is not None else None, order=order, backpressure=backpressure)
     if strict:
         validate_schedule(spec, order)

@@ -26,7 +26,7 @@ from typing import Callable, Iterator
 from .policy import Hint, PolicyFactory, backfill_order, in_order, kind_policy, placement_schedule, strict_order
 from .schedules import SCHEDULES, Order
 from .tasks import B, F, PipelineSpec
-from .wfloat import order_ahead, w_float
+from .wfloat import check_limits, order_ahead, w_float
 
 FULL, SPLIT = "full", "split"
 """Backward forms: ``B`` (full), or ``I`` then ``W`` (split)."""
@@ -63,6 +63,9 @@ class HintEntry:
         auto_rank: ``auto``'s preference on a tie, lower first (the built-ins use 10-50).
         help: one line for ``--help`` and docs/scheduling.md.
         split_only: it needs the split backward; forcing the full one is an error.
+        check: refuses settings its policy cannot run under (readiness mode, an entry with an
+            order): called as ``check(name, spec, order, inflight_limit, backpressure)`` when
+            the hint resolves; raises ValueError (one line). None: any settings.
 
     Raises:
         ValueError: a field out of range, or neither a factory nor an order.
@@ -76,12 +79,15 @@ class HintEntry:
     auto_rank: int = 100
     help: str = ""
     split_only: bool = False
+    check: Callable[..., None] | None = None
 
     def __post_init__(self) -> None:
         if self.factory is None and self.order is None:
             raise ValueError("a hint entry needs a policy factory, an order, or both")
         if self.factory is not None and not callable(self.factory):
             raise ValueError(f"factory={self.factory!r}: expected a callable that builds a policy")
+        if self.check is not None and not callable(self.check):
+            raise ValueError(f"check={self.check!r}: expected a callable (name, spec, order, limit, backpressure)")
         if self.order is not None and not callable(self.order):
             raise ValueError(f"order={self.order!r}: expected a callable spec -> per-rank orders")
         if self.backward not in (FULL, SPLIT):
@@ -308,8 +314,9 @@ def _builtins() -> Iterator[tuple[str, HintEntry]]:
     yield "backfill", HintEntry(backfill_order, SPLIT, placement_order, ALWAYS, auto=True, auto_rank=20,
                                 help="strict-split with conservative backfilling (backfill:ORDER over another strict "
                                 "order)")
+    # wfloat keeps the order's forwards: below the order's own in-flight limits it can deadlock.
     yield "wfloat", HintEntry(w_float, SPLIT, placement_order, None, auto=True, auto_rank=50, split_only=True,
-                              help="split's order with each W free to run later, while the next task waits")
+                              check=check_limits, help="split's order with each W free to run later, while the next task waits")
     yield "ahead", HintEntry(order_ahead, SPLIT, placement_order, None, split_only=True,
                              help="wfloat that also runs later ready tasks of the order within its byte profile")
 

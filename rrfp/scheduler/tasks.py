@@ -39,8 +39,9 @@ class Kind(NamedTuple):
             it first (RRFP §4.2); W computes local weight gradients only.
         finalises: after it the stage's weight gradients for the microbatch are complete
             (``B``, ``W``).
-        frees_input: it consumes the forward's saved activations (``B``, ``I``): the
-            microbatch's in-flight count drops.
+        frees_input: after it the forward's saved activations are all free (``B``; ``W``,
+            which reads the split layers' inputs ``F`` saved): the microbatch's in-flight count
+            drops (:data:`IN_FLIGHT_END`).
         split: the backward form it exists in: True (split backward only: ``I``, ``W``),
             False (full backward only: ``B``), None (both: ``F``).
     """
@@ -57,8 +58,8 @@ class Kind(NamedTuple):
 KINDS: dict[str, Kind] = {
     F: Kind(F, 0, ACT, True, False, False, None),
     B: Kind(B, 1, GRAD, True, True, True, False),
-    I: Kind(I, 1, GRAD, True, False, True, True),
-    W: Kind(W, 2, LOCAL, False, True, False, True),
+    I: Kind(I, 1, GRAD, True, False, False, True),
+    W: Kind(W, 2, LOCAL, False, True, True, True),
 }
 """The one table of task kinds, by name: what each kind is called, the ready-set code it is
 stored under, which input it waits for, whether a TP group must agree on it before running it
@@ -75,6 +76,13 @@ KIND_INDEX: dict[str, int] = {name: i for i, name in enumerate(KINDS)}
 all-gather, and the kind code of :mod:`rrfp.sim.jitter`'s keys, so a new kind goes last)."""
 BACKWARD_INPUT = tuple(k.name for k in KINDS.values() if k.input == GRAD)
 """Kinds that produce the gradient the previous stage waits for (``B``, ``I``)."""
+IN_FLIGHT_END = tuple(k.name for k in KINDS.values() if k.frees_input)
+"""Kinds that end a microbatch's flight on a stage (``B``, ``W``): the in-flight count (``D``)
+runs from its ``F`` to its ``B``, or with the split backward to its ``W``, not its ``I``: ``W``
+reads the split layers' inputs that ``F`` saved, so a microbatch whose ``W`` is pending still
+holds activations (counted until ``I``, ``bfw`` at 1F1B's limits held 3-5x strict 1F1B's bytes
+on the last rank). One rule for the arbiter's guards and :mod:`rrfp.scheduler.validate`'s
+limits; the zero-bubble orders at 1F1B's memory (ZB-H1) count the same way."""
 
 
 def kinds_of(split_backward: bool) -> tuple[str, ...]:

@@ -15,7 +15,8 @@ from .guards import RankState, admits
 from .memory import MemoryLedger, SizeFn, order_bytes
 from .policy import InOrder, _OrderPolicy, room_ahead
 from .readyset import ReadySet
-from .tasks import F, F_CODE, W_CODE, Task
+from .tasks import F, F_CODE, W_CODE, PipelineSpec, Task
+from .validate import order_limits
 
 
 class WFloat(_OrderPolicy):
@@ -52,6 +53,13 @@ class WFloat(_OrderPolicy):
     Deadlock freedom: a ``W`` the order put before the planned task has its ``I`` done (an
     earlier task of the order), so it is ready; the planned task runs whenever it is ready,
     after at most the pending ``W`` tasks, so a rank waits only where its strict order would.
+    That needs every rank's in-flight limit to admit the order's own forwards: below the
+    order's own count on some rank (:func:`~rrfp.scheduler.validate.order_limits`, 1F1B's
+    ``p - r``), that rank must run another task first while the next rank waits for the
+    forward its order puts first, and the pipeline can deadlock (simulated, 4 ranks, 4 or 9
+    microbatches, limits 1-5 per rank: 325 of the 505 vectors below the order's own); :func:`check_limits` refuses them when
+    the hint is resolved. At or above it, no deadlock was found on any limit vector of 2-4
+    ranks, one or two virtual stages (``tests/test_scheduler_wfloat.py``).
 
     Args:
         order: the rank's order (each of its tasks once).
@@ -216,6 +224,29 @@ class OrderAhead(WFloat):
             size = self._sizes.size if self._sizes is not None else (lambda s, m: 1)
             self._prefix = order_bytes(self.order, size, self._wsize or (lambda s, m: None))
         return room_ahead(self._prefix, self._ahead, pos, j, self._size(t))
+
+
+def check_limits(name: str, spec: PipelineSpec, orders: Sequence[Sequence[Task]], inflight_limit: int | Sequence[int],
+                 backpressure: str = "admission") -> None:
+    """Refuse in-flight limits under which :class:`WFloat` over ``orders`` can deadlock: any
+    rank's limit below the order's own count there (:func:`~rrfp.scheduler.validate.order_limits`;
+    the class docstring says why). ``name``: the hint's name, for the message. A list of the
+    wrong length passes (the arbiter names it).
+
+    Raises:
+        ValueError: one line naming the first such rank, its limit and what its order needs.
+    """
+    P = spec.placement.n_ranks
+    limits = [inflight_limit] * P if isinstance(inflight_limit, int) else list(inflight_limit)
+    if len(limits) != P:
+        return
+    need = order_limits(spec, orders, backpressure)
+    bad = next(((r, lim, n) for r, (lim, n) in enumerate(zip(limits, need)) if lim < n), None)
+    if bad is not None:
+        r, lim, n = bad
+        raise ValueError(f"hint {name!r}: in-flight limit {lim} on rank {r} is below its order's own {n} "
+                         f"(per rank {need}): {name} keeps the order's forwards and input backwards and could "
+                         f"deadlock there; give at least those limits, or use strict-split or bf")
 
 
 def w_float(*, order, ready, memory=None, **_) -> WFloat:

@@ -40,7 +40,9 @@ from ..scheduler.hints import resolve_hint
 from ..scheduler.registry import auto_candidates
 from ..scheduler.tasks import B, F, I, W, Task
 from .compare import SimConfig, default_baseline, run_one
+from .calibration import Calibration
 from .costs import CostModel, StageCost
+from .engine import DeadlockError
 
 log = logging.getLogger("rrfp.auto")
 
@@ -249,7 +251,8 @@ class Ranking:
         order: ``(hint, simulated makespan in seconds)``, fastest first; ties keep
             :func:`all_candidates`' order.
         strict: the placement's strict schedule's name (None: none).
-        skipped: ``(name, why)`` of candidates the registry did not resolve.
+        skipped: ``(name, why)`` of candidates the registry did not resolve, or that could
+            not run at the user's memory (refused, or deadlocked in the simulation).
     """
 
     order: list[tuple[str, float]]
@@ -286,17 +289,23 @@ def rank(
     backpressure: str = "admission",
     seeds: int = 1,
     candidates: Sequence[str] | None = None,
+    calibration: Calibration | None = None,
 ) -> Ranking:
-    """Simulate each known candidate on ``profile`` at the user's memory and order them.
+    """Simulate each known candidate on ``profile`` at the user's memory and order them. A
+    candidate that cannot run there (refused at those limits, or a simulation that deadlocks)
+    is dropped, logged at INFO on ``rrfp.auto`` and named in :attr:`Ranking.skipped`.
 
     Args:
         limit, memory_budget, backpressure: as :class:`~rrfp.sim.compare.SimConfig` (the
             user's in-flight limit and byte budget, or ``"1f1b"``).
         seeds: noise draws per candidate (makespans averaged; draws start at
             :data:`PROFILE_SEED`).
+        calibration: what the runtime pays around the profile's tasks
+            (:class:`~rrfp.sim.calibration.Calibration`, fitted on the same steps; None:
+            nothing).
 
     Raises:
-        ValueError: no candidate is known, or a bad configuration.
+        ValueError: no candidate is known or none can run, or a bad configuration.
     """
     known, skipped = known_candidates(n_ranks, n_virtual, placement, n_microbatches, candidates)
     if not known:
@@ -306,19 +315,29 @@ def rank(
         n_ranks=n_ranks, n_microbatches=n_microbatches, n_virtual=n_virtual, placement=placement, limit=limit,
         memory_budget=memory_budget, backpressure=backpressure, costs=profile.costs(),
         noise=_sigma(profile.compute_cv), comm_noise=_sigma(profile.message_cv),
-        bandwidth=_NS if any(profile.links) else math.inf,
+        bandwidth=_NS if any(profile.links) else math.inf, calibration=calibration,
     )
     if memory_budget is not None:  # resolved once for every candidate
         cfg = replace(cfg, memory_budget=cfg.memory_budgets())
     times = []
     for i, name in enumerate(known):
-        t = statistics.fmean(
-            run_one(replace(cfg, seed=PROFILE_SEED + k), name, record=False)[0].makespan
-            for k in range(seeds))
+        try:
+            t = statistics.fmean(
+                run_one(replace(cfg, seed=PROFILE_SEED + k), name, record=False)[0].makespan
+                for k in range(seeds))
+        except (ValueError, DeadlockError) as e:
+            # At the user's limits (wfloat below its order's own) or a policy's bug: that
+            # candidate cannot run here, the others still can.
+            why = str(e).splitlines()[0]
+            log.info("auto: candidate %s dropped (%s)", name, why)
+            skipped.append((name, why))
+            continue
         times.append((t, i, name))
+    if not times:
+        raise ValueError(f"auto: no candidate can run here: {'; '.join(f'{n}: {w}' for n, w in skipped)}")
     times.sort()
     strict = default_baseline(n_virtual, placement)
-    return Ranking([(n, t) for t, _, n in times], strict if strict in known else None, skipped)
+    return Ranking([(n, t) for t, _, n in times], strict if any(n == strict for *_, n in times) else None, skipped)
 
 
 def trial_candidates(order: Sequence[str], strict: str | None, n: int = 2) -> list[str]:

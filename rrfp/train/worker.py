@@ -234,6 +234,11 @@ class _Run:
         self.peak = peak_tflops(args.peak_tflops, stages[0].device)
         if self.reporter is not None:
             self.reporter.extras = StepExtras(args, stages[0].device, metrics)
+        from .memory import RankMemory  # bytes by kind and the process's peak (rrfp/train/memory.py)
+
+        self.memory = RankMemory([s.submod for s in stages], self.opt, self.pipe, stages[0].device)
+        if self.reporter is not None:
+            self.reporter.memory_sources = self.memory.sources()
         self.trace_range = getattr(args, "trace_range", None) or (1, args.steps)
         self.records: list = []
         self.step_log: list = []
@@ -302,6 +307,7 @@ class _Run:
         """Run training step ``k`` (0-based) and what follows it; True: stop after it."""
         args, data, chooser = self.args, self.data, self.chooser
         t_step = time.perf_counter()
+        self.memory.begin_step()
         self.opt.zero_grad(set_to_none=True)
         mbs = data.batches(k, args.microbatches * args.grad_accum) if data.batches else None
         if chooser is not None:
@@ -356,8 +362,10 @@ class _Run:
 
         args, layout, pipe, metrics, reporter = self.args, self.layout, self.pipe, self.metrics, self.reporter
         meta = {"kind": "stats", "step": k, "busy": st.busy, "wall": st.wall, "peak": st.peak_mb_inflight,
-                "loss": None if loss is None else float(loss), **rank_fields(self.lr, self.grad_sq, self.flops)}
+                "loss": None if loss is None else float(loss), **rank_fields(self.lr, self.grad_sq, self.flops),
+                "mem": self.memory.fields(st)}
         if metrics is not None:
+            metrics.observe_memory(meta["mem"])
             metrics.observe(st, loss=meta["loss"], tokens=sum(mb.n_tokens for mb in mbs) if self.data.first else 0,
                             seconds=time.perf_counter() - t_step, transport=_transport_counts(pipe.transport),
                             runtime_rejected=pipe.runtime.inbox.rejected)
