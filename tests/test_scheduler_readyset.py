@@ -23,10 +23,22 @@ from rrfp.scheduler.tasks import B, F, I, KINDS, W
 EXAMPLES = int(os.environ.get("RRFP_HYPOTHESIS_EXAMPLES", "300"))
 
 
+def scanned_later_forward(r: ReadySet):
+    """The best ready forward past the first virtual stage, by a scan of every forward flag
+    (independent of the heaps): the entry ``(virtual index * fsign, mb, stage)``."""
+    found = [(v * r.fsign, mb, s) for v, s in enumerate(r.stages) if v
+             for mb in range(r.n_mb) if r.ready[KINDS[F].code][v * r.n_mb + mb]]
+    return min(found, default=None)
+
+
 def same(arb_ready: ReadySet, ref: ReadySet) -> None:
     assert [bytes(x) for x in arb_ready.ready] == [bytes(x) for x in ref.ready]
     assert (arb_ready.f, arb_ready.b, arb_ready.w) == (ref.f, ref.b, ref.w)
     assert arb_ready.stale == ref.stale and arb_ready.n_stale == ref.n_stale
+    if arb_ready.queues:
+        # later_forward reads the breadth-first heap fl (or f's top): equal to a scan of the flags
+        want = scanned_later_forward(ref)
+        assert arb_ready.later_forward() == ref.later_forward() == want
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,

@@ -20,7 +20,7 @@ Pure module: no torch, no asyncio, no I/O.
 
 from __future__ import annotations
 
-import heapq
+from heapq import heappush
 
 from .backfill import Backfill
 from .errors import SchedulingError
@@ -89,9 +89,9 @@ class Arbiter:
     # Slots: the simulator reads these once per event; an instance dict of more than 30 keys
     # loses CPython's fast attribute path (measured: +10% per decision at 31 attributes).
     __slots__ = ("backfill", "_wsize", "spec", "rank", "hint", "strict", "limit", "stages", "_vidx", "_last_stage",
-                 "_n_mb", "n_tasks", "n_done", "running", "memory", "ready", "policy", "_taken", "state", "_act",
+                 "_n_mb", "n_tasks", "n_done", "running", "memory", "ready", "policy", "_taken", "_next_taken", "state", "_act",
                  "_grad", "_done_f", "_done_b", "_done_w", "_rdy_f", "_rdy_b", "_rdy_w", "_rf", "_rb", "_rw",
-                 "_queues")
+                 "_queues", "_rfl", "_fsign")
 
     def __init__(
         self,
@@ -154,13 +154,14 @@ class Arbiter:
                             "rrfp.scheduler.policy.Policy (subclass it)")
         r.configure(queues=p.queues, depth_first=p.depth_first)
         self._taken = p.taken
+        self._next_taken = p.next_taken
         # The ready set's arrays and heaps by kind code, aliased: the event paths below run
         # once per message and task in the simulator.
         self._act, self._grad = r.act, r.grad
         self._done_f, self._done_b, self._done_w = r.done[F_CODE], r.done[B_CODE], r.done[W_CODE]
         self._rdy_f, self._rdy_b, self._rdy_w = r.ready[F_CODE], r.ready[B_CODE], r.ready[W_CODE]
-        self._rf, self._rb, self._rw = r.f, r.b, r.w
-        self._queues = r.queues
+        self._rf, self._rb, self._rw, self._rfl = r.f, r.b, r.w, r.fl
+        self._queues, self._fsign = r.queues, r.fsign
         if stages[0] == 0:
             for m in range(spec.n_microbatches):
                 self._act[m] = 1
@@ -212,14 +213,17 @@ class Arbiter:
             if self._done_f[i]:
                 self._rdy_b[i] = 1
                 if self._queues:
-                    heapq.heappush(self._rb, (-v, mb, stage))
+                    heappush(self._rb, (-v, mb, stage))
         else:
             if self._act[i]:
                 raise SchedulingError(f"rank {self.rank}: duplicate activation for stage {stage} microbatch {mb}")
             self._act[i] = 1
             self._rdy_f[i] = 1
             if self._queues:
-                heapq.heappush(self._rf, (v * self.ready.fsign, mb, stage))
+                e = (v * self._fsign, mb, stage)
+                heappush(self._rf, e)
+                if e[0] > 0:  # breadth-first, past the first virtual stage (ReadySet.fl)
+                    heappush(self._rfl, e)
 
     @property
     def peak_bytes(self) -> int:
@@ -263,7 +267,7 @@ class Arbiter:
             if s == self._last_stage or self._grad[i]:
                 self._rdy_b[i] = 1
                 if self._queues:
-                    heapq.heappush(self._rb, (-v, m, s))
+                    heappush(self._rb, (-v, m, s))
         else:
             if k == W:
                 self._done_w[i] = 1
@@ -278,7 +282,7 @@ class Arbiter:
             else:
                 self._rdy_w[i] = 1
                 if self._queues:
-                    heapq.heappush(self._rw, (m, -v, s))
+                    heappush(self._rw, (m, -v, s))
 
     # --------------------------------------------------------------- decisions
     def next(self) -> Task | None:
@@ -290,12 +294,9 @@ class Arbiter:
         """
         if self.running is not None:
             raise SchedulingError(f"rank {self.rank}: next() while {self.running} is running")
-        st = self.state
-        t = self.policy.choose(self.ready, st)
-        if t is not None:  # _take, inlined: the simulator's one call per task
+        t = self._next_taken(self.ready, self.state)  # choose, then _take's two calls
+        if t is not None:
             self.running = t
-            self.ready.take(t)
-            self._taken(t, st)
         return t
 
     def propose(self) -> Task | None:

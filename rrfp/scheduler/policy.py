@@ -29,12 +29,13 @@ Pure module: no torch, no asyncio, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from heapq import heappop
 from typing import Callable, Sequence
 
 from .backfill import Backfill
 from .guards import ANY, LATER, REFUSED, Only, RankState, admits
 from .memory import MemoryLedger, SizeFn, order_bytes
-from .readyset import KIND_CODE, ReadySet
+from .readyset import B_CODE, KIND_CODE, ReadySet
 from .schedules import Order
 from .tasks import B, F, F_CODE, W, W_CODE, Task
 
@@ -82,6 +83,17 @@ class Policy:
         """The task the policy's order runs next (a strict order's planned task), or None
         (no order). Read for messages and by backfilling's notices."""
         return None
+
+    def next_taken(self, ready: ReadySet, state: RankState) -> Task | None:
+        """:meth:`choose`, and the chosen task taken: out of the ready set
+        (:meth:`ReadySet.take`) and told to :meth:`taken`. What :meth:`Arbiter.next` runs. A
+        policy may fuse the three for speed; ``tests/test_scheduler_policy.py`` checks that a
+        fused path dispatches what this one does and leaves the same ready set."""
+        t = self.choose(ready, state)
+        if t is not None:
+            ready.take(t)
+            self.taken(t, state)
+        return t
 
 
 class KindPolicy(Policy):
@@ -157,6 +169,53 @@ class KindPolicy(Policy):
             k = task[1]
             if k != W and not (self.guard_binds and state.guard.binding(state)):
                 self.phase = B if k == F else F
+
+    def next_taken(self, ready: ReadySet, state: RankState) -> Task | None:
+        """:meth:`Policy.next_taken` fused (the simulator's one call per decision): the best
+        task of each kind is its heap's top, so taking it pops that top. Verdicts other than
+        any forward, none, or later forwards (a byte budget's, the completion order's) take
+        the plain path."""
+        f = state.guard.forward(ready, state)
+        if f is ANY:
+            rf = ready.f
+            f = rf[0] if rf else None
+        elif f is LATER:
+            f = ready.later_forward()
+        elif f is not None:
+            return Policy.next_taken(self, ready, state)
+        rb = ready.b
+        if f is not None and (not rb or self.phase == F):
+            heap = ready.f
+            code = F_CODE
+            m = f[1]
+            s = f[2]
+            i = f[0] * ready.fsign * ready.n_mb + m
+            kind = F
+            if heap[0] is not f and heap[0] != f:  # a later forward below first-stage ones
+                ready.stale[code].add(f)
+                ready.n_stale += 1
+                ready.ready[code][i] = 0
+                heap = None
+        elif rb:
+            heap, code = rb, B_CODE
+            v, m, s = rb[0]
+            i = -v * ready.n_mb + m
+            kind = state.backward_kind
+        elif ready.w:
+            heap, code = ready.w, W_CODE
+            m, v, s = ready.w[0]
+            i = -v * ready.n_mb + m
+            kind = W
+        else:
+            return None
+        if heap is not None:
+            heappop(heap)
+            if ready.n_stale:
+                ready.drop_stale(heap, code)
+            ready.ready[code][i] = 0
+        if self.alternate and kind != W and not (self.guard_binds and state.guard.binding(state)):
+            self.phase = B if kind == F else F
+        return _new(Task, (s, kind, m))
 
 
 def kind_policy(name: str, first: str, alternate: bool, *, depth_first: bool = False,

@@ -45,12 +45,15 @@ class ReadySet:
             higher (``fsign = -1``); a first-virtual-stage forward has key 0 either way.
         b: ready input backwards, ``(-virtual index, mb, stage)``: higher virtual stage first.
         w: ready ``W``, ``(mb, -virtual index, stage)``: lower microbatch first.
+        fl: breadth-first only (``fsign = 1``), the entries of :attr:`f` past the first
+            virtual stage, pushed beside them; its taken entries leave lazily (their ready
+            flag is clear), so its top is not always ready (:meth:`later_forward` reads it).
         heaps: the three heaps by kind code (``heaps[F_CODE] is f``...).
         queues: whether the heaps are kept. The top of each heap is always a ready task.
     """
 
     __slots__ = ("stages", "n_mb", "vidx", "act", "grad", "done", "ready", "f", "b", "w", "heaps", "fsign",
-                 "queues", "stale", "n_stale", "_by_kind")
+                 "queues", "stale", "n_stale", "_by_kind", "fl")
 
     def __init__(self, stages: Sequence[int], n_microbatches: int, *, queues: bool = False,
                  depth_first: bool = False) -> None:
@@ -67,6 +70,10 @@ class ReadySet:
         self.fsign = -1 if depth_first else 1
         self.heaps: tuple[list[tuple[int, int, int]], ...] = tuple([] for _ in range(n_codes))
         self.f, self.b, self.w = self.heaps[F_CODE], self.heaps[B_CODE], self.heaps[W_CODE]
+        # Breadth-first, a rank that admits no new microbatch asks for the best forward past
+        # its first virtual stage, which sorts after every first-stage entry of f: this heap
+        # answers without scanning f (a rank at the limit holds up to M first-stage forwards).
+        self.fl: list[tuple[int, int, int]] = []
         # Entries taken out of a heap's middle, one set per heap (the heaps' entries can be
         # equal tuples); dropped lazily when they reach the top, so that a heap is empty
         # exactly when it holds no ready task.
@@ -124,7 +131,10 @@ class ReadySet:
         v = self.vidx[s]
         self.ready[c][v * self.n_mb + m] = 1
         if self.queues:
-            heapq.heappush(self.heaps[c], self.entry(c, v, m, s))
+            e = self.entry(c, v, m, s)
+            heapq.heappush(self.heaps[c], e)
+            if c == F_CODE and v and self.fsign > 0:
+                heapq.heappush(self.fl, e)
 
     def take(self, task: Task) -> None:
         """``task`` leaves the ready set (it runs). The simulator calls this once per task:
@@ -137,7 +147,7 @@ class ReadySet:
             if top[2] == s and top[at] == m:
                 heappop(heap)
                 if self.n_stale:
-                    self._drop_stale(heap, c)
+                    self.drop_stale(heap, c)
             else:
                 self.stale[c].add(self.entry(c, i // self.n_mb, m, s))
                 self.n_stale += 1
@@ -152,12 +162,20 @@ class ReadySet:
         if self.fsign < 0 or rf[0][0]:
             # Depth-first: entries with key != 0 sort before every key-0 entry; otherwise a
             # top with key != 0 means there is no key-0 entry. Either way the answer is the
-            # (ready) top, or there is none: no scan.
+            # (ready) top, or there is none.
             return rf[0] if rf[0][0] else None
-        stale = self.stale[F_CODE]
-        return min((e for e in rf if e[0] and e not in stale), default=None)
+        # Breadth-first: fl's top, past the entries already taken (key = virtual index).
+        fl, flags, M = self.fl, self.ready[F_CODE], self.n_mb
+        while fl:
+            e = fl[0]
+            if flags[e[0] * M + e[1]]:
+                return e
+            heappop(fl)
+        return None
 
-    def _drop_stale(self, heap: list, c: int) -> None:
+    def drop_stale(self, heap: list, c: int) -> None:
+        """Drop the entries taken out of the middle of ``heap`` (kind code ``c``) that reached
+        its top, so that its top is a ready task again (after a pop)."""
         stale = self.stale[c]
         while heap and heap[0] in stale:
             stale.discard(heapq.heappop(heap))
