@@ -115,7 +115,8 @@ def test_export_without_the_hf_packages_is_one_line_before_the_work(tmp_path, mo
 
     step = tmp_path / "step-00000001"
     step.mkdir()
-    (step / "rrfp.json").write_text(json.dumps({"format": 3, "step": 1, "args": {"model": "tiny", "tp": 1}}))
+    (step / "rrfp.json").write_text(json.dumps({"format": 3, "step": 1, "args": {"model": "tiny", "tp": 1},
+                                                "data": {"next_step": 1, "n_samples": 8}}))  # the fields read_meta checks
     args = argparse.Namespace(checkpoint=str(step), out=str(tmp_path / "hf"))
     assert export_cli.check(args) is None  # both installed here
     real = importlib.util.find_spec

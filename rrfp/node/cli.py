@@ -297,8 +297,6 @@ def run(args: argparse.Namespace) -> int:
     node_addr = job.node_addr or node_address(job.master_addr, job.port or DEFAULT_RDZV_PORT)
     os.environ[_net.NODE_ADDR_ENV] = node_addr
     os.environ.update(_net.socket_ifname_env(node_addr))
-    from torch.distributed.launcher.api import LaunchConfig
-
     from ..lines import say
     from ..obs.server import linger, serve_node
     from .health import Health
@@ -344,24 +342,9 @@ def run(args: argparse.Namespace) -> int:
                          f"{PREEMPTED}; ranks still starting are stopped, none is restarted",
                          on_request=lambda: setattr(health, "stopping", True))
     signal.signal(signal.SIGTERM, stop)
-    config = LaunchConfig(
-        min_nodes=job.nnodes, max_nodes=job.nnodes, nproc_per_node=job.nproc, run_id=args.job_id,
-        rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
-        # With rdzv_store this daemon already hosts the store: its agent joins it as a client.
-        rdzv_configs={"is_host": job.node_rank == 0 and rdzv_store is None, "join_timeout": job.join_timeout},
-        max_restarts=args.max_restarts, monitor_interval=0.5,
-        local_addr=node_addr,
-        # SIGTERM stays the daemon's own (above): the agent would forward it as "die now".
-        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
-    )
+    config = _launch_config(args, job, rdzv_port, hosts_store=rdzv_store is not None, node_addr=node_addr)
     code = 0
-    from ..train.stop import child_pids
-    from .peers import RendezvousWait
-
-    waiting = RendezvousWait(lambda: bool(child_pids()), f"{job.master_addr}:{rdzv_port} ({args.job_id})", job.nnodes,
-                             job.join_timeout, say)
-    if job.nnodes > 1:  # alone, a node never waits for another
-        waiting.start()
+    waiting = _rendezvous_wait(job, f"{job.master_addr}:{rdzv_port} ({args.job_id})", say)
     try:
         code = _launch(config, job, stop)
     finally:
@@ -376,6 +359,34 @@ def run(args: argparse.Namespace) -> int:
         if own_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
     return code
+
+
+def _launch_config(args: argparse.Namespace, job, rdzv_port: int, hosts_store: bool, node_addr: str):
+    """torch's ``LaunchConfig`` for this node's agent; ``hosts_store``: this daemon already
+    hosts the rendezvous store (node 0 on an OS-picked port), so its agent joins as a client."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=job.nnodes, max_nodes=job.nnodes, nproc_per_node=job.nproc, run_id=args.job_id,
+        rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
+        rdzv_configs={"is_host": job.node_rank == 0 and not hosts_store, "join_timeout": job.join_timeout},
+        max_restarts=args.max_restarts, monitor_interval=0.5,
+        local_addr=node_addr,
+        # SIGTERM stays the daemon's own (run): the agent would forward it as "die now".
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
+    )
+
+
+def _rendezvous_wait(job, rendezvous: str, say):
+    """The lines that say what this node waits for while no rank of it runs (rrfp/node/peers.py),
+    started only with more than one node: alone, a node never waits for another."""
+    from ..train.stop import child_pids
+    from .peers import RendezvousWait
+
+    waiting = RendezvousWait(lambda: bool(child_pids()), rendezvous, job.nnodes, job.join_timeout, say)
+    if job.nnodes > 1:
+        waiting.start()
+    return waiting
 
 
 def _ranks_env(run_dir: Path, job) -> tuple[Path, Path]:

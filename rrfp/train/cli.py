@@ -99,14 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from .checkpoint import add_flags as add_checkpoint_flags
 
     add_checkpoint_flags(p)
-    # Security: job secret, unauthenticated mode, poisoned steps.
-    p.add_argument("--job-secret-file", metavar="PATH", default=None,
-                   help="file holding the job secret (e.g. a mounted Kubernetes Secret); else RRFP_JOB_SECRET; "
-                   "on one machine rrfp train makes one per run")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow ranks to bind a non-loopback address without a job secret (no authentication)")
-    p.add_argument("--skip-nonfinite", action="store_true",
-                   help="skip a step whose loss or gradient norm is NaN/inf instead of stopping the run")
+    add_security_flags(p)
     # Step line, activation checkpointing, gradient accumulation (rrfp/train/stepline.py, models.py, accum.py).
     from .accum import add_flags as add_accum_flags
     from .models import add_flags as add_model_flags
@@ -119,6 +112,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="rank 0 writes every step's loss here at the end, one line '<step> <float.hex>' "
                    "(exact: two runs compare bit for bit)")
     p.set_defaults(func=run, _parser=p)
+
+
+def add_security_flags(p: argparse.ArgumentParser) -> None:
+    """The job secret, the unauthenticated mode and poisoned steps (README: Security)."""
+    p.add_argument("--job-secret-file", metavar="PATH", default=None,
+                   help="file holding the job secret (e.g. a mounted Kubernetes Secret); else RRFP_JOB_SECRET; "
+                   "on one machine rrfp train makes one per run")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow ranks to bind a non-loopback address without a job secret (no authentication)")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a step whose loss or gradient norm is NaN/inf instead of stopping the run")
 
 
 def add_dp_shard_flag(p: argparse.ArgumentParser) -> None:
