@@ -173,6 +173,15 @@ def _per_rank(value, n: int, what: str, one: bool) -> list:
     return values
 
 
+def _in_rank_order(touched: list[int]) -> list[int]:
+    """The ranks touched at one instant, each once, in rank order (two: no set, no sort)."""
+    if len(touched) > 2:
+        return sorted(set(touched))
+    if touched[0] < touched[1]:
+        return touched
+    return [touched[1]] if touched[0] == touched[1] else [touched[1], touched[0]]
+
+
 class _Sim:
     """The state of one :func:`simulate` run: per rank its arbiters, running task and clocks."""
 
@@ -240,25 +249,20 @@ class _Sim:
 
     # ------------------------------------------------------------ the run
     def run(self, duration: DurationFn, delay: DelayFn, step_overhead: float, record: bool) -> SimResult:
-        # The per-task path stays in this one function, with its state in locals: the
-        # simulator's speed is this loop's (benchmarks/bench_sim.py).
+        # The per-task path stays in this one function, state in locals: bench_sim.py times it.
         events, pop, push, seq = self.events, heapq.heappop, heapq.heappush, self.seq
         running, cur, cur_step, busy_until, busy = self.running, self.cur, self.cur_step, self.busy_until, self.busy
         records, backfilling, averages, run_d = self.records, self.backfilling, self.averages, self.run_d
         held, peak_held, after, before = self.held, self.peak_held, self.after, self.before
         instant = delay is _zero_delay
-        # A model whose every task takes its stage and kind's time says so (``fixed``: stage ->
-        # kind -> seconds): a lookup instead of a call per task.
+        # ``fixed`` (stage -> kind -> seconds): every task takes its stage and kind's time; a lookup.
         fixed = getattr(duration, "fixed", None)
         new, Finish, inline = _new, _Finish, INLINE_DECISIONS
-        now = 0.0
-        touched: list[int] = list(range(self.P))
+        now, touched = 0.0, list(range(self.P))
         while True:
             # Decisions: every idle rank touched at this instant, in rank order.
-            if len(touched) > 2:
-                touched = sorted(set(touched))
-            elif len(touched) == 2 and touched[0] >= touched[1]:
-                touched = [touched[1]] if touched[0] == touched[1] else [touched[1], touched[0]]
+            if len(touched) > 1:
+                touched = _in_rank_order(touched)
             for r in touched:
                 a = cur[r]
                 if running[r] is not None or a is None or now < busy_until[r]:
