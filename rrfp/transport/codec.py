@@ -158,13 +158,21 @@ def encode(
         direction = None
     if direction is None:
         raise CodecError(f"key.direction: unknown direction {key.direction!r}")
+    # _pack_int's cached small ints looked up here (three calls a message), the call kept for
+    # the rest (and for bools, which would hit the cache as 0 and 1).
+    v = key.step
+    step = _SMALL_INTS.get(v) if type(v) is int else None
+    v = key.microbatch
+    mb = _SMALL_INTS.get(v) if type(v) is int else None
+    v = key.stage
+    stage = _SMALL_INTS.get(v) if type(v) is int else None
     parts = [
         prefix,
-        _pack_int(key.step, "step"),
+        step if step is not None else _pack_int(key.step, "step"),
         _H_MICROBATCH,
-        _pack_int(key.microbatch, "microbatch"),
+        mb if mb is not None else _pack_int(key.microbatch, "microbatch"),
         _H_STAGE,
-        _pack_int(key.stage, "stage"),
+        stage if stage is not None else _pack_int(key.stage, "stage"),
         _H_DIRECTION,
         direction,
         _H_TENSORS,
