@@ -332,7 +332,7 @@ def decode(
         buf = frames[fi]
         fi += 1
         if type(buf) not in _LEN_IS_NBYTES:
-            buf = _byte_view(buf, f"tensor {i}")
+            buf = _byte_view(buf, i)
         if len(buf) != nbytes:
             raise CodecError(
                 f"tensor {i}: frame has {len(buf)} bytes, expected {nbytes} "
@@ -385,16 +385,21 @@ def frames_nbytes(frames: Sequence[Any]) -> int:
 _LEN_IS_NBYTES = {bytes, bytearray, zmq.Frame}
 
 
-def _byte_view(f: Any, what: str) -> memoryview:
+def _byte_view(f: Any, what: str | int) -> memoryview:
+    # ``what``: "header", or a tensor's index (named only in an error: once per frame).
     try:
         mv = memoryview(f)
     except TypeError as e:
-        raise CodecError(f"{what}: frame of type {type(f).__name__} has no buffer") from e
+        raise CodecError(f"{_frame_name(what)}: frame of type {type(f).__name__} has no buffer") from e
     if mv.ndim != 1 or mv.format != "B":
         try:
             mv = mv.cast("B")
         except TypeError as e:
-            raise CodecError(f"{what}: frame buffer is not contiguous") from e
+            raise CodecError(f"{_frame_name(what)}: frame buffer is not contiguous") from e
     elif not mv.c_contiguous:  # a stepped slice: numpy and msgpack would refuse it later
-        raise CodecError(f"{what}: frame buffer is not contiguous")
+        raise CodecError(f"{_frame_name(what)}: frame buffer is not contiguous")
     return mv
+
+
+def _frame_name(what: str | int) -> str:
+    return what if isinstance(what, str) else f"tensor {what}"
