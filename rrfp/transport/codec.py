@@ -158,21 +158,16 @@ def encode(
         direction = None
     if direction is None:
         raise CodecError(f"key.direction: unknown direction {key.direction!r}")
-    # _pack_int's cached small ints looked up here (three calls a message), the call kept for
-    # the rest (and for bools, which would hit the cache as 0 and 1).
-    v = key.step
-    step = _SMALL_INTS.get(v) if type(v) is int else None
-    v = key.microbatch
-    mb = _SMALL_INTS.get(v) if type(v) is int else None
-    v = key.stage
-    stage = _SMALL_INTS.get(v) if type(v) is int else None
+    # _pack_int's cache read here (three calls a message saved); the call packs the rest
+    # (a bool is no int here: the cache would take it for 0 or 1). Packed ints are never b"".
+    step, mb, stage = key.step, key.microbatch, key.stage
     parts = [
         prefix,
-        step if step is not None else _pack_int(key.step, "step"),
+        (type(step) is int and _SMALL_INTS.get(step)) or _pack_int(step, "step"),
         _H_MICROBATCH,
-        mb if mb is not None else _pack_int(key.microbatch, "microbatch"),
+        (type(mb) is int and _SMALL_INTS.get(mb)) or _pack_int(mb, "microbatch"),
         _H_STAGE,
-        stage if stage is not None else _pack_int(key.stage, "stage"),
+        (type(stage) is int and _SMALL_INTS.get(stage)) or _pack_int(stage, "stage"),
         _H_DIRECTION,
         direction,
         _H_TENSORS,

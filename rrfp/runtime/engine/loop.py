@@ -122,15 +122,8 @@ class SchedulerLoop:
             the inbox's error (lost peer, closed rank, bad arrival), a task's exception,
             WatchdogTimeout.
         """
-        self._arb, self._step = arb, step
-        self._clock = asyncio.get_running_loop().time
-        self._progress = self._clock()
-        self._last_end = 0.0
-        self._timed_out = None
-        self.task_watch.period = self.watchdog
-        run_fn = self.task_watch.watched(run_fn, step)
+        run_fn = self._begin(arb, step, run_fn)
         running = self._running
-        running.clear()
         inbox, ex = self.inbox, self.executor
         wake = inbox.wake
         decide = self.decide
@@ -199,6 +192,17 @@ class SchedulerLoop:
             self._disarm_watchdog()
         for o in self.observers:
             o.step_ends(step, stats)
+
+    def _begin(self, arb: Arbiter, step: int, run_fn: RunFn) -> RunFn:
+        # A step's start: its state reset, and run_fn as the task watchdog times it.
+        self._arb, self._step = arb, step
+        self._clock = asyncio.get_running_loop().time
+        self._progress = self._clock()
+        self._last_end = 0.0
+        self._timed_out = None
+        self._running.clear()
+        self.task_watch.period = self.watchdog
+        return self.task_watch.watched(run_fn, step)
 
     async def _delay(self, step: int, task: Task) -> None:
         # Injected delays stand for device time: the rank stays busy but its loop keeps
