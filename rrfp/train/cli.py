@@ -1,8 +1,10 @@
-"""``rrfp train``: validate flags, then launch one process per pipeline rank with PyTorch's
-own launcher (torch.distributed.run, i.e. torchrun) unless already inside a launched job.
+"""``rrfp train``: validate flags, then launch one process per rank unless already inside a
+launched job.
 
 The same command is the per-rank entry point: ``torchrun --nproc-per-node 4 -m rrfp train``
-runs each rank directly, and plain ``rrfp train`` calls torchrun's launcher on itself.
+(or ``rrfp node``, through torch's elastic agent) runs each rank directly, and plain
+``rrfp train`` forks its ranks from a zygote that imported torch once (rrfp/train/zygote.py),
+giving each the environment torchrun's agent would.
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
 
         args = apply_config(args)
     validate(args)
-    from ..parallel.bootstrap import in_launched_worker
+    from .._launch_env import in_launched_worker
 
     if in_launched_worker():
         from .worker import main as worker_main
@@ -224,77 +226,48 @@ def run(args: argparse.Namespace) -> int:
 
 
 def launch(args: argparse.Namespace) -> int:
-    """Start ``args.stages`` local ranks through torch.distributed.run (torchrun)."""
-    import torch.distributed.run as torchrun
+    """Start ``stages x dp x tp`` ranks on this machine, forked from a zygote that imported
+    torch once (:mod:`rrfp.train.zygote`); the exit code of ``rrfp train``: 0, 1 with one
+    line naming the rank that failed first, :data:`PIPE_CLOSED`, or 128 + a signal that
+    stopped the run."""
+    import tempfile
 
-    argv = getattr(args, "argv", None) or ["train"]
-    run_args = torchrun.get_args_parser().parse_args(
-        ["--standalone", "--nproc-per-node", str(args.stages * args.dp * args.tp), "--max-restarts", "0", "--monitor-interval", "0.5",
-         "-m", "rrfp", *argv]
-    )
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    from .._pdeathsig import LAUNCHER_PID_ENV
     from ..transport.auth import ENV_SECRET, JobAuth
+    from .zygote import LocalJob, Signalled
 
-    # One secret per run, handed to the ranks only through their environment (never disk
-    # or argv); a --job-secret-file or a secret already in the environment is kept.
-    # The launcher hands its own environment to the ranks, so the secret is set there for this
-    # run only and removed after it: a caller running `rrfp train` in-process (tests, notebooks)
-    # must not be left with a secret that turns on CURVE for its own later transports.
-    made_secret = not getattr(args, "job_secret_file", None) and not os.environ.get(ENV_SECRET)
-    if made_secret:
-        os.environ[ENV_SECRET] = JobAuth.generate()
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    finished = None
-    if getattr(args, "metrics_linger", 0) > 0:
-        import tempfile
-
-        finished = tempfile.TemporaryDirectory(prefix="rrfp-train-finished-")
-        os.environ[FINISHED_ENV] = finished.name
-    try:
-        return _run_launcher(run_args, (args.dp, args.tp),
-                             finished and (finished.name, args.stages * args.dp * args.tp))
-    finally:
-        if made_secret:
-            os.environ.pop(ENV_SECRET, None)
-        os.environ.pop(LAUNCHER_PID_ENV, None)
-        if finished is not None:
-            os.environ.pop(FINISHED_ENV, None)
-            finished.cleanup()
-
-
-def _run_launcher(run_args, degrees: tuple[int, int] | None = None, finished: tuple[str, int] | None = None) -> int:
-    """torchrun's ``run`` on the prepared arguments; the exit code of ``rrfp train``.
-    ``finished``: the folder where the ranks mark their training over and the world size
-    (rrfp/train/linger.py): a signal after every rank marked it ends the linger, exit 0."""
-    import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    import logging
-
-    from .guard import LauncherSignals
-
-    signalled = LauncherSignals()
-    _quiet_launcher_logs(signalled)
-    try:
-        torchrun.run(run_args)
-    except ChildFailedError as e:
-        if any(f.exitcode == PIPE_CLOSED for f in e.failures.values()):
-            return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
-        say(f"rrfp train: error: {describe_failures(e.failures, signalled.pids, degrees)}", sys.stderr)
-        return 1
-    except (KeyboardInterrupt, SignalException) as e:
-        sig = getattr(e, "sigval", signal.SIGINT)
-        if finished is not None and all_finished(*finished):
-            say(f"rrfp train: {signal.Signals(sig).name} ended --metrics-linger; training had finished")
-            return 0
-        say(f"rrfp train: stopped by {signal.Signals(sig).name}; the ranks were stopped too", sys.stderr)
-        return 128 + int(sig)
-    finally:
-        logging.getLogger(LauncherSignals.LOGGER).removeFilter(signalled)
-    return 0
+    world = args.stages * args.dp * args.tp
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # before the zygote loads OpenMP
+    env = dict(os.environ)
+    # One secret per run, handed to the ranks with their environment (never disk or argv); a
+    # --job-secret-file or a secret already in the environment is kept.
+    if not getattr(args, "job_secret_file", None) and not env.get(ENV_SECRET):
+        env[ENV_SECRET] = JobAuth.generate()
+    with tempfile.TemporaryDirectory(prefix="rrfp-train-") as folder:
+        finished = None
+        if getattr(args, "metrics_linger", 0) > 0:
+            env[FINISHED_ENV] = finished = os.path.join(folder, "finished")
+            os.mkdir(finished)
+        with LocalJob(getattr(args, "argv", None) or ["train"], world, env, folder) as job:
+            try:
+                job.start()
+                failures = job.wait()
+            except Signalled as e:
+                job.stop(e.sigval)
+                name = signal.Signals(e.sigval).name
+                if finished is not None and all_finished(finished, world):
+                    say(f"rrfp train: {name} ended --metrics-linger; training had finished")
+                    return 0
+                say(f"rrfp train: stopped by {name}; the ranks were stopped too", sys.stderr)
+                return 128 + int(e.sigval)
+            except RuntimeError as e:  # the store's process could not start
+                say(f"rrfp train: error: {e}", sys.stderr)
+                return 1
+    if not failures:
+        return 0
+    if any(f.exitcode == PIPE_CLOSED for f in failures.values()):
+        return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
+    say(f"rrfp train: error: {describe_failures(failures, job.signalled, (args.dp, args.tp))}", sys.stderr)
+    return 1
 
 
 PIPE_CLOSED = 141
