@@ -86,11 +86,13 @@ class RrfpSystem(System):
         from .systems import torch_order_hint
 
         self.name, self.inner = name, inner
-        limit = one_f_one_b_limits(n_ranks)[rank] if spec["limit"] == "1f1b" else int(spec["limit"])
+        # Every rank's limits, not only its own: a strict policy compiles under all of them, and
+        # auto ranks its candidates on them (the same on every rank).
+        limit = one_f_one_b_limits(n_ranks) if spec["limit"] == "1f1b" else int(spec["limit"])
         self.first, self.last = 0 in stage_ids, n_stages - 1 in stage_ids
         stages = [PipelineStage(w, s, n_stages) for w, s in zip(wrappers, stage_ids)]
         hint = {} if spec["hint"] is None else {"hint": torch_order_hint(spec["hint"], n_ranks, n_mb)}
-        if spec["hint"] is None:  # the hint the report labels the default rows with (Pipeline's is auto)
+        if spec["hint"] is None:  # the default rows: auto (Pipeline's default), or the run's --hint
             hint = {"hint": chosen_hint or default_hint()}
         # Per step: what the schedule holds for that step's microbatches (set before each step).
         self.budgets = budgets
@@ -104,10 +106,39 @@ class RrfpSystem(System):
             memory_budget=budget, **hint,
         )
         self.pipe.runtime.inbox.hold = hold
+        if self.pipe.auto is not None and budgets:
+            self.pipe.auto.budget = _gather_obj(max(budgets.values()))
 
     def set_budget(self, nbytes: int) -> None:
-        """This rank's ``memory_budget`` from now on (the bytes ``budget_from`` measured here)."""
+        """This rank's ``memory_budget`` from now on (the bytes ``budget_from`` measured here);
+        ``auto`` ranks its candidates at every rank's (a collective: every rank calls it at the
+        same point)."""
         self.pipe.runtime.memory_budget = max(1, int(nbytes))
+        if self.pipe.auto is not None:
+            # Every rank's budget: auto's ranking must be the same on every rank (one rank's
+            # own figure for all would rank differently on each and split their choices).
+            self.pipe.auto.budget = _gather_obj(self.pipe.runtime.memory_budget)
+
+    def restart_auto(self) -> None:
+        """Under ``auto``, a fresh choice for a new phase (its condition differs): a new
+        controller that measures and tries again from the next step, with no re-checks (the
+        timed rounds must all run the kept hint)."""
+        from rrfp.runtime.features.auto import AutoHint
+
+        old = self.pipe.auto
+        if old is None:
+            return
+        new = AutoHint(self.pipe, old.share, say=old.say, recheck_every=0)
+        new.current, new.budget = old.current, old.budget  # its first step switches from what runs now
+        self.pipe.auto = new
+
+    def auto_pending(self) -> bool:
+        """Whether ``auto`` has not kept a hint yet (False under a named hint)."""
+        return self.pipe.auto is not None and self.pipe.auto.chosen is None
+
+    def kept(self) -> str | None:
+        """The hint ``auto`` kept (None under a named hint, or before its trial ended)."""
+        return self.pipe.auto.chosen if self.pipe.auto is not None else None
 
     def step(self, batch: Batch) -> None:
         if self.budgets:
@@ -310,6 +341,9 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
     injector.level = LEVELS[ph["level"]]
     rounds = []
     n_rounds = 2 + ph["rounds"]
+    for s in systems:
+        if isinstance(s, RrfpSystem):
+            s.restart_auto()
     worst = 0.0
     inj_totals: dict[str, list] = {s.name: [] for s in systems}
     for k in range(n_rounds):
@@ -375,13 +409,47 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
                     "injected": f[:, 4].tolist(), "n_injected": f[:, 5].tolist(),
                 }
             rounds.append(rec)
+        if k == 1:  # auto's choice, on budgets the memory round set, before the timed rounds
+            auto_steps(pi, ph, cfg, systems, work, injector)
     # The same injected delays for everyone: per rank and round, equal totals.
     for s in systems:
         first = next(x.name for x in systems if x.split == s.split)
         for k, (a, b) in enumerate(zip(inj_totals[s.name], inj_totals[first])):
             if abs(a - b) > 1e-9:
                 raise BenchError(f"phase {ph['name']}: rank {rank} injected {a:.6f} s into {s.name} but {b:.6f} s into {first} (round {k + 1})")
-    return {"name": ph["name"], "level": ph["level"], "varlen": ph["varlen"], "rounds": rounds, "worst_grad_ratio": worst}
+    kept = {s.name: s.kept() for s in systems if isinstance(s, RrfpSystem) and s.kept()}
+    return {"name": ph["name"], "level": ph["level"], "varlen": ph["varlen"], "rounds": rounds, "worst_grad_ratio": worst,
+            "kept": kept}
+
+
+def auto_steps(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWorkload, injector: Injector) -> None:
+    """Every ``auto`` row's remaining measuring and trial steps (rounds 0 and 1 were its first
+    two), each on a batch and injected delays of its own (:func:`benchmarks.workloads.auto_step_ids`:
+    no timed round's), until it keeps a hint. Every rank runs the same steps: ``auto``'s
+    decisions read figures the ranks share.
+
+    Raises:
+        BenchError: a row that kept no hint within the steps allowed.
+    """
+    from .workloads import auto_step_ids
+
+    for s in systems:
+        if not isinstance(s, RrfpSystem) or not s.auto_pending():
+            continue
+        for step_id in auto_step_ids(pi):
+            batch = work.batch(step_id, ph["varlen"])
+            if cfg.get("comm"):
+                batch = batch.with_stamps()
+            batch.step_id = step_id
+            injector.enabled, injector.step = True, step_id
+            injector.reset()
+            s.zero_grad()
+            dist.barrier()
+            s.step(batch)
+            if not s.auto_pending():
+                break
+        if s.auto_pending():
+            raise BenchError(f"phase {ph['name']}: {s.name}: auto kept no hint within {len(auto_step_ids(pi))} steps")
 
 
 # --------------------------------------------------------------------------- driver

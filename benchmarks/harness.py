@@ -2,14 +2,25 @@
 
 Injected jitter (RRFP §7, the J0-J3 model of :mod:`rrfp.sim.jitter`): :class:`JitterStage`
 wraps a stage's ``nn.Module``. Its forward sleeps for the forward's injected delay before
-computing; its output passes through :class:`SleepInBackward`, a custom autograd Function whose
-backward sleeps for the backward's delay, so the delay lands in whichever task computes that
-stage's input gradient (``B``, or ``I`` with a split backward; PyTorch's zero-bubble schedule
-runs stage 0's whole backward in ``W``). Draws are keyed by (seed, step, stage, microbatch,
-kind), and the wrapper learns the microbatch from an int64 microbatch-id tensor that travels
-through the stages as an extra stage input and output, so every system sees identical delays
-whatever order it runs its tasks in. The paper's ``e`` (a running average of compute) would
-differ between systems, so it is fixed per (stage, kind) from a calibration of the base compute.
+computing. A backward's delay is one draw (kind ``B``), shared as the simulator shares it
+between a split backward's ``I`` and ``W`` (:meth:`rrfp.sim.jitter.InjectedJitter.split_backward`,
+in proportion to their costs, :attr:`Injector.w_share`):
+
+- ``I``'s share sleeps in :class:`SleepInBackward`, a node on the stage output's path, so it
+  lands in whichever task computes that stage's input gradient (``B``, or ``I``);
+- ``W``'s share sleeps in :class:`SleepInWeightGrad`, a branch that only leads to a parameter of
+  the wrapper (:attr:`JitterStage.carrier`): rrfp's split backward defers it to ``W`` with the
+  layers' weight gradients (:func:`rrfp.runtime.engine.split.defer_to_weight`), PyTorch's
+  zero-bubble schedules run it in their weight pass (``stage_backward_weight``: the input pass
+  computes only what the stage's inputs need), and a full backward runs both shares.
+
+PyTorch's zero-bubble schedules and rrfp both run stage 0's whole backward in ``W``. With
+sleep-based tasks (``base``), the backward's sleep is shared the same way. Draws are keyed by
+(seed, step, stage, microbatch, kind), and the wrapper learns the microbatch from an int64
+microbatch-id tensor that travels through the stages as an extra stage input and output, so
+every system sees identical delays whatever order it runs its tasks in. The paper's ``e`` is
+the stage's expected compute per task, as in the simulator: the mean of its calibrated (or
+slept) forward and backward.
 
 Everything here runs inside one rank process; :func:`benchmarks.launcher.launch` starts those
 processes.
@@ -25,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rrfp.runtime.engine.split import defer_to_weight
 from rrfp.sim.jitter import JitterLevel, injected_delay
 
 
@@ -49,16 +61,22 @@ class Injector:
         seed: the run's seed (part of every draw's key).
         stage: the pipeline stage the draws are keyed by: this rank's stage in the
             one-stage-per-rank split (with two virtual stages per rank, both share it).
-        e: ``{"F": seconds, "B": seconds}``, the fixed stand-in for the paper's running
-            average of this stage's compute.
-        base: ``{"F": seconds, "B": seconds}`` or None: a fixed sleep added to every task (a
-            setting whose compute is simulated by sleeping, so many ranks fit on few cores).
+        e: ``{"F": seconds, "B": seconds}``, this stage's calibrated (or slept) forward and
+            backward; the jitter's ``e`` is their mean (:attr:`e_stage`), the stage's expected
+            compute per task, as the simulator's (:mod:`rrfp.sim.jitter`).
+        base: ``{"F": seconds, "B": seconds}`` (optionally ``"I"`` and ``"W"``, the split
+            backward's parts; default half of ``B`` each, the simulator's rule) or None: a fixed
+            sleep added to every task (a setting whose compute is simulated by sleeping, so
+            many ranks fit on few cores).
 
     Attributes:
         step: the step id in the draws' key; the harness sets it before each step.
         enabled: when False no delay is injected (warm-up, PyTorch's shape inference).
         total, count: injected seconds and delays so far (reset per step), so the harness can
             check that every system got the same.
+        w_share: the fraction of a backward's delay (and sleep) that sleeps on the
+            weight-gradient path: ``W / (I + W)`` of ``base``, else 1/2 (the simulator's default
+            split of a backward, ``I = W = B / 2``).
     """
 
     def __init__(self, level: JitterLevel, seed: int, stage: int, e: dict[str, float],
@@ -68,6 +86,9 @@ class Injector:
         self.seed = seed
         self.stage = stage
         self.e = dict(e)
+        self.e_stage = 0.5 * (float(e["F"]) + float(e["B"]))
+        i, w = (self.base.get("I"), self.base.get("W")) if self.base else (None, None)
+        self.w_share = w / (i + w) if i is not None and w is not None and i + w > 0 else 0.5
         self.step = 0
         self.enabled = False
         self.total = 0.0
@@ -77,10 +98,11 @@ class Injector:
         self.total, self.count = 0.0, 0
 
     def delay(self, mb: int, kind: str, share: float = 1.0) -> float:
-        """Seconds to inject into ``kind`` (``F`` or ``B``) of microbatch ``mb``, times ``share``."""
+        """Seconds to inject into ``kind`` (``F`` or ``B``: a whole backward, both shares) of
+        microbatch ``mb``, times ``share``."""
         if not self.enabled:
             return 0.0
-        d = injected_delay(self.level, self.seed, self.step, self.stage, mb, kind, self.e[kind]) * share
+        d = injected_delay(self.level, self.seed, self.step, self.stage, mb, kind, self.e_stage) * share
         if d > 0:
             self.count += 1
         if self.base:
@@ -101,6 +123,24 @@ class SleepInBackward(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         time.sleep(ctx.seconds)
         return grad, None
+
+
+class SleepInWeightGrad(torch.autograd.Function):
+    """``carrier -> 0.0`` (a zero scalar a stage adds to its output); its backward, reached only
+    on the way to the parameter ``carrier``, sleeps ``seconds`` with the stage's weight
+    gradients: in a split backward's ``W`` (rrfp: :func:`~rrfp.runtime.engine.split.defer_to_weight`;
+    PyTorch: its weight pass), at once in a full backward."""
+
+    @staticmethod
+    def forward(ctx, carrier: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.carrier, ctx.seconds = carrier, seconds
+        return carrier.detach().new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        seconds = ctx.seconds
+        defer_to_weight(ctx.carrier, lambda: time.sleep(seconds))
+        return torch.zeros_like(ctx.carrier), None
 
 
 class _Held:
@@ -233,6 +273,9 @@ class JitterStage(nn.Module):
         self.stage = stage
         self.delays = delays
         self.pack = pack
+        # Only W's share of the injected backward reads it (SleepInWeightGrad); its gradient
+        # stays 0 and it is no parameter of the model the systems compare.
+        self.carrier = nn.Parameter(torch.zeros(()))
 
     def forward(self, *inputs: torch.Tensor):
         inj = self.injector
@@ -259,7 +302,10 @@ class JitterStage(nn.Module):
             y = self.inner(*x)
         d = inj.delay(m, "B", self.share)
         if d > 0:
-            y = SleepInBackward.apply(y, d)
+            d_w = d * inj.w_share
+            y = SleepInBackward.apply(y, d - d_w)
+            if d_w > 0:  # + 0.0 exactly: the values do not change
+                y = y + SleepInWeightGrad.apply(self.carrier, d_w)
         if self.last:
             return y
         if comm is not None:

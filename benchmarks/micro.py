@@ -446,12 +446,12 @@ def rank_main(cfg: dict) -> dict | None:
 
 
 def _overhead_reps(reps: int, hint: str | None = None, **kw: Any) -> dict[str, dict[str, Any]]:
-    """:func:`local_overhead` of the default hint and strict 1F1B, ``reps`` times over (the
-    machine is shared: each figure is the median of the repetitions, all of them kept under
-    ``reps_overhead_cpu_us``)."""
-    from .compare import default_hint
+    """:func:`local_overhead` of the scheduler's default policy (``bf``; not ``auto``, whose
+    steps switch hints) and strict 1F1B, ``reps`` times over (the machine is shared: each figure
+    is the median of the repetitions, all of them kept under ``reps_overhead_cpu_us``)."""
+    from rrfp.scheduler.hints import DEFAULT_HINT
 
-    hints = tuple(dict.fromkeys((hint or default_hint(), "strict-1f1b")))
+    hints = tuple(dict.fromkeys((hint or DEFAULT_HINT, "strict-1f1b")))
     runs = [local_overhead(hints=hints, **kw) for _ in range(reps)]
     out = {}
     for name in runs[0]:

@@ -114,14 +114,20 @@ def _q(xs, p: float) -> float:
 
 
 def summarize(prof_dir: str | Path, n_ranks: int, first_step: int = 2) -> dict:
-    """Per rank and system: the measures listed in the module docstring (milliseconds)."""
+    """Per rank and system: the measures listed in the module docstring (milliseconds), over
+    the timed rounds' steps (not ``auto``'s measuring and trial steps)."""
+    from .workloads import AUTO_STEP_OFFSET
+
+    def timed(step: int) -> bool:
+        return step >= first_step and step % 1000 < AUTO_STEP_OFFSET
+
     out: dict = {}
     events = {r: json.loads(Path(prof_dir, f"rank{r}.json").read_text()) for r in range(n_ranks)}
-    sends = {tuple(e[1:6]): e for r in events for e in events[r] if e[0] == "send" and e[2] >= first_step}
+    sends = {tuple(e[1:6]): e for r in events for e in events[r] if e[0] == "send" and timed(e[2])}
     for r, log in events.items():
         by = collections.defaultdict(list)
         for e in log:
-            if e[2] >= first_step:
+            if timed(e[2]):
                 by[(e[1], e[2])].append(e)
         acc: dict = collections.defaultdict(lambda: collections.defaultdict(list))
         for (name, step), evs in by.items():
@@ -175,9 +181,12 @@ def replay(prof_dir: str | Path, cfg: dict, result: dict, latencies=(0.0, 0.001,
     lim = one_f_one_b_limits(P)
     lines = []
     steps = {rd["round"]: rd for rd in result["phases"][0]["rounds"]}
+    kept = result["phases"][0].get("kept") or {}  # auto's kept hint (benchmarks.compare)
     for name, hint in HINTS.items():
-        spec, h, strict = resolve_hint(hint or cfg.get("hint") or DEFAULT_HINT, Placement(P), M, inflight_limit=lim)
-        ids = sorted(s for (n, s) in dur if n == name and s >= first_step)
+        text = hint or kept.get(name) or cfg.get("hint") or DEFAULT_HINT
+        spec, h, strict = resolve_hint(text, Placement(P), M, inflight_limit=lim)
+        # The rounds' steps only (auto's measuring and trial steps have ids of their own).
+        ids = sorted(s for (n, s) in dur if n == name and s >= first_step and s in steps)
         real = statistics.median(steps[s]["systems"][name]["step"] for s in ids) * 1e3
         for L in latencies:
             sim = [simulate(spec, h, lambda _s, rk, t, d=dur[(name, s)]: d[(rk, str(t[1])[-1], t[2])], strict=strict,

@@ -62,7 +62,7 @@ def phase_summary(phase: dict) -> dict[str, Any]:
     mem = next((r for r in phase["rounds"] if r["kind"] == "memory"), None)
     names = list(timed[0]["systems"]) if timed else []
     steps = {n: [r["systems"][n]["step"] for r in timed] for n in names}
-    out: dict[str, Any] = {"names": names, "steps": steps, "systems": {}}
+    out: dict[str, Any] = {"names": names, "steps": steps, "systems": {}, "kept": dict(phase.get("kept") or {})}
     for n in names:
         bub = np.mean([[1.0 - b / e if e > 0 else 0.0 for b, e in zip(r["systems"][n]["busy"], r["systems"][n]["elapsed"])]
                        for r in timed], axis=0)
@@ -120,8 +120,11 @@ def render_setting(res: dict) -> tuple[str, dict[str, dict]]:
                                         "interleaved schedules, V for ZBV and DualPipeV)")
         + (f"; message delays {cfg['comm']} on every activation and gradient" if cfg.get("comm") else "")
         + (f". Hint of the `rrfp default` rows: `{cfg['hint']}` (`--hint`; not rrfp.Pipeline's default). "
-           if cfg.get("hint") else f". Default hint: `{res.get('default_hint', '?')}` (the scheduler's default "
-           "policy; `rrfp.Pipeline`'s own default, `auto`, would spend these rounds on its trial). ")
+           if cfg.get("hint") else f". Hint of the `rrfp default` rows: `{res.get('default_hint', '?')}`"
+           + (" (rrfp.Pipeline's default: in each phase its measuring and trial steps run after the memory round, "
+              "on batches and delays of their own, and the timed rounds run the hint it kept, named in the row; "
+              "its peak bytes are the memory round's, where it runs the strict schedule). "
+              if res.get("default_hint") == "auto" else ". "))
         + f"Run time {res.get('wall_seconds', 0):.0f} s.",
         "",
         "Calibrated base compute per rank ("
@@ -159,10 +162,11 @@ def render_setting(res: dict) -> tuple[str, dict[str, dict]]:
             f"speedup vs {_SHORT.get(c, c)}" + (" (fastest torch)" if c == ft else "") for c in ref_cols
         ] + ["bubble per rank", "peak saved activations MiB per rank", "peak in-flight"]
         rows = []
+        kept = ph.get("kept") or {}
         for n in s["names"]:
             st = s["systems"][n]["stats"]
             rows.append([
-                n, _ms(st["median"]), f"{_ms(st['p25'])}-{_ms(st['p75'])}", f"{_ms(st['min'])}-{_ms(st['max'])}",
+                f"{n} (auto kept `{kept[n]}`)" if n in kept else n, _ms(st["median"]), f"{_ms(st['p25'])}-{_ms(st['p75'])}", f"{_ms(st['min'])}-{_ms(st['max'])}",
                 *[f"{s['speedup'][n][c]:.2f}x" for c in ref_cols],
                 " ".join(f"{b:.2f}" for b in s["systems"][n]["bubble"]),
                 " ".join(_mib(b) for b in (s["systems"][n]["peak_bytes"] or [])),
@@ -342,7 +346,8 @@ def candidates(compare: dict[str, dict], results: dict) -> list[list[str]]:
                     c = f"rrfp {h}, {label} memory"
                     if not {c, dflt, torch_row} <= set(s["names"]):
                         continue
-                    rows.append([setting, name, label, f"`{h}`", f"`{default}` " + _ratio(s, dflt, torch_row),
+                    rows.append([setting, name, label, f"`{h}`",
+                                 f"`{s.get('kept', {}).get(dflt, default)}` " + _ratio(s, dflt, torch_row),
                                  _ratio(s, c, torch_row), _ratio(s, c, dflt)])
     return rows
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .sim_pred import predict, predict_bounded, ratio_summary
-from .systems import PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, peer_default, peer_strict
+from .systems import PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, kept_hint, peer_default, peer_strict
 
 PEERS_TITLE = "PyTorch's virtual-stage schedules at their own memory"
 RANKS_TITLE = "Many real ranks against the simulator"
@@ -65,13 +65,14 @@ def predictions(res: dict) -> dict[str, dict[str, list[float]]]:
             budgets = [int(x) for x in peak]
             kw = dict(n_virtual=2, placement=p["placement"], bound_budgets=budgets, stage_bytes=sb)
             rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"], **kw)
-            rows[peer_default(label)], b_default = predict_bounded(cfg, cal, pi, ph, default, budgets=budgets, **kw)
+            rows[peer_default(label)], b_default = predict_bounded(
+                cfg, cal, pi, ph, kept_hint(ph, peer_default(label), default), budgets=budgets, **kw)
             rows[BOUND + label] = [min(a, b) for a, b in zip(b_strict, b_default)]
         if cfg.get("sleep"):
             for n in names:
                 spec = RRFP_SYSTEMS.get(n)
                 if spec and not spec.get("budget") and not spec.get("budget_from") and spec.get("virtual", 1) == 1:
-                    rows[n] = predict(cfg, cal, pi, ph, spec["hint"] or default, limit=spec["limit"])
+                    rows[n] = predict(cfg, cal, pi, ph, kept_hint(ph, n, default), limit=spec["limit"])
         out[ph["name"]] = rows
     return out
 
@@ -181,7 +182,7 @@ def ranks_rows(compare: dict[str, dict], quick: bool = False) -> tuple[list[list
                     continue
                 real = _timed(ph, n)
                 rs = ratio_summary(real, sim)
-                hint = RRFP_SYSTEMS[n]["hint"] or default
+                hint = kept_hint(ph, n, default)
                 strict = hint.startswith("strict-")
                 tol = STRICT_TOL if strict else READY_TOL
                 ok = abs(rs["median"] - 1) <= tol

@@ -8,8 +8,9 @@ beyond the injected delays, one processor per rank.
 Costs per stage: with one stage per rank, the rank's calibrated forward and backward (plus the
 setting's sleep, where tasks sleep for their compute); with two virtual stages, half of the
 rank's each (the layers split evenly), and half of the rank's injected delay, as the harness
-injects it. A split backward's ``I`` carries the injected delay and the sleep and half of the
-compute, ``W`` the other half of the compute.
+injects it. The jitter's ``e`` is the stage's mean of forward and backward, as the harness's. A
+split backward's ``I`` and ``W`` each carry half of the compute and their share of the injected
+delay and of the sleep (:attr:`benchmarks.harness.Injector.w_share`), as the harness sleeps them.
 """
 
 from __future__ import annotations
@@ -93,7 +94,11 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
     comm = LEVELS[cfg["comm"]] if cfg.get("comm") else None
     sleep = cfg.get("sleep") or {"F": 0.0, "B": 0.0}
     share = 1.0 / n_virtual
-    e = [dict(sleep) if cfg.get("sleep") else c for c in calibration]
+    # The harness's own rules (its Injector): e per stage, W's share of a backward.
+    from .harness import Injector
+
+    inj = [Injector(level, seed, r, dict(sleep) if cfg.get("sleep") else c, base=cfg.get("sleep"))
+           for r, c in enumerate(calibration)]
     act = None
     if stage_bytes is not None:
         pos = {s: (place.rank_of(s), i) for r in range(P) for i, s in enumerate(place.stages_of(r))}
@@ -103,10 +108,12 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
         def duration(step: int, rank: int, t, sid=step_id) -> float:
             kind = F if t.kind == F else B
             base = calibration[rank][kind] * share
+            d = (injected_delay(level, seed, sid, rank, t.mb, kind, inj[rank].e_stage) + sleep[kind]) * share
             if t.kind == W:
-                return base / 2
-            d = (injected_delay(level, seed, sid, rank, t.mb, kind, e[rank][kind]) + sleep[kind]) * share
-            return d + (base / 2 if t.kind == I else base)
+                return base / 2 + d * inj[rank].w_share
+            if t.kind == I:
+                return base / 2 + d * (1.0 - inj[rank].w_share)
+            return d + base
 
         def delay(step: int, src: int, dst: int, t, sid=step_id) -> float:
             if comm is None:

@@ -125,6 +125,8 @@ TITLE = "Simulator and training targets"
 
 def target_rows(res: dict[str, Any]) -> list[list[str]]:
     """``[target, figure, verdict]`` per target measured (the report's targets table)."""
+    from rrfp.sim import suite
+
     rows: list[list[str]] = []
     s = res.get("suite")
     if s:
@@ -132,7 +134,7 @@ def target_rows(res: dict[str, Any]) -> list[list[str]]:
             role = "default" if hint == s["default"] else "best by median" if hint == s["best"] else "library default"
             for target, figure, ok in targets:
                 rows.append([f"Suite ({role} hint `{hint}`): {target.removeprefix(hint + ' ')}", figure,
-                             "met" if ok else "**missed**"])
+                             suite.verdict(ok)])
     sp = res.get("speed")
     if sp:
         rows.append([f"Simulator: {sp['ranks']} ranks x {sp['virtual']} virtual stages x {sp['microbatches']} "

@@ -61,21 +61,21 @@ def target_groups(names: Sequence[str]) -> list[list[str]]:
 
 
 def default_hint() -> str:
-    """The hint of the "rrfp default" rows, passed to ``rrfp.Pipeline`` by name: the
-    scheduler's default policy (``bf``). ``Pipeline``'s own default, ``auto``, spends its
-    first 8-12 steps measuring and trying candidates, more than a phase's rounds, so its
-    rows would time its trial rather than its choice."""
-    try:
-        from rrfp.scheduler.hints import DEFAULT_HINT
+    """The hint of the "rrfp default" rows: ``auto``, the default of ``rrfp.Pipeline``,
+    ``LocalPipeline`` and ``rrfp train``. Its measuring and trial steps run in each phase
+    before the timed rounds (:func:`benchmarks.compare.auto_steps`), so the timed rounds
+    measure the hint it kept, shown beside each row (:func:`kept_hint`)."""
+    return "auto"
 
-        return str(DEFAULT_HINT)
-    except ImportError:  # older trees: the default of Pipeline's signature
-        import inspect
 
-        from rrfp.runtime.doors.pipeline import Pipeline
-
-        return str(inspect.signature(Pipeline.__init__).parameters["hint"].default)
-
+def kept_hint(phase: dict, name: str, default: str) -> str:
+    """The hint row ``name`` ran in ``phase``'s timed rounds: the hint ``auto`` kept there
+    (``phase["kept"]``, from :mod:`benchmarks.compare`), a named row's own, or ``default``."""
+    kept = (phase.get("kept") or {}).get(name)
+    if kept:
+        return kept
+    spec = RRFP_SYSTEMS.get(name) or {}
+    return spec.get("hint") or default
 
 
 PEERS: dict[str, dict[str, str]] = {

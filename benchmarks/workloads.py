@@ -315,18 +315,32 @@ class MultimodalWorkload(TextWorkload):
         return [(torch.randn(x[1].shape[0], L, self.gcfg.d_model, requires_grad=True),) for x in batch.rrfp_mbs]
 
 
+AUTO_STEP_OFFSET = 500
+"""Step ids ``1000 * phase + 500 + j`` are ``auto``'s measuring and trial steps (never a round's,
+so ``auto`` never sees the draws of the rounds it is timed on)."""
+AUTO_MAX_STEPS = 16
+"""Most steps ``auto`` may take after a phase's memory round before it must have kept a hint
+(it needs 10: one measuring step of a split candidate and 3 rounds of 3 trial steps)."""
+
+
+def auto_step_ids(phase_index: int) -> list[int]:
+    """The step ids of ``auto``'s steps in phase ``phase_index`` (:data:`AUTO_STEP_OFFSET`)."""
+    return [1000 * phase_index + AUTO_STEP_OFFSET + j for j in range(AUTO_MAX_STEPS)]
+
+
 def budgets_for(work: TextWorkload, base, cfg: dict) -> dict[str, dict[int, int]]:
-    """Per schedule (``1f1b``, ``gpipe``) and step id, the bytes that schedule holds on this
-    rank for that step's microbatches."""
+    """Per schedule (``1f1b``, ``gpipe``) and step id (the rounds' and ``auto``'s,
+    :func:`auto_step_ids`), the bytes that schedule holds on this rank for that step's
+    microbatches."""
     from .workloads import saved_bytes, schedule_budget
 
     out: dict[str, dict[int, int]] = {"1f1b": {}, "gpipe": {}}
     memo: dict = {}
     P, rank = dist.get_world_size(), dist.get_rank()
     for pi, ph in enumerate(cfg["phases"]):
-        for k in range(2 + ph["rounds"]):
+        for step_id in [*(1000 * pi + k for k in range(2 + ph["rounds"])), *auto_step_ids(pi)]:
             row = []
-            batch = work.batch(1000 * pi + k, ph["varlen"])
+            batch = work.batch(step_id, ph["varlen"])
             for x, y in zip(work.stage_inputs(batch), batch.rrfp_targets):
                 y = y if rank == P - 1 else None  # the last stage's forward includes its loss
                 shapes = tuple(tuple(t.shape) for t in (*x, *([y] if y is not None else [])))
@@ -334,5 +348,5 @@ def budgets_for(work: TextWorkload, base, cfg: dict) -> dict[str, dict[int, int]
                     memo[shapes] = saved_bytes(base, x, y)
                 row.append(memo[shapes])
             for n in out:
-                out[n][1000 * pi + k] = schedule_budget(n, P, rank, [row])
+                out[n][step_id] = schedule_budget(n, P, rank, [row])
     return out

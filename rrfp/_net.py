@@ -86,3 +86,37 @@ def socket_ifname_env(addr: str, environ: dict | None = None) -> dict[str, str]:
     if name is None:
         return {}
     return {var: name for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not environ.get(var)}
+
+
+PORT_RANGE_ENV = "RRFP_PORT_RANGE"
+"""The ports a rank's ZeroMQ socket may bind, ``LO-HI`` (``rrfp train --port-range`` sets it
+in its ranks' environment); unset: a port the OS picks."""
+
+
+def parse_port_range(spec: str, what: str = "--port-range") -> tuple[int, int]:
+    """``"29500-29599"`` -> ``(29500, 29599)``, both ends included.
+
+    Raises:
+        ValueError: one line naming ``what`` and the value, and what was expected.
+    """
+    lo, sep, hi = spec.strip().partition("-")
+    if sep and lo.strip().isdigit() and hi.strip().isdigit():
+        first, last = int(lo), int(hi)
+        if 1 <= first <= last <= 65535:
+            return first, last
+    raise ValueError(f"{what}={spec!r}: expected LO-HI, two ports 1..65535 with LO <= HI (e.g. 29500-29599)")
+
+
+def port_range_problem(spec: str | None, ranks: int, what: str = "--port-range") -> str | None:
+    """Why ``spec`` cannot serve ``ranks`` ranks on one host (each binds one port of it), or
+    None (also for no range)."""
+    if not spec:
+        return None
+    try:
+        first, last = parse_port_range(spec, what)
+    except ValueError as e:
+        return str(e)
+    if last - first + 1 < ranks:
+        return (f"{what}={spec}: {last - first + 1} port(s) for the {ranks} ranks on this host: each rank binds one "
+                "of them, so widen the range")
+    return None

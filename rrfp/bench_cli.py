@@ -44,8 +44,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="comparison settings, comma-separated (jitter4, comm4, multimodal4, compute2, ranks8, "
                    "ranks16, jitter4-m64)")
     p.add_argument("--hint", default=None,
-                   help="hint of the 'rrfp default' rows (a candidate); without it, bf (rrfp.scheduler.hints.DEFAULT_HINT: "
-                   "Pipeline's own default, auto, spends more steps measuring and trying than a phase has)")
+                   help="hint of the 'rrfp default' rows (a candidate); without it, auto (Pipeline's default: its "
+                   "measuring and trial steps run in each phase before the timed rounds, which run the hint it kept)")
     p.add_argument("--candidates", default=None,
                    help="more hints, comma-separated, each run at 1F1B's and GPipe's memory beside the default hint "
                         "in the same rounds (paired), e.g. bfw-alt-df,bfw-alt")

@@ -9,6 +9,11 @@
     pipe = rrfp.Pipeline(stage, 8, loss_fn, tied=rrfp.hf.hf_ties(model, n_stages))
     pipe.step(input_ids, attention_mask=mask, target=labels)
 
+or, without building the whole model on any rank (meta device, then only this stage's tensors
+read from the folder's safetensors files):
+
+    (module,), tied = rrfp.hf.build_hf_stages("./my-llama", n_stages, [rank])
+
 The split itself is :mod:`rrfp.model.hf`.
 """
 

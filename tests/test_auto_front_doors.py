@@ -96,7 +96,7 @@ def test_a_tie_within_the_margin_keeps_strict():
 def test_a_local_run_too_short_runs_strict_and_says_so(caplog):
     caplog.set_level(logging.INFO, logger="rrfp")
     auto, ran = _run_local(None, steps=3, run_length=3)
-    assert ran == [auto.strict] * 3 and auto.chosen == auto.strict
+    assert ran == [auto.strict] * 3 and auto.chosen is None and auto.too_short
     lines = [r.getMessage() for r in caplog.records if r.name == "rrfp"]
     assert lines == [f"hint auto: a run of 3 steps is too short to measure and try candidates "
                      f"(needs at least {auto.steps_needed()}); it runs {auto.strict}"]

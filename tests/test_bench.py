@@ -62,6 +62,86 @@ def test_backward_delay_sleeps_in_backward(monkeypatch):
     assert inj.delay(0, "F") == 0.0
 
 
+def _recorded_stage(monkeypatch, base):
+    """A sleep-based stage 1 of 2 (sleeps recorded by phase, no clock) and the simulator's
+    duration model of the same costs, seed and jitter level (every draw a hit)."""
+    from rrfp.sim.costs import CostModel, StageCost
+    from rrfp.sim.duration import DurationModel
+    from rrfp.sim.jitter import JitterLevel
+
+    slept: list[tuple[str, float]] = []
+    phase = ["F"]
+    monkeypatch.setattr(harness.time, "sleep", lambda s: slept.append((phase[0], s)))
+    level = JitterLevel("always", 1.0, 0.010, 1.0)
+    inj = Injector(level, seed=3, stage=1, e={"F": base["F"], "B": base["B"]}, base=base)
+    inj.enabled, inj.step = True, 7
+    stage = JitterStage(nn.Linear(3, 3), inj, 1.0, ActivationMeter(), last=False, stage=1)
+    sim = DurationModel(CostModel((StageCost.from_mapping(base),) * 2), seed=3, jitter=level)
+    return stage, sim, slept, phase
+
+
+@pytest.mark.parametrize("system", ["rrfp", "torch"])
+def test_split_backward_sleeps_the_simulators_i_and_w_in_i_and_w(monkeypatch, system):
+    # Issue 33: I and W of one split microbatch sleep what the simulator gives them (the
+    # backward's draw shared in proportion to I : W, its sleep too), I's share in the
+    # input-gradient task and W's in the weight-gradient task; rrfp's runtime split
+    # (enable_split_backward, deferring, run_backward, flush) and PyTorch's (its input and
+    # weight passes). Asserted on the recorded sleeps, not on a clock.
+    from rrfp.runtime.engine.compute import run_backward
+    from rrfp.runtime.engine.split import WeightGradStore, deferring, enable_split_backward
+    from rrfp.scheduler.tasks import Task
+
+    base = {"F": 0.010, "B": 0.020, "I": 0.008, "W": 0.012}
+    stage, sim, slept, phase = _recorded_stage(monkeypatch, base)
+    ref = nn.Linear(3, 3)
+    ref.load_state_dict(stage.inner.state_dict())
+    if system == "rrfp":
+        enable_split_backward(stage)
+    for m in (0, 5):
+        slept.clear()
+        stage.zero_grad(set_to_none=True)
+        phase[0] = "F"
+        x = torch.randn(2, 3, requires_grad=True)
+        y, _ = stage(x, torch.full((2,), m))
+        g = torch.randn_like(y)
+        phase[0] = "I"
+        if system == "rrfp":
+            store = WeightGradStore()
+            with deferring(store, stage):
+                run_backward([y], [g])
+            phase[0] = "W"
+            store.flush()
+        else:
+            from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+            _, groups = stage_backward_input([y], [g], [x], stage.parameters())
+            phase[0] = "W"
+            stage_backward_weight(stage.parameters(), groups)
+        want = {k: sim(7, 1, Task(1, k, m)) for k in "FIW"}
+        assert want["I"] > base["I"] and want["W"] > base["W"]  # a hit, shared
+        assert [p for p, _ in slept] == ["F", "I", "W"]
+        for p, s in slept:
+            assert s == pytest.approx(want[p], rel=1e-12), p
+        # The gradients are the model's own (the carrier adds 0.0).
+        ref.zero_grad()
+        ref(x.detach()).backward(g)
+        assert torch.allclose(stage.inner.weight.grad, ref.weight.grad, atol=1e-6)
+        assert float(stage.carrier.grad) == 0.0
+
+
+def test_full_backward_sleeps_both_shares_in_b(monkeypatch):
+    from rrfp.scheduler.tasks import Task
+
+    base = {"F": 0.010, "B": 0.020}
+    stage, sim, slept, phase = _recorded_stage(monkeypatch, base)
+    y, _ = stage(torch.randn(2, 3, requires_grad=True), torch.full((2,), 4))
+    phase[0] = "B"
+    y.sum().backward()
+    got = sum(s for p, s in slept if p == "B")
+    assert len([p for p, _ in slept if p == "B"]) == 2  # I's share on the output path, W's on the carrier's
+    assert got == pytest.approx(sim(7, 1, Task(1, "B", 4)), rel=1e-12)
+
+
 def test_activation_meter_counts_saved_tensors_until_backward():
     meter = ActivationMeter()
     mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
@@ -113,7 +193,12 @@ def test_launcher_kills_ranks_on_timeout_and_reports_failures():
 
 @pytest.mark.timeout(120)
 def test_tiny_comparison_runs_every_system_with_equal_gradients():
-    cfg = compare.setting_config("compute2", quick=True, systems=compare.LEGACY_SYSTEMS)
+    # With a default row: auto (Pipeline's default) measures and tries after the memory round,
+    # then its timed rounds run the hint it kept, named per phase.
+    from rrfp.sim.auto import known_candidates
+
+    systems = [*compare.LEGACY_SYSTEMS, "rrfp default, 1F1B memory"]
+    cfg = compare.setting_config("compute2", quick=True, systems=systems)
     cfg.update(model={"n_layer": 4, "n_head": 2, "d_model": 16}, seq_len=16, batch_size=8, n_microbatches=4,
                phases=[{"name": "J2", "level": "J2", "varlen": False, "rounds": 1},
                        {"name": "variable length", "level": "J0", "varlen": True, "rounds": 1}])
@@ -123,7 +208,9 @@ def test_tiny_comparison_runs_every_system_with_equal_gradients():
         assert ph["worst_grad_ratio"] <= 1.0
         assert [r["kind"] for r in ph["rounds"]] == ["warmup", "memory", "timed"]
         timed = ph["rounds"][-1]["systems"]
-        assert set(timed) == set(compare.LEGACY_SYSTEMS)
+        assert set(timed) == set(systems)
+        assert list(ph["kept"]) == ["rrfp default, 1F1B memory"]
+        assert ph["kept"]["rrfp default, 1F1B memory"] in known_candidates(2, 1, "loop", 4)[0]
         for name, rec in timed.items():
             assert rec["step"] > 0, name
             assert all(b > 0 for b in ph["rounds"][1]["systems"][name]["peak_bytes"]), name
@@ -333,7 +420,8 @@ def test_core_settings_run_at_equal_memory_with_equal_gradients(setting):
         got = candidates({setting: {ph["name"]: s}}, {"compare": {setting: res}})
         # Only the 1F1B row: this run has no torch GPipe to pair the GPipe-memory row with.
         assert [row[:4] for row in got] == [[setting, ph["name"], "1F1B", f"`{h}`"]]
-        assert got[0][4].startswith(f"`{res['default_hint']}` ") and "n=1" in got[0][6]
+        # The default row is named by the hint auto kept there.
+        assert got[0][4].startswith(f"`{ph['kept']['rrfp default, 1F1B memory']}` ") and "n=1" in got[0][6]
 
 
 def test_regenerating_the_report_keeps_the_hand_written_sections():

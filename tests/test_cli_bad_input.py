@@ -3,6 +3,8 @@ nothing lost (no folder created, no file changed)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from rrfp.cli import main
@@ -165,7 +167,7 @@ def test_damaged_shard_is_one_line_naming_the_file(checkpoint, tmp_path, capsys,
 @pytest.mark.timeout(300)
 def test_ranks_check_their_share_and_name_the_first_damaged_file(checkpoint, tmp_path):
     """What each rank runs at load time (Checkpointer._check_files): its share of the files,
-    and for checkpoints without digests the sizes; DCP's own failure becomes one line."""
+    every one of which must have its digest; DCP's own failure becomes one line."""
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
     from rrfp.train import checkpoint as ck
@@ -183,13 +185,37 @@ def test_ranks_check_their_share_and_name_the_first_damaged_file(checkpoint, tmp
     assert "__0_0.distcp differs" in check_files(step, meta, only=["__0_0.distcp", METADATA])
     assert check_files(step, meta, only=["__1_0.distcp"]) is None  # rank 1's share is intact
     shard.write_bytes(bytes(data[:-10]))
-    old = {k: v for k, v in meta.items() if k != "files"}  # a checkpoint from before the digests
-    assert "__0_0.distcp has" in check_files(step, old) and "truncated" in check_files(step, old)
+    assert "__0_0.distcp has" in check_files(step, meta) and "truncated" in check_files(step, meta)
+    cut = {**meta, "files": {k: v for k, v in meta["files"].items() if k != "__1_0.distcp"}}
+    assert check_files(step, cut, only=["__0_0.distcp"]) == (
+        f"checkpoint {str(step)!r}: shard __1_0.distcp has no digest in its rrfp.json, so it cannot be verified")
     try:
         raise RuntimeError("PytorchStreamReader failed reading zip archive\nmore\nlines")
     except RuntimeError as e:
         wrapped = CheckpointException("read", {1: _wrap_exception(e)})
     assert first_line(wrapped) == "rank 1: RuntimeError: PytorchStreamReader failed reading zip archive"
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_without_its_digests_is_refused_in_one_line(checkpoint, tmp_path, capsys, no_launch):
+    """rrfp.json's 'files' deleted (as in the field trial) no longer switches the checks off."""
+    from rrfp.train import checkpoint as ck
+
+    d = _copy(checkpoint, tmp_path)
+    step = ck.step_dir(d, 2)
+    meta = json.loads((step / ck.META_FILE).read_text())
+    del meta["files"]
+    (step / ck.META_FILE).write_text(json.dumps(meta))
+    rc, out, err = _resume(capsys, d, "--steps", "4")
+    assert (rc, out) == (2, "")
+    assert err == (f"rrfp train: error: checkpoint {str(step)!r}: its rrfp.json records no digests of its files "
+                   "('files' is missing or has no .metadata), so it cannot be verified before loading: expected a "
+                   "checkpoint as rrfp train commits it\n")
+    from rrfp.cli import main as rrfp_main
+
+    assert rrfp_main(["export", str(step), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "records no digests of its files" in err and not (tmp_path / "hf").exists()
 
 
 @pytest.mark.timeout(300)
@@ -212,12 +238,10 @@ def test_resume_past_or_at_the_end(checkpoint, capsys, no_launch):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flags,needle", [
-    (["--stages", "4"], "was written with --pp 2, this run has --pp 4: expected the same"),
-    (["--seed", "3"], "was written with --seed 0, this run has --seed 3"),
+    (["--seed", "3"], "was written with --seed 0, this run has --seed 3: expected the same\n"),
     (["--max-len", "64"], "was written with --max-len 32, this run has --max-len 64"),
     (["--batch-size", "8"], "was written with --batch-size 4, this run has --batch-size 8"),
-    (["--tp", "2"], "was written with --tp 1, this run has --tp 2: expected the same (a checkpoint resumes under "
-     "another --dp only)"),
+    (["--model", "small"], "was written with --model tiny, this run has --model small"),
 ])
 def test_resume_with_other_flags_is_refused_before_any_process_starts(checkpoint, capsys, no_launch, flags, needle):
     rc, out, err = _resume(capsys, checkpoint, "--steps", "4", *flags)
@@ -226,10 +250,30 @@ def test_resume_with_other_flags_is_refused_before_any_process_starts(checkpoint
 
 
 @pytest.mark.timeout(300)
-def test_resume_with_another_dp_passes_the_checks_and_launches(checkpoint, capsys, no_launch):
+@pytest.mark.parametrize("flags,layout", [
+    (["--dp", "2"], {"dp": 2}), (["--stages", "4"], {"stages": 4}), (["--tp", "2"], {"tp": 2}),
+    (["--virtual-stages", "2"], {"virtual_stages": 2}),
+    (["--placement", "v", "--virtual-stages", "2"], {"placement": "v", "virtual_stages": 2}),
+])
+def test_resume_under_another_layout_passes_the_checks_and_launches(checkpoint, capsys, no_launch, flags, layout):
+    """A checkpoint keyed by the model's names resumes under any layout (tests/test_ckpt_layouts.py
+    runs them); one keyed by stage index (format 2) only under another --dp."""
+    import argparse
+
+    from rrfp.train import checkpoint as ck
+
     with pytest.raises(AssertionError, match="a process was launched"):
-        _resume(capsys, checkpoint, "--steps", "4", "--dp", "2")
+        _resume(capsys, checkpoint, "--steps", "4", *flags)
     assert capsys.readouterr().err == ""
+    meta = ck.read_meta(ck.step_dir(checkpoint, 2))
+    args = argparse.Namespace(**{**meta["args"], **layout})
+    assert ck.check_compatible(meta, args, "it") is None
+    why = ck.check_compatible({**meta, "format": 2}, args, "it")
+    if "dp" in layout:
+        assert why is None
+    else:
+        assert why.endswith("expected the same (a checkpoint of format 2, keyed by stage index, resumes under "
+                            "another --dp only)")
 
 
 @pytest.mark.timeout(300)

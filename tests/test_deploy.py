@@ -29,13 +29,19 @@ K8S_VERSION = "1.33.0"
 
 OVERLAYS = sorted(str(k.parent.relative_to(DEPLOY)) for k in DEPLOY.rglob("kustomization.yaml"))
 """Every kustomization under deploy/ (base, overlays/trainer and the parts they build on)."""
-CORE_KINDS = {"Service", "ConfigMap", "PersistentVolumeClaim", "Secret"}
+CORE_KINDS = {"Service", "ConfigMap", "PersistentVolumeClaim", "Secret", "NetworkPolicy"}
 CRD_SCHEMAS = {
     ("jobset.x-k8s.io/v1alpha2", "JobSet"): "jobset-jobset.x-k8s.io-v1alpha2.json",
     ("trainer.kubeflow.org/v1alpha1", "TrainJob"): "trainjob-trainer.kubeflow.org-v1alpha1.json",
     ("trainer.kubeflow.org/v1alpha1", "TrainingRuntime"): "trainingruntime-trainer.kubeflow.org-v1alpha1.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor-monitoring.coreos.com-v1.json",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-monitoring.coreos.com-v1.json",
 }
+PENDING_METRICS = {"rrfp_memory_headroom_bytes"}
+"""Metrics the dashboard and the alerts use before rrfp/obs/metrics.py defines them: the memory
+headroom gauge (bytes each rank can still allocate before its memory budget or device limit)
+comes with issue 31's memory accounting. test_pending_metrics_are_not_defined_yet fails once
+it is defined, so that this set empties."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -101,7 +107,7 @@ def test_every_kustomization_renders_and_validates(overlay: str) -> None:
     pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is a test dependency")
     docs = render(overlay)
     kinds = sorted(d["kind"] for d in docs)
-    assert {"PodMonitor", "ConfigMap", "PersistentVolumeClaim"} <= set(kinds)
+    assert {"PodMonitor", "ConfigMap", "PersistentVolumeClaim", "PrometheusRule", "NetworkPolicy"} <= set(kinds)
     assert {"JobSet", "TrainJob"} & set(kinds) or overlay == "common"
     for doc in docs:
         key = (doc["apiVersion"], doc["kind"])
@@ -224,7 +230,12 @@ def metric_names(expr: str) -> set[str]:
 
 
 def exposed(name: str) -> bool:
-    return name in METRIC_NAMES or any(name == f"{base}_{s}" for base in METRIC_NAMES for s in ("bucket", "sum", "count"))
+    return name in METRIC_NAMES or name in PENDING_METRICS \
+        or any(name == f"{base}_{s}" for base in METRIC_NAMES for s in ("bucket", "sum", "count"))
+
+
+def test_pending_metrics_are_not_defined_yet() -> None:
+    assert not PENDING_METRICS & set(METRIC_NAMES), "defined now: remove them from PENDING_METRICS"
 
 
 def test_dashboard_matches_its_schema_and_shows_the_panels() -> None:
@@ -232,13 +243,30 @@ def test_dashboard_matches_its_schema_and_shows_the_panels() -> None:
     schema = json.loads((SCHEMAS / "grafana-dashboard.schema.json").read_text())
     jsonschema.Draft7Validator(schema).validate(dash)
     titles = [p["title"] for p in dash["panels"]]
-    for want in ("Bubble % per rank", "Step time", "Tokens/s", "In-flight", "Rejected messages", "Restarts"):
+    for want in ("Bubble % per rank", "Step time", "Tokens/s", "In-flight", "Rejected messages", "Restarts",
+                 "Learning rate", "Grad norm", "TFLOP/s", "MFU", "Memory"):
         assert any(t.startswith(want) for t in titles), want
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
     broken = copy.deepcopy(dash)
     del broken["panels"][0]["gridPos"]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.Draft7Validator(schema).validate(broken)
+
+
+def test_dashboard_filters_every_query_by_job_and_namespace() -> None:
+    """The ``namespace`` and ``job`` variables (``job``: the JobSet's name, podmonitor.yaml's
+    jobLabel) list what the scraped series carry, and every selector of every query uses both."""
+    dash = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["namespace"]["query"]["query"] == "label_values(rrfp_steps_total, namespace)"
+    assert variables["job"]["query"]["query"] == 'label_values(rrfp_steps_total{namespace="$namespace"}, job)'
+    for title, expr in dashboard_exprs():
+        selectors = re.findall(r"\b(rrfp_[a-z_]+)(\{[^}]*\})?", expr)
+        assert selectors, (title, expr)
+        for name, labels in selectors:
+            assert 'namespace="$namespace"' in labels and 'job="$job"' in labels, (title, name, expr)
+    pm = next(d for d in render("common") if d["kind"] == "PodMonitor")
+    assert pm["spec"]["jobLabel"] == "jobset.sigs.k8s.io/jobset-name"
 
 
 def test_dashboard_queries_name_only_defined_metrics() -> None:

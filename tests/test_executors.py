@@ -117,6 +117,34 @@ def test_the_thread_executor_matches_the_reference(hint, n_virtual, deterministi
     _assert_grads(mods, _reference(cfg, 8, x, y))
 
 
+def _autocast_step(executor: str, autocast: bool):
+    """One step of a two-rank pipeline of Linear stages (same weights each call), optionally
+    under a CPU bf16 autocast around ``step()``: its merged outputs and its gradients."""
+    torch.manual_seed(3)
+    mods = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)]
+    x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(4)), torch.zeros(8, 16)
+    loss = lambda out, target: ((out.float() - target) ** 2).mean()  # noqa: E731
+    with LocalPipeline(mods, 4, loss, hint="strict-1f1b", executor=executor, deterministic=True, watchdog=30) as pipe:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = pipe.step(x, target=y, return_outputs=True)
+    return out, [p.grad.clone() for m in mods for p in m.parameters()]
+
+
+def test_an_autocast_around_step_holds_on_the_thread_executor():
+    """Autocast is thread-local; the thread executor re-enters the caller's on its worker
+    (rrfp/runtime/engine/autocast.py), so its outputs and gradients are the inline executor's
+    under the same autocast, bit for bit, and not the float32 ones."""
+    out_inline, g_inline = _autocast_step("inline", True)
+    out_thread, g_thread = _autocast_step("thread", True)
+    out_fp32, _ = _autocast_step("thread", False)
+    assert out_inline.dtype == out_thread.dtype == torch.bfloat16 and out_fp32.dtype == torch.float32
+    assert torch.equal(out_thread, out_inline)
+    assert all(torch.equal(a, b) for a, b in zip(g_thread, g_inline))
+    assert not torch.equal(out_thread.float(), out_fp32)
+    torch.testing.assert_close(out_thread.float(), out_fp32, rtol=0.05, atol=0.02)  # bf16 of the same model
+    assert not torch.is_autocast_enabled("cpu")  # the caller's state is its own again
+
+
 def test_a_task_error_on_the_worker_thread_fails_the_step():
     cfg = ToyConfig()
     x, y = toy_batch(cfg, 8, seed=1)

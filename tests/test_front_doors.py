@@ -65,7 +65,6 @@ def _wrapped(kind: str) -> nn.Module:
 @pytest.mark.parametrize("kind,label,path", [
     ("ddp", "DistributedDataParallel", "'inner.inner'"),
     ("fsdp1", "FullyShardedDataParallel", "'inner'"),
-    ("fsdp2", "fully_shard", "'inner.0'"),
 ])
 def test_a_reducing_wrapper_anywhere_inside_a_stage_is_refused_naming_its_path(one_rank_group, kind, label, path):
     module = _wrapped(kind)
@@ -75,6 +74,17 @@ def test_a_reducing_wrapper_anywhere_inside_a_stage_is_refused_naming_its_path(o
     assert "\n" not in msg and label in msg and path in msg and msg.startswith("stage 1's module"), msg
     with pytest.raises(ValueError, match=label):
         rrfp.LocalPipeline([nn.Linear(4, 4), module], 2, F.mse_loss)
+
+
+def test_an_fsdp2_stage_is_accepted_by_pipeline_stage_and_refused_by_local_pipeline(one_rank_group):
+    # Pipeline drives fully_shard stages over its DP layout (tests/test_parallel_fsdp.py); one
+    # process has no DP peers to shard over.
+    module = _wrapped("fsdp2")
+    assert rrfp.PipelineStage(module, 1, 2).submod is module
+    with pytest.raises(ValueError) as e:
+        rrfp.LocalPipeline([nn.Linear(4, 4), module], 2, F.mse_loss)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("stage 1's module is sharded with fully_shard (FSDP2)"), msg
 
 
 @pytest.mark.parametrize("hint", [Schedule1F1B, "1F1B", "Schedule1F1B", "1f1b"])

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from rrfp.sim.auto import (CANDIDATES, PROFILE_SEED, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, medians,
+from rrfp.sim.auto import (CANDIDATES, PROFILE_SEED, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, margin, medians, preference, spread,
                            forward_seconds, profile_from_samples, profile_of_config, rank, scaled, simulate_auto, trial_candidates, trial_order)
 from rrfp.sim.compare import SimConfig, run_one
 from rrfp.sim.costs import CostModel, StageCost
@@ -85,17 +85,62 @@ def _steps(*times: float, work: float = 0.0) -> list[tuple[float, float]]:
 def test_keep_takes_the_smallest_median_and_never_a_policy_slower_than_strict() -> None:
     # Medians: strict 1.0, bf 0.9 (its 5.0 is one outlier step), bfw-mem 0.98 (no forward
     # figures: the times are compared as measured).
-    walls = {"strict-1f1b": _steps(1.0, 1.1, 0.9), "bf": _steps(0.9, 5.0, 0.8), "bfw-mem": _steps(0.98, 0.98, 0.98)}
+    walls = {"strict-1f1b": _steps(1.0, 1.01, 0.99), "bf": _steps(0.9, 5.0, 0.89), "bfw-mem": _steps(0.98, 0.98, 0.98)}
     assert medians(walls) == {"strict-1f1b": 1.0, "bf": 0.9, "bfw-mem": 0.98}
+    # The spread: deviations 0.01, 0.01 (strict), 4.56, 0.011 (bf), 0, 0; median 0.01 x 1.4826
+    # (the outlier does not widen it).
+    assert spread(walls) == pytest.approx(0.01 * 1.4826, rel=1e-6)
     assert keep(walls, "strict-1f1b") == "bf"
     # Faster than strict by less than TIE: strict stays; slower: strict stays.
     assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.0 - TIE / 2)}, "strict-1f1b") == "strict-1f1b"
     assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.0 - 2 * TIE)}, "strict-1f1b") == "bf"
     assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.2)}, "strict-1f1b") == "strict-1f1b"
-    # Without a strict schedule the smallest median wins.
-    assert keep({"bf": _steps(1.0), "bfw-mem": _steps(0.999)}, None) == "bfw-mem"
+    # Without a strict schedule the smallest median wins, beyond the tie.
+    assert keep({"bf": _steps(1.0), "bfw-mem": _steps(1.0 - 2 * TIE)}, None) == "bfw-mem"
     with pytest.raises(ValueError, match="no trial step"):
         keep({"bf": []}, "strict-1f1b")
+
+
+def test_among_tied_hints_keep_takes_the_fixed_order_of_preference() -> None:
+    # bf, bfw-mem and wfloat are within TIE of the fastest (bfw-mem, 0.895: 0.895 > 0.99 x 0.9
+    # and > 0.99 x 0.897); strict (1.0) is not. CANDIDATES' order puts bf first, whichever of
+    # the three the noise made fastest.
+    assert preference(["wfloat", "bfw-mem", "zz", "bf", "strict-1f1b"], "strict-1f1b") == [
+        "strict-1f1b", "bf", "bfw-mem", "wfloat", "zz"]
+    for times in [(0.900, 0.895, 0.897), (0.895, 0.900, 0.897), (0.897, 0.899, 0.895)]:
+        walls = {"strict-1f1b": _steps(1.0), **{h: _steps(t) for h, t in zip(("bf", "bfw-mem", "wfloat"), times)}}
+        assert keep(walls, "strict-1f1b") == "bf", times
+    # A gain beyond the tie wins over the order: bfw-mem 0.88 < 0.99 x 0.9.
+    assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(0.9), "bfw-mem": _steps(0.88)}, "strict-1f1b") == "bfw-mem"
+    # The order given (auto passes its known candidates) replaces CANDIDATES'.
+    assert keep({"bf": _steps(0.9), "bfw-mem": _steps(0.895)}, None, prefer=["bfw-mem", "bf"]) == "bfw-mem"
+    # Without a strict schedule, within the tie: the preferred one, whichever is faster.
+    assert keep({"bf": _steps(1.0), "bfw-mem": _steps(0.999)}, None) == "bf"
+
+
+def test_an_incumbent_is_kept_unless_beaten_beyond_the_tie() -> None:
+    walls = {"strict-1f1b": _steps(1.0), "bf": _steps(0.9), "bfw-mem": _steps(0.895)}
+    # bf leads the preference, but the kept hint (a re-check's incumbent) stays within the tie.
+    assert keep(walls, "strict-1f1b") == "bf"
+    assert keep(walls, "strict-1f1b", incumbent="bfw-mem") == "bfw-mem"
+    assert keep(walls, "strict-1f1b", incumbent="strict-1f1b") == "bf"  # beaten by 10%: a switch
+    # Measured faster than the incumbent by more than the tie: 0.9 < 0.99 x 0.92.
+    assert keep({**walls, "bfw-mem": _steps(0.92)}, "strict-1f1b", incumbent="bfw-mem") == "bf"
+    # Exactly at the tie's edge the faster one counts as beyond it (as for strict before).
+    assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(1.0 - TIE)}, "strict-1f1b") == "bf"
+
+
+def test_a_difference_within_the_steps_own_spread_is_a_tie() -> None:
+    # strict and bf are the same hint to the noise: each step 10% off its median now and then.
+    # bf's median is 5% lower, less than the measured spread (about 10%): strict stays.
+    noisy = {"strict-1f1b": _steps(1.0, 1.1, 0.9), "bf": _steps(0.95, 1.045, 0.855)}
+    assert spread(noisy) == pytest.approx(0.1 * 1.4826, rel=1e-6)
+    assert margin(noisy) == spread(noisy) and margin({"bf": _steps(1.0)}) == TIE
+    assert keep(noisy, "strict-1f1b") == "strict-1f1b"
+    # The same 5% gain on steady steps is beyond the tie and kept.
+    assert keep({"strict-1f1b": _steps(1.0, 1.0, 1.0), "bf": _steps(0.95, 0.95, 0.95)}, "strict-1f1b") == "bf"
+    # A gain beyond the spread is kept on noisy steps too.
+    assert keep({**noisy, "bf": _steps(0.8, 0.88, 0.72)}, "strict-1f1b") == "bf"
 
 
 def test_keep_compares_steps_at_equal_forward_work() -> None:

@@ -85,70 +85,82 @@ def test_levels_and_parse() -> None:
     assert injected_delay(LEVELS["J0"], 0, 0, 0, 0, "F", 1.0) == 0.0
 
 
-def test_running_average_is_per_stage_and_order_defined() -> None:
-    j = InjectedJitter(JitterLevel("always", 1.0, 0.0, 1.0), seed=5)
-    assert j.running_average(0) is None
-    d0 = j(0, 0, 0, "F", 2.0)  # first task: e = its own compute time
-    assert 1.0 <= d0 < 3.0
-    assert j.running_average(0) == pytest.approx(2.0)
-    j(0, 0, 1, "F", 4.0)
-    assert j.running_average(0) == pytest.approx(0.9 * 2.0 + 0.1 * 4.0)
-    assert j.running_average(1) is None
-    # Same key and same e: the same delay, whoever asks.
-    again = InjectedJitter(JitterLevel("always", 1.0, 0.0, 1.0), seed=5)
-    assert again(0, 0, 0, "F", 2.0) == d0
-    j.reset()
-    assert j.running_average(0) is None
+def test_injected_jitter_is_stateless_and_follows_the_formula() -> None:
+    # Independent reference: the paper's formula by hand, a * max(b, e) * (0.5 + U), its hit and
+    # U drawn under the task's own key.
+    lv = JitterLevel("always", 1.0, 0.004, 1.5)
+    j = InjectedJitter(lv, seed=5)
+    u = keyed_uniform(5, 0, 0, 3, "F", 2)  # STREAM_INJECT_SIZE
+    assert j(0, 0, 3, "F", 0.002) == pytest.approx(1.5 * 0.004 * (0.5 + u), rel=1e-12)  # the floor b
+    assert j(0, 0, 3, "F", 0.010) == pytest.approx(1.5 * 0.010 * (0.5 + u), rel=1e-12)  # e above b
+    # No state: the same task gives the same delay whatever was asked before, in any order.
+    keys = [(st, s, m, k) for st in range(2) for s in range(3) for m in range(4) for k in "FB"]
+    first = {key: j(*key, 0.01) for key in keys}
+    random.Random(2).shuffle(keys)
+    assert {key: InjectedJitter(lv, seed=5)(*key, 0.01) for key in keys} == first
 
 
 def test_split_backward_gets_the_full_backwards_injected_delay() -> None:
-    # Independent reference: the paper's formula by hand, a * max(b, e) * (0.5 + U), with the
-    # full backward's key (kind B) and the e the stage had before it.
     lv = JitterLevel("always", 1.0, 0.004, 1.5)
-    full, split = InjectedJitter(lv, seed=11), InjectedJitter(lv, seed=11)
-    for j in (full, split):
-        j(0, 2, 0, "F", 0.010)  # e = 0.010 before the backward
-    d_b = full(0, 2, 0, "B", 0.030)
-    d_i, d_w = split.split_backward(0, 2, 0, 0.010, 0.020)
-    u = keyed_uniform(11, 0, 2, 0, "B", 1 + 1)  # STREAM_INJECT_SIZE
+    j = InjectedJitter(lv, seed=11)
+    d_b = j(0, 2, 0, "B", 0.010)
+    d_i, d_w = j.split_backward(0, 2, 0, 0.010, 0.010, 0.020)
+    u = keyed_uniform(11, 0, 2, 0, "B", 2)  # the full backward's key, kind B
     assert d_b == pytest.approx(1.5 * 0.010 * (0.5 + u), rel=1e-12)
     assert d_i + d_w == pytest.approx(d_b, rel=1e-12)
     assert d_i == pytest.approx(d_b / 3, rel=1e-12) and d_w == pytest.approx(2 * d_b / 3, rel=1e-12)
-    # e folds once, with c_I + c_W: it does not depend on whether the backward is split.
-    assert split.running_average(2) == full.running_average(2) == pytest.approx(0.9 * 0.010 + 0.1 * 0.030)
     # A draw that misses misses for both halves.
     miss = InjectedJitter(JitterLevel("never", 0.0, 0.004, 1.5), seed=11)
-    assert miss.split_backward(0, 2, 0, 0.01, 0.01) == (0.0, 0.0)
+    assert miss.split_backward(0, 2, 0, 0.01, 0.01, 0.01) == (0.0, 0.0)
+
+
+def test_jitter_e_is_the_stages_expected_compute_per_task() -> None:
+    # e = (F + B) / 2 of the stage's costs, times the encoder scale and the straggler factor:
+    # by hand for a task that J3 hits (p = 0.3, b = 15 ms, a = 1.5).
+    lv = LEVELS["J3"]
+    costs = CostModel([StageCost(0.010, 0.030, 0.015, 0.015)] * 3)
+    m = next(m for m in range(100) if keyed_uniform(4, 0, 1, m, "F", 1) < lv.p)
+    u = keyed_uniform(4, 0, 1, m, "F", 2)
+    plain = DurationModel(costs, seed=4, jitter=lv)
+    assert plain.expected(1, 1) == pytest.approx(0.020)
+    assert plain(0, 1, Task(1, "F", m)) == pytest.approx(0.010 + 1.5 * 0.020 * (0.5 + u), rel=1e-12)
+    slow = DurationModel(costs, seed=4, jitter=lv, stragglers={1: 2.0})
+    assert slow(0, 1, Task(1, "F", m)) == pytest.approx(0.020 + 1.5 * 0.040 * (0.5 + u), rel=1e-12)
+    enc = DurationModel(costs, seed=4, jitter=lv, encoder_stages=2, encoder_scale=0.25)
+    # e = 0.005 < b: the floor.
+    assert enc(0, 1, Task(1, "F", m)) == pytest.approx(0.0025 + 1.5 * 0.015 * (0.5 + u), rel=1e-12)
+
+
+def test_durations_do_not_depend_on_the_call_order() -> None:
+    # Every hint meets the same workload: a task's duration (noise, sequence length, images,
+    # jitter, a split backward's share) is the same whatever ran before it.
+    kw = dict(seed=6, jitter=LEVELS["J3"], noise=0.2, seqlen=Dist.parse("lognormal:0.3"),
+              images=Dist.parse("randint:0,3"), samples_per_microbatch=2, stragglers={1: 1.5})
+    tasks = [Task(s, k, m) for s in range(4) for k in "FBIW" for m in range(8)]
+    a = DurationModel(_costs(), **kw)
+    want = {t: a(0, t.stage, t) for t in tasks}
+    for seed in range(3):
+        random.Random(seed).shuffle(tasks)
+        b = DurationModel(_costs(), **kw)
+        assert {t: b(0, t.stage, t) for t in tasks} == want
+    assert {t: a(0, t.stage, t) for t in tasks} == want  # asked again: the same
 
 
 def test_duration_model_gives_split_and_full_backwards_equal_injected_work() -> None:
     costs = CostModel([StageCost(0.01, 0.03, 0.012, 0.018)] * 2)
     kw = dict(seed=3, jitter=LEVELS["J3"], noise=0.2)
-    full, split = DurationModel(costs, **kw), DurationModel(costs, **kw)
-    tot_full = tot_split = 0.0
+    model = DurationModel(costs, **kw)
     for m in range(200):
         for s in (0, 1):
-            full(0, 0, Task(s, "F", m)), split(0, 0, Task(s, "F", m))
-            b = full(0, 0, Task(s, "B", m)) - full.compute(0, 0, Task(s, "B", m))
+            b = model(0, 0, Task(s, "B", m)) - model.compute(0, 0, Task(s, "B", m))
             # W first (PyTorch's zero-bubble runs stage 0's whole backward in W): same draw.
             order = ("W", "I") if m % 2 else ("I", "W")
-            extra = {k: split(0, 0, Task(s, k, m)) - split.compute(0, 0, Task(s, k, m)) for k in order}
-            c_i, c_w = (split.compute(0, 0, Task(s, k, m)) for k in "IW")
-            # With noise c_I + c_W differs from c_B, so e (and the draw's scale) may differ by
-            # the noise's share; the hit and its U are the same, and the split follows c_I : c_W.
-            assert (b > 0) == (extra["I"] > 0) == (extra["W"] > 0)
+            extra = {k: model(0, 0, Task(s, k, m)) - model.compute(0, 0, Task(s, k, m)) for k in order}
+            c_i, c_w = (model.compute(0, 0, Task(s, k, m)) for k in "IW")
+            # One draw (the same e, hit and U): the split shares it in proportion c_I : c_W.
+            assert extra["I"] + extra["W"] == pytest.approx(b, rel=1e-12, abs=1e-15)
             if b > 0:
-                assert extra["I"] / (extra["I"] + extra["W"]) == pytest.approx(c_i / (c_i + c_w), rel=1e-9)
-            tot_full += b
-            tot_split += extra["I"] + extra["W"]
-    assert tot_split == pytest.approx(tot_full, rel=0.05)
-    # Without noise c_I + c_W = c_B: identical delays, task by task.
-    full, split = DurationModel(costs, seed=3, jitter=LEVELS["J3"]), DurationModel(costs, seed=3, jitter=LEVELS["J3"])
-    for m in range(50):
-        assert full(0, 0, Task(0, "F", m)) == split(0, 0, Task(0, "F", m))  # the same e before each F
-        d_b = full(0, 0, Task(0, "B", m)) - 0.03
-        d_iw = split(0, 0, Task(0, "I", m)) - 0.012 + split(0, 0, Task(0, "W", m)) - 0.018
-        assert d_iw == pytest.approx(d_b, abs=1e-15)
+                assert extra["I"] / b == pytest.approx(c_i / (c_i + c_w), rel=1e-9)
 
 
 # ------------------------------------------------------------------------- costs
@@ -258,7 +270,7 @@ def test_straggler_noise_and_jitter() -> None:
     ys = [jit(0, 0, Task(0, "F", m)) for m in range(4000)]
     extra = [y - 0.01 for y in ys if y > 0.01]
     assert len(extra) / len(ys) == pytest.approx(0.3, abs=0.03)
-    # e settles at 0.01 < b = 0.015: delays a * b * (0.5 + U) with a = 1.5.
+    # e = (F + B) / 2 = 0.015 = b: delays a * b * (0.5 + U) with a = 1.5.
     assert statistics.fmean(extra) == pytest.approx(1.5 * 0.015, rel=0.05)
 
 

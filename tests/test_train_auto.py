@@ -126,7 +126,8 @@ def test_a_run_too_short_to_choose_runs_strict_and_says_so(share) -> None:
         ctl.before_step(k)
         ran.append(ctl.current)
         _after(ctl, k, _stats(pipe, 1.0))
-    assert ran == ["strict-1f1b"] * (need - 1) and ctl.chosen == "strict-1f1b"
+    # Nothing was chosen (so a checkpoint records no choice for a resumed run to keep).
+    assert ran == ["strict-1f1b"] * (need - 1) and ctl.chosen is None and ctl.too_short
     assert lines == [f"hint auto: a run of {need - 1} steps is too short to measure and try candidates "
                      f"(needs at least {need}); it runs strict-1f1b"]
 
@@ -162,7 +163,140 @@ def test_a_run_that_would_end_inside_the_trial_keeps_strict_and_says_so(share) -
         ctl.before_step(k)
         ran.append(ctl.current)
         _after(ctl, k, _stats(pipe, {"strict-1f1b": 1.0}.get(ctl.current, 0.5)))
-    assert len(ctl.trial) == 3 and ctl.chosen == "strict-1f1b"
+    assert len(ctl.trial) == 3 and ctl.chosen is None and ctl.too_short
     assert ran[:3] == ["strict-1f1b", "strict-1f1b", "bfw-mem"] and ran[3:] == ["strict-1f1b"] * 7
     assert lines[-1] == (f"hint auto: a run of 10 steps is too short to try {', '.join(ctl.trial)} "
                          f"({3 * TRIAL_ROUNDS} trial steps after 3 measuring); it runs strict-1f1b")
+
+
+def _drive(share, wall, steps: int, recheck_every: int, ctl=None):
+    """``steps`` steps of a controller whose step ``k`` under hint ``h`` takes ``wall(k, h)`` s;
+    also which steps measured or tried (a trial or re-check round: the plan was not empty)."""
+    pipe, lines = (ctl.pipe, []) if ctl else (_pipe(), [])
+    ctl = ctl or AutoHint(pipe, share, say=lines.append, recheck_every=recheck_every)
+    ran, tried = [], []
+    for k in range(steps):
+        ctl.before_step(k)
+        ran.append(ctl.current)
+        tried.append(bool(ctl.plan))
+        assert pipe.runtime.hint.name == ctl.current.removeprefix("strict-")
+        _after(ctl, k, _stats(pipe, wall(k, ctl.current)))
+    ctl.tried = tried
+    return ctl, ran, lines
+
+
+TRIAL_END = 3 + 3 * TRIAL_ROUNDS  # steps before the first choice (three candidates)
+
+
+def _later(after: dict[str, float]):
+    """Step times: bf 0.9, strict 1.0, bfw-mem 1.2 through the trial (bf is kept), then ``after``."""
+    before = {"strict-1f1b": 1.0, "bf": 0.9, "bfw-mem": 1.2}
+    return lambda k, h: (before if k < TRIAL_END else {**before, **after})[h]
+
+
+@pytest.mark.parametrize("bfw_mem, switches", [(0.893, False), (0.85, True)])
+def test_a_recheck_switches_only_beyond_the_tie(share, bfw_mem, switches) -> None:
+    # After the trial bfw-mem runs 0.893 s against the kept bf's 0.9: faster, but within TIE
+    # (0.893 > 0.99 x 0.9), so the re-checks keep bf however many rounds they add; at 0.85 it
+    # is faster beyond the tie, and the re-check that moves its median there switches.
+    every = 5
+    ctl, ran, lines = _drive(share, _later({"bfw-mem": bfw_mem}), TRIAL_END + 8 * every, every)
+    assert sum(ctl.tried[TRIAL_END:]) >= 15 and len(ctl.walls["bfw-mem"]) >= TRIAL_ROUNDS + 5  # re-checks ran
+    kept = [h for h, t in zip(ran[TRIAL_END:], ctl.tried[TRIAL_END:]) if not t]  # steps between rounds
+    if switches:
+        # Its median passes 0.99 x 0.9 once it has more re-check steps than trial steps.
+        assert ctl.chosen == "bfw-mem" and kept[0] == "bf" and kept[-1] == "bfw-mem"
+        said = [ln for ln in lines if ln.startswith("hint auto: the re-check after step")]
+        assert len(said) == 1 and "measured bfw-mem faster than bf by more than 1.0%" in said[0]
+    else:
+        assert ctl.chosen == "bf" and set(kept) == {"bf"}
+        assert [ln for ln in lines if "chose" in ln] == [lines[2]] and "chose bf" in lines[2]
+
+
+def test_recheck_off_keeps_the_first_choice(share) -> None:
+    # bfw-mem becomes twice as fast after the trial: with re-checks off it never runs again.
+    ctl, ran, lines = _drive(share, _later({"bfw-mem": 0.45}), TRIAL_END + 60, 0)
+    assert ctl.chosen == "bf" and ran[TRIAL_END:] == ["bf"] * 60
+    assert len([ln for ln in lines if "chose" in ln]) == 1
+    # The same through the front doors' option, and a bad value refused in one line.
+    assert plan(RuntimeConfig(auto_recheck=0), 2, 1, M).auto
+    with pytest.raises(ValueError, match=r"auto_recheck=-1: expected steps between auto's re-checks"):
+        plan(RuntimeConfig(auto_recheck=-1), 2, 1, M)
+
+
+def test_adopting_a_recorded_choice_skips_measuring_and_the_trial(share) -> None:
+    pipe, lines = _pipe(), []
+    ctl = AutoHint(pipe, share, say=lines.append, recheck_every=3)
+    assert ctl.adopt("bf", "checkpoint step-00000040")
+    ctl.run_length(5)  # too short to choose, but nothing is left to choose
+    ctl, ran, more = _drive(share, lambda k, h: {"bf": 1.0}.get(h, 0.1), 12, 3, ctl)
+    assert ran == ["bf"] * 12 and ctl.chosen == "bf" and ctl.adopted and not ctl.too_short
+    assert ctl.samples == {} and ctl.walls == {} and ctl.ranking is None  # nothing measured, no trial
+    assert lines == ["hint auto: keeps bf, the choice of checkpoint step-00000040 (no measuring, no trial, "
+                     "no re-check; --hint bf pins it)"]
+    with pytest.raises(RuntimeError, match="before the first step"):
+        ctl.adopt("bf")
+
+
+def test_a_recorded_choice_that_is_no_candidate_here_is_measured_anew(share) -> None:
+    pipe, lines = _pipe(), []
+    ctl = AutoHint(pipe, share, say=lines.append, recheck_every=0)
+    assert not ctl.adopt("strict-zb-v", "checkpoint step-00000040")  # another placement's
+    assert lines == ["hint auto: checkpoint step-00000040 kept 'strict-zb-v', not a candidate of this pipeline "
+                     "(strict-1f1b, bf, bfw-mem); measuring anew"]
+    ctl, ran, _ = _drive(share, lambda k, h: {"strict-1f1b": 1.0, "bf": 0.9, "bfw-mem": 1.2}[h], TRIAL_END + 1, 0, ctl)
+    assert ran[:3] == ["strict-1f1b", "strict-1f1b", "bfw-mem"] and ctl.chosen == "bf"
+
+
+def test_tied_candidates_resolve_to_the_fixed_preference(share) -> None:
+    # bfw-mem measured 0.4% faster than bf, within TIE: bf comes first in the order of
+    # preference (CANDIDATES'), so noise of that size cannot flip the choice.
+    ctl, ran, lines = _drive(share, lambda k, h: {"strict-1f1b": 1.0, "bf": 0.9, "bfw-mem": 0.8964}[h],
+                             TRIAL_END + 1, 0)
+    assert sorted(ctl.trial) == ["bf", "bfw-mem", "strict-1f1b"]
+    assert ctl.chosen == "bf" and ran[-1] == "bf"
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if anything would start a process."""
+    def refuse(*a, **k):
+        raise AssertionError("a process was launched")
+
+    monkeypatch.setattr("rrfp.train.cli.launch", refuse)
+    monkeypatch.setattr("rrfp.train.cli._check_samples", lambda args: None)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--auto-recheck", "-3"], "--auto-recheck='-3': expected steps between re-checks (an integer >= 0) or off"),
+    (["--auto-recheck", "often"], "--auto-recheck='often': expected steps between re-checks (an integer >= 0) or off"),
+    (["--auto-recheck", "off", "--hint", "bf"], "--auto-recheck='off' applies to --hint auto only; this run has --hint bf"),
+])
+def test_bad_auto_recheck_flags_are_refused_in_one_line(flags, said, capsys, no_launch) -> None:
+    from rrfp.cli import main
+
+    assert main(["train", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"rrfp train: error: {said}"]
+
+
+@pytest.mark.parametrize("text, every", [(None, 50), ("off", 0), ("OFF", 0), ("0", 0), ("7", 7), (25, 25)])
+def test_auto_recheck_values(text, every) -> None:
+    from rrfp.runtime.features.auto import RECHECK_EVERY, recheck_steps
+
+    assert RECHECK_EVERY == 50 and recheck_steps(text) == every
+
+
+def test_the_front_doors_pass_auto_recheck_to_the_controller() -> None:
+    import torch.nn.functional as F
+    from torch import nn
+
+    from rrfp import LocalPipeline
+
+    mods = [nn.Linear(4, 4) for _ in range(2)]
+    with LocalPipeline(mods, M, F.mse_loss) as pipe:
+        assert pipe.auto.recheck_every == 50
+    with LocalPipeline(mods, M, F.mse_loss, auto_recheck=0) as pipe:
+        assert pipe.auto.recheck_every == 0
+    with pytest.raises(ValueError, match="auto_recheck=True: expected"):
+        LocalPipeline(mods, M, F.mse_loss, auto_recheck=True)

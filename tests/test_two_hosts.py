@@ -7,8 +7,8 @@ gloo) use it.
 
 One job, two launches, against one uninterrupted ``rrfp train`` on one node (the same flags,
 ``--deterministic``): the first launch trains over the ZeroMQ data plane with a job secret, a
-SIGTERM to node 1's daemon stops both nodes after one more step with a committed checkpoint
-and exit 0; the second launch resumes over the torch (gloo) data plane and finishes. Every
+SIGTERM to node 1's daemon stops both nodes after the step in progress with a committed
+checkpoint and exit 143 (node 0's daemon: its peer was preempted); the second launch resumes over the torch (gloo) data plane and finishes. Every
 step's loss equals the one-node run's bit for bit.
 
 Skipped, with one line, where namespaces cannot be made (not root, no ``ip``).
@@ -146,22 +146,23 @@ def test_two_hosts_both_planes_sigterm_and_resume(hosts, tmp_path):
     secret.write_bytes(os.urandom(32).hex().encode())
     secret.chmod(0o600)
 
-    # ZeroMQ data plane, CURVE with the job secret. Rank 0 holds after step 1 (test hook)
-    # until a stop is asked, so the SIGTERM lands at a known step without a timer.
+    # ZeroMQ data plane, CURVE with the job secret. The last rank (node 1) holds after step 1
+    # (test hook) until a stop is asked, so the SIGTERM lands inside step 2 without a timer.
     d0, d1 = _daemons(hosts, tmp_path, ["--transport", "zmq", "--loss-file", str(tmp_path / "zmq.txt")],
                       dict(env, RRFP_TEST_HOLD_AFTER_STEP="1"))
     try:
-        d0.wait_for("holding after step 1", 900)
+        d1.wait_for("holding after step 1", 900)
         d1.p.send_signal(signal.SIGTERM)
         rc = _finish([d1, d0], 600)
     finally:
         d0.kill()
         d1.kill()
     out = d0.output() + "\n--- node 1 ---\n" + d1.output()
-    assert rc == [0, 0], out
+    assert rc == [143, 143], out  # preempted: a restart rule matches 143 (rrfp.train.stop.PREEMPTED)
     assert f"node 0 of 2 at {hosts[0][1]}" in d0.output() and f"node 1 of 2 at {hosts[1][1]}" in d1.output(), out
     assert "stopped after step 2 on request (SIGTERM)" in d0.output(), out
     assert "stopped on SIGTERM" in d1.output() and "checkpoint" in d1.output(), out
+    assert "stopped because a peer node was preempted (SIGTERM)" in d0.output(), out
     assert ck.latest(tmp_path / "ck") == ck.step_dir(tmp_path / "ck", 2)
     assert _losses(tmp_path / "zmq.txt") == {k: want[k] for k in (1, 2)}
 

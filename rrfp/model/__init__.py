@@ -10,6 +10,7 @@ _LAZY = {
                      "lm_loss", "split_gpt", "stage_layer_ranges"], "rrfp.model.gpt"),
     **dict.fromkeys(["ToyConfig", "ToyIO", "ToyModel", "ToyStage", "build_toy_stage", "split_toy", "toy_batch",
                      "toy_loss"], "rrfp.model.toy"),
+    "materialise": "rrfp.model.meta",
 }
 
 __all__ = list(_LAZY)

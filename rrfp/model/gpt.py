@@ -7,11 +7,12 @@ to the token embedding), so a stage's gradients can be compared one-to-one
 with the full model's through ``stage_param_names``.
 
 Initialisation is deterministic and independent of torch's global RNG: every
-part of the model (embeddings, each transformer block, the final norm + head)
-draws its weights from its own ``torch.Generator`` seeded from
-``(seed, part)``. Two processes that build the same configuration with the
-same seed therefore get bit-identical weights, and :func:`build_stage` can
-initialise one stage without materialising the others.
+parameter draws its values from its own ``torch.Generator`` seeded from
+``(seed, its name in the unsplit GPT)`` (:func:`init_fill`). Two processes that
+build the same configuration with the same seed therefore get bit-identical
+weights, and :func:`build_stage` builds one stage on the meta device and
+initialises only its parameters: every split (any number of stages or virtual
+stages, any placement, TP) holds the unsplit model's values under its names.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .meta import Fill, materialise
 from .spec import GPT_PRESETS, GPTConfig
 
 __all__ = [
@@ -36,6 +39,7 @@ __all__ = [
     "stage_layer_ranges",
     "split_gpt",
     "build_stage",
+    "init_fill",
     "lm_loss",
     "count_tokens",
 ]
@@ -44,15 +48,6 @@ IGNORE_INDEX = -100
 """Target id of positions that carry no loss (padding); matches ``F.cross_entropy``."""
 
 _INIT_STD = 0.02
-
-
-def _part_generator(seed: int, part: str) -> torch.Generator:
-    # Hashing (seed, part) gives each part an independent stream, so a stage can
-    # be initialised without drawing the numbers of the parts before it.
-    digest = hashlib.sha256(f"rrfp.gpt:{seed}:{part}".encode()).digest()
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-    return gen
 
 
 class CausalSelfAttention(nn.Module):
@@ -108,64 +103,61 @@ class Block(nn.Module):
 
 # --- deterministic construction ---------------------------------------------
 #
-# The _init_* functions overwrite every parameter from a part generator. The
-# default nn init that runs first is forked off torch's global RNG so building
-# a model never changes the caller's random stream. (Building on the meta
-# device instead would skip that wasted init but makes the first to_empty()
-# import torch.fx, about 2 s per process.)
+# Modules are built on the meta device (no storage, no draw from torch's global RNG) and then
+# materialised tensor by tensor (rrfp.model.meta): every weight is drawn from its own generator,
+# seeded from (seed, the unsplit model's name of that parameter). A stage, a virtual stage or a
+# TP rank's full stage therefore holds exactly the values the unsplit GPT holds under the same
+# names, whatever the split, and only its own tensors are ever allocated.
 
 
-def _rng_untouched():
-    return torch.random.fork_rng(devices=[])
+def _param_generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"rrfp.gpt:{seed}:{name}".encode()).digest()
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return gen
 
 
-@torch.no_grad()
-def _init_linear(layer: nn.Linear, gen: torch.Generator, std: float) -> None:
-    layer.weight.normal_(0.0, std, generator=gen)
-    if layer.bias is not None:
-        layer.bias.zero_()
+_RESIDUAL_PROJECTIONS = ("attn.proj.weight", "mlp.proj.weight")
 
 
-@torch.no_grad()
-def _init_layernorm(ln: nn.LayerNorm) -> None:
-    ln.weight.fill_(1.0)
-    ln.bias.zero_()
+def init_fill(cfg: GPTConfig, seed: int, model_name: Callable[[str], str] = str) -> Fill:
+    """The :data:`~rrfp.model.meta.Fill` of a GPT part: LayerNorms 1 and 0, biases 0, every other
+    weight ``N(0, 0.02)`` drawn from a generator seeded from ``(seed, model_name(name))``, the
+    residual projections (``attn.proj``, ``mlp.proj``) with the GPT-2 scaling
+    ``0.02 / sqrt(2 n_layer)`` so the residual stream's variance stays O(1) at initialisation.
 
-
-def _new_embeddings(cfg: GPTConfig, seed: int) -> tuple[nn.Embedding, nn.Embedding]:
-    with _rng_untouched():
-        tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        pos_emb = nn.Embedding(cfg.max_len, cfg.d_model)
-    gen = _part_generator(seed, "embeddings")
-    with torch.no_grad():
-        tok_emb.weight.normal_(0.0, _INIT_STD, generator=gen)
-        pos_emb.weight.normal_(0.0, _INIT_STD, generator=gen)
-    return tok_emb, pos_emb
-
-
-def _new_block(cfg: GPTConfig, seed: int, layer: int) -> Block:
-    with _rng_untouched():
-        block = Block(cfg)
-    gen = _part_generator(seed, f"block.{layer}")
-    # GPT-2 scaling: residual projections shrink with depth so the residual
-    # stream's variance stays O(1) at initialisation.
+    Args:
+        cfg: the model configuration (``n_layer`` sets the residual scaling).
+        seed: the initialisation seed.
+        model_name: a local name -> the unsplit :class:`GPT`'s name of the same parameter.
+    """
     resid_std = _INIT_STD / math.sqrt(2 * cfg.n_layer)
-    _init_layernorm(block.ln_1)
-    _init_linear(block.attn.qkv, gen, _INIT_STD)
-    _init_linear(block.attn.proj, gen, resid_std)
-    _init_layernorm(block.ln_2)
-    _init_linear(block.mlp.fc, gen, _INIT_STD)
-    _init_linear(block.mlp.proj, gen, resid_std)
-    return block
+
+    def fill(name: str, owner: nn.Module, meta: torch.Tensor) -> torch.Tensor:
+        name = model_name(name)
+        if isinstance(owner, nn.LayerNorm) and name.endswith(".weight"):
+            return torch.ones(meta.shape, dtype=meta.dtype)
+        if name.endswith(".bias"):
+            return torch.zeros(meta.shape, dtype=meta.dtype)
+        std = resid_std if name.endswith(_RESIDUAL_PROJECTIONS) else _INIT_STD
+        return torch.empty(meta.shape, dtype=meta.dtype).normal_(0.0, std, generator=_param_generator(seed, name))
+
+    return fill
 
 
-def _new_head(cfg: GPTConfig, seed: int) -> tuple[nn.LayerNorm, nn.Linear]:
-    with _rng_untouched():
-        ln_f = nn.LayerNorm(cfg.d_model)
-        head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-    _init_layernorm(ln_f)
-    _init_linear(head, _part_generator(seed, "head"), _INIT_STD)
-    return ln_f, head
+def _meta_embeddings(cfg: GPTConfig) -> tuple[nn.Embedding, nn.Embedding]:
+    with torch.device("meta"):
+        return nn.Embedding(cfg.vocab_size, cfg.d_model), nn.Embedding(cfg.max_len, cfg.d_model)
+
+
+def _meta_head(cfg: GPTConfig) -> tuple[nn.LayerNorm, nn.Linear]:
+    with torch.device("meta"):
+        return nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+
+def _meta_block(cfg: GPTConfig) -> Block:
+    with torch.device("meta"):
+        return Block(cfg)
 
 
 def _embed(
@@ -200,10 +192,11 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.seed = seed
-        self.tok_emb, self.pos_emb = _new_embeddings(cfg, seed)
+        self.tok_emb, self.pos_emb = _meta_embeddings(cfg)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(_new_block(cfg, seed, i) for i in range(cfg.n_layer))
-        self.ln_f, self.head = _new_head(cfg, seed)
+        self.blocks = nn.ModuleList(_meta_block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f, self.head = _meta_head(cfg)
+        materialise(self, init_fill(cfg, seed))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Next-token logits.
@@ -384,8 +377,9 @@ def build_stage(cfg: GPTConfig, n_stages: int, stage_index: int, seed: int = 0) 
     """Build only the ``stage_index``-th of ``n_stages`` stages.
 
     The weights are bit-identical to ``split_gpt(GPT(cfg, seed), n_stages)[stage_index]``
-    but only this stage's parameters are allocated and initialised, so each
-    pipeline rank can build its own stage independently.
+    (each is drawn from a generator seeded from its name in :class:`GPT`), but the stage is
+    built on the meta device and only its own parameters are allocated and initialised, so
+    each pipeline rank builds its own stages independently, for any split.
 
     Args:
         cfg: model configuration.
@@ -403,15 +397,16 @@ def build_stage(cfg: GPTConfig, n_stages: int, stage_index: int, seed: int = 0) 
     if not 0 <= stage_index < n_stages:
         raise ValueError(f"stage_index={stage_index} is outside 0..{n_stages - 1}")
     layers = ranges[stage_index]
-    return GPTStage(
+    stage = GPTStage(
         cfg,
         stage_index,
         n_stages,
         layers,
-        [_new_block(cfg, seed, i) for i in layers],
-        _new_embeddings(cfg, seed) if stage_index == 0 else None,
-        _new_head(cfg, seed) if stage_index == n_stages - 1 else None,
+        [_meta_block(cfg) for _ in layers],
+        _meta_embeddings(cfg) if stage_index == 0 else None,
+        _meta_head(cfg) if stage_index == n_stages - 1 else None,
     )
+    return materialise(stage, init_fill(cfg, seed, stage.stage_param_names.__getitem__))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,8 @@ from torch import nn
 from .gpt import stage_layer_ranges
 from .spec import HF_PRESETS
 
-__all__ = ["FAMILIES", "HF_PRESETS", "HFStage", "split_hf", "hf_ties", "hf_model", "build_hf_stages",
-           "hf_layer_count"]
+__all__ = ["FAMILIES", "HF_PRESETS", "HFStage", "split_hf", "hf_ties", "hf_config", "hf_model", "meta_model",
+           "build_hf_stages", "hf_layer_count"]
 
 
 @dataclass(frozen=True)
@@ -125,9 +125,13 @@ class HFStage(nn.Module):
         if self.is_last:
             self.lm_head = keep["lm_head"]
         self.train(model.training)
-        prefix = f"{fam.base}.{fam.layers}."
-        self.stage_param_names = {n: _full_name(n, prefix, layers.start)
-                                  for n, _ in self.named_parameters(remove_duplicate=False)}
+        self.stage_param_names = {n: self.model_name(n) for n, _ in self.named_parameters(remove_duplicate=False)}
+
+    def model_name(self, name: str) -> str:
+        """The whole model's name of this stage's parameter, buffer or submodule ``name``
+        (``transformer.h.0.attn`` of stage 1 of a 4-layer GPT-2 on 2 stages is
+        ``transformer.h.2.attn``)."""
+        return _full_name(name, f"{self.family.base}.{self.family.layers}.", self.layer_range.start)
 
     @property
     def layer_modules(self) -> nn.ModuleList:
@@ -188,8 +192,8 @@ class HFStage(nn.Module):
 
 def _full_name(name: str, prefix: str, first: int) -> str:
     if name.startswith(prefix):
-        local, rest = name[len(prefix):].split(".", 1)
-        return f"{prefix}{first + int(local)}.{rest}"
+        local, *rest = name[len(prefix):].split(".", 1)
+        return ".".join([f"{prefix}{first + int(local)}", *rest])
     return name
 
 
@@ -229,13 +233,48 @@ def hf_ties(model: nn.Module, n_stages: int) -> dict | None:
     return {"embeddings": {0: f"{fam.base}.{fam.embeddings[0]}.weight", -1: "lm_head.weight"}}
 
 
-def hf_model(spec: str, seed: int = 0, max_len: int = 256) -> nn.Module:
-    """The whole model of ``rrfp train --model hf:<spec>``, in train mode, float32.
+def hf_config(spec: str, max_len: int = 256):
+    """The ``PretrainedConfig`` of ``rrfp train --model hf:<spec>``.
 
     Args:
-        spec: a :data:`HF_PRESETS` name (built from the package's config class, random
-            weights drawn under ``seed`` without touching the caller's random stream), or a
-            local folder as ``from_pretrained`` reads it (``config.json`` and weights).
+        spec: a :data:`HF_PRESETS` name (its config class, byte vocabulary of 256, ``max_len``
+            positions) or a folder holding ``config.json``.
+        max_len: positions a preset covers.
+
+    Raises:
+        ValueError: a folder of an unsupported model type.
+        OSError: a folder without a readable ``config.json``.
+        ImportError: ``transformers`` is not installed (``pip install rrfp[hf]``).
+    """
+    import transformers
+
+    if spec in HF_PRESETS:
+        cls_name, settings = HF_PRESETS[spec]
+        pos = "n_positions" if cls_name == "GPT2Config" else "max_position_embeddings"
+        return getattr(transformers, cls_name)(vocab_size=256, **{pos: max_len}, **settings)
+    config = transformers.AutoConfig.from_pretrained(spec)
+    _family(config)
+    return config
+
+
+def meta_model(config) -> nn.Module:
+    """The ``*ForCausalLM`` model of ``config`` on the meta device, float32 (shapes only:
+    nothing is allocated or drawn)."""
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def hf_model(spec: str, seed: int = 0, max_len: int = 256) -> nn.Module:
+    """The whole model of ``rrfp train --model hf:<spec>``, in train mode, float32: the
+    reference that :func:`build_hf_stages`'s stages split.
+
+    Args:
+        spec: a :data:`HF_PRESETS` name (random weights, each module's drawn by the family's
+            own initialisation under a seed made of ``seed`` and the module's name, without
+            touching the caller's random stream: :func:`~rrfp.model.hf_init.init_seeded`), or
+            a local folder as ``from_pretrained`` reads it (``config.json`` and weights).
         seed: initialisation seed of a preset.
         max_len: positions a preset covers.
 
@@ -243,32 +282,50 @@ def hf_model(spec: str, seed: int = 0, max_len: int = 256) -> nn.Module:
         ValueError: an unknown name or a folder of an unsupported model type.
         ImportError: ``transformers`` is not installed (``pip install rrfp[hf]``).
     """
+    if spec in HF_PRESETS:
+        from .hf_init import init_seeded
+
+        model = meta_model(hf_config(spec, max_len))
+        init_seeded(model, model, str, seed)
+        return model.train()
     import transformers
 
-    if spec in HF_PRESETS:
-        cls_name, settings = HF_PRESETS[spec]
-        cls = getattr(transformers, cls_name)
-        pos = "n_positions" if cls_name == "GPT2Config" else "max_position_embeddings"
-        config = cls(vocab_size=256, **{pos: max_len}, **settings)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    else:
-        config = transformers.AutoConfig.from_pretrained(spec)
-        _family(config)
-        model = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
+    _family(transformers.AutoConfig.from_pretrained(spec))
+    model = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
     return model.float().train()
 
 
 def build_hf_stages(spec: str, n_stages: int, stage_ids: list[int], seed: int = 0,
                     max_len: int = 256) -> tuple[list[HFStage], dict | None]:
-    """This rank's stages of ``hf:<spec>`` and the pipeline's ``tied=`` argument. Every rank
-    builds the whole model (same seed, same weights) and keeps its stages.
+    """This rank's stages of ``hf:<spec>`` and the pipeline's ``tied=`` argument, with only
+    their own tensors allocated: the model is built on the meta device, split there, and each
+    stage is materialised alone, in train mode, float32. A preset's tensors are drawn per
+    module name (:func:`~rrfp.model.hf_init.init_seeded`), a folder's read from its
+    safetensors files, only the stage's own (:func:`~rrfp.model.hf_init.load_safetensors`).
+    Every stage equals the same stage of ``split_hf(hf_model(spec, seed, max_len), n_stages)``.
+
+    Args:
+        spec: a :data:`HF_PRESETS` name or a folder ``save_pretrained`` wrote (safetensors,
+            single file or sharded).
+        n_stages: stages of the whole pipeline (``1 <= n_stages <=`` decoder layers).
+        stage_ids: the stages to build.
+        seed, max_len: as :func:`hf_model`.
 
     Raises:
-        as :func:`hf_model` and :func:`split_hf`.
+        ValueError: an unknown preset, an unsupported model type, a bad ``n_stages``, a folder
+            without safetensors weights, or a tensor missing from them or of the wrong shape
+            (the message names it).
     """
-    model = hf_model(spec, seed, max_len)
-    _family(model.config)
-    ranges = stage_layer_ranges(hf_layer_count(model.config), n_stages)
-    return [HFStage(model, s, n_stages, ranges[s]) for s in stage_ids], hf_ties(model, n_stages)
+    from .hf_init import init_seeded, load_safetensors
+
+    config = hf_config(spec, max_len)
+    model = meta_model(config)
+    ranges = stage_layer_ranges(hf_layer_count(config), n_stages)
+    stages = [HFStage(model, s, n_stages, ranges[s]) for s in stage_ids]
+    for st in stages:
+        if spec in HF_PRESETS:
+            init_seeded(model, st, st.model_name, seed)
+        else:
+            load_safetensors(model, st, st.model_name, spec)
+        st.train()
+    return stages, hf_ties(model, n_stages)

@@ -18,8 +18,8 @@ I/O (``b`` samples, ``N`` images in the microbatch, ``T`` caption positions, ``D
   -> hidden ``[b, K + T, D]`` (logits ``[b, K + T, 256]`` if it is also the last stage);
 - later stages: hidden -> hidden, the last one -> logits ``[b, K + T, 256]``.
 
-Weights are drawn from per-part generators (as :mod:`rrfp.model.gpt`), so any process builds
-bit-identical stages without building the others.
+Every weight is drawn from its own generator seeded from its name in the one-stage model (as
+:mod:`rrfp.model.gpt`), so any process builds bit-identical stages without building the others.
 """
 
 from __future__ import annotations
@@ -27,16 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .gpt import (
-    GPTConfig,
-    _init_linear,
-    _new_block,
-    _new_embeddings,
-    _new_head,
-    _part_generator,
-    _rng_untouched,
-    stage_layer_ranges,
-)
+from .gpt import GPTConfig, _meta_block, _meta_embeddings, _meta_head, init_fill, stage_layer_ranges
+from .meta import materialise
 from .spec import MULTIMODAL, MultimodalConfig
 
 __all__ = ["MultimodalConfig", "MULTIMODAL", "MultimodalStage", "build_multimodal_stage", "multimodal_units"]
@@ -60,26 +52,18 @@ class ImageEncoder(nn.Module):
     """ViT-style: 2x2 patches of an 8x8 image, a CLS token, bidirectional blocks, the CLS
     output projected to the decoder width. ``[N, 8, 8] -> [N, D]``."""
 
-    def __init__(self, cfg: MultimodalConfig, seed: int) -> None:
+    def __init__(self, cfg: MultimodalConfig) -> None:
         super().__init__()
         w, d = cfg.enc_width, cfg.decoder.d_model
         n_patch = (IMAGE_SIDE // PATCH) ** 2
-        gen = _part_generator(seed, "encoder")
-        with _rng_untouched():  # every weight is drawn from `gen` below
+        with torch.device("meta"):  # materialised by the stage, per parameter name
             self.patch = nn.Linear(PATCH * PATCH, w)
             layer = nn.TransformerEncoderLayer(w, cfg.enc_heads, 4 * w, dropout=0.0, batch_first=True, norm_first=True)
             self.blocks = nn.TransformerEncoder(layer, cfg.enc_layers, enable_nested_tensor=False)
             self.norm = nn.LayerNorm(w)
             self.proj = nn.Linear(w, d)
-        self.cls = nn.Parameter(torch.randn(1, 1, w, generator=gen) * 0.02)
-        self.pos = nn.Parameter(torch.randn(1, n_patch + 1, w, generator=gen) * 0.02)
-        with torch.no_grad():
-            for m in self.modules():
-                if isinstance(m, nn.Linear):
-                    _init_linear(m, gen, 0.02)
-                elif isinstance(m, nn.MultiheadAttention):
-                    m.in_proj_weight.normal_(0.0, 0.02, generator=gen)
-                    m.in_proj_bias.zero_()
+            self.cls = nn.Parameter(torch.empty(1, 1, w))
+            self.pos = nn.Parameter(torch.empty(1, n_patch + 1, w))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         n = images.shape[0]
@@ -111,13 +95,13 @@ class MultimodalStage(nn.Module):
         self.is_last = stage_index == n_stages - 1
         d = cfg.decoder
         if self.is_first:
-            self.encoder = ImageEncoder(cfg, seed)
-            self.tok_emb, self.pos_emb = _new_embeddings(d, seed)
+            self.encoder = ImageEncoder(cfg)
+            self.tok_emb, self.pos_emb = _meta_embeddings(d)
             self.no_image = nn.Parameter(torch.zeros(d.d_model))
         # Unit u >= 1 is decoder block u - 1.
-        self.blocks = nn.ModuleList(_new_block(d, seed, u - 1) for u in units if u >= 1)
+        self.blocks = nn.ModuleList(_meta_block(d) for u in units if u >= 1)
         if self.is_last:
-            self.ln_f, self.head = _new_head(d, seed)
+            self.ln_f, self.head = _meta_head(d)
         # This module's parameter names -> the one-stage model's (blocks renumbered).
         first_block = units.start - 1 if units.start >= 1 else 0
         self.stage_param_names = {}
@@ -128,6 +112,7 @@ class MultimodalStage(nn.Module):
             else:
                 name_full = name
             self.stage_param_names[name] = name_full
+        materialise(self, init_fill(d, seed, self.stage_param_names.__getitem__))
 
     def _embed(self, images: torch.Tensor, counts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         if images.dim() != 3 or tuple(images.shape[1:]) != (IMAGE_SIDE, IMAGE_SIDE):

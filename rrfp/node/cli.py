@@ -3,7 +3,9 @@
 rendezvous: torchrun's own machinery), serves one HTTP endpoint for all of them
 (``/metrics``, ``/healthz``, ``/readyz``), restarts the node's ranks when one fails (the
 agent's ``max_restarts``; they resume from the last checkpoint), and on SIGTERM has every
-rank finish its step, write a checkpoint and exit 0 (:mod:`rrfp.train.stop`).
+rank end the step in progress, commit a checkpoint and exit 143, as the daemon then does
+(:mod:`rrfp.train.stop`); the other nodes' daemons say their peer was preempted and exit 143
+too. Only a finished run exits 0.
 
 Where the job's shape comes from, first found wins: the flags, then the environment
 Kubeflow Trainer sets (``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK``,
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from .. import _net
 from ..errors import UsageError
+from ..train.stop import PREEMPTED
 
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_RDZV_PORT = 29500
@@ -48,7 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="per-node daemon: run this node's ranks of an rrfp train job (elastic agent, c10d rendezvous)",
         description="Run this node's ranks of an `rrfp train` job under PyTorch's elastic agent, serve "
         "/metrics, /healthz and /readyz, restart failed ranks (they resume from the last checkpoint) and "
-        "stop gracefully on SIGTERM. Arguments after `--` (or not known here) go to `rrfp train`.",
+        "stop gracefully on SIGTERM (the step in progress ends, a checkpoint is committed, exit code 143; "
+        "a peer node's SIGTERM also ends this node with 143; only a finished run exits 0). Arguments after "
+        "`--` (or not known here) go to `rrfp train`.",
     )
     p.add_argument("--nnodes", type=int, default=None, help="nodes in the job (env PET_NNODES; default 1)")
     p.add_argument("--nproc-per-node", type=int, default=None,
@@ -72,7 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_metrics_flags(p, "port of /metrics, /healthz and /readyz for all the node's ranks; 0: any free "
                       f"(default {DEFAULT_METRICS_PORT})", port_default=DEFAULT_METRICS_PORT)
     p.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SEC",
-                   help="/healthz fails when a rank's event-loop heartbeat is older than this (default %(default)s)")
+                   help="/healthz fails when a running rank's liveness beat, from a thread that one long task "
+                   "does not block, is older than this: the process is frozen (default %(default)s)")
     p.add_argument("--run-dir", default=None, help="the daemon's working folder (metrics files, stop file); default a temporary one")
     p.set_defaults(func=run, pass_through=True)
 
@@ -155,6 +161,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     else:
         node_addr = None  # found in run(): node 0's name may resolve only once its pod runs
     train_cli.validate(targs)  # the checks that need torch
+    spec, what = train_cli.port_range(targs)
+    if problem := _net.port_range_problem(spec, nproc, what):  # each local rank binds one port
+        raise UsageError(problem)
     if auto_resume:
         train_args += ["--resume", "auto"]  # a restarted group continues from the last checkpoint
     if getattr(args, "run_dir", None) is not None:
@@ -257,23 +266,14 @@ def _check_run_dir(path: str) -> None:
         raise UsageError(problem)
 
 
-def _children() -> list[int]:
-    """This process's child pids (Linux /proc); the elastic agent starts its ranks as children."""
-    pids: list[int] = []
-    for task in Path(f"/proc/{os.getpid()}/task").glob("*"):
-        try:
-            pids += [int(p) for p in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return pids
-
-
 def _count_restarts(on_restart, stop: threading.Event, period_s: float = 0.5) -> None:
     # The agent restarts a group by stopping every rank, then starting new ones: a set of
     # children with no pid of the previous set is a restart.
+    from ..train.stop import child_pids
+
     before: set[int] = set()
     while not stop.wait(period_s):
-        now = set(_children())
+        now = set(child_pids())
         if now and before and not now & before:
             on_restart()
         before = now or before
@@ -297,7 +297,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="rrfp-node-"))
     metrics_dir, stop_file = _ranks_env(run_dir, job)
 
-    health = Health(str(metrics_dir), job.nproc, args.heartbeat_timeout)
+    from ..train.alive import ALIVE_DIR_ENV
+
+    health = Health(str(metrics_dir), job.nproc, args.heartbeat_timeout, alive_dir=os.environ[ALIVE_DIR_ENV])
     try:
         endpoint = serve_node(metrics_dir, args.metrics_addr, args.metrics_port,
                               routes={"/healthz": health.healthz, "/readyz": health.readyz})
@@ -325,7 +327,13 @@ def run(args: argparse.Namespace) -> int:
         f"{job.master_addr}:{rdzv_port} ({args.job_id}); serving http://{endpoint.addr}:{endpoint.port} "
         "(/metrics /healthz /readyz)")
 
-    signal.signal(signal.SIGTERM, _on_sigterm(health, stop_file, ", checkpoint" if job.targs.checkpoint_dir else ""))
+    from ..train.stop import StopForwarder
+
+    then = ", commit a checkpoint" if job.targs.checkpoint_dir else ""
+    stop = StopForwarder(stop_file, f"rrfp node: SIGTERM: asking the ranks to end the step in progress{then} and exit "
+                         f"{PREEMPTED}; ranks still starting are stopped, none is restarted",
+                         on_request=lambda: setattr(health, "stopping", True))
+    signal.signal(signal.SIGTERM, stop)
     config = LaunchConfig(
         min_nodes=job.nnodes, max_nodes=job.nnodes, nproc_per_node=job.nproc, run_id=args.job_id,
         rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
@@ -337,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
     )
     code = 0
     try:
-        code = _launch(config, job, health)
+        code = _launch(config, job, stop)
     finally:
         watching.set()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -353,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _ranks_env(run_dir: Path, job) -> tuple[Path, Path]:
     """The environment the ranks inherit: their metrics folder and stop file in ``run_dir``
-    (returned, emptied), thread count and rendezvous store settings."""
+    (returned, emptied), their liveness folder, thread count and rendezvous store settings."""
     from ..obs.metrics import clear_multiprocess_dir
     from ..train.stop import STOP_FILE_ENV
 
@@ -361,6 +369,12 @@ def _ranks_env(run_dir: Path, job) -> tuple[Path, Path]:
     clear_multiprocess_dir(metrics_dir)  # a previous job's values are not this one's
     stop_file = run_dir / "stop-requested"
     stop_file.unlink(missing_ok=True)
+    from ..train.alive import ALIVE_DIR_ENV
+
+    alive = run_dir / "alive"  # the ranks' liveness beats (rrfp/train/alive.py), for /healthz
+    shutil.rmtree(alive, ignore_errors=True)
+    alive.mkdir()
+    os.environ[ALIVE_DIR_ENV] = str(alive)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     os.environ[STOP_FILE_ENV] = str(stop_file)
     os.environ.setdefault("OMP_NUM_THREADS", str(job.targs.threads))
@@ -371,36 +385,11 @@ def _ranks_env(run_dir: Path, job) -> tuple[Path, Path]:
     return metrics_dir, stop_file
 
 
-def _on_sigterm(health, stop_file: Path, then: str):
-    """The daemon's SIGTERM handler: the ranks stop after their current step (and
-    checkpoint, ``then``), told by ``stop_file`` (rrfp/train/stop.py); from then on no rank
-    is restarted (sigterm.no_restart_after)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    from ..lines import say
-
-    def on_sigterm(signum, frame) -> None:
-        if health.stopping:
-            return
-        health.stopping = True
-        ranks = _children()
-        if not ranks:  # in the rendezvous, or between a failure and a restart: leave now
-            raise SignalException(f"rrfp node {os.getpid()} got SIGTERM", sigval=signal.SIGTERM)
-        stop_file.write_text(str(os.getpid()))
-        say(f"rrfp node: SIGTERM: asking the ranks to finish their step{then} and exit; "
-            "ranks still starting are stopped, none is restarted")
-        for pid in ranks:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    return on_sigterm
-
-
-def _launch(config, job, health) -> int:
+def _launch(config, job, stop) -> int:
     """Run the job's ranks under torch's elastic agent; returns the daemon's exit code after
-    one line on how it ended."""
+    one line on how it ended: 0 when training finished, :data:`~rrfp.train.stop.PREEMPTED`
+    when it stopped on this daemon's SIGTERM or a peer node's (``stop``, a
+    :class:`~rrfp.train.stop.StopForwarder`), 1 on a failure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -409,20 +398,30 @@ def _launch(config, job, health) -> int:
     from ..lines import say
     from ..train.cli import _quiet_launcher_logs, describe_failures
     from ..train.guard import LauncherSignals
-    from .sigterm import no_restart_after, saved
+    from ..train.stop import saved, stopped_cleanly
+    from .sigterm import no_restart_after
 
     ckdir = job.targs.checkpoint_dir
     signalled = LauncherSignals()  # which ranks the agent stopped, so blame skips them
     _quiet_launcher_logs(signalled)
     try:
-        with no_restart_after(lambda: health.stopping):
-            elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
-        say("rrfp node: " + (f"stopped on SIGTERM, all ranks exited 0; {saved(ckdir)}" if health.stopping else "done"))
+        with no_restart_after(lambda: stop.requested or stop.stop_file.exists()):
+            try:
+                elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
+            finally:
+                stop.ended = True
+        say("rrfp node: " + (f"SIGTERM came after the last step: training finished; {saved(ckdir)}" if stop.requested
+                             else "done"))
         return 0
     except (ChildFailedError, SignalException) as e:
-        if health.stopping:
-            say(f"rrfp node: stopped on SIGTERM before every rank could finish a step; {saved(ckdir)}", sys.stderr)
-            return 128 + signal.SIGTERM
+        if stop.requested or stop.peer_asked():
+            why = "on SIGTERM" if stop.requested else "because a peer node was preempted (SIGTERM)"
+            if stopped_cleanly(getattr(e, "failures", {})):
+                say(f"rrfp node: stopped {why}: every rank ended the step in progress and exited {PREEMPTED}; "
+                    f"{saved(ckdir)}")
+            else:
+                say(f"rrfp node: stopped {why} before every rank could finish a step; {saved(ckdir)}", sys.stderr)
+            return PREEMPTED
         if isinstance(e, ChildFailedError):
             say(f"rrfp node: error: {describe_failures(e.failures, signalled.pids, (job.targs.dp, job.targs.tp))}", sys.stderr)
             return 1

@@ -1,60 +1,44 @@
-"""The daemon's side of SIGTERM: once it arrives, no rank is restarted, and the daemon's last
-line says what was saved.
+"""The daemon's side of SIGTERM: once a stop is asked (this daemon's SIGTERM, or a peer node's
+that reached this node's ranks), no rank is restarted, and the daemon exits
+:data:`~rrfp.train.stop.PREEMPTED` with a last line saying what was saved.
 
-The ranks' side (finish the step, checkpoint, exit 0) is :mod:`rrfp.train.stop`. A rank that
-fails after the request (one still starting, which SIGTERM stops, or one whose peer it
-stopped) would make torch's agent restart the group; :func:`no_restart_after` turns that
-restart into the agent's own shutdown on SIGTERM instead.
+The ranks' side (end the step in progress, checkpoint, exit 143) is :mod:`rrfp.train.stop`.
+Ranks that exit 143, a rank still starting that SIGTERM stops, or one whose peer it stopped,
+would make torch's agent restart the group; :func:`no_restart_after` makes the agent end the
+run instead, with each rank's exit code in its ``ChildFailedError``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import signal
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 
 @contextlib.contextmanager
 def no_restart_after(stopping: Callable[[], bool]) -> Iterator[None]:
     """While inside, torch's elastic agent (this process's) restarts a failed group only
-    while ``stopping()`` is False; afterwards it raises torch's ``SignalException``
-    (SIGTERM), on which the agent stops the ranks left (SIGTERM, SIGKILL after its shutdown
-    timeout) and ``elastic_launch`` re-raises it.
+    while ``stopping()`` is False; afterwards a failed group ends the run as if no restart
+    were left: the agent stops the ranks still running (SIGTERM, SIGKILL after its shutdown
+    timeout) and ``elastic_launch`` raises ``ChildFailedError`` with the ranks' exit codes.
 
-    The agent exposes no hook between "the group failed" and "restart it"; its
-    ``_restart_workers`` is that point (``SimpleElasticAgent._invoke_run``, torch >= 1.9),
-    replaced here for the daemon's process only and restored on exit.
+    The agent exposes no hook between "the group failed" and "restart it"; after
+    ``_monitor_workers`` (``LocalElasticAgent``, torch >= 1.9) reports the failure, its
+    ``_remaining_restarts`` decides (``SimpleElasticAgent._invoke_run``). The method is
+    replaced for the daemon's process only and restored on exit.
     """
-    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    original = SimpleElasticAgent._restart_workers
+    original = LocalElasticAgent._monitor_workers
 
-    def restart_unless_stopping(agent, worker_group) -> None:
-        if stopping():
-            raise SignalException("SIGTERM: no restart", sigval=signal.SIGTERM)
-        original(agent, worker_group)
+    def monitor_no_restart_when_stopping(agent, worker_group):
+        result = original(agent, worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and stopping():
+            agent._remaining_restarts = 0
+        return result
 
-    SimpleElasticAgent._restart_workers = restart_unless_stopping
+    LocalElasticAgent._monitor_workers = monitor_no_restart_when_stopping
     try:
         yield
     finally:
-        SimpleElasticAgent._restart_workers = original
-
-
-def saved(checkpoint_dir: str | None) -> str:
-    """What a stopped job leaves to resume from, as the tail of the daemon's last line:
-    the newest committed checkpoint of ``checkpoint_dir`` and its step, or why there is none."""
-    if checkpoint_dir is None:
-        return "nothing saved (no --checkpoint-dir)"
-    from ..train import checkpoint as ck
-
-    path = ck.latest(checkpoint_dir)
-    if path is None:
-        return f"no checkpoint committed in {checkpoint_dir} yet"
-    try:
-        step = ck.read_meta(path).get("step", "?")
-    except (OSError, ValueError):
-        step = "?"
-    return f"latest checkpoint {Path(path)} (step {step})"
+        LocalElasticAgent._monitor_workers = original

@@ -267,7 +267,8 @@ class RankMetrics:
     async def start_heartbeat(self, interval: float = HEARTBEAT_INTERVAL) -> None:
         """Beat every ``interval`` seconds from the running event loop (the rank's), for as
         long as that loop runs: a rank stuck outside its loop (a hung kernel, a deadlocked
-        callback) stops beating, which is what ``/healthz`` looks for. Returns at once."""
+        callback) stops beating, which ``/healthz`` reports and the RrfpRankSilent alert watches (liveness
+        itself reads a thread's beat, rrfp/train/alive.py). Returns at once."""
         loop = asyncio.get_running_loop()
 
         def tick() -> None:

@@ -3,8 +3,9 @@
 Each rank adds the squared norms of the gradients it *counts* (:func:`counted`): a gradient
 replicated over TP (LayerNorms, embeddings, row-parallel biases), over DP (every replica holds
 the reduced gradient) or across stages (a tied parameter's copies) is counted on one rank
-only, and a TP shard on every TP rank. One all-reduce of that float64 scalar over the world
-gives the global squared norm.
+only, and a shard on every rank that holds one: a TP shard on every TP rank, an FSDP2 shard
+(:mod:`rrfp.parallel.sharded`) on every DP rank. One all-reduce of that float64 scalar over
+the world gives the global squared norm.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import ParallelLayout
+from .sharded import dp_sharded
 
 __all__ = ["clip_grad_norm_", "counted"]
 
@@ -25,7 +27,7 @@ def counted(p: torch.Tensor, layout: ParallelLayout | None) -> bool:
         return False
     if layout is None:
         return True
-    if layout.dp_rank != 0:
+    if layout.dp_rank != 0 and not dp_sharded(p, layout):
         return False
     return layout.tp_rank == 0 or getattr(p, "_rrfp_tp_shard", False)
 

@@ -126,17 +126,20 @@ class GradSync:
         ties: :func:`resolve_ties` output (every rank passes the same list).
         n_stages: the pipeline's stage count (virtual stages included).
         stage_rank: ``stage_index -> pp_rank`` holding it.
+        sharded: stages whose gradients FSDP2 reduces (:mod:`rrfp.parallel.sharded`): not
+            all-reduced here.
 
     Every rank of the world must build its ``GradSync`` at the same point (tie groups are
     created collectively).
     """
 
     def __init__(self, layout: ParallelLayout, stages: Mapping[int, nn.Module], ties: Sequence[Tie] = (),
-                 n_stages: int | None = None, stage_rank=None) -> None:
+                 n_stages: int | None = None, stage_rank=None, sharded: frozenset = frozenset()) -> None:
         self.layout = layout
         self.stages = dict(stages)
         self._vidx = {s: i for i, s in enumerate(self.stages)}
-        self._params = {s: [p for p in m.parameters() if p.requires_grad] for s, m in self.stages.items()}
+        self._params = {s: [] if s in sharded else [p for p in m.parameters() if p.requires_grad]
+                        for s, m in self.stages.items()}
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.ties = list(ties)
         self._tie_groups: list = []

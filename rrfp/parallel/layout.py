@@ -31,6 +31,8 @@ class ParallelLayout:
         tp_control_group: a second gloo group over the same TP ranks, for TP agreement, so that
             proposals never interleave with the layers' own TP collectives.
         world_group: the default group (one reduction of squared norms for clipping).
+        dp_shard: ``rrfp train --dp-shard``: ``none`` (replicas) or ``full`` (FSDP2 shards,
+            :mod:`rrfp.parallel.sharded`; every DP rank then holds a share of the gradient norm).
     """
 
     pp: int
@@ -45,6 +47,7 @@ class ParallelLayout:
     tp_group: Any = None
     tp_control_group: Any = None
     world_group: Any = None
+    dp_shard: str = "none"
     _dp_stage_groups: dict = dataclasses.field(default_factory=dict)
 
     @classmethod

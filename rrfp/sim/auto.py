@@ -14,9 +14,11 @@ steps, :func:`simulate_auto`):
 2. Trial: the strict schedule and the best two by simulation (:func:`trial_candidates`) run
    :data:`TRIAL_ROUNDS` rounds of one step each, in rotating order (:func:`trial_order`);
    :func:`keep` keeps the smallest median step time (each rescaled to the trial's median
-   forward work, :func:`scaled`, so a step's batch size does not pick the winner), the strict
-   schedule on a tie within :data:`TIE`, so a policy measured slower than the strict schedule
-   is never kept.
+   forward work, :func:`scaled`, so a step's batch size does not pick the winner); among hints
+   within :data:`TIE` of the fastest (or within the steps' own :func:`spread`, where larger),
+   the strict schedule, else the first in the fixed order of
+   :data:`CANDIDATES` (:func:`preference`), so a policy measured slower than the strict
+   schedule is never kept and noise below the tie cannot flip the choice.
 
 Candidates are data: a name the hint registry does not resolve (a policy of another version,
 or one that does not fit the placement) is skipped and reported, never an error.
@@ -71,8 +73,10 @@ one; more rounds would not resolve smaller differences against a step-to-step sp
 several percent, which the rescaling to equal forward work (:func:`scaled`) removes instead."""
 
 TIE = 0.01
-"""Within this fraction of the strict schedule's median trial step time, the strict schedule
-is kept (:func:`keep`)."""
+"""Hints whose median trial step times are within this fraction of the fastest's are tied
+(or within the trial steps' measured :func:`spread`, where larger): the strict schedule, a
+re-check's incumbent, or else the first in :data:`CANDIDATES`' order is kept among them
+(:func:`keep`); a switch needs a measured gain beyond it."""
 
 _NS = 1e9  # message seconds travel as "bytes" at 1 byte/ns (CommModel's size term)
 
@@ -342,15 +346,59 @@ def medians(trial: Mapping[str, Sequence[Step]]) -> dict[str, float]:
     return {h: statistics.median(w) for h, w in scaled(trial).items() if w}
 
 
-def keep(trial: Mapping[str, Sequence[Step]], strict: str | None, tie: float = TIE) -> str:
-    """Which hint to keep from trial steps: the smallest median of :func:`scaled` step times;
-    ``strict`` on a tie, and whenever the best is not faster than ``strict``'s median by more
-    than ``tie`` (a fraction), so a policy measured slower than the strict schedule is never
-    kept.
+SPREAD_MAD = 1.4826
+"""A normal distribution's standard deviation over its median absolute deviation."""
+
+
+def spread(trial: Mapping[str, Sequence[Step]]) -> float:
+    """How much trial steps of one hint differ from step to step, as a fraction: each
+    :func:`scaled` step's deviation from its hint's median, relative to it (with an odd count
+    the median's own step left out), pooled over the hints; their median times
+    :data:`SPREAD_MAD`, the standard deviation of normal noise, which one outlier step does not
+    widen. 0 without a hint of two steps."""
+    devs: list[float] = []
+    for w in scaled(trial).values():
+        if len(w) < 2:
+            continue
+        m = statistics.median(w)
+        d = sorted(abs(x / m - 1) for x in w) if m > 0 else []
+        devs += d[1:] if len(w) % 2 else d
+    return SPREAD_MAD * statistics.median(devs) if devs else 0.0
+
+
+def margin(trial: Mapping[str, Sequence[Step]], tie: float = TIE) -> float:
+    """The gain (a fraction of a hint's median) a faster hint needs to count as faster: the
+    larger of ``tie`` and the trial's :func:`spread`, so that a difference the noise of the
+    steps makes is not read as one between hints."""
+    return max(tie, spread(trial))
+
+
+def preference(hints: Sequence[str], strict: str | None, prefer: Sequence[str] | None = None) -> list[str]:
+    """``hints`` in ``auto``'s fixed order of preference: ``strict`` first, then the order of
+    ``prefer`` (default: :data:`CANDIDATES`' order), then any others by name. It decides among
+    hints measured within :data:`TIE` of each other (:func:`keep`), so noise below the tie
+    cannot flip a choice."""
+    order = list(prefer) if prefer is not None else [c for c in CANDIDATES if c != STRICT]
+    rank_of = {h: i for i, h in enumerate(dict.fromkeys(order))}
+    return sorted(hints, key=lambda h: (h != strict, rank_of.get(h, len(rank_of)), h))
+
+
+def keep(trial: Mapping[str, Sequence[Step]], strict: str | None, tie: float = TIE, *,
+         incumbent: str | None = None, prefer: Sequence[str] | None = None) -> str:
+    """Which hint to keep from trial steps. The hint of the smallest median of :func:`scaled`
+    step times is the fastest; a hint whose median the fastest does not beat by more than
+    :func:`margin` (``tie``, or the steps' measured :func:`spread` where larger; a fraction of
+    that hint's median) is *tied* with it. Among the tied: the
+    ``incumbent`` (a re-check never switches to a hint within the tie), else the first in
+    :func:`preference` (``strict``, then ``prefer``'s order). So a policy measured slower than
+    ``strict`` is never kept, nor one faster by less than the tie or than the steps' own
+    noise, and two policies within the tie of each other are decided by the fixed order.
 
     Args:
         trial: hint -> its trial steps (:data:`Step`; one per round).
-        strict: the placement's strict schedule (None: none; the smallest median wins).
+        strict: the placement's strict schedule (None: none).
+        incumbent: the hint kept so far (a re-check's; None: the first choice).
+        prefer: the order of preference after ``strict`` (default: :data:`CANDIDATES`').
 
     Raises:
         ValueError: no hint has a step.
@@ -358,10 +406,11 @@ def keep(trial: Mapping[str, Sequence[Step]], strict: str | None, tie: float = T
     med = medians(trial)
     if not med:
         raise ValueError("auto: no trial step time to choose from")
-    best = min(med, key=lambda h: (med[h], h != strict))
-    if strict in med and best != strict and med[best] > (1 - tie) * med[strict]:
-        return strict
-    return best
+    fastest, need = min(med.values()), margin(trial, tie)
+    tied = [h for h, t in med.items() if t == fastest or fastest > (1 - need) * t]
+    if incumbent in tied:
+        return incumbent  # type: ignore[return-value]
+    return preference(tied, strict, prefer)[0]
 
 
 def forward_seconds(cfg: SimConfig) -> float:

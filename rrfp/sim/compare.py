@@ -334,8 +334,8 @@ def sweep_table(points: Sequence[SweepPoint], hints: Sequence[str], baseline: st
         base = pt.runs.get(baseline) if baseline else None
         if baseline:
             row += [f"{base.makespan:.4g}", f"{base.bubble_mean:.2f}"] if base else ["n/a", "n/a"]
-        # Each run is bounded with its own durations (jitter depends on the dispatch order;
-        # split and full backward differ): the smallest bound holds for every run.
+        # Each run is bounded with its own durations (split and full backward differ): the
+        # smallest bound holds for every run.
         bound = min((r.lower_bound for r in pt.runs.values()), default=math.nan)
         row.append(f"{bound:.4g}")
         speeds = {}

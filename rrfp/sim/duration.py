@@ -13,7 +13,14 @@ A task's duration, for stage ``s`` and microbatch ``m`` in step ``k``::
         * seqlen(k, m)                    (a per-microbatch sequence-length ratio, mean ~1)
         * straggler[rank]                 (slowdown factor of a straggler rank, default 1)
         * lognormal(k, s, m, kind)        (compute noise, mean 1)
-    duration = c + injected(k, s, m, kind, e_s)   (RRFP §7 jitter, e_s the stage's running mean of c)
+    duration = c + injected(k, s, m, kind, e_s)   (RRFP §7 jitter)
+
+``e_s`` is the stage's *expected* compute per task: the mean of its ``F`` and ``B`` costs, times
+the factors whose mean is not 1 (``encoder_scale``, the straggler factor, the sequence-length
+distribution's mean), the steady state of the paper's running average (:mod:`rrfp.sim.jitter`).
+It does not depend on which tasks ran before, so every duration is a pure function of the task:
+any call order, any hint, gives the same durations (what :func:`rrfp.sim.engine.simulate`, the
+suite and the exact optimiser of ``benchmarks/oracle.py`` rely on).
 
 A split backward's ``I`` and ``W`` share one injected draw, the full backward's (keyed ``B``),
 in proportion to their ``c`` (:meth:`rrfp.sim.jitter.InjectedJitter.split_backward`), so every
@@ -151,11 +158,8 @@ class Dist:
 class DurationModel:
     """``duration(step, rank, task) -> seconds`` (formula in the module docstring).
 
-    Stateful only through the injected jitter's per-stage running average, which advances
-    once per F and once per backward (at the first of a split backward's ``I`` and ``W``, which
-    also fixes the other's share): call it once per task, when the task starts, in each rank's
-    dispatch order (what :func:`rrfp.sim.engine.simulate` does). Build a fresh model (or
-    :meth:`reset`) for each run being compared.
+    Stateless (its caches hold pure functions of the key): call it any number of times, in
+    any order; one model serves every run being compared.
 
     Args:
         costs: per-stage costs, one entry per stage of the pipeline.
@@ -215,15 +219,24 @@ class DurationModel:
             self._tab[s] = {k: v * encoder_scale for k, v in self._tab[s].items()}
         self._inject = InjectedJitter(self.jitter, seed) if self.jitter else None
         self._plain = self.jitter is None and noise == 0 and seqlen is None and images is None and not stragglers
-        self._pending: dict[tuple[int, int, int], float] = {}  # (step, stage, mb) -> the other half's delay
+        self._e: dict[tuple[int, int], float] = {}  # (stage, rank) -> expected compute per task
         self._mb_scale: dict[tuple[int, int], float] = {}
         self._img_scale: dict[tuple[int, int], float] = {}
 
-    def reset(self) -> None:
-        """Forget the injected jitter's running averages (start of a new run)."""
-        if self._inject is not None:
-            self._inject.reset()
-        self._pending.clear()
+    def expected(self, stage: int, rank: int) -> float:
+        """Seconds of compute a task of ``stage`` (on ``rank``) takes on average, the mean of
+        its ``F`` and ``B``: the injected jitter's ``e`` (module docstring)."""
+        key = (stage, rank)
+        e = self._e.get(key)
+        if e is None:
+            t = self._tab[stage]
+            e = 0.5 * (t[F] + t[B])
+            if self.seqlen is not None:
+                e *= self.seqlen.mean
+            if self.stragglers:
+                e *= self.stragglers.get(rank, 1.0)
+            e = self._e[key] = e
+        return e
 
     def seqlen_ratio(self, step: int, microbatch: int) -> float:
         """Microbatch ``microbatch``'s sequence-length ratio in step ``step`` (1 without a
@@ -291,27 +304,18 @@ class DurationModel:
         if self._plain:
             return self._tab[task[0]][task[1]]
         c = self.compute(step, rank, task)
-        if self._inject is not None:
+        inject = self._inject
+        if inject is not None:
             s, kind, m = task
+            e = self.expected(s, rank)
             if kind == I or kind == W:
-                c += self._split_share(step, rank, s, m, kind, c)
+                other = self.compute(step, rank, Task(s, W if kind == I else I, m))
+                c_i, c_w = (c, other) if kind == I else (other, c)
+                d_i, d_w = inject.split_backward(step, s, m, e, c_i, c_w)
+                c += d_i if kind == I else d_w
             else:
-                c += self._inject(step, s, m, kind, c)
+                c += inject(step, s, m, kind, e)
         return c
-
-    def _split_share(self, step: int, rank: int, stage: int, mb: int, kind: str, c: float) -> float:
-        # One draw per split backward (InjectedJitter.split_backward), taken when the first of
-        # its I and W starts (I, in any order the arbiter allows); the other's share waits here.
-        key = (step, stage, mb)
-        d = self._pending.pop(key, None)
-        if d is not None:
-            return d
-        other = self.compute(step, rank, Task(stage, W if kind == I else I, mb))
-        c_i, c_w = (c, other) if kind == I else (other, c)
-        d_i, d_w = self._inject.split_backward(step, stage, mb, c_i, c_w)  # type: ignore[union-attr]
-        mine, theirs = (d_i, d_w) if kind == I else (d_w, d_i)
-        self._pending[key] = theirs
-        return mine
 
 
 class CommModel:

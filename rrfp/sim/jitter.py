@@ -20,17 +20,26 @@ Integers enter modulo 2^64 (two's complement for negatives); kind codes are
 :data:`KIND_CODE`.
 
 Injected jitter (the paper's model): each F and each backward, with probability ``p``, gets an
-extra delay ``d = a * max(b, e) * (0.5 + U(0, 1))``, ``e`` being its stage's running average
-compute time, ``e <- 0.9 e + 0.1 c``. Levels: J0 (p = 0), J1 (0.1, 5 ms, 0.5), J2 (0.2, 10 ms,
-1.0), J3 (0.3, 15 ms, 1.5).
+extra delay ``d = a * max(b, e) * (0.5 + U(0, 1))``. Levels: J0 (p = 0), J1 (0.1, 5 ms, 0.5),
+J2 (0.2, 10 ms, 1.0), J3 (0.3, 15 ms, 1.5).
+
+``e`` is the paper's "running average compute time" of the task's stage, taken at its steady
+state: the stage's *expected* compute per task, the mean of its expected forward and backward
+(a running average ``e <- 0.9 e + 0.1 c`` over a stage that runs as many forwards as
+backwards settles there). The caller passes it (:class:`rrfp.sim.duration.DurationModel`: from
+the stage's costs; ``benchmarks/harness.py``: from the stage's calibrated or slept costs). An
+average of the tasks actually run would depend on the order they ran in, so two hints would
+meet different delays on the same task (by at most 0.16% of the suite's makespans, measured
+before this rule); with ``e`` fixed per stage, every draw is a pure function of the task's key
+and ``e``, and every hint, the real harness and the exact optimiser of ``benchmarks/oracle.py``
+meet the same workload.
 
 A split backward is one backward (:meth:`InjectedJitter.split_backward`): one draw keyed on kind
-``B`` with the same ``e`` as the full backward, shared between ``I`` and ``W`` in proportion to
-their compute times (``d_I = d * c_I / (c_I + c_W)``, ``d_W = d - d_I``), and folded into ``e``
-once, with ``c = c_I + c_W``. So a split-backward schedule gets the injected work of the
-unsplit one on each microbatch (not two draws, each with the floor ``b``), and ``e`` does not
-depend on whether the backward is split. The benchmark harness does the same
-(``benchmarks/harness.py``: ``JitterHarness.delay(mb, "B", share)``).
+``B`` with the stage's ``e``, shared between ``I`` and ``W`` in proportion to their compute
+times (``d_I = d * c_I / (c_I + c_W)``, ``d_W = d - d_I``). So a split-backward schedule gets the
+injected work of the unsplit one on each microbatch (not two draws, each with the floor ``b``).
+The benchmark harness does the same (``benchmarks/harness.py``: ``I``'s share sleeps on the
+input-gradient path, ``W``'s on the weight-gradient path).
 
 Pure module: no torch, no numpy, no I/O.
 """
@@ -178,7 +187,7 @@ def injected_delay(
     ``level.a * max(level.b, e) * (0.5 + U)``, else 0.
 
     Args:
-        e: the stage's running average compute time before this task (seconds).
+        e: the stage's expected compute per task (seconds; the module docstring).
         streams: the (hit, size) streams; messages use their own pair.
     """
     if level.p <= 0.0:
@@ -190,17 +199,8 @@ def injected_delay(
 
 
 class InjectedJitter:
-    """The paper's injected jitter with its per-stage running average (RRFP §7).
-
-    Call it once per F and once per backward (a split backward through
-    :meth:`split_backward`), in the order the stage dispatches its tasks, with the task's compute
-    time ``c`` (seconds, without the injected delay: the average tracks the work, not the
-    injected noise, so it cannot feed on itself). It returns the extra delay, drawn with
-    ``e`` = the average over the stage's earlier tasks (the first task's own ``c`` when there
-    is none), then folds ``c`` into the average: ``e <- 0.9 e + 0.1 c``.
-
-    The draws are keyed, so two users with the same seed get the same delays for the same task
-    as long as they feed the same compute times in the same per-stage order.
+    """The paper's injected jitter (RRFP §7) at one level and seed: stateless, so any call
+    order gives the same delays.
 
     Args:
         level: the jitter level (:data:`LEVELS` or :func:`parse_jitter`).
@@ -210,31 +210,20 @@ class InjectedJitter:
     def __init__(self, level: JitterLevel, seed: int = 0) -> None:
         self.level = level
         self.seed = seed
-        self._avg: dict[int, float] = {}
 
-    def running_average(self, stage: int) -> float | None:
-        """The stage's current ``e`` in seconds, None before its first task."""
-        return self._avg.get(stage)
+    def __call__(self, step: int, stage: int, microbatch: int, kind: str, e: float) -> float:
+        """The injected delay (seconds) of task ``(stage, kind, microbatch)`` of step ``step``,
+        ``e`` the stage's expected compute per task (seconds, module docstring)."""
+        return injected_delay(self.level, self.seed, step, stage, microbatch, kind, e)
 
-    def reset(self) -> None:
-        """Forget every running average (a new run)."""
-        self._avg.clear()
-
-    def __call__(self, step: int, stage: int, microbatch: int, kind: str, compute: float) -> float:
-        e = self._avg.get(stage, compute)
-        d = injected_delay(self.level, self.seed, step, stage, microbatch, kind, e)
-        self._avg[stage] = 0.9 * e + 0.1 * compute
-        return d
-
-    def split_backward(self, step: int, stage: int, microbatch: int, c_i: float, c_w: float) -> tuple[float, float]:
+    def split_backward(self, step: int, stage: int, microbatch: int, e: float, c_i: float,
+                       c_w: float) -> tuple[float, float]:
         """The injected delays ``(d_I, d_W)`` (seconds) of a split backward whose ``I`` and
-        ``W`` compute ``c_i`` and ``c_w`` seconds: the full backward's draw (kind ``B``, this
-        stage's ``e``), shared in proportion to ``c_i : c_w`` (half each when both are 0),
-        and ``c_i + c_w`` folded into ``e`` once, as a full backward would. Call it once per
-        split backward, where the stage's full backward would have been called."""
-        c = c_i + c_w
-        d = self(step, stage, microbatch, "B", c)
+        ``W`` compute ``c_i`` and ``c_w`` seconds: the full backward's draw (kind ``B``, the
+        stage's ``e``), shared in proportion to ``c_i : c_w`` (half each when both are 0)."""
+        d = self(step, stage, microbatch, "B", e)
         if d == 0.0:
             return 0.0, 0.0
+        c = c_i + c_w
         d_i = d * (c_i / c if c > 0 else 0.5)
         return d_i, d - d_i

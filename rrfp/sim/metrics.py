@@ -2,8 +2,8 @@
 
 Lower bound (RRFP "Bounds": the busiest stage's work plus unavoidable fill and drain), made
 exact for any placement, cost model and communication delays, and computed from the run's own
-task durations (with jitter, durations depend on the dispatch order, so each run is bounded
-with its own). For each rank ``r`` with first stage ``s0`` (its lowest stage):
+task durations (a split and a full backward differ, so each run is bounded with its own).
+For each rank ``r`` with first stage ``s0`` (its lowest stage):
 
 - head: every task of ``r`` depends on a forward of ``s0`` (a backward needs its stage's
   forward; ``F(s, m)`` on a later stage of ``r`` needs ``F(s0, m)``). ``F(s0, m)`` cannot start

@@ -284,8 +284,24 @@ def auto_within(rows: Sequence[SuiteRow], tolerance: float = 0.02) -> tuple[int,
     return hits, len(pts)
 
 
-def suite_targets(rows: Sequence[SuiteRow], hint: str) -> list[tuple[str, str, bool]]:
-    """The simulator targets for ``hint``: (target, figure with its ceiling, met)."""
+WITHIN = 0.95
+"""``auto`` within 2% of the best of its candidates at this share of points or more."""
+
+ORACLE = "python -m benchmarks.oracle"
+"""The exact optimiser that judges the targets against the optimum (OR-Tools, optional)."""
+
+
+def suite_targets(rows: Sequence[SuiteRow], hint: str) -> list[tuple[str, str, bool | None]]:
+    """The simulator's targets for ``hint``: (target, figure, met), ``met`` None where the
+    target is judged elsewhere (against the optimum, by :data:`ORACLE` on the 4-rank points;
+    the figure here is the speedup it stands for, with the suite's bounds beside it).
+
+    The targets, restated against what is achievable (issue 33): the memory-aware ceiling is
+    a bound that no schedule is shown to reach (the best schedules an exact optimiser found on
+    the 4-rank points stay well below it), so "median >= 1.10x" and "V=1 median >= 0.95 of the
+    ceiling" gave way to fractions of the optimum: ``auto`` at least 0.98 of it at the median
+    over the points with variability and at least 0.95 at every point; and ``auto`` within 2%
+    of the best of its candidates at :data:`WITHIN` of the points (was 90%)."""
     eq = [r for r in rows if r.memory == "1f1b"]
     var = [r for r in eq if r.scenario in VARIABLE]
     worst_row = min(eq, key=lambda r: r.speedup(hint), default=None)
@@ -295,27 +311,30 @@ def suite_targets(rows: Sequence[SuiteRow], hint: str) -> list[tuple[str, str, b
     med = variable_median(rows, hint)
     med_ceil = _median([r.ceiling for r in var])
     med_ideal = _median([r.ideal for r in var])
-    v1 = [r for r in var if r.n_virtual == 1]
-    med_v1, ceil_v1 = _median([r.speedup(hint) for r in v1]), _median([r.ceiling for r in v1])
     unl = [r.makespan[hint] / min(r.bound.values()) for r in rows if r.memory == "unlimited"]
     med_b = _median(unl)
-    out = [
+    out: list[tuple[str, str, bool | None]] = [
         (f"{hint} at 1F1B's memory never below 1.00x the baseline, every seed",
          f"min {worst:.3f}x{where}; min ceiling {min((r.ceiling for r in eq), default=math.nan):.3f}x", worst >= 1.0),
-        (f"{hint} at 1F1B's memory, median over scenarios with variability >= 1.10x",
-         f"median {med:.3f}x (memory-aware ceiling: median {med_ceil:.3f}x, so 1.10x is "
-         f"{'within' if med_ceil >= 1.10 else 'above'} it; memory-blind ideal {med_ideal:.3f}x)", med >= 1.10),
-        (f"{hint} at 1F1B's memory, V=1, median >= 0.95 of the memory-aware ceiling",
-         f"median {med_v1:.3f}x against a median ceiling of {ceil_v1:.3f}x: {med_v1 / ceil_v1:.3f} of it",
-         med_v1 >= 0.95 * ceil_v1),
+        (f"{hint} at 1F1B's memory, at least 0.98 of the optimum, median over scenarios with variability "
+         f"(judged by `{ORACLE}`)",
+         f"median speedup {med:.3f}x (memory-aware ceiling: median {med_ceil:.3f}x; memory-blind ideal "
+         f"{med_ideal:.3f}x)", None),
+        (f"{hint} at 1F1B's memory, at least 0.95 of the optimum at every point (judged by `{ORACLE}`)",
+         f"min speedup {worst:.3f}x", None),
         (f"{hint} unlimited, median makespan within 1.05x of the lower bound",
          f"median {med_b:.3f}x (ceiling 1.000x)", med_b <= 1.05),
     ]
     if hint == auto.AUTO:
         hits, n = auto_within(rows)
-        out.append(("auto within 2% of the best candidate at >= 90% of points",
-                    f"{hits} of {n} points ({100 * hits / n if n else math.nan:.1f}%)", n > 0 and hits >= 0.9 * n))
+        out.append((f"auto within 2% of the best candidate at >= {100 * WITHIN:.0f}% of points",
+                    f"{hits} of {n} points ({100 * hits / n if n else math.nan:.1f}%)", n > 0 and hits >= WITHIN * n))
     return out
+
+
+def verdict(ok: bool | None) -> str:
+    """A target's verdict cell: met, **missed**, or where it is judged."""
+    return f"- (`{ORACLE}`)" if ok is None else "met" if ok else "**missed**"
 
 
 def judged_hints(hints: Sequence[str]) -> list[str]:
@@ -364,8 +383,11 @@ def suite_markdown(rows: Sequence[SuiteRow], hints: Sequence[str], wall_s: float
         "there (the memory rule: `rrfp/scheduler/memory.py`); `unlimited` has no budget. Random",
         f"scenarios run under seeds {', '.join(map(str, SEEDS))}; {', '.join(STEADY)} draw nothing and run once.",
         "Message delays are keyed by the message (direction, stage, microbatch), not by the task that",
-        "sent it, and a split backward shares the full backward's injected draw, so every hint meets",
-        "the same workload.",
+        "sent it, a split backward shares the full backward's injected draw, and the injected jitter's",
+        "`e` is the stage's expected compute per task (`rrfp.sim.jitter`), so every task's duration is",
+        "a pure function of the task: every hint meets the same workload.",
+        f"Targets against the optimum are judged by `{ORACLE}` (OR-Tools CP-SAT on the 4-rank points,",
+        "its table in BENCHMARKS.md); here their figures, the speedups they stand for.",
         "",
         "*ideal*: the baseline over the memory-blind lower bound. *ceiling*: the baseline over the",
         "memory-aware bound (`rrfp.sim.metrics.memory_bound`: at 1F1B's budget with one stage per",
@@ -375,8 +397,9 @@ def suite_markdown(rows: Sequence[SuiteRow], hints: Sequence[str], wall_s: float
         "candidates with the simulator on a profile measured under a seed of its own, then runs its",
         f"trial, the strict schedule and the best two by simulation, {auto.TRIAL_ROUNDS} rounds of one step each in",
         "rotating order, every trial step simulated on the point's workload under a seed of its own,",
-        "and keeps the smallest median step time (the strict schedule when the best is not faster by",
-        f"more than {100 * auto.TIE:g}%: `rrfp.sim.auto.keep`, the rule `rrfp train` uses). Neither step sees the",
+        "and keeps the smallest median step time (a hint counts as faster only beyond",
+        f"{100 * auto.TIE:g}% or the trial steps' spread, where larger; among the tied, the strict schedule,",
+        "else the first candidate in order: `rrfp.sim.auto.keep`, the rule `rrfp train` uses). Neither step sees the",
         "draws `auto` is judged on; it chooses once per point and is judged at every seed by the",
         "makespan of the hint it kept" + (f"; candidates not known to this build: {', '.join(skipped)}." if skipped else "."),
         "",
@@ -387,7 +410,7 @@ def suite_markdown(rows: Sequence[SuiteRow], hints: Sequence[str], wall_s: float
     ]
     for h in judged_hints(hints):
         for t, fig, ok in suite_targets(rows, h):
-            lines.append(f"| {t} | {fig} | {'met' if ok else '**missed**'} |")
+            lines.append(f"| {t} | {fig} | {verdict(ok)} |")
     lines += ["", "## Per hint: min and median speedup over the baseline, ceiling beside", "",
               format_markdown(["hint", "memory", "min", "median", "ceiling min", "ceiling median"],
                               median_speedups(rows, hints)), "",
@@ -459,7 +482,7 @@ def run_suite_command(args: Any, hints: Sequence[str] | None, ranks: Sequence[in
     print(format_text(header, cells))
     for h in judged_hints(hints):
         for t, fig, ok in suite_targets(rows, h):
-            print(f"# {'met   ' if ok else 'MISSED'} {t}: {fig}")
+            print(f"# {'oracle' if ok is None else 'met   ' if ok else 'MISSED'} {t}: {fig}")
     print(f"# {wall:.1f} s wall, {cpu:.1f} s CPU")
     if args.markdown:
         write(args.markdown, suite_markdown(rows, hints, wall, suite_command(args, ranks), cpu))

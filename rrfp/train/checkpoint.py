@@ -1,22 +1,28 @@
-"""Checkpoints of ``rrfp train``: sharded with ``torch.distributed.checkpoint`` (DCP), committed
-atomically, resumed bit for bit.
+"""Checkpoints of ``rrfp train``: sharded with ``torch.distributed.checkpoint`` (DCP), keyed by
+the model's own parameter names, committed atomically, resumed under any layout.
 
-What one checkpoint holds (every rank writes its own part; the keys never collide because
-every model key carries its stage index):
+What one checkpoint holds (every rank writes its share; DCP writes a tensor, or a piece of one,
+once however many ranks hold it):
 
-* ``model.stage{s}.<name>``: the parameters of stage ``s`` (its :class:`~rrfp.model.gpt.GPTStage`
-  names; with ``--tp`` above 1, ``model.stage{s}.tp{t}.<name>``: TP rank ``t``'s shard), and
-  ``optim.*``: the AdamW state of the same parameters, keyed the same way
-  (``torch.distributed.checkpoint.state_dict.get_state_dict``). DP replicas hold equal copies
-  under equal keys: DCP writes each key once and every replica reads it back, so a checkpoint
-  resumes under another ``--dp`` (DCP's resharding; the global batch of a step does not depend
-  on ``--dp``). Another ``--tp`` or pipeline layout is refused (:data:`LAYOUT_KEYS`);
-* ``train.step``: optimizer steps done; ``train.data``: the data position (the sampler's seed,
-  batch size and pool size, and the next step's index: :class:`~rrfp.data.batches.BatchSampler`
-  is random access by step, so the next step's index *is* its state);
+* ``model.<name>`` and ``optim.*``: the parameters and their AdamW state under the unsplit
+  model's ``state_dict()`` names (:mod:`rrfp.train.dcp`): a checkpoint resumes under another
+  ``--stages``, ``--virtual-stages``, ``--placement``, ``--tp``, ``--dp`` or ``--dp-shard``
+  (DCP reassembles each tensor from the pieces written and reads each rank the pieces it holds
+  now), and ``rrfp export`` reads it in one process (:mod:`rrfp.train.export`);
+* ``train.step``: optimizer steps done; the data position is in ``rrfp.json`` (the sampler's
+  seed, batch size and pool size, and the next step's index:
+  :class:`~rrfp.data.batches.BatchSampler` is random access by step, so the next step's index
+  *is* its state; a step's global batch does not depend on the layout);
 * ``rng.pp{p}dp{d}tp{t}``: the torch, Python ``random`` and numpy generator states of the rank
-  at those coordinates (a rank resumed at a DP index the checkpoint lacks takes replica
-  ``d % dp``'s).
+  at those coordinates (a rank resumed at coordinates the checkpoint lacks takes those of
+  ``(p % pp, d % dp, t % tp)`` of the written layout: draws, e.g. dropout's, then differ from
+  an uninterrupted run's; the presets have no dropout).
+
+``rrfp.json`` also records the layout it was written at, the learning-rate schedule's state,
+the hint ``--hint auto`` kept (if any), the model's configuration (what ``rrfp export`` writes as
+``config.json``) and the SHA-256 of every file (:mod:`rrfp.train.ckpt_verify`; a checkpoint
+without them is refused). Checkpoints of format 1 and 2 (keyed by stage index) still load, at the
+layout that wrote them.
 
 Layout on disk (``--checkpoint-dir DIR``)::
 
@@ -26,11 +32,11 @@ Layout on disk (``--checkpoint-dir DIR``)::
 
 A checkpoint is committed in three moves: every rank writes its shards into the ``.tmp-``
 folder, DCP's coordinator (rank 0) writes ``.metadata`` once all shards are in, then rank 0
-writes ``rrfp.json`` (the layout and step) and renames the folder to ``step-N``. A rename is
-atomic, so a crash at any point leaves either no new ``step-N`` or a whole one, and the
-previous checkpoint stays loadable. ``--resume auto`` takes the newest ``step-N`` that has
-``rrfp.json``. ``<job>`` is the job's tag (:func:`~rrfp.train.ckpt_lock.job_tag`): pruning
-deletes only the job's own half-written folders, never another job's.
+writes ``rrfp.json`` and renames the folder to ``step-N``. A rename is atomic, so a crash at any
+point leaves either no new ``step-N`` or a whole one, and the previous checkpoint stays
+loadable. ``--resume auto`` takes the newest ``step-N`` that has ``rrfp.json``. ``<job>`` is the
+job's tag (:func:`~rrfp.train.ckpt_lock.job_tag`): pruning deletes only the job's own
+half-written folders, never another job's.
 """
 
 from __future__ import annotations
@@ -49,8 +55,8 @@ from pathlib import Path
 META_FILE = "rrfp.json"
 """Written last into a checkpoint, just before the rename that commits it."""
 
-FORMAT = 2
-_FORMATS = (1, 2)  # 1: one pipeline, RNG states keyed ``rank{pp_rank}``
+FORMAT = 3
+_FORMATS = (1, 2, 3)  # 1: one pipeline, RNG states keyed ``rank{pp_rank}``; 1-2: keyed by stage index
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 CRASH_ENV = "RRFP_TEST_CRASH_IN_CHECKPOINT"
@@ -59,10 +65,16 @@ step, after its own shard is on disk and before the checkpoint is committed, in 
 attempt of the job only (``TORCHELASTIC_RESTART_COUNT`` 0). It lets a test kill a writer at a
 chosen point instead of racing a timer."""
 
+FORMAT_ENV = "RRFP_TEST_CHECKPOINT_FORMAT"
+"""Test hook: ``2`` writes checkpoints keyed by stage index, as rrfp did before format 3, so a
+test can check that those still load."""
+
 LAYOUT_KEYS = ("stages", "virtual_stages", "placement", "model", "max_len", "tp")
-"""Flags a checkpoint must be resumed with (the shapes and keys of its shards depend on them);
-``--dp`` may change."""
-_DEFAULTS = {"tp": 1, "dp": 1}  # flags of checkpoints written before they were recorded
+"""Flags a checkpoint of format 1-2 must be resumed with (the shapes and keys of its shards
+depend on them); ``--dp`` may change."""
+MODEL_KEYS = ("model", "max_len")
+"""Flags a checkpoint of format 3 must be resumed with: the layout may change, the model not."""
+_DEFAULTS = {"tp": 1, "dp": 1, "dp_shard": "none"}  # flags of checkpoints written before they were recorded
 DATA_KEYS = ("seed", "batch_size")
 
 
@@ -157,12 +169,15 @@ def check_writable(path: str | os.PathLike) -> str | None:
 
 
 def check_compatible(meta: dict, args: argparse.Namespace, what: str) -> str | None:
-    """Why a checkpoint cannot resume this run (another layout, model or data stream), or None."""
-    for key in LAYOUT_KEYS + DATA_KEYS:
+    """Why a checkpoint cannot resume this run (another model or data stream; for a checkpoint
+    keyed by stage index, another layout), or None."""
+    by_stage = meta["format"] < 3
+    for key in (LAYOUT_KEYS if by_stage else MODEL_KEYS) + DATA_KEYS:
         have, want = meta["args"].get(key, _DEFAULTS.get(key)), getattr(args, key, _DEFAULTS.get(key))
         if have != want:
             flag = "--pp" if key == "stages" else "--" + key.replace("_", "-")  # --stages: an alias
-            why = " (a checkpoint resumes under another --dp only)" if key in LAYOUT_KEYS else ""
+            why = (f" (a checkpoint of format {meta['format']}, keyed by stage index, resumes under another --dp "
+                   "only)") if by_stage and key not in MODEL_KEYS else ""
             return f"{what} was written with {flag} {have}, this run has {flag} {want}: expected the same{why}"
     return None
 
@@ -246,58 +261,69 @@ class Checkpointer:
         stages: this rank's :class:`~rrfp.runtime.engine.stage.PipelineStage` objects.
         optimizer: the optimizer over exactly these stages' parameters.
         n_samples: size of the sample pool the sampler draws from (0 on ranks without data).
+        schedule: the learning-rate scheduler (its state is saved and restored), or None.
+        chooser: the ``--hint auto`` controller, whose kept hint is recorded, or None.
+
+    Saving and loading raise ValueError (one line) for a stage module without a map to the
+    unsplit model's names (:func:`rrfp.model.names.full_names`).
     """
 
-    def __init__(self, args: argparse.Namespace, layout, stages, optimizer, n_samples: int = 0) -> None:
+    def __init__(self, args: argparse.Namespace, layout, stages, optimizer, n_samples: int = 0,
+                 schedule=None, chooser=None) -> None:
         self.args = args
         self.layout = layout
         self.rank = layout.rank
         self.n_ranks = layout.pp * layout.dp * layout.tp
         self.root = Path(args.checkpoint_dir) if args.checkpoint_dir else None
-        self.optimizer = optimizer
+        self.stages, self.optimizer, self.schedule, self.chooser = stages, optimizer, schedule, chooser
         self.n_samples = n_samples
-        import torch
-
-        # One module whose parameter names carry the stage index (and the TP rank: a shard),
-        # so DCP's keys say which stage a tensor belongs to, and only DP replicas share keys.
-        def part(m):
-            return torch.nn.ModuleDict({f"tp{layout.tp_rank}": m}) if layout.tp > 1 else m
-
-        self.module = torch.nn.ModuleDict({f"stage{s.stage_index}": part(s.submod) for s in stages})
+        self._keyed = None
+        self.model_config = model_config(stages) if self.rank == 0 else None
         self.last_saved: int | None = None
 
     # ------------------------------------------------------------------ state dicts
+    @property
+    def keyed(self):
+        """The name-keyed state (:class:`~rrfp.train.dcp.NameKeyed`), built when first needed:
+        importing DCP takes seconds, which a run without checkpoints does not spend."""
+        if self._keyed is None:
+            from .dcp import NameKeyed
+
+            self._keyed = NameKeyed(self.stages, self.optimizer, self.layout.tp_rank, self.layout.tp)
+        return self._keyed
+
+    def _by_stage(self):
+        from .dcp import StageKeyed
+
+        return StageKeyed(self.stages, self.optimizer, self.layout.tp_rank, self.layout.tp)
+
     def _rng_key(self, meta: dict | None = None) -> str:
-        """This rank's RNG entry; in a checkpoint ``meta`` of another ``--dp``, the entry of
-        replica ``dp_rank % dp`` at the same coordinates."""
+        """This rank's RNG entry; in a checkpoint ``meta`` of another layout, the entry at the
+        coordinates modulo that layout's degrees."""
         lay = self.layout
         if meta is not None and meta["format"] == 1:
             return f"rank{lay.pp_rank}"
-        dp = lay.dp if meta is None else meta["args"].get("dp", 1)
-        return f"rng.pp{lay.pp_rank}dp{lay.dp_rank % dp}tp{lay.tp_rank}"
+        a = {} if meta is None else meta["args"]
+        pp, dp, tp = a.get("stages", lay.pp), a.get("dp", 1 if a else lay.dp), a.get("tp", 1 if a else lay.tp)
+        return f"rng.pp{lay.pp_rank % pp}dp{lay.dp_rank % dp}tp{lay.tp_rank % tp}"
 
-    def _state(self, step: int, meta: dict | None = None) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+    def _state(self, keyed, step: int, meta: dict | None = None) -> dict:
+        return {**keyed.state(), "train": {"step": step}, self._rng_key(meta): {"rng": _rng_state()}}
 
-        # Flattened: every optimizer entry keyed by its parameter's name (``state.stage1.x.exp_avg``,
-        # ``param_groups.stage1.x.lr``), so no two ranks write the same key.
-        model, optim = get_state_dict(self.module, self.optimizer, options=_options())
-        return {
-            "model": model,
-            "optim": optim,
-            "train": {"step": step},
-            self._rng_key(meta): {"rng": _rng_state()},
-        }
-
-    def _meta(self, step: int) -> dict:
-        return {
-            "format": FORMAT,
+    def _meta(self, step: int, fmt: int) -> dict:
+        meta = {
+            "format": fmt,
             "step": step,
             "world_size": self.n_ranks,
-            "args": {k: getattr(self.args, k, _DEFAULTS.get(k)) for k in LAYOUT_KEYS + DATA_KEYS + ("dp",)},
+            "args": {k: getattr(self.args, k, _DEFAULTS.get(k)) for k in LAYOUT_KEYS + DATA_KEYS + ("dp", "dp_shard")},
             "data": {"next_step": step, "n_samples": self.n_samples},
             "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
         }
+        if fmt >= 3:
+            meta["lr_schedule"] = None if self.schedule is None else self.schedule.state_dict()
+            meta["hint"] = None if self.chooser is None else self.chooser.chosen
+            meta["model_config"] = self.model_config
+        return meta
 
     # ------------------------------------------------------------------ save
     def save(self, step: int) -> Path:
@@ -317,8 +343,12 @@ class Checkpointer:
         tmp = self.root / f".tmp-step-{step:08d}-{token[0]}"
         from .ckpt_verify import METADATA, digest, digesting_writer
 
+        from .dcp import SavePlanner
+
         writer = _crashing_writer(tmp, self.rank, step) if _crash_requested(self.rank, step) else digesting_writer(tmp)
-        dcp.save(self._state(step), storage_writer=writer)
+        fmt = 2 if os.environ.get(FORMAT_ENV) == "2" else FORMAT
+        dcp.save(self._state(self.keyed if fmt >= 3 else self._by_stage(), step), storage_writer=writer,
+                 planner=SavePlanner())
         # Every rank hashed the shards it wrote; rank 0 records them all with the checkpoint.
         digests = [None] * self.n_ranks if self.rank == 0 else None
         dist.gather_object(getattr(writer, "digests", {}), digests, dst=0)
@@ -332,7 +362,7 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise ValueError(f"--checkpoint-dir={os.fspath(self.root)!r} was taken over by job {other!r}: "
                                  f"the checkpoint of step {step} is not committed")
-            _commit(tmp, final, {**self._meta(step), "files": files})
+            _commit(tmp, final, {**self._meta(step, fmt), "files": files})
             self._prune()
         dist.barrier()  # nobody reports the checkpoint before it is committed
         self.last_saved = step
@@ -369,10 +399,13 @@ class Checkpointer:
             The step to continue from (optimizer steps done).
 
         Raises:
-            ValueError: the checkpoint is not committed or was written for another layout.
+            ValueError: the checkpoint is not committed, its files differ from their digests
+                (or it has none), or it was written for another model or data stream (a
+                checkpoint of format 1-2: another layout).
         """
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from .dcp import LoadPlanner
 
         meta = read_meta(path)
         problem = check_compatible(meta, self.args, f"checkpoint {os.fspath(path)!r}")
@@ -382,24 +415,39 @@ class Checkpointer:
         if problem:
             raise ValueError(problem)
         self._check_files(path, meta)
-        state = self._state(0, meta)
+        keyed = self.keyed if meta["format"] >= 3 else self._by_stage()
+        state = self._state(keyed, 0, meta)
         from torch.distributed.checkpoint.api import CheckpointException
 
         from .ckpt_verify import first_line
 
         try:
-            dcp.load(state, checkpoint_id=os.fspath(path))
+            dcp.load(state, checkpoint_id=os.fspath(path), planner=LoadPlanner())
         except CheckpointException as e:  # a BaseException, whose text is every rank's traceback
             raise ValueError(f"checkpoint {os.fspath(path)!r}: cannot load its shards: {first_line(e)}") from None
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=_options())
-        _set_rng_state(state[self._rng_key(meta)]["rng"])
         step = int(state["train"]["step"])
         if step != meta["step"] or meta["data"]["next_step"] != step:
             raise ValueError(f"checkpoint {os.fspath(path)!r}: step {step} in the shards, {meta['step']} in {META_FILE}")
+        self._resume_schedule(meta, step)
+        keyed.apply(state)
+        _set_rng_state(state[self._rng_key(meta)]["rng"])
         self.last_saved = step
         return step
 
+    def _resume_schedule(self, meta: dict, step: int) -> None:
+        """The learning-rate schedule as it was after ``step`` steps: its saved state, or, for
+        a checkpoint written before that was saved, the schedule stepped ``step`` times from
+        its start, as the run that wrote it stepped it (before the optimizer's state, whose
+        learning rate the recursive schedules start from, is loaded over the fresh one)."""
+        if self.schedule is None:
+            return
+        if meta.get("lr_schedule") is not None:
+            self.schedule.load_state_dict(meta["lr_schedule"])
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "lr_scheduler.step() before optimizer.step()": on purpose
+            for _ in range(step):
+                self.schedule.step()
 
     def _check_files(self, path: str | os.PathLike, meta: dict) -> None:
         """Every rank hashes its share of the shard files against the digests written with
@@ -412,10 +460,7 @@ class Checkpointer:
 
         from .ckpt_verify import METADATA, check_files, shard_names
 
-        if shard_names(meta):
-            share = shard_names(meta)[self.rank::self.n_ranks] + ([METADATA] if self.rank == 0 else [])
-        else:  # written before the digests: rank 0 checks that every shard is there and long enough
-            share = None if self.rank == 0 else []
+        share = shard_names(meta)[self.rank::self.n_ranks] + ([METADATA] if self.rank == 0 else [])
         problems = [None] * self.n_ranks
         dist.all_gather_object(problems, check_files(path, meta, only=share))
         problem = next((p for p in problems if p), None)
@@ -423,10 +468,22 @@ class Checkpointer:
             raise ValueError(problem)
 
 
-def _options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+def model_config(stages) -> dict | None:
+    """What ``rrfp export`` needs to write the model's ``config.json``: the configuration of a
+    stage (every stage of a model holds the same), ``{"kind": "hf", "config": ...}`` for a
+    ``transformers`` model, ``{"kind": "gpt", "config": ...}`` for a GPT preset, or None."""
+    import dataclasses
 
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+    from ..model.gpt import GPTConfig
+
+    mod = stages[0].submod
+    config = getattr(mod, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        return {"kind": "hf", "config": json.loads(config.to_json_string(use_diff=False))}
+    cfg = getattr(mod, "cfg", None)
+    if isinstance(cfg, GPTConfig):
+        return {"kind": "gpt", "config": dataclasses.asdict(cfg)}
+    return None
 
 
 def _commit(tmp: Path, final: Path, meta: dict) -> None:
@@ -483,89 +540,3 @@ def _crashing_writer(path, rank: int, step: int):
             return fut
 
     return CrashingWriter(path, rank, step)
-
-
-# ----------------------------------------------------------------------------- export
-def export_problem(meta: dict, checkpoint: str | os.PathLike) -> str | None:
-    """Why :func:`export` cannot write the model of checkpoint ``meta`` (torch-free), or None."""
-    a = meta["args"]
-    if a.get("tp", 1) != 1:
-        return (f"checkpoint {os.fspath(checkpoint)!r} holds --tp {a['tp']} shards of each stage: export takes "
-                "checkpoints written with --tp 1")
-    if a.get("model") == "multimodal":
-        return "a --model multimodal checkpoint: export writes the text models (the GPT presets and hf:<model>)"
-    return None
-
-
-def export(checkpoint: str | os.PathLike, out: str | os.PathLike) -> dict:
-    """Write the model of a committed checkpoint as one state dict of the unsplit model: a
-    GPT preset's :class:`~rrfp.model.gpt.GPT`, or for ``hf:<model>`` the ``transformers``
-    model :func:`rrfp.model.hf.hf_model` builds.
-
-    Reads only the ``model.*`` tensors (no process group: DCP's ``no_dist`` load), renames
-    each stage's parameters to the full model's names (``stage1.blocks.0.x`` ->
-    ``blocks.2.x``) and saves ``{name: tensor}`` with ``torch.save`` (written to a temporary
-    file, then renamed). Load it with ``GPT(cfg).load_state_dict(torch.load(out))``, where
-    ``cfg`` is the preset named in the returned description with its ``max_len``, or
-    ``hf_model(spec, max_len=...).load_state_dict(torch.load(out))``.
-
-    Returns:
-        The checkpoint's description (``rrfp.json``).
-
-    Raises:
-        ValueError: ``checkpoint`` is not a committed checkpoint, a shard or ``.metadata`` is
-            missing, truncated or differs from its recorded digest, it was written with
-            ``--tp`` above 1 or ``--model multimodal``, or its stages do not cover the model.
-    """
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from .ckpt_verify import check_files
-
-    meta = read_meta(checkpoint)
-    if (problem := export_problem(meta, checkpoint) or check_files(checkpoint, meta)) is not None:
-        raise ValueError(problem)  # the same check as --resume: a damaged shard is one line, not a traceback
-    reader = dcp.FileSystemReader(os.fspath(checkpoint))
-    md = reader.read_metadata().state_dict_metadata
-    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()
-             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # DCP notes it loads in one process: the intent
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    full_name, expected = _export_names(meta["args"])
-    full = {}
-    for key, t in state.items():
-        stage, name = key.removeprefix("model.").split(".", 1)
-        full[full_name(int(stage.removeprefix("stage")), name)] = t
-    if set(full) != expected:  # the reference model's names: nothing missing, nothing extra
-        missing, extra = sorted(expected - set(full)), sorted(set(full) - expected)
-        raise ValueError(f"checkpoint {os.fspath(checkpoint)!r} does not hold the whole model "
-                         f"(missing {missing[:3]}, unexpected {extra[:3]})")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    torch.save(full, tmp)
-    os.replace(tmp, out)
-    return meta
-
-
-def _export_names(a: dict):
-    """``(full_name(stage, name), expected names)`` for the model a run of arguments ``a`` trained."""
-    import dataclasses
-
-    from ..model.gpt import GPT, GPT_PRESETS, _full_param_name, stage_layer_ranges
-    from .models import HF_PREFIX
-
-    n_stages = a["stages"] * a["virtual_stages"]
-    if a["model"].startswith(HF_PREFIX):
-        from ..model.hf import _family, _full_name, hf_layer_count, hf_model
-
-        model = hf_model(a["model"][len(HF_PREFIX):], a["seed"], a["max_len"])
-        fam = _family(model.config)
-        ranges = stage_layer_ranges(hf_layer_count(model.config), n_stages)
-        prefix = f"{fam.base}.{fam.layers}."
-        return (lambda s, name: _full_name(name, prefix, ranges[s].start)), set(model.state_dict())
-    cfg = dataclasses.replace(GPT_PRESETS[a["model"]], max_len=a["max_len"])
-    ranges = stage_layer_ranges(cfg.n_layer, n_stages)
-    return (lambda s, name: _full_param_name(name, ranges[s].start)), set(GPT(cfg).state_dict())

@@ -6,8 +6,8 @@ shard file (``__<rank>_<n>.distcp``) at an offset listed in ``.metadata``. It ha
 a truncated shard fails deep inside ``torch.load`` on the rank that reads it, and flipped bytes
 inside a tensor's data load without any error. So each rank hashes the shard files it wrote
 (:func:`digesting_writer`), rank 0 records the digests in ``rrfp.json`` with the checkpoint,
-and :func:`check_files` compares them before anything is loaded. Checkpoints written before
-the digests existed are checked for missing and truncated shards only.
+and :func:`check_files` compares them before anything is loaded. A checkpoint without a digest
+for each of its files (its ``files`` map deleted or cut) is refused: it cannot be verified.
 """
 
 from __future__ import annotations
@@ -69,45 +69,53 @@ def shard_extents(path: str | os.PathLike) -> dict[str, int]:
     return extents
 
 
-def check_files(path: str | os.PathLike, meta: dict, only: list[str] | None = None, hashes: bool = True) -> str | None:
+def check_files(path: str | os.PathLike, meta: dict, only: list[str] | None = None) -> str | None:
     """The first problem with a committed checkpoint's files, as one line naming the file, or None.
 
     Args:
         path: the checkpoint folder (``step-N``).
         meta: its ``rrfp.json`` (:func:`rrfp.train.checkpoint.read_meta`); ``meta["files"]``
-            holds the digests written with it, absent in older checkpoints.
-        only: check just these shard files (a rank's share of the work); None: all.
-        hashes: compare contents with the recorded digests (reads every byte); False: only
-            that each file exists and is long enough.
+            holds the digests written with it.
+        only: check just these files (a rank's share of the work; ``.metadata`` among them or
+            not); None: all. Either way every file must have a recorded digest.
     """
     where = os.fspath(path)
-    recorded = meta.get("files") or {}
+    recorded = meta.get("files")
+    if not isinstance(recorded, dict) or not _is_digest(recorded.get(METADATA)):
+        return (f"checkpoint {where!r}: its rrfp.json records no digests of its files ('files' is missing or has "
+                f"no {METADATA}), so it cannot be verified before loading: expected a checkpoint as rrfp train "
+                "commits it")
     try:
-        if hashes and METADATA in recorded and (only is None or METADATA in only) and digest(Path(path) / METADATA) != recorded[METADATA]:
+        if (only is None or METADATA in only) and digest(Path(path) / METADATA) != recorded[METADATA]:
             return f"checkpoint {where!r}: {METADATA} differs from the one written with it (damaged after saving)"
         extents = shard_extents(path)
     except FileNotFoundError:
         return f"checkpoint {where!r}: {METADATA} is missing"
     except (OSError, ValueError) as e:
         return f"checkpoint {where!r}: {e}"
+    unrecorded = sorted(n for n in extents if not _is_digest(recorded.get(n)))
+    if unrecorded:
+        return f"checkpoint {where!r}: shard {unrecorded[0]} has no digest in its rrfp.json, so it cannot be verified"
     for name in sorted(extents if only is None else set(only) & set(extents)):
         f = Path(path) / name
         try:
             size = f.stat().st_size
         except OSError as e:
             return f"checkpoint {where!r}: shard {name} is unreadable ({e.strerror or e})"
-        want = recorded.get(name, {}).get("bytes")
-        if size < extents[name] or (want is not None and size != want):
-            want = extents[name] if want is None else want
+        want = recorded[name]["bytes"]
+        if size < extents[name] or size != want:
             return f"checkpoint {where!r}: shard {name} has {size} bytes, expected {want} (truncated or damaged)"
-        if hashes and name in recorded:
-            try:
-                same = digest(f)["sha256"] == recorded[name]["sha256"]
-            except OSError as e:
-                return f"checkpoint {where!r}: shard {name} is unreadable ({e.strerror or e})"
-            if not same:
-                return f"checkpoint {where!r}: shard {name} differs from the one written with it (damaged after saving)"
+        try:
+            same = digest(f)["sha256"] == recorded[name]["sha256"]
+        except OSError as e:
+            return f"checkpoint {where!r}: shard {name} is unreadable ({e.strerror or e})"
+        if not same:
+            return f"checkpoint {where!r}: shard {name} differs from the one written with it (damaged after saving)"
     return None
+
+
+def _is_digest(d) -> bool:
+    return isinstance(d, dict) and isinstance(d.get("bytes"), int) and isinstance(d.get("sha256"), str)
 
 
 def shard_names(meta: dict) -> list[str]:

@@ -16,11 +16,13 @@ import sys
 
 from ..errors import UsageError
 from ..scheduler.hints import HINT_NAMES, ORDER_HINTS
+from ..runtime.features.recheck import RECHECK_EVERY, recheck_steps
 from ..sim.auto import AUTO
 from ..lines import say
 from ..transport import registry as transports
 from .early import DEFAULT_STAGES, SAMPLE_POOL, check_flags
 from .linger import FINISHED_ENV, all_finished
+from .stop import PREEMPTED
 
 DEFAULTS = dict(
     stages=DEFAULT_STAGES,
@@ -51,12 +53,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--placement", choices=["loop", "v"], default="loop", help="virtual-stage placement")
     p.add_argument("--transport", choices=transports.names(transports.PROCESS), default="zmq",
                    help=f"how tensors travel between ranks (rrfp/transport/registry.py): {transports.help_text(transports.PROCESS)}")
+    add_port_flag(p)
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
     p.add_argument("--hint", default=DEFAULTS["hint"], help=f"auto (measure this job's costs, simulate and try the candidates, keep the fastest: rrfp/runtime/features/auto.py), "
                    f"{', '.join(HINT_NAMES + ORDER_HINTS)}, backfill:<order>; strict-<name> for the fixed order; "
                    "order:<per-rank actions> or a .csv file")
+    p.add_argument("--auto-recheck", default=str(RECHECK_EVERY), metavar="N|off",
+                   help="with --hint auto: steps between re-checks (one more trial round each; a switch needs a hint "
+                   "measured faster than the kept one beyond the tie); off: keep the first choice")
     p.add_argument("--inflight-limit", default=DEFAULTS["inflight_limit"], metavar="L",
                    help="in-flight limit: an integer, or '1f1b' for p - rank; without it, 32, except that a schedule "
                    "used as a hint (1f1b, gpipe, PyTorch's 1F1B...), and auto's candidates, keep that schedule's own peak unless --memory-budget is given")
@@ -85,6 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     # Parallel layout (rrfp/parallel): one pipeline per (dp, tp) coordinate.
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree: pipelines that each take 1/dp of the batch")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: ranks that share each stage's attention and MLP")
+    add_dp_shard_flag(p)
     from . import device
 
     device.add_flags(p)
@@ -112,6 +119,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="rank 0 writes every step's loss here at the end, one line '<step> <float.hex>' "
                    "(exact: two runs compare bit for bit)")
     p.set_defaults(func=run, _parser=p)
+
+
+def add_dp_shard_flag(p: argparse.ArgumentParser) -> None:
+    """``--dp-shard`` (rrfp/parallel/sharded.py)."""
+    p.add_argument("--dp-shard", choices=("none", "optimizer", "full"), default="none",
+                   help="with --dp: none (each replica holds whole parameters, gradients and AdamW states), full "
+                   "(FSDP2 fully_shard of each block and stage over the DP ranks: gathered once per step, gradients "
+                   "reduce-scattered; --precision bf16 computes in bf16 and reduces in fp32), optimizer (refused: "
+                   "under FSDP2 it would hold more bytes than full for the same communication)")
+
+
+def add_port_flag(p: argparse.ArgumentParser) -> None:
+    """``--port-range``: where the ranks' ZeroMQ sockets bind (rrfp/transport/zmq_rendezvous.py)."""
+    p.add_argument("--port-range", default=None, metavar="LO-HI",
+                   help="ports the ranks' ZeroMQ sockets bind, e.g. 29500-29599: each rank the first free one "
+                   "(a firewall or NetworkPolicy can then name them; docs/operations.md); without it, env "
+                   "RRFP_PORT_RANGE, else a port the OS picks")
 
 
 def add_job_flags(p: argparse.ArgumentParser) -> None:
@@ -147,6 +171,7 @@ def validate(args: argparse.Namespace) -> None:
     """
     if not getattr(args, "checked_early", False):
         check_flags(args)
+    recheck_every(args)
     from . import device
 
     device.validate(args)
@@ -167,6 +192,44 @@ def validate(args: argparse.Namespace) -> None:
                 raise UsageError(f"{ENV_SECRET}: {e}") from None
     if args.data:
         _check_samples(args)
+    from .._net import parse_port_range
+
+    spec, what = port_range(args)
+    if spec:
+        try:
+            parse_port_range(spec, what)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+
+
+def port_range(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The ZeroMQ port range the ranks will bind in (``--port-range``, else
+    ``RRFP_PORT_RANGE``) and where it came from, for an error line."""
+    from .._net import PORT_RANGE_ENV
+
+    if getattr(args, "port_range", None):
+        return args.port_range, "--port-range"
+    return os.environ.get(PORT_RANGE_ENV) or None, PORT_RANGE_ENV
+
+
+def recheck_every(args: argparse.Namespace) -> int:
+    """``--auto-recheck`` as steps between ``auto``'s re-checks
+    (:func:`~rrfp.runtime.features.recheck.recheck_steps`; 0: ``off``).
+
+    Raises:
+        UsageError: neither ``off`` nor an integer >= 0, or other than the default with a hint
+            other than ``auto``.
+    """
+    from ..runtime.doors.names import hint_text
+
+    text = getattr(args, "auto_recheck", None)
+    try:
+        every = recheck_steps(text)
+    except ValueError as e:
+        raise UsageError(f"--auto-recheck={text!r}: {e}") from None
+    if every != RECHECK_EVERY and hint_text(args.hint) != AUTO:
+        raise UsageError(f"--auto-recheck={text!r} applies to --hint auto only; this run has --hint {args.hint}")
+    return every
 
 
 def _check_samples(args: argparse.Namespace) -> None:
@@ -210,6 +273,11 @@ def run(args: argparse.Namespace) -> int:
     if (done := nothing_to_do(args)) is not None:
         say(done)  # the run is complete already: starting ranks would change nothing
         return 0
+    from .._net import port_range_problem
+
+    spec, what = port_range(args)
+    if problem := port_range_problem(spec, args.stages * args.dp * args.tp, what):  # all ranks on this host
+        raise UsageError(problem)
     import uuid
 
     from .ckpt_lock import FolderInUse, hold
@@ -227,12 +295,15 @@ def run(args: argparse.Namespace) -> int:
 
 def launch(args: argparse.Namespace) -> int:
     """Start ``stages x dp x tp`` ranks on this machine, forked from a zygote that imported
-    torch once (:mod:`rrfp.train.zygote`); the exit code of ``rrfp train``: 0, 1 with one
-    line naming the rank that failed first, :data:`PIPE_CLOSED`, or 128 + a signal that
-    stopped the run."""
+    torch once (:mod:`rrfp.train.zygote`); the exit code of ``rrfp train``: 0 when the run
+    finished, :data:`~rrfp.train.stop.PREEMPTED` when a SIGTERM stopped it (the launcher's
+    :class:`~rrfp.train.stop.StopForwarder` asks the ranks to end the step in progress),
+    1 with one line naming the rank that failed first, :data:`PIPE_CLOSED`, or 128 + another
+    signal that stopped the run."""
     import tempfile
 
     from ..transport.auth import ENV_SECRET, JobAuth
+    from .stop import STOP_FILE_ENV, StopForwarder
     from .zygote import LocalJob, Signalled
 
     world = args.stages * args.dp * args.tp
@@ -242,15 +313,25 @@ def launch(args: argparse.Namespace) -> int:
     # --job-secret-file or a secret already in the environment is kept.
     if not getattr(args, "job_secret_file", None) and not env.get(ENV_SECRET):
         env[ENV_SECRET] = JobAuth.generate()
+    checkpoint_dir = getattr(args, "checkpoint_dir", None)
     with tempfile.TemporaryDirectory(prefix="rrfp-train-") as folder:
         finished = None
         if getattr(args, "metrics_linger", 0) > 0:
             env[FINISHED_ENV] = finished = os.path.join(folder, "finished")
             os.mkdir(finished)
+        then = ", commit a checkpoint" if checkpoint_dir else ""
+        env[STOP_FILE_ENV] = os.path.join(folder, "stop-requested")
         with LocalJob(getattr(args, "argv", None) or ["train"], world, env, folder) as job:
+            stop = StopForwarder(env[STOP_FILE_ENV], f"rrfp train: SIGTERM: asking the ranks to end the step in "
+                                 f"progress{then} and exit {PREEMPTED}", children=job.running,
+                                 finished=finished and (lambda: all_finished(finished, world)), raises=Signalled)
+            signal.signal(signal.SIGTERM, stop)  # LocalJob puts the launcher's own back
             try:
-                job.start()
-                failures = job.wait()
+                try:
+                    job.start()
+                    failures = job.wait()
+                finally:
+                    stop.ended = True
             except Signalled as e:
                 job.stop(e.sigval)
                 name = signal.Signals(e.sigval).name
@@ -262,12 +343,32 @@ def launch(args: argparse.Namespace) -> int:
             except RuntimeError as e:  # the store's process could not start
                 say(f"rrfp train: error: {e}", sys.stderr)
                 return 1
-    if not failures:
-        return 0
+    return _outcome(failures, job.signalled, (args.dp, args.tp), stop.requested, checkpoint_dir)
+
+
+def _outcome(failures: dict, signalled: set[int], degrees: tuple[int, int], stopped: bool,
+             checkpoint_dir: str | None) -> int:
+    """The launcher's last line and exit code from its ranks' ends (``failures``: the ranks
+    that exited non-zero, :class:`~rrfp.train.zygote.Failure`); ``stopped``: a SIGTERM asked
+    the ranks to stop."""
+    from .stop import saved, stopped_cleanly
+
     if any(f.exitcode == PIPE_CLOSED for f in failures.values()):
         return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
-    say(f"rrfp train: error: {describe_failures(failures, job.signalled, (args.dp, args.tp))}", sys.stderr)
-    return 1
+    if stopped and failures:
+        if stopped_cleanly(failures):
+            say(f"rrfp train: stopped on SIGTERM: every rank ended the step in progress and exited {PREEMPTED}; "
+                f"{saved(checkpoint_dir)}")
+        else:
+            say(f"rrfp train: stopped on SIGTERM before every rank could finish a step; {saved(checkpoint_dir)}",
+                sys.stderr)
+        return PREEMPTED
+    if failures:
+        say(f"rrfp train: error: {describe_failures(failures, signalled, degrees)}", sys.stderr)
+        return 1
+    if stopped:
+        say(f"rrfp train: SIGTERM came after the last step: training finished; {saved(checkpoint_dir)}")
+    return 0
 
 
 PIPE_CLOSED = 141
@@ -275,12 +376,14 @@ PIPE_CLOSED = 141
 
 
 class _NoPipeClosedErrors:
-    """Drops the agent's error record for a rank that stopped because its reader left, and
-    its note that it stops the others (the one-line summary says so)."""
+    """Drops the agent's error record for a rank that stopped because its reader left or on a
+    SIGTERM stop (:data:`~rrfp.train.stop.PREEMPTED`), and its note that it stops the others
+    (the one-line summary says so)."""
 
     def filter(self, record) -> bool:
         text = record.getMessage()
-        return f"exitcode: {PIPE_CLOSED})" not in text and "closing signal SIGTERM" not in text
+        return not any(f"exitcode: {code})" in text for code in (PIPE_CLOSED, PREEMPTED)) \
+            and "closing signal SIGTERM" not in text
 
 
 def _quiet_launcher_logs(recorder=None) -> None:

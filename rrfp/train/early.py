@@ -193,11 +193,26 @@ def _check_layout(args: argparse.Namespace) -> None:
     cfg = GPT_PRESETS.get(args.model)  # None: hf:<model>, whose --tp is checked with the model
     if args.tp > 1 and cfg is not None and (cfg.n_head % args.tp or cfg.ff_width % args.tp):
         raise UsageError(f"--tp={args.tp}: expected a divisor of the {cfg.n_head} attention heads of model {args.model!r}")
+    _check_dp_shard(args)
     if args.microbatches * args.dp > args.batch_size:
         raise UsageError(f"--microbatches={args.microbatches} x --dp={args.dp} exceeds --batch-size={args.batch_size}: "
                          "each replica's microbatches need at least one sample")
     if args.trace is not None and args.dp * args.tp > 1:
         raise UsageError(f"--trace records one pipeline: expected --dp 1 --tp 1 with it (got --dp {args.dp} --tp {args.tp})")
+
+
+def _check_dp_shard(args: argparse.Namespace) -> None:
+    """--dp-shard against --dp, --precision and --deterministic (rrfp/parallel/sharded.py)."""
+    shard = getattr(args, "dp_shard", "none")
+    if shard == "optimizer":
+        raise UsageError("--dp-shard optimizer: not available: under FSDP2 the replicated parameters would sit beside "
+                         "their shards (more bytes than full) for the same one all-gather and reduce-scatter per step "
+                         "that full makes; expected none or full")
+    if shard == "full" and args.dp < 2:
+        raise UsageError(f"--dp-shard full shards each stage over the DP replicas: expected --dp 2 or more (got --dp {args.dp})")
+    if shard == "full" and args.deterministic and getattr(args, "precision", "fp32") == "bf16":
+        raise UsageError("--dp-shard full --precision bf16 with --deterministic: FSDP2 accumulates bf16 gradients in "
+                         "fp32 in its own order; expected fp32, or no --deterministic")
 
 
 def _check_schedule(args: argparse.Namespace) -> None:

@@ -1,24 +1,24 @@
-"""``rrfp export CHECKPOINT --out model.pt``: a checkpoint's model as one state dict of the
-unsplit model (:func:`rrfp.train.checkpoint.export`): the GPT presets' ``GPT``, or the
-``transformers`` model of an ``hf:<model>`` run."""
+"""``rrfp export CHECKPOINT --out FOLDER``: a checkpoint's model as a Hugging Face folder that
+``transformers.AutoModelForCausalLM.from_pretrained(FOLDER)`` loads (:mod:`rrfp.train.export`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from .._paths import output_file_problem
 from ..errors import UsageError
-from .checkpoint import export, export_problem, read_meta
+from .checkpoint import read_meta
+from .export import export, export_problem, out_problem
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """``rrfp export CHECKPOINT --out model.pt``."""
-    p = sub.add_parser("export", help="write a checkpoint's model as one state dict of the unsplit model",
-                       description="Write the model of a committed rrfp checkpoint (a step-N folder) as one "
-                       "unsplit state dict: for the GPT presets it loads into rrfp.model.gpt.GPT, for hf:<model> "
-                       "into the transformers model (rrfp.model.hf.hf_model).")
+    """``rrfp export CHECKPOINT --out FOLDER``."""
+    p = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face folder (from_pretrained)",
+                       description="Write the model of a committed rrfp checkpoint (a step-N folder, of any layout) "
+                       "as a Hugging Face folder, config.json and safetensors, that "
+                       "transformers.AutoModelForCausalLM.from_pretrained loads: hf:<model> as itself, the GPT "
+                       "presets as GPT2LMHeadModel configured to compute exactly what rrfp's GPT computes.")
     p.add_argument("checkpoint", help="a committed checkpoint folder (DIR/step-NNNNNNNN)")
-    p.add_argument("--out", required=True, help="the .pt file to write")
+    p.add_argument("--out", required=True, metavar="FOLDER", help="the folder to write (new, or empty)")
     p.set_defaults(func=run_export)
 
 
@@ -30,25 +30,20 @@ def check(args: argparse.Namespace) -> str | None:
         return f"{args.checkpoint!r}: {e}"
     if (problem := export_problem(meta, args.checkpoint)) is not None:
         return f"{args.checkpoint!r}: {problem}"
-    if (problem := output_file_problem(args.out)) is not None:
+    if (problem := out_problem(args.out)) is not None:
         return f"--out={args.out!r}: {problem}"
     return None
 
 
 def run_export(args: argparse.Namespace) -> int:
     try:
-        meta = export(args.checkpoint, args.out)
+        meta, cls = export(args.checkpoint, args.out)
     except ValueError as e:
         msg = str(e)
-        raise UsageError(msg if msg.startswith("checkpoint ") else f"{args.checkpoint!r}: {msg}") from None
+        raise UsageError(msg if msg.startswith(("checkpoint ", "--out=")) else f"{args.checkpoint!r}: {msg}") from None
     except OSError as e:
         raise UsageError(f"--out={args.out!r}: {e.strerror or e}") from None
     a = meta["args"]
-    if a["model"].startswith("hf:"):
-        load = (f"rrfp.model.hf.hf_model({a['model'][3:]!r}, max_len={a['max_len']})"
-                ".load_state_dict(torch.load(...))")
-    else:
-        load = (f"GPT(dataclasses.replace(GPT_PRESETS[{a['model']!r}], max_len={a['max_len']}))"
-                ".load_state_dict(torch.load(...))")
-    print(f"wrote {args.out}: model {a['model']!r} (max_len {a['max_len']}) after {meta['step']} steps; load with {load}")
+    print(f"wrote {args.out}: model {a['model']!r} (max_len {a['max_len']}) after {meta['step']} steps as {cls}; "
+          f"load with transformers.AutoModelForCausalLM.from_pretrained({args.out!r})")
     return 0

@@ -38,9 +38,9 @@ def hf_layers(args: argparse.Namespace) -> int:
     """The decoder layers of ``--model hf:<spec>``, checked without building it.
 
     Raises:
-        UsageError: an unknown name, a folder without a readable ``config.json``, an
-            unsupported model type, positions fewer than ``--max-len``, ``--tp`` above 1,
-            or ``transformers`` not installed.
+        UsageError: an unknown name, a folder without a readable ``config.json`` or without
+            safetensors weights (:func:`hf_weights_check`), an unsupported model type, positions
+            fewer than ``--max-len``, ``--tp`` above 1, or ``transformers`` not installed.
     """
     import importlib.util
 
@@ -72,12 +72,30 @@ def hf_layers(args: argparse.Namespace) -> int:
     layers = config.get("num_hidden_layers", config.get("n_layer"))
     if not isinstance(layers, int) or layers < 1:
         raise UsageError(f"{flag}: config.json gives no layer count (num_hidden_layers or n_layer)")
+    hf_weights_check(path, flag)
     return layers
+
+
+def hf_weights_check(path: Path, flag: str) -> None:
+    """A saved model's weights, as every rank will read its stages' tensors from them: the
+    safetensors files (one, or the shards its index names) exist and their headers read.
+    Reads no tensor and does not import torch.
+
+    Raises:
+        UsageError: one line naming the folder or file and what was expected.
+    """
+    from ..model.hf_weights import weights_problem
+
+    if (problem := weights_problem(path)) is not None:
+        raise UsageError(f"{flag}: {problem}")
 
 
 def text_stages(args: argparse.Namespace, n_stages: int, stage_ids: list[int]):
     """This rank's stage modules of a text model and the pipeline's ``tied=`` (None when
-    no weight is shared across stages)."""
+    no weight is shared across stages). Only these stages are built: on the meta device, then
+    materialised alone (a GPT preset's parameters drawn per name, ``hf:`` tensors read from
+    the folder's safetensors files), so each holds what the unsplit model holds under the same
+    names, whatever ``--pp``, ``--virtual-stages`` or ``--placement``."""
     if is_hf(args.model):
         from ..model.hf import build_hf_stages
 

@@ -50,8 +50,9 @@ def grad_norm_share(params: Iterable[torch.Tensor], layout) -> float:
     """This rank's share of the squared global gradient norm: the squares of the gradients it
     counts (:func:`rrfp.parallel.clip.counted`: a replicated or tied copy on one rank only).
     The reporting ranks' shares add up to the global squared norm. With TP, shards live on
-    ranks that do not report, so the squares are all-reduced over the world and pipeline rank
-    0 reports the total (every rank must call this then)."""
+    ranks that do not report, as FSDP2 shards do on every DP rank (``--dp-shard full``), so the
+    squares are then all-reduced over the world and pipeline rank 0 reports the total (every
+    rank must call this then)."""
     import torch
 
     from ..parallel.clip import counted
@@ -61,7 +62,7 @@ def grad_norm_share(params: Iterable[torch.Tensor], layout) -> float:
         if p.grad is not None and counted(p, layout):
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             sq += g.detach().to(torch.float64).pow(2).sum().cpu()
-    if layout is not None and layout.tp > 1:
+    if layout is not None and (layout.tp > 1 or getattr(layout, "dp_shard", "none") != "none"):
         import torch.distributed as dist
 
         dist.all_reduce(sq)

@@ -27,6 +27,7 @@ from ..parallel.clip import clip_grad_norm_
 from ..parallel.train import replica_samples, reports, train_layout
 from ..runtime.doors.pipeline import Pipeline
 from ..runtime.engine.stage import PipelineStage
+from ..runtime.features.recheck import recheck_steps
 from ..scheduler.tasks import Placement
 from . import device
 from .accum import accumulated_step
@@ -48,9 +49,10 @@ TP_IMPL = "manual"
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run this rank of ``rrfp train`` under a launcher; returns 0, or ends the process with a
-    non-zero exit after one line on stderr (130: interrupted, :data:`PIPE_CLOSED`: the reader
-    of rank 0's output went away)."""
+    """Run this rank of ``rrfp train`` under a launcher; returns 0 (the run finished) or
+    :data:`~rrfp.train.stop.PREEMPTED` (stopped on SIGTERM after the checkpoint of the step in
+    progress), or ends the process with a non-zero exit after one line on stderr (130:
+    interrupted, :data:`PIPE_CLOSED`: the reader of rank 0's output went away)."""
     from .. import _pdeathsig
 
     _pdeathsig.die_with_parent()  # again: the API entry skips __main__ (already set: a no-op)
@@ -82,8 +84,15 @@ def main(args: argparse.Namespace) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    if getattr(args, "port_range", None):
+        from .._net import PORT_RANGE_ENV
+
+        os.environ[PORT_RANGE_ENV] = args.port_range  # read where the transport binds (zmq_rendezvous.bind_in_range)
     init_distributed()
     layout = train_layout(args)  # this process's pp_rank in its pipeline, one per (dp_rank, tp_rank)
+    from . import alive
+
+    alive.start(layout.rank)  # rrfp node's /healthz: a beat one long task cannot hold up
     import logging
 
     for name in GlobalRankNames.LOGGERS:
@@ -95,6 +104,15 @@ def _main(args: argparse.Namespace) -> int:
     run.train()
     if args.trace:
         write_trace(args, layout.pp_rank, layout.pp, run.records, run.out_bytes or {}, run.step_log)
+    if run.stop.stopped_after is not None:
+        # Stopped on SIGTERM, its checkpoint committed (Checkpointer.save ends with a barrier):
+        # not a finished run, so no linger, and the code a restart rule matches.
+        from .stop import PREEMPTED
+
+        dist.destroy_process_group()
+        if metrics_server is not None:
+            metrics_server.close()
+        return PREEMPTED
     from .linger import mark_finished
 
     if metrics_server is not None and args.metrics_linger > 0 and mark_finished(layout.rank):
@@ -155,6 +173,18 @@ class _RankData:
 
             for st in self.stages:
                 shard_gpt_stage(st.submod, layout.tp_rank, layout.tp, layout.tp_group, TP_IMPL)
+        if getattr(args, "dp_shard", "none") == "full":
+            from ..parallel.train import dp_shard_mesh, shard_stage
+
+            dev = device.resolve_device(args.device)  # sharded where it computes (CUDA: untested here)
+            if dev.type == "cuda":
+                torch.cuda.set_device(dev)
+            mesh = dp_shard_mesh(layout, dev.type)
+            for st in self.stages:  # FSDP2's mixed precision stands for autocast under bf16
+                st.submod.to(dev)
+                st.device = dev
+                shard_stage(st.submod, layout, args.precision, last=st.stage_index == n_stages - 1, mesh=mesh)
+            return
         for st in self.stages:
             use_autocast(st.submod, args.precision, st.device.type, last=st.stage_index == n_stages - 1)
 
@@ -170,6 +200,7 @@ def _pipeline(args: argparse.Namespace, layout, place: Placement, data: _RankDat
         transport=getattr(args, "transport", "zmq"),
         layout=layout if layout.dp * layout.tp > 1 else None,
         memory_budget=getattr(args, "memory_budget", None), tied=data.tied,
+        auto_recheck=recheck_steps(getattr(args, "auto_recheck", None)),
         **device.pipeline_kwargs(args),
     )
     chooser = pipe.auto
@@ -216,9 +247,10 @@ class _Run:
         from .stop import GracefulStop
 
         sampler = self.data.sampler
-        self.stop = GracefulStop(default_store(), layout.rank, timeout_s=args.watchdog,  # before loading: SIGTERM may come any time
-                                 checkpoint=getattr(args, "checkpoint_dir", None) is not None)
-        self.ckpt = Checkpointer(args, layout, stages, self.opt, n_samples=len(sampler.samples) if sampler else 0)
+        self.stop = GracefulStop(default_store(), layout.rank, dist.get_world_size(), timeout_s=args.watchdog,
+                                 checkpoint=getattr(args, "checkpoint_dir", None) is not None)  # before loading: SIGTERM may come any time
+        self.ckpt = Checkpointer(args, layout, stages, self.opt, n_samples=len(sampler.samples) if sampler else 0,
+                                 schedule=self.sched, chooser=self.chooser)
         self.first = self.end = 0
         resume = self.ckpt.resume_path()
         if resume is not None:
@@ -230,6 +262,8 @@ class _Run:
         if self.reporter is not None:
             self.reporter.next_step = self.first
         if self.chooser is not None:
+            if resume is not None:
+                _keep_recorded_hint(self.chooser, args, resume)
             self.chooser.run_length(args.steps - self.first)
 
     # ------------------------------------------------------------ the run
@@ -300,7 +334,9 @@ class _Run:
             self.step_flops.take()
         if args.clip_grad is not None:
             clip_grad_norm_(params, args.clip_grad, layout)
-        gnorm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])) \
+        # This rank's own part (an FSDP2 shard's local tensor): a finiteness check, no collective.
+        gnorm = float(torch.nn.utils.get_total_norm([getattr(p.grad, "_local_tensor", p.grad) for p in params
+                                                     if p.grad is not None])) \
             if any(p.grad is not None for p in params) else 0.0
         poisoned = check_finite(k, layout.rank, None if loss is None else float(loss), gnorm)
         if poisoned is None:
@@ -353,6 +389,8 @@ class _Run:
 
     def _after(self, end: int) -> bool:
         """Checkpoint after step ``end`` (1-based) when due; True: a graceful stop was asked."""
+        from .stop import PREEMPTED
+
         args, layout = self.args, self.layout
         self.end = end
         pause_for_test(default_store(), end, layout.rank, args.watchdog)  # off unless a test sets its env
@@ -363,7 +401,8 @@ class _Run:
             if layout.rank == 0:
                 _after_step(self.reporter, end, f"rrfp train: checkpoint {path} committed after step {end}")
         if stopping and layout.pp_rank == 0:
-            _after_step(self.reporter, end, f"rrfp train: stopped after step {end} on request (SIGTERM)")
+            _after_step(self.reporter, end, f"rrfp train: stopped after step {end} on request (SIGTERM), "
+                        f"the step in progress; exit {PREEMPTED}")
         return stopping
 
     def _drain(self) -> None:
@@ -376,6 +415,7 @@ class _Run:
             reporter.flush()
         if chooser is not None:
             reporter.hint_detail = (f" (kept {chooser.chosen})" if chooser.chosen else
+                                    f" (too short to choose: ran {chooser.strict})" if chooser.too_short else
                                     f" (still measuring: too few steps to choose; last ran {chooser.current})")
         reporter.summary(time.perf_counter() - self.t_begin)
 
@@ -396,6 +436,30 @@ class _Run:
         self.pipe.abort()
         # The root cause, not what it broke (e.g. gloo's reset connection), by global rank.
         return None if broken_pipe else named_globally(lost or e, self.layout)
+
+
+RECORDED_LAYOUT = ("stages", "virtual_stages", "placement", "tp", "dp", "dp_shard")
+"""The flags a checkpoint's ``auto`` choice was measured under: a resume at another of them
+measures and chooses anew."""
+
+
+def _keep_recorded_hint(chooser, args: argparse.Namespace, resume) -> None:
+    """Under ``--hint auto``, a resumed run keeps the hint the checkpoint's run chose
+    (``rrfp.json``'s ``"hint"``, :meth:`AutoHint.adopt <rrfp.runtime.features.auto.AutoHint.adopt>`),
+    when it was measured at this layout; every rank reads the same file, so all decide alike."""
+    from .checkpoint import _DEFAULTS, read_meta
+
+    meta = read_meta(resume)
+    hint, written = meta.get("hint"), meta.get("args") or {}
+    if not isinstance(hint, str) or not hint:
+        return
+    moved = [k for k in RECORDED_LAYOUT if written.get(k, _DEFAULTS.get(k)) != getattr(args, k, _DEFAULTS.get(k))]
+    if moved:
+        if chooser.say:
+            chooser.say(f"hint auto: the checkpoint's choice {hint} was measured at another layout "
+                        f"(--{moved[0].replace('_', '-')} {written.get(moved[0], _DEFAULTS.get(moved[0]))}); measuring anew")
+        return
+    chooser.adopt(hint, f"checkpoint {os.path.basename(os.fspath(resume))}")
 
 
 def _after_step(reporter: Reporter | None, step: int, line: str) -> None:

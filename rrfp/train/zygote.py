@@ -61,16 +61,16 @@ _BORN_IN = os.getpid()
 
 
 class Signalled(Exception):
-    """The launcher got one of :data:`SIGNALS`; ``sigval`` is the signal (torch's
-    ``SignalException`` carries it under the same name)."""
+    """The launcher got one of :data:`SIGNALS`; ``sigval`` is the signal (built as torch's
+    ``SignalException`` is, which :class:`rrfp.train.stop.StopForwarder` may raise instead)."""
 
-    def __init__(self, sigval: int) -> None:
-        super().__init__(f"got {signal.Signals(sigval).name}")
+    def __init__(self, message: str, sigval: int) -> None:
+        super().__init__(message)
         self.sigval = sigval
 
 
 def _raise(signum, frame) -> None:
-    raise Signalled(signum)
+    raise Signalled(f"{os.getpid()} got {signal.Signals(signum).name}", sigval=signum)
 
 
 def context():
@@ -177,6 +177,10 @@ class LocalJob:
             p = ctx.Process(target=_rank, args=(self.argv, env), name=f"rrfp rank {r}")
             p.start()
             self.procs.append(p)
+
+    def running(self) -> list[int]:
+        """The pids of the ranks started and not yet ended."""
+        return [p.pid for p in self.procs if p.exitcode is None]
 
     def _error_file(self, rank: int) -> str:
         return os.path.join(self.folder, f"error-{rank}.json")

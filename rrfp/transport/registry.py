@@ -192,7 +192,7 @@ def _fake_planes(nccl_like: bool) -> Callable[[LocalContext], LocalGroup]:
 
 
 BUILTIN: dict[str, TransportEntry] = {
-    "zmq": TransportEntry("tensors ride ZeroMQ frames through host memory (the CPU default)", rank=_zmq),
+    "zmq": TransportEntry("tensors ride ZeroMQ frames through host memory", rank=_zmq),
     "torch": TransportEntry("ZeroMQ announces, torch.distributed point-to-point moves the tensors: NCCL on GPU, "
                             "gloo on CPU", rank=_torch),
     "fake": TransportEntry("one process: an in-memory network with seeded per-message delays", local=_fake),

@@ -54,7 +54,7 @@ from .codec import DEFAULT_MAX_BYTES, MAX_HEADER_BYTES, MAX_TENSORS, Frame, enco
 from .keys import MsgKey
 from .zmq_gate import Gatekeeper
 from .zmq_receive import Receiver
-from .zmq_rendezvous import Rendezvous, _is_loopback, _tcp_endpoint, default_host
+from .zmq_rendezvous import Rendezvous, _is_loopback, bind_in_range, default_host
 from .zmq_wire import BYE, LOST_NOTICE, ZERO_COPY_MIN, send_now
 
 __all__ = ["ZmqTransport", "default_host"]
@@ -232,7 +232,7 @@ class ZmqTransport(Transport):
             self._gate.watch(router)
         if ":" in host:
             router.setsockopt(zmq.IPV6, 1)
-        router.bind(_tcp_endpoint(host))
+        bind_in_range(router, host, self.rank)  # a port the OS picks, or one of --port-range
         self.endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
         # Checked frame by frame as a message is read: routing id + header + tensors.
         self._receiver = Receiver(router, self.rank, self._rank_of, self._auth is not None, MAX_TENSORS + 2,

@@ -32,8 +32,38 @@ def default_host() -> str:
         os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "29500") or 29500))
 
 
-def _tcp_endpoint(host: str) -> str:
-    return f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+def _tcp_endpoint(host: str, port: int = 0) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def bind_in_range(sock: Any, host: str, rank: int) -> None:
+    """Bind ``sock`` on ``host``: on a port the OS picks, or, when :data:`rrfp._net.PORT_RANGE_ENV`
+    names a range (``rrfp train --port-range``), on the first free port of it, trying from
+    ``rank``'s place in it on (so the ranks of a host seldom try the same port twice). A bind
+    either holds the port or fails: nothing is probed free first and raced for.
+
+    Raises:
+        ValueError: the range is malformed (one line naming it).
+        OSError: every port of the range is in use (one line naming the range and the host).
+    """
+    import zmq
+
+    spec = os.environ.get(_net.PORT_RANGE_ENV)
+    if not spec:
+        sock.bind(_tcp_endpoint(host))
+        return
+    first, last = _net.parse_port_range(spec, _net.PORT_RANGE_ENV)
+    n = last - first + 1
+    for i in range(n):
+        port = first + (rank + i) % n
+        try:
+            sock.bind(_tcp_endpoint(host, port))
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE:
+                raise
+    raise OSError(f"rank {rank}: no free port in --port-range {first}-{last} ({_net.PORT_RANGE_ENV}) on {host}: "
+                  f"all {n} are in use; widen the range")
 
 
 class Rendezvous:

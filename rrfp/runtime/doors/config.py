@@ -17,6 +17,7 @@ from ...scheduler.memory import budget_bytes
 from ...scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
 from ...scheduler.validate import order_peak_inflight
 from ...sim.auto import AUTO, auto_first_hint
+from ..features.recheck import RECHECK_EVERY, check_recheck
 from .names import hint_text
 
 DEFAULT_INFLIGHT_LIMIT = 32
@@ -64,6 +65,10 @@ class RuntimeConfig:
             -1: the last): their gradients are summed over the owning stages each step.
         tp_exchange: how TP ranks all-gather their proposals: ``control`` or ``gloo``.
         job: job id in every message key and store entry (None: one per pipeline).
+        auto_recheck: under ``hint="auto"``, steps between re-checks (one more trial round
+            each; a switch needs a hint measured faster than the kept one beyond
+            :func:`~rrfp.sim.auto.margin`, the 1% tie or the trial steps' spread); 0: never,
+            the first choice is kept throughout.
     """
 
     hint: Any = AUTO
@@ -84,6 +89,7 @@ class RuntimeConfig:
     tied: Any = None
     tp_exchange: str = "control"
     job: str | None = None
+    auto_recheck: int = RECHECK_EVERY
 
     @classmethod
     def merge(cls, config: "RuntimeConfig | None", options: Mapping[str, Any]) -> "RuntimeConfig":
@@ -187,7 +193,8 @@ def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: in
 
     Raises:
         ValueError: an unknown hint, placement, backpressure or budget, bad limits, a negative
-            or NaN watchdog, a non-bool ``deterministic``, or a schedule that does not fit the
+            or NaN watchdog, a non-bool ``deterministic``, an ``auto_recheck`` that is not an
+            integer >= 0, or a schedule that does not fit the
             shape (one line naming the value).
         TypeError: a hint that is neither text nor a class.
     """
@@ -196,6 +203,7 @@ def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: in
         raise ValueError(f"watchdog={config.watchdog!r}: expected seconds >= 0 (0 disables the watchdog)")
     if not isinstance(config.deterministic, bool):
         raise ValueError(f"deterministic={config.deterministic!r}: expected True or False")
+    check_recheck(config.auto_recheck)
     place = Placement(n_ranks, n_virtual, config.placement)
     given = config.inflight_limit is not None
     limits = inflight_limits(config.inflight_limit if given else DEFAULT_INFLIGHT_LIMIT, n_ranks)

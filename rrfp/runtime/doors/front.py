@@ -150,7 +150,8 @@ class FrontDoor:
             return
         from ..features.auto import AutoHint
 
-        self.auto = AutoHint(self, share, say=say, same_backward=self.config.deterministic)
+        self.auto = AutoHint(self, share, say=say, recheck_every=self.config.auto_recheck,
+                             same_backward=self.config.deterministic)
 
     @property
     def hint_name(self) -> str:

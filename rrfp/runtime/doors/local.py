@@ -47,7 +47,7 @@ class LocalPipeline(FrontDoor):
 
     Raises:
         ValueError: as :class:`Pipeline`; a transport that is not a name of an in-process one,
-            or a layout with DP or TP.
+            a layout with DP or TP, or a stage sharded with FSDP2's ``fully_shard``.
         TypeError: an unknown option.
     """
 
@@ -85,6 +85,7 @@ class LocalPipeline(FrontDoor):
                              f"one of {', '.join(registry.names(registry.LOCAL))}")
         n_ranks = n_stages // n_virtual
         _check_local_layout(config.layout, n_ranks)
+        _check_unsharded(modules)
         the_plan = plan(config, n_ranks, n_virtual, n_microbatches)
         ranks = [[PipelineStage(modules[s], s, n_stages, dw_builder=dw_builders[s] if dw_builders else None)
                   for s in the_plan.placement.stages_of(r)] for r in range(n_ranks)]
@@ -155,6 +156,17 @@ def _check_local_layout(layout: Any, n_ranks: int) -> None:
     if degrees != {"pp": n_ranks, "dp": 1, "tp": 1}:
         raise ValueError(f"layout {degrees}: LocalPipeline runs one pipeline of {n_ranks} ranks in this process, "
                          f"expected pp={n_ranks}, dp=1, tp=1")
+
+
+def _check_unsharded(modules: Sequence[nn.Module]) -> None:
+    """Raises ValueError: a stage sharded with FSDP2 (one process has no DP peers to shard over)."""
+    from ...parallel.sharded import is_sharded
+
+    for s, m in enumerate(modules):
+        if is_sharded(m):
+            raise ValueError(f"stage {s}'s module is sharded with fully_shard (FSDP2): LocalPipeline runs one pipeline "
+                             "in this process, with no data-parallel peers; expected plain modules (sharded stages run "
+                             "in Pipeline(..., layout=...) across processes)")
 
 
 def _local_ties(tied: Any, modules: Sequence[nn.Module]) -> list[list[nn.Parameter]]:

@@ -6,6 +6,15 @@ Switching from PyTorch is a one-line change::
     schedule = rrfp.Pipeline(stage, n_microbatches=8, loss_fn=loss_fn)   # hint="auto"
     schedule.step(x, target=y, losses=losses)   # then optimizer.step() as usual
 
+Several stages per rank, as torch's multi-stage schedules take them: this rank's
+:class:`PipelineStage` objects in placement order, ``placement="loop"`` (interleaved, rank ``r``
+of ``p`` holds ``r, r + p, ...``) or ``"v"`` (rank ``r`` holds ``r`` and ``2p - 1 - r``)::
+
+    ids = Placement(p, 2, "loop").stages_of(rank)          # p = 2: rank 0 [0, 2], rank 1 [1, 3]
+    schedule = rrfp.Pipeline([PipelineStage(mods[s], s, 2 * p) for s in ids], 8, loss_fn)
+    ids = Placement(p, 2, "v").stages_of(rank)             # p = 2: rank 0 [0, 3], rank 1 [1, 2]
+    schedule = rrfp.Pipeline([PipelineStage(mods[s], s, 2 * p) for s in ids], 8, loss_fn, placement="v")
+
 :class:`Pipeline` is one process's rank of a multi-process pipeline;
 :class:`~rrfp.runtime.doors.local.LocalPipeline` runs every rank in one process over the fake
 transport. Both take a :class:`~rrfp.runtime.doors.config.RuntimeConfig` (or its fields as keyword
@@ -36,7 +45,10 @@ class Pipeline(FrontDoor):
     """This rank's part of a multi-process pipeline (one process per pipeline rank).
 
     Args:
-        stages: this rank's :class:`PipelineStage` (or its virtual stages, in placement order).
+        stages: this rank's :class:`PipelineStage`, or a list of them: its virtual stages, in
+            the order the placement puts them on this rank (``Placement(n_ranks, len(stages),
+            placement).stages_of(rank)``); every stage's ``num_stages`` is ``n_ranks *
+            len(stages)``.
         n_microbatches: microbatches per step.
         loss_fn: ``loss_fn(output, target, **loss_kwargs) -> scalar tensor`` on the last
             stage; None: every step runs forwards only (as PyTorch's schedules).
@@ -59,6 +71,10 @@ class Pipeline(FrontDoor):
     as soon as they are final, the loss is the mean over the global batch's tokens, and TP
     ranks agree before each F and B. The default transport is ZeroMQ with endpoints exchanged
     through torch.distributed's store (initialised from the torchrun environment if needed).
+    Stages whose modules are wrapped in FSDP2's ``fully_shard`` over the layout's ``dp`` mesh
+    (each block, then the stage, as torchtitan does) are sharded instead: their parameters are
+    gathered once per step, their gradients reduce-scattered once they are final
+    (:mod:`rrfp.parallel.sharded`; :attr:`sharded` is the driver).
 
     Every rank checks its own part (stage indices against the placement, hint, limits,
     executor, device) before contacting a peer, and the ranks then agree through the store:
@@ -84,9 +100,18 @@ class Pipeline(FrontDoor):
             a layout of TP > 1 (else None).
         drive_auto: False: the caller calls ``auto.before_step`` / ``auto.after_step`` itself
             (``rrfp train`` does, once per optimizer step).
+        sharded: the :class:`~rrfp.parallel.sharded.ShardedGrads` driving this rank's FSDP2
+            stages (None without them): ``reduced``, ``gathered`` bytes, for
+            :func:`rrfp.parallel.footprint.footprint`.
+
+    An autocast around :meth:`step` (``with torch.autocast(...)``) holds with every executor:
+    the ``thread`` executor re-enters the caller's autocast on its worker for each task
+    (:mod:`rrfp.runtime.engine.autocast`).
 
     Raises:
-        ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch...);
+        ValueError: one line naming a bad argument (unknown hint, stage/rank mismatch, stages
+            that are not ``n_ranks`` x ``len(stages)``, a sharded stage it cannot drive:
+            :func:`~rrfp.parallel.sharded.check_sharded_stages`...);
             ``auto`` where none of its candidates fits the shape.
         TypeError: an unknown option, naming it and the known ones.
         TimeoutError: (from :meth:`step`, ``auto`` over the control plane) a peer's figures
@@ -139,6 +164,9 @@ class Pipeline(FrontDoor):
                     f"{n_stages} stages do not fit {n_ranks} ranks x {len(stages)} virtual stages per rank")
             the_plan = plan(config, n_ranks, len(stages), n_microbatches)
             check_rank(the_plan, rank, stages, config)
+            from ...parallel.sharded import check_sharded_stages
+
+            check_sharded_stages({st.stage_index: st.submod for st in stages}, layout, config.deterministic)
         except (ValueError, TypeError, RuntimeError) as e:
             error = e
         _agree_on_construction(job, rank, n_ranks, error, START_TIMEOUT_S)
@@ -151,13 +179,13 @@ class Pipeline(FrontDoor):
         self.run(self.transport.start())
         self.runtime = self.run(build_runtime(the_plan, config, rank, stages, self.transport, self._io, job))
         self.runtimes = [self.runtime]
-        self.grad_sync = None
+        self.grad_sync = self.sharded = None
         self.tp_agreement = None
         if layout is not None or config.tied:
             from ...parallel.attach import attach_layout
             from ...parallel.layout import ParallelLayout
 
-            self.grad_sync = attach_layout(
+            self.grad_sync, self.sharded = attach_layout(
                 self.runtime, layout or ParallelLayout.build(n_ranks), stages, config.tied, n_stages,
                 the_plan.placement.rank_of, tp_exchange=config.tp_exchange, job=base_job, run=self.run,
                 join_tp=self._join_tp)
@@ -180,6 +208,11 @@ class Pipeline(FrontDoor):
         if self.grad_sync is not None:
             self.grad_sync.begin_step()
 
+    def _end_step(self, stats: list[StepStats], mb_losses, losses, forward_only: bool) -> None:
+        super()._end_step(stats, mb_losses, losses, forward_only)
+        if forward_only and self.sharded is not None:
+            self.sharded.reshard()  # a training step reshards after its reduction; this one has none
+
     async def _aclose(self) -> None:
         await super()._aclose()
         if self.tp_agreement is not None:  # the TP agreement's control transport: say goodbye too
@@ -189,6 +222,8 @@ class Pipeline(FrontDoor):
         # The DP reduction's and TP agreement's helper threads (rrfp.parallel).
         if getattr(self, "grad_sync", None) is not None:
             self.grad_sync.close()
+        if getattr(self, "sharded", None) is not None:
+            self.sharded.close()
         if getattr(self, "tp_agreement", None) is not None:
             self.tp_agreement.close()
 

@@ -26,6 +26,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from ...scheduler.tasks import Task
+from . import autocast
 from .pending import Pending, RunFn
 
 class DeviceCopies(Protocol):
@@ -148,12 +149,14 @@ class ThreadExecutor(_NoDeviceWork):
             self._loop = asyncio.get_running_loop()
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="rrfp-task")
         p = Pending(task, time.perf_counter())
-        self._pool.submit(self._run, p, run_fn)
+        # The caller's autocast around step() is thread-local: carried to the worker (engine/autocast.py).
+        self._pool.submit(self._run, p, run_fn, autocast.capture())
         return p
 
-    def _run(self, p: Pending, run_fn: RunFn) -> None:  # on the worker thread
+    def _run(self, p: Pending, run_fn: RunFn, amp: autocast.AutocastState | None = None) -> None:  # on the worker
         try:
-            out, err = run_fn(p.task), None
+            with autocast.entered(amp):
+                out, err = run_fn(p.task), None
         except BaseException as e:  # noqa: BLE001 - re-raised by the loop
             out, err = [], e
         try:

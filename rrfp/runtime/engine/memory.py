@@ -26,6 +26,7 @@ import contextlib
 from typing import Any, Iterator, Mapping
 
 import torch
+from torch.nn import Parameter
 
 
 class WeightBytes:
@@ -66,8 +67,9 @@ def _numel(inputs: Any) -> int:
 
 class SavedBytes:
     """Counts the bytes of the storages autograd saves for backward, each storage once and
-    parameters (``params``: their storages' ``data_ptr()``) excluded: what a forward leaves
-    held until its backward. Install ``pack`` with ``torch.autograd.graph.saved_tensors_hooks``
+    parameters excluded (``params``: their storages' ``data_ptr()``; and any ``nn.Parameter``
+    or view of one, which is how an FSDP2 stage's parameters gathered for the step appear,
+    in storages allocated anew each step): what a forward leaves held until its backward. Install ``pack`` with ``torch.autograd.graph.saved_tensors_hooks``
     (and ``unpack``); ``total`` is in bytes. The one measuring rule for the runtime's
     memory budget and the benchmarks' budgets."""
 
@@ -81,7 +83,8 @@ class SavedBytes:
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if ptr not in self.params and ptr not in self.seen:
+        if ptr not in self.params and ptr not in self.seen and not (
+                isinstance(t, Parameter) or isinstance(t._base, Parameter)):
             self.seen.add(ptr)
             self.total += st.nbytes()
         return t
@@ -100,7 +103,8 @@ class ForwardSizer:
     """
 
     def __init__(self, modules: Mapping[int, torch.nn.Module], first_stage: int) -> None:
-        self._params = {p.untyped_storage().data_ptr() for m in modules.values() for p in m.parameters()}
+        self._params = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr()  # a DTensor: its local shard
+                        for m in modules.values() for p in m.parameters()}
         self.first_stage = first_stage
         self._per_elem: dict[int, float] = {}  # stage -> bytes per element of the first stage's input
         self._inputs: dict[int, int] = {}  # mb -> elements of its first-virtual-stage input

@@ -21,12 +21,18 @@ class _OrderedGrads:
     """
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.module = module
+        self.params = self.current()
         self.held: dict[int, list] = {}
         self.partial: dict[int, list] = {}
         self.next_mb = 0
         self.held_bytes = 0
         self.peak_held_bytes = 0  # extra gradient memory this mode has needed at once
+
+    def current(self) -> list:
+        # Read at every capture: an FSDP2 stage computes with its gathered parameters, other
+        # objects than those it holds between steps (rrfp.parallel.sharded).
+        return [p for p in self.module.parameters() if p.requires_grad]
 
     def capture(self, mb: int, final: bool = True):
         return _Capture(self, mb, final)
@@ -77,6 +83,7 @@ class _Capture:
         self.acc, self.mb, self.final = acc, mb, final
 
     def __enter__(self) -> None:
+        self.acc.params = self.acc.current()
         self.saved = [p.grad for p in self.acc.params]
         for p in self.acc.params:
             p.grad = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import types
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -89,9 +89,10 @@ class WeightGradStore:
 
     def __init__(self) -> None:
         self.items: list[tuple] = []
+        self.calls: list[Callable[[], None]] = []  # other weight-gradient work (defer_to_weight)
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.items) + len(self.calls)
 
     def nbytes(self) -> int:
         """Bytes the store keeps alive for W: the storages of every deferred ``X`` and
@@ -108,13 +109,40 @@ class WeightGradStore:
         return total
 
     def flush(self) -> None:
-        """Compute and accumulate every deferred weight gradient, then forget them."""
+        """Compute and accumulate every deferred weight gradient, run every deferred call
+        (:func:`defer_to_weight`, in the order deferred), then forget them."""
         for weight, bias, x, dy, in_out in self.items:
             dw, db = _weight_grads(x, dy, bias is not None, in_out)
             _accumulate(weight, dw)
             if bias is not None:
                 _accumulate(bias, db)
         self.items.clear()
+        calls, self.calls = self.calls, []
+        for fn in calls:
+            fn()
+
+
+def defer_to_weight(param: torch.Tensor, fn: Callable[[], None]) -> bool:
+    """From inside an autograd backward: run ``fn()`` with the weight gradients of ``param``'s
+    module, in the split backward's ``W`` when one is deferring them (``fn`` then runs after the
+    layers' deferred weight gradients), else at once (a full backward ``B``, or the first
+    stage's whole backward, which runs in ``W``).
+
+    For weight-gradient work that is not an affine layer's: a custom autograd Function whose
+    backward computes a parameter's gradient by other means (the benchmark harness sleeps
+    ``W``'s share of a backward's injected delay here, ``benchmarks/harness.py``).
+
+    Returns:
+        True when ``fn`` was deferred to ``W``, False when it ran now.
+    """
+    store = getattr(param, "_rrfp_defer", None)
+    if store is None:
+        store = _active
+    if store is None:
+        fn()
+        return False
+    store.calls.append(fn)
+    return True
 
 
 @contextlib.contextmanager

@@ -18,16 +18,22 @@ from torch import nn
 _WRAPPERS = (
     ("torch.nn.parallel.distributed", "DistributedDataParallel", "DistributedDataParallel"),
     ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel", "FullyShardedDataParallel"),
-    ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule", "fully_shard (FSDP2)"),
+    ("torch.distributed._composable.replicate_with_fsdp", "ReplicateModule", "replicate (DDP)"),
 )
 # torch's composable APIs mark a module in a registry attribute instead of wrapping it.
 _COMPOSABLE = {"replicate": "replicate (DDP)", "fully_shard": "fully_shard (FSDP)"}
+# FSDP2's fully_shard: accepted, driven by rrfp.parallel.sharded (its own registry entry is
+# "fully_shard" too, which on a module that is no FSDPModule means FSDP1's composable API).
+_FSDP2 = ("torch.distributed.fsdp._fully_shard._fully_shard", "FSDPModule")
 
 
-def _reducer(module: nn.Module, classes: Sequence[tuple[type, str]], registry_key: str | None) -> str | None:
+def _reducer(module: nn.Module, classes: Sequence[tuple[type, str]], registry_key: str | None,
+             fsdp2: type | None) -> str | None:
     for cls, label in classes:
         if isinstance(module, cls):
             return label
+    if fsdp2 is not None and isinstance(module, fsdp2):
+        return None
     registry = getattr(module, registry_key, None) if registry_key else None
     for api in registry or ():
         if api in _COMPOSABLE:
@@ -41,9 +47,11 @@ def check_stage_module(module: nn.Module, stage_index: int) -> None:
     DDP reduces gradients in its own backward hooks, which fire once per microbatch backward
     and in whatever order the runtime runs them, so replicas would reduce partial, mismatched
     gradients (measured: stage-0 gradients off by 2.7e-2 against a largest entry of 2.9e-2,
-    whether DDP wraps the stage or a submodule of it). FSDP (1 and 2) likewise shards and
-    reduces inside backward. rrfp reduces a stage's gradients itself once they are final
-    (``Pipeline(..., layout=...)``, ``rrfp train --dp N``).
+    whether DDP wraps the stage or a submodule of it). FSDP1 likewise shards and reduces
+    inside backward. rrfp reduces a stage's gradients itself once they are final
+    (``Pipeline(..., layout=...)``, ``rrfp train --dp N``). FSDP2's ``fully_shard`` is
+    accepted: the pipeline turns its per-backward reduction off and runs it once the stage's
+    gradients are final (:mod:`rrfp.parallel.sharded`).
 
     Raises:
         ValueError: one line naming the stage, the submodule's path and the wrapper.
@@ -53,8 +61,9 @@ def check_stage_module(module: nn.Module, stage_index: int) -> None:
     registry_key = getattr(sys.modules.get("torch.distributed._composable.contract"), "REGISTRY_KEY", None)
     if not classes and registry_key is None:
         return
+    fsdp2 = getattr(sys.modules.get(_FSDP2[0]), _FSDP2[1], None)
     for path, sub in module.named_modules():
-        label = _reducer(sub, classes, registry_key)
+        label = _reducer(sub, classes, registry_key, fsdp2 if isinstance(fsdp2, type) else None)
         if label is None:
             continue
         where = f"is wrapped in {label}" if not path else f"holds {label} at submodule {path!r}"

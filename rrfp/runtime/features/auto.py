@@ -17,11 +17,20 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
    one step each, in rotating order (paired: each round's steps are neighbours, so machine
    drift cancels); the step time is the slowest rank's, and the step's forward seconds over
    every rank measure its batch's work. :func:`rrfp.sim.auto.keep` decides (the smallest
-   median of step times rescaled to the trial's median forward work; the strict schedule on a
-   tie within :data:`rrfp.sim.auto.TIE`, so a policy measured slower than it is never kept),
-   the rule the suite's ``auto`` uses too.
-5. Every ``recheck_every`` steps one more round is measured and the choice is made again over
-   every round so far.
+   median of step times rescaled to the trial's median forward work; among the hints within
+   :data:`rrfp.sim.auto.TIE` of it, or within the trial steps' own spread where that is
+   larger (:func:`rrfp.sim.auto.margin`), the strict schedule, else the first in the fixed order of
+   :data:`rrfp.sim.auto.CANDIDATES`, so a policy measured slower than the strict schedule is
+   never kept and noise below the tie cannot flip the choice), the rule the suite's ``auto``
+   uses too.
+5. Every ``recheck_every`` steps (default :data:`RECHECK_EVERY`; 0: never) one more round is
+   measured and the choice is made again over every round so far; it switches only to a hint
+   measured faster than the kept one by more than that margin (the kept one is the incumbent
+   of :func:`~rrfp.sim.auto.keep`).
+
+A choice recorded by an earlier run (``rrfp train`` writes it to the checkpoint's ``rrfp.json``
+as ``"hint"``) is kept by :meth:`AutoHint.adopt` without measuring or a trial: a resumed run
+runs what the run before it chose.
 
 One process says, one line each, which steps measure and which run the trial (with the
 candidates) before they run, and what was kept and why. The candidates are
@@ -40,12 +49,10 @@ from ...scheduler.tasks import F
 from ...sim import auto as sim_auto
 from ...sim.auto import AUTO, TIE, TRIAL_ROUNDS, auto_first_hint
 from ..engine.inbox import ControlQueue
+from .recheck import RECHECK_EVERY, check_recheck, recheck_steps
 
-__all__ = ["AUTO", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare", "Share"]
-
-RECHECK_EVERY = 50
-"""Steps between re-checks: one more trial round (three steps) per 50, about 6% of steps run a
-candidate other than the kept one, most of them within a few percent of it."""
+__all__ = ["AUTO", "RECHECK_EVERY", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare",
+           "Share", "check_recheck", "recheck_steps"]
 
 _PART_ITEMS = 256
 """Items per control message of :class:`ControlShare` (a record is ~50 bytes packed: well
@@ -234,20 +241,27 @@ class AutoHint:
         share: how the ranks share figures (:class:`LocalShare`, :class:`DistShare`,
             :class:`ControlShare`).
         say: writes the process's lines (None: silent; give it on one process only).
-        recheck_every: steps between re-checks (0: never).
+        recheck_every: steps between re-checks (0: never); a re-check switches only to a
+            hint measured faster than the kept one beyond :func:`rrfp.sim.auto.margin`.
         same_backward: only candidates with the strict schedule's backward form (bitwise
             reproducible runs: a split backward computes the same gradients by another path).
 
     Attributes:
-        chosen: the hint kept (None until the trial's last round, or a :meth:`run_length`
-            too short); current: the hint the next step runs; trial: the trial's hints.
+        chosen: the hint kept (None until the trial's last round, and throughout a run
+            :meth:`run_length` found too short to choose, which runs the strict schedule);
+            current: the hint the next step runs; trial: the trial's hints.
+        adopted: the choice was taken from an earlier run (:meth:`adopt`), not measured here.
         measure: ``measure(hint, stats) -> (seconds, forward seconds)`` of this process's
             ranks' stats of a step (default :func:`step_figures`); tests replace it to force
             step times.
+
+    Raises:
+        ValueError: ``recheck_every`` not an integer >= 0.
     """
 
     def __init__(self, pipe: Any, share: Share, *, say: Callable[[str], None] | None = None,
                  recheck_every: int = RECHECK_EVERY, same_backward: bool = False) -> None:
+        check_recheck(recheck_every)
         place = pipe.spec.placement
         self.pipe, self.share = pipe, share
         self.limits, self.budget = list(pipe.plan.limits), pipe.plan.budget
@@ -274,7 +288,7 @@ class AutoHint:
         self.ranking: sim_auto.Ranking | None = None
         self.measure: Callable[[str, Sequence[Any]], tuple[float, float]] = step_figures
         self._record = [rt.loop.record for rt in pipe.runtimes]
-        self.too_short = False
+        self.too_short = self.adopted = False
         self.run_steps: int | None = None
         self.steps = 0
 
@@ -291,12 +305,46 @@ class AutoHint:
         if self.steps:
             raise RuntimeError(f"run_length({steps}) after {self.steps} steps: call it before the first step")
         self.run_steps = steps
+        if self.adopted:
+            return  # nothing to measure: the adopted choice runs throughout
         self.too_short = steps < self.steps_needed()
         if self.too_short:
-            self.plan, self.chosen = [], self.strict
+            self.plan = []
             if self.say:
                 self.say(f"hint auto: a run of {steps} step{'s' if steps != 1 else ''} is too short to "
                          f"measure and try candidates (needs at least {self.steps_needed()}); it runs {self.strict}")
+
+    def adopt(self, hint: Any, source: str = "an earlier run") -> bool:
+        """Keep ``hint``, the choice an earlier run of this job made (``rrfp train`` reads it
+        from the checkpoint it resumes, ``rrfp.json``'s ``"hint"``), without measuring or a
+        trial: from the next step every rank this process runs it (switched through
+        :meth:`FrontDoor.set_hint <rrfp.runtime.doors.front.FrontDoor.set_hint>`), and no
+        re-check runs. Call it on every process of the pipeline with the same ``hint``,
+        before the first step. ``source`` names where the choice was read, for the line.
+
+        Returns:
+            True: adopted. False (said in one line): ``hint`` is not one of this pipeline's
+            candidates (``known``: another placement's, another build's, or another backward
+            form than a deterministic run keeps); the run measures and chooses as usual.
+
+        Raises:
+            RuntimeError: called after this controller's first step.
+        """
+        if self.steps:
+            raise RuntimeError(f"adopt({hint!r}) after {self.steps} steps: call it before the first step")
+        if hint not in self.known:
+            if self.say:
+                self.say(f"hint auto: {source} kept {str(hint)[:80]!r}, not a candidate of this pipeline "
+                         f"({', '.join(self.known)}); measuring anew")
+            return False
+        if hint != self.current:
+            self.pipe.set_hint(hint)
+            self.current = hint
+        self.plan, self.chosen, self.too_short, self.adopted = [], hint, False, True
+        if self.say:
+            self.say(f"hint auto: keeps {hint}, the choice of {source} (no measuring, no trial, no re-check; "
+                     f"--hint {hint} pins it)")
+        return True
 
     def steps_needed(self) -> int:
         """Steps before a choice at the least: the measuring steps, then the trial's rounds of
@@ -305,7 +353,7 @@ class AutoHint:
 
     def unchosen(self) -> str | None:
         """One line for a pipeline closed before a choice (None: a choice was made or no step ran)."""
-        if self.chosen is not None or not self.steps:
+        if self.chosen is not None or self.too_short or not self.steps:
             return None
         left = len(self.plan) if self.ranking is not None else max(1, self.steps_needed() - self.steps)
         return (f"hint auto: closed after {self.steps} step{'s' if self.steps != 1 else ''}, "
@@ -318,11 +366,11 @@ class AutoHint:
 
     def before_step(self, k: int) -> None:
         """Set the hint of step ``k`` (0-based, counted from this run's first step)."""
-        if k == 0 and self.say and self.ranking is None and not self.too_short:
+        if k == 0 and self.say and self.ranking is None and self.plan:
             n = len(self.plan)
             self.say(f"hint auto: steps 1-{n} of this run measure costs ({self.plan[0]} warms up, "
                      f"then {', '.join(self.plan[1:])}), then {TRIAL_ROUNDS} trial rounds of one step per candidate")
-        want = self.plan[0] if self.plan else (self.chosen or self.current)
+        want = self.plan[0] if self.plan else (self.chosen or self.strict)
         if want != self.current:
             self.pipe.set_hint(want)
             self.current = want
@@ -335,7 +383,7 @@ class AutoHint:
         calls it: it shares figures through :attr:`share`)."""
         self.steps = k + 1
         if not self.plan:
-            if self.recheck_every and (k + 1) % self.recheck_every == 0 and self.trial:
+            if self.recheck_every and (k + 1) % self.recheck_every == 0 and self.chosen and self.trial:
                 self.plan = sim_auto.trial_order(self.trial, len(self.walls.get(self.trial[0], [])))
             return
         step_hint = self.plan.pop(0)
@@ -347,7 +395,7 @@ class AutoHint:
                 self.plan = [h for r in range(TRIAL_ROUNDS) for h in sim_auto.trial_order(self.trial, r)]
                 if self.run_steps is not None and k + 1 + len(self.plan) > self.run_steps:
                     # A trial of three candidates that the run would end inside: none is kept.
-                    self.plan, self.chosen, self.too_short = [], self.strict, True
+                    self.plan, self.too_short = [], True
                     if self.say:
                         self.say(f"hint auto: a run of {self.run_steps} steps is too short to try "
                                  f"{', '.join(self.trial)} ({len(self.trial) * TRIAL_ROUNDS} trial steps after "
@@ -403,14 +451,21 @@ class AutoHint:
         self.trial = sim_auto.trial_candidates([h for h, _ in self.ranking.order], self.strict)
 
     def _choose(self) -> None:
+        # A re-check's incumbent stays unless another hint was measured faster beyond the margin.
         med = sim_auto.medians(self.walls)
-        best = sim_auto.keep(self.walls, self.strict)
-        changed = best != self.chosen
+        before = self.chosen
+        best = sim_auto.keep(self.walls, self.strict, incumbent=before, prefer=self.known)
+        changed = best != before
         self.chosen = best
+        need = sim_auto.margin(self.walls)
+        if self.say and changed and before is not None:
+            self.say(f"hint auto: the re-check after step {self.steps} measured {best} faster than {before} by more "
+                     f"than {100 * need:.1f}%: it runs {best} from the next step")
         if self.say and changed:
             walls = ", ".join(f"{h} {1e3 * med[h]:.1f} ms" for h in sorted(med, key=med.get))
             assert self.ranking is not None
             n = len(self.walls[best])
             self.say(f"hint auto chose {best}: median step over {n} trial step{'s' if n != 1 else ''} "
-                     f"(at the trial's median forward work): {walls} "
+                     f"(at the trial's median forward work): {walls}; faster counts beyond {100 * need:.1f}% "
+                     f"(the tie {100 * TIE:g}% or the steps' spread) "
                      f"(measured {self.profile.describe()}; {self.ranking.reason()})")
