@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from rrfp.data.batches import pad_batch
 from rrfp.model.gpt import GPT, lm_loss
 from rrfp.model.tp import tp_slice
 
@@ -42,21 +41,7 @@ def _load(out: Path, scenario: str) -> list[dict]:
     return [torch.load(out / f"{scenario}.rank{r}.pt") for r in range(4)]
 
 
-def _reference(tied: bool = False, steps: int = 1, clip: float | None = None):
-    model = GPT(W.CFG, seed=W.SEED)
-    if tied:
-        model.head.weight = model.tok_emb.weight
-    tokens, targets = pad_batch(W.SAMPLES)
-    losses, norms = [], []
-    for k in range(steps):
-        loss = lm_loss(model(tokens), targets)
-        loss.backward()
-        losses.append(loss.detach())
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        if k < steps - 1:
-            W.sgd(model.parameters())
-    return losses, norms, {n: p.grad for n, p in model.named_parameters()}
+_reference = W.reference
 
 
 def _check_dp(parts, ref_losses, ref_grads, tied=False):

@@ -165,3 +165,93 @@ def test_jitter_on_one_tp_rank_same_collective_order_in_200_seeded_runs():
             assert orders[pp] == orders[n_pp + pp], f"seed {seed} pp_rank {pp}"
             assert len(orders[pp]) == 2 * 6
     print(f"mismatched proposals over 200 runs: {mismatches}")
+
+
+def _tp_pipeline_step(hint: str, monkeypatch, M: int = 4):
+    """One step of a 2-stage GPT whose blocks are TP layers (TP rank 0 of 2, the all-reduce
+    replaced by a recorder that changes nothing), each rank joined to a one-rank TP agreement.
+    Returns ``(all-reduces per task, W's deferred TP weights per task, the gradients)``."""
+    import torch.distributed as dist
+
+    from rrfp.model.gpt import GPT, GPTConfig, lm_loss, split_gpt
+    from rrfp.model.tp import shard_gpt_stage
+    from rrfp.runtime.engine.compute import TaskCompute
+
+    cfg = GPTConfig(n_layer=2, n_head=2, d_model=16, max_len=16, vocab_size=32)
+    stages = [shard_gpt_stage(st, 0, 2, group=None) for st in split_gpt(GPT(cfg, seed=3), 2)]
+    tp_weights = {id(p) for st in stages for p in st.parameters() if getattr(p, "_rrfp_tp_shard", False)}
+    current: list[Task] = []
+    collectives: dict[Task, int] = {}
+    deferred: dict[Task, int] = {}
+    run = TaskCompute.run
+
+    def recording_run(self, task):
+        current.append(task)
+        collectives.setdefault(task, 0)
+        try:
+            return run(self, task)
+        finally:
+            current.pop()
+            state = self._wstate.get((task.stage, task.mb))
+            if state is not None and state[0] == "store":
+                deferred[task] = len({id(it[0]) for it in state[1].items} & tp_weights)
+
+    def all_reduce(tensor, *args, **kwargs):
+        collectives[current[-1]] += 1
+
+    monkeypatch.setattr(TaskCompute, "run", recording_run)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    spec, h, strict = resolve_hint(hint, Placement(2, 1, "loop"), M)
+    tokens = torch.randint(0, cfg.vocab_size, (M, 2, 9), generator=torch.Generator().manual_seed(4))
+    loop = new_event_loop()
+
+    async def main():
+        net = FakeNetwork(2, seed=1, encode=False)
+        runtimes = []
+        for pp in range(2):
+            t = net.transport(pp)
+            await t.start()
+            rt = RankRuntime(pp, [PipelineStage(stages[pp], pp, 2)], spec, h, t, strict=strict, loss_fn=lm_loss,
+                             watchdog=20)
+            agreement.attach(rt, LocalExchange(1).member(0))
+            runtimes.append(rt)
+        await asyncio.wait_for(asyncio.gather(
+            runtimes[0].run_step(0, [(tokens[m, :, :-1],) for m in range(M)]),
+            runtimes[1].run_step(0, None, [tokens[m, :, 1:] for m in range(M)])), timeout=30)
+        for rt in runtimes:
+            await rt.close()
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    grads = {f"{i}.{n}": p.grad for i, st in enumerate(stages) for n, p in st.named_parameters()}
+    return collectives, deferred, grads
+
+
+_FULL_BACKWARD: dict[str, dict] = {}  # the reference gradients, computed once
+
+
+@pytest.mark.parametrize("hint", ["bfw", "bfw-mem", "strict-split", "zb-h1", "wfloat"])
+def test_split_backward_under_tp_keeps_collectives_out_of_w(hint, monkeypatch):
+    """A TP group agrees on F and I but not on W (KINDS), so each TP rank runs its Ws when its
+    own ready set says: a collective in W pairs with whatever the peer runs then (another
+    microbatch's collective, or an agreement exchange: the bfw-mem deadlock of
+    ``rrfp train --stages 2 --tp 2``). Every TP all-reduce runs in F or I, none in W, on the
+    first stage too (whose whole backward a split used to move to W); W still gets the TP
+    layers' weight gradients (qkv, attn.proj, mlp.fc and mlp.proj: 4 deferred weights per
+    block, one block per stage); the gradients equal a full backward's (bf)."""
+    collectives, deferred, grads = _tp_pipeline_step(hint, monkeypatch)
+    in_w = {t: n for t, n in collectives.items() if t.kind == "W" and n}
+    assert not in_w, f"TP collectives inside W: {in_w}"
+    for s in range(2):
+        for m in range(4):
+            assert collectives[Task(s, "I", m)] == 2, (s, m)  # qkv's and mlp.fc's input gradients
+            assert collectives[Task(s, "F", m)] == 2, (s, m)  # attn.proj's and mlp.proj's sums
+            assert deferred[Task(s, "I", m)] == 4, (s, m)
+    if "bf" not in _FULL_BACKWARD:
+        _FULL_BACKWARD["bf"] = _tp_pipeline_step("bf", monkeypatch)[2]
+    ref = _FULL_BACKWARD["bf"]
+    assert set(grads) == set(ref)
+    for name, g in ref.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=lambda msg: f"{name}: {msg}")

@@ -15,6 +15,11 @@ rank holds them whole and computes the same gradient for them.
 
 A TP-sharded parameter carries ``param._rrfp_tp_shard = True`` (global-norm clipping sums
 those over TP, and counts the replicated ones once).
+
+Under a split backward the collectives run in F and I, on which the TP group agrees (RRFP §4.2),
+and never in W, on which it does not: the manual layers' weight gradients (their ``affine``
+part) are deferred to W as local matmuls, and the first stage keeps its backward in I
+(``rrfp.runtime.features.agreement``).
 """
 
 from __future__ import annotations
@@ -78,7 +83,13 @@ class ColumnParallelLinear(nn.Module):
             self.bias._rrfp_tp_shard = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_CopyToTP.apply(x, self.group), self.weight, self.bias)
+        return self.affine(_CopyToTP.apply(x, self.group))
+
+    def affine(self, x: torch.Tensor) -> torch.Tensor:
+        """The local matmul ``[..., in_features] -> [..., out_local]``, without the collective:
+        what a split backward replaces so that its weight gradient waits for W while the
+        all-reduce stays in I (``rrfp.runtime.engine.split``)."""
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -96,8 +107,13 @@ class RowParallelLinear(nn.Module):
         self.weight._rrfp_tp_shard = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.group)
+        y = _ReduceFromTP.apply(self.affine(x), self.group)
         return y if self.bias is None else y + self.bias
+
+    def affine(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum ``[..., in_local] -> [..., out_features]``, without the bias
+        or the collective (see :meth:`ColumnParallelLinear.affine`)."""
+        return F.linear(x, self.weight)
 
 
 def _head_rows(d_model: int, n_head: int, tp_rank: int, tp: int) -> torch.Tensor:

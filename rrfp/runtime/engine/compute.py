@@ -114,6 +114,11 @@ class TaskCompute:
         targets: last stage: one target per microbatch, or None (no loss).
         weights: last stage: each microbatch's loss weight (the backward's seed gradient).
         mb_losses: last stage: each microbatch's unweighted loss (detached), filled by F.
+        whole_backward_in_w: a stage whose inputs need no gradient (the first) runs its whole
+            backward in W under a split backward (True, the default), or runs it in I and
+            defers only the weight gradients, as every other stage does (False: TP agreement
+            sets it, since the whole backward holds the TP layers' collectives and a TP group
+            does not agree on W).
     """
 
     def __init__(self, rank: int, stages: Mapping[int, PipelineStage], last_stage: int, loss_fn: LossFn | None,
@@ -137,6 +142,7 @@ class TaskCompute:
         self.targets: Sequence[Any] | None = None
         self.weights: list[float] | None = None
         self.mb_losses: list[torch.Tensor | None] = []
+        self.whole_backward_in_w = True
 
     def begin_step(self, kwargs: Sequence[dict] | None, outputs: dict[int, Any] | None, forward_only: bool) -> None:
         """A new step: its options, and nothing left from the last one."""
@@ -239,7 +245,8 @@ class TaskCompute:
                     dw_builder()()
             if split:
                 self._wstate[(s, m)] = ("runner", dw_builder())
-        elif split and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+        elif split and (not self.whole_backward_in_w
+                        or any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)):
             # I: input gradients now; the linear layers' weight gradients wait in a store for W.
             store = WeightGradStore()
             with deferring(store, self.stages[s].submod), self._capture(s, m, final=False):

@@ -13,9 +13,12 @@ They are a small share of the FLOPs.
 Which layers split is a small registry (:func:`register_split_layer`): ``nn.Linear``
 (``y = x W^T + b``, weight ``[out, in]``) and HuggingFace's ``Conv1D``
 (``transformers.pytorch_utils.Conv1D``: ``y = x W + b``, weight ``[in, out]``, recognised by
-name so that transformers need not be installed) are registered; a layer class may also
-declare ``rrfp_split_layout = SplitLayout(...)``. :func:`disable_split_backward` restores
-the user's modules exactly (the pipeline calls it on ``close()``).
+name so that transformers need not be installed) are registered, and so are the tensor-parallel
+layers of :mod:`rrfp.model.tp`, whose ``affine`` method is the local matmul inside the
+forward's collectives: their weight gradients go to W too, while the collectives stay in I (a
+TP group agrees on I but not on W, so W must issue none). A layer class may also declare
+``rrfp_split_layout = SplitLayout(...)``. :func:`disable_split_backward` restores the user's
+modules exactly (the pipeline calls it on ``close()``).
 """
 
 from __future__ import annotations
@@ -37,14 +40,18 @@ class SplitLayout:
 
     Attributes:
         weight: attribute name of the weight parameter.
-        bias: attribute name of the bias parameter (its value may be None).
+        bias: attribute name of the bias parameter (its value may be None); None: the affine
+            map adds no bias (a row-parallel layer adds its bias after the all-reduce).
         weight_in_out: True for a ``[in, out]`` weight (``y = x W + b``, HF ``Conv1D``);
             False for ``[out, in]`` (``y = x W^T + b``, ``nn.Linear``).
+        method: the module's method that computes ``x -> y`` and that the split replaces:
+            ``forward``, or the affine part a forward wraps in other work (collectives).
     """
 
     weight: str = "weight"
-    bias: str = "bias"
+    bias: str | None = "bias"
     weight_in_out: bool = False
+    method: str = "forward"
 
 
 LINEAR = SplitLayout()
@@ -52,7 +59,11 @@ CONV1D = SplitLayout(weight_in_out=True)
 
 _BY_TYPE: dict[type, SplitLayout] = {nn.Linear: LINEAR}
 # Classes we recognise by their qualified name, so their library need not be imported.
-_BY_NAME: dict[str, SplitLayout] = {"transformers.pytorch_utils.Conv1D": CONV1D}
+_BY_NAME: dict[str, SplitLayout] = {
+    "transformers.pytorch_utils.Conv1D": CONV1D,
+    "rrfp.model.tp.ColumnParallelLinear": SplitLayout(method="affine"),
+    "rrfp.model.tp.RowParallelLinear": SplitLayout(bias=None, method="affine"),
+}
 
 
 def register_split_layer(cls: type | str, layout: SplitLayout) -> None:
@@ -229,7 +240,8 @@ class _DeferredAffine(torch.autograd.Function):
 
 def _deferred_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     lay = self._rrfp_split[0]
-    return _DeferredAffine.apply(x, getattr(self, lay.weight), getattr(self, lay.bias, None), lay.weight_in_out)
+    bias = None if lay.bias is None else getattr(self, lay.bias, None)
+    return _DeferredAffine.apply(x, getattr(self, lay.weight), bias, lay.weight_in_out)
 
 
 _NO_FORWARD = object()
@@ -237,7 +249,7 @@ _NO_FORWARD = object()
 
 def enable_split_backward(module: nn.Module) -> int:
     """Route every layer in ``module`` with a split layout (:func:`layout_of`) through the
-    deferring affine function.
+    deferring affine function (its layout's ``method``).
 
     Outside :func:`deferring` the layers compute their weight gradients at once, so a full
     backward still works. Idempotent; :func:`disable_split_backward` undoes it.
@@ -253,15 +265,15 @@ def enable_split_backward(module: nn.Module) -> int:
         n += 1
         if "_rrfp_split" in m.__dict__:
             continue
-        # Keep an instance-level forward the user set, so that undoing restores it.
-        saved = m.__dict__.get("forward", _NO_FORWARD)
+        # Keep an instance-level method the user set, so that undoing restores it.
+        saved = m.__dict__.get(lay.method, _NO_FORWARD)
         m._rrfp_split = (lay, saved)
-        m.forward = types.MethodType(_deferred_forward, m)
+        setattr(m, lay.method, types.MethodType(_deferred_forward, m))
     return n
 
 
 def disable_split_backward(module: nn.Module) -> int:
-    """Undo :func:`enable_split_backward`: every routed layer gets back its own forward.
+    """Undo :func:`enable_split_backward`: every routed layer gets back its own method.
 
     Returns:
         the number of layers restored.
@@ -271,10 +283,10 @@ def disable_split_backward(module: nn.Module) -> int:
         state = m.__dict__.pop("_rrfp_split", None)
         if state is None:
             continue
-        saved = state[1]
+        lay, saved = state
         if saved is _NO_FORWARD:
-            m.__dict__.pop("forward", None)
+            m.__dict__.pop(lay.method, None)
         else:
-            m.forward = saved
+            setattr(m, lay.method, saved)
         n += 1
     return n

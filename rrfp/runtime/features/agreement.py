@@ -6,9 +6,9 @@ The decision is pure and lives in :mod:`rrfp.scheduler.agreement`
 gathered proposals); the exchange (a gloo all-gather or ZeroMQ control messages between the TP
 ranks) is :mod:`rrfp.parallel.exchange`. This module joins them on a rank as its scheduler
 loop's decider (:meth:`~rrfp.runtime.engine.loop.SchedulerLoop.set_decider`): each decision
-proposes; a task that needs no agreement (``W``) runs at once; otherwise the group's
-proposals are gathered and, all equal, the task is committed and runs, else nothing is taken
-and the loop looks at its arrivals and decides again
+proposes; a task that needs no agreement (``W``, kept collective-free: :func:`attach`) runs
+at once; otherwise the group's proposals are gathered and, all equal, the task is committed
+and runs, else nothing is taken and the loop looks at its arrivals and decides again
 (:data:`~rrfp.runtime.engine.loop.AGAIN`).
 """
 
@@ -69,10 +69,21 @@ def attach(runtime: Any, exchange: Exchange) -> AgreementDriver:
     """Make ``runtime`` (a :class:`~rrfp.runtime.engine.rank.RankRuntime`) agree with its TP
     group before every collective-bearing task; registered as ``runtime.features["tp-agreement"]``.
 
+    The group does not agree on ``W`` (:data:`~rrfp.scheduler.readyset.KINDS`), so each TP rank
+    runs its ``W`` tasks when its own ready set says, and a collective in one would pair with
+    whatever the peer runs then: another microbatch's collective (wrong gradients) or an
+    agreement exchange (a deadlock). So ``W`` is kept collective-free here: the first stage
+    does not move its whole backward, collectives included, to ``W``
+    (``TaskCompute.whole_backward_in_w``); ``I`` runs it and ``W`` gets the deferred weight
+    gradients, local matmuls, as on every other stage (the TP layers' ``affine`` part,
+    :mod:`rrfp.runtime.engine.split`). A ``dw_builder`` callable runs in ``W`` too: it must not
+    issue collectives under TP.
+
     Raises:
         ValueError: the rank's loop already has a decider.
     """
     driver = AgreementDriver(exchange)
     runtime.loop.set_decider(driver)
+    runtime.compute.whole_backward_in_w = False
     runtime.features[NAME] = driver
     return driver
