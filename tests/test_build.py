@@ -237,7 +237,7 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
         build_hf_stages(str(tmp_path), 2, [0])
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", *(pytest.param(f, marks=pytest.mark.slow) for f in ("llama", "qwen2"))])
 def test_preset_stages_equal_the_unsplit_preset(family):
     want = hf_model(family, seed=9, max_len=32)
     ref = dict(want.named_parameters(remove_duplicate=False)) | dict(want.named_buffers())

@@ -51,6 +51,7 @@ def installed(tmp_path_factory):
     return env_dir / "bin", tmp, env
 
 
+@pytest.mark.slow
 def test_the_wheel_is_what_runs(installed):
     bin_dir, tmp, env = installed
     p = _run([str(bin_dir / "python"), "-c", "import rrfp; print(rrfp.__file__)"], tmp, env=env)
@@ -81,6 +82,7 @@ def test_simulate_points_to_an_installed_guide_and_runs(installed):
     assert p.returncode == 0 and "bf" in p.stdout, p.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_bench_renders_a_report_from_the_installed_benchmarks(installed):
     bin_dir, tmp, env = installed
     raw = tmp / "results.json"
