@@ -10,6 +10,7 @@ rank, rank 0 included, is a client of a store hosted elsewhere (``TORCHELASTIC_U
 from __future__ import annotations
 
 import os
+import time
 
 AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
 
@@ -80,15 +81,16 @@ def run_ranks(target, world: int, *args, timeout_s: float, env: dict[str, str] |
     for all (a bound on hangs), kill any left.
 
     Returns:
-        each process's exit code (None: it was killed).
+        each process's exit code (``-SIGKILL``: still running after ``timeout_s``, killed).
     """
     store, port = host_store(world)
     procs = [process(target, r, world, port, *args, env=env) for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout_s
     try:
         for p in procs:
-            p.join(timeout_s)
+            p.join(max(deadline - time.monotonic(), 0.0))
     finally:
         for p in procs:
             if p.is_alive():
