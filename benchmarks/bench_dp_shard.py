@@ -11,7 +11,7 @@ first step against each other (fp32) and the loss curves.
 
     python benchmarks/bench_dp_shard.py [--model medium] [--steps 8] [--json out.json]
 
-:func:`measure_layouts` is the section other benchmarks (``bench_memory.py``) can reuse.
+:func:`alternate` is the harness other benchmarks of layouts (``bench_memory.py``) reuse.
 """
 
 from __future__ import annotations
@@ -67,36 +67,29 @@ def rank_main(cfg: dict) -> dict | None:
                             layout=layout, job=f"bench-dp-{k}", hint=cfg["hint"], watchdog=600, record=True)
         opts[k] = torch.optim.AdamW(list(mods[k].parameters()), lr=1e-3)
     samples = load_samples(None, cfg["seq"], 0, limit=cfg["batch"] * (cfg["steps"] + 1))
-    times = {k: [] for k in LAYOUTS}
-    opt_times = {k: [] for k in LAYOUTS}
     parts = {k: [] for k in LAYOUTS}  # per step: (first F s, mean other F s, mean B s, tail after the last task s)
     losses = {k: [] for k in LAYOUTS}
     first_grads = {}
-    for step in range(cfg["steps"]):
-        batch = samples[cfg["batch"] * step:cfg["batch"] * (step + 1)]
-        mbs = make_microbatches(replica_samples(batch, layout), cfg["microbatches"])
-        order = LAYOUTS if step % 2 == 0 else LAYOUTS[::-1]  # each goes first half the time
-        for k in order:
-            opts[k].zero_grad(set_to_none=True)
-            dist.barrier()
-            t0 = time.perf_counter()
-            pipes[k].step(microbatches=[(m.tokens,) for m in mbs] if p == 0 else None,
-                          targets=[m.targets for m in mbs] if p == 1 else None)
-            t1 = time.perf_counter()
-            recs = pipes[k].last_stats.records
-            fs = [r.end - r.start for r in sorted((r for r in recs if r.task.kind == "F"), key=lambda r: r.start)]
-            bs = [r.end - r.start for r in recs if r.task.kind != "F"]
-            parts[k].append((fs[0], statistics.mean(fs[1:] or fs), statistics.mean(bs), t1 - max(r.end for r in recs)))
-            if step == 0:  # the comparison's own gather is not part of the step
-                first_grads[k] = {n: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad).clone()
-                                  for n, q in mods[k].named_parameters()}
-            t2 = time.perf_counter()
-            opts[k].step()
-            dt = torch.tensor([t1 - t0 + time.perf_counter() - t2, time.perf_counter() - t2])
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
-            times[k].append(float(dt[0]))
-            opt_times[k].append(float(dt[1]))
-            losses[k].append(pipes[k].last_loss)
+    batches = [make_microbatches(replica_samples(samples[cfg["batch"] * step:cfg["batch"] * (step + 1)], layout),
+                                 cfg["microbatches"]) for step in range(cfg["steps"])]  # before the timed steps
+
+    def pipeline_step(k: str, step: int) -> None:
+        mbs = batches[step]
+        opts[k].zero_grad(set_to_none=True)
+        pipes[k].step(microbatches=[(m.tokens,) for m in mbs] if p == 0 else None,
+                      targets=[m.targets for m in mbs] if p == 1 else None)
+
+    def between(k: str, step: int, t_end: float) -> None:
+        recs = pipes[k].last_stats.records
+        fs = [r.end - r.start for r in sorted((r for r in recs if r.task.kind == "F"), key=lambda r: r.start)]
+        bs = [r.end - r.start for r in recs if r.task.kind != "F"]
+        parts[k].append((fs[0], statistics.mean(fs[1:] or fs), statistics.mean(bs), t_end - max(r.end for r in recs)))
+        if step == 0:  # the comparison's own gather is not part of the step
+            first_grads[k] = {n: (q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad).clone()
+                              for n, q in mods[k].named_parameters()}
+        losses[k].append(pipes[k].last_loss)
+
+    times, opt_times = alternate(LAYOUTS, cfg["steps"], pipeline_step, lambda k, step: opts[k].step(), between)
     diff = max(float((first_grads["sharded"][n] - g).abs().max()) for n, g in first_grads["replicated"].items())
     scale = max(float(g.abs().max()) for g in first_grads["replicated"].values())
     fps = {k: dataclasses.asdict(footprint([mods[k]], opts[k], pipes[k].sharded)) for k in LAYOUTS}
@@ -108,6 +101,49 @@ def rank_main(cfg: dict) -> dict | None:
     if layout.rank != 0:
         return None
     return {"times": times, "opt_times": opt_times, "ranks": everyone}
+
+
+def alternate(names, steps: int, pipeline_step, optimizer_step, between=None) -> tuple[dict, dict]:
+    """The harness both benchmarks of layouts share: every step, each of ``names`` runs once, in
+    an order rotated by one each step (each goes first as often; two alternate), after a
+    barrier of every rank; its time is the slowest rank's (the step ends when its last rank
+    does).
+
+    Args:
+        names: the layouts (or runtimes) compared, built in every rank process.
+        steps: rounds.
+        pipeline_step: ``pipeline_step(name, step)``, timed: zero the gradients, run the step.
+        optimizer_step: ``optimizer_step(name, step)``, timed apart too.
+        between: ``between(name, step, t_end)``, untimed, after the pipeline step
+            (``t_end``: its ``perf_counter``): records, a comparison's gathers.
+
+    Returns:
+        ``(times, opt_times)``: per name, seconds per step (pipeline + optimizer) and of the
+        optimizer step alone, both the slowest rank's.
+    """
+    import torch
+    import torch.distributed as dist
+
+    names = list(names)
+    times = {k: [] for k in names}
+    opt_times = {k: [] for k in names}
+    for step in range(steps):
+        r = step % len(names)
+        for k in names[r:] + names[:r]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipeline_step(k, step)
+            t1 = time.perf_counter()
+            if between is not None:
+                between(k, step, t1)
+            t2 = time.perf_counter()
+            optimizer_step(k, step)
+            t3 = time.perf_counter()
+            dt = torch.tensor([t1 - t0 + t3 - t2, t3 - t2])
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the step ends when its slowest rank does
+            times[k].append(float(dt[0]))
+            opt_times[k].append(float(dt[1]))
+    return times, opt_times
 
 
 def measure_layouts(model: str = "medium", steps: int = 8, batch: int = 16, microbatches: int = 4, seq: int = 128,

@@ -38,6 +38,7 @@ from rrfp.sim.jitter import LEVELS
 
 from .batches import Batch, TokenMeanLoss, make_batch  # noqa: F401 - importable from here
 from .harness import ActivationMeter, BenchError, ComputeTimer, Injector, JitterStage, calibrate, round_order
+from .sim_pred import PROFILE_ROWS
 from .workloads import MultimodalWorkload, TextWorkload, budgets_for, virtual_stage_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -78,7 +79,7 @@ class System(abc.ABC):
 class RrfpSystem(System):
     def __init__(self, name: str, spec: dict, wrappers, inner, stage_ids, n_stages, rank, n_ranks, n_mb, job,
                  budgets: dict[int, int] | None = None, hold=None, chosen_hint: str | None = None,
-                 loss_fn=lm_loss) -> None:
+                 loss_fn=lm_loss, record: bool = False) -> None:
         from rrfp.runtime.doors.pipeline import Pipeline
         from rrfp.runtime.engine.stage import PipelineStage
         from rrfp.scheduler.schedules import one_f_one_b_limits
@@ -103,8 +104,10 @@ class RrfpSystem(System):
         self.pipe = Pipeline(
             stages, n_mb, loss_fn, inflight_limit=limit, loss_weight_fn=count_tokens,
             rank=rank, n_ranks=n_ranks, job=job, watchdog=120.0, placement=spec.get("placement", "loop"),
-            memory_budget=budget, **hint,
+            memory_budget=budget, record=record, **hint,
         )
+        # With record: per step id, this rank's task records and step edges (sim_pred.fit_model).
+        self.recorded: dict[int, dict] | None = {} if record else None
         self.pipe.runtime.inbox.hold = hold
         if self.pipe.auto is not None and budgets:
             self.pipe.auto.budget = _gather_obj(max(budgets.values()))
@@ -143,10 +146,15 @@ class RrfpSystem(System):
     def step(self, batch: Batch) -> None:
         if self.budgets:
             self.pipe.runtime.memory_budget = self.budgets[batch.step_id]
+        t0 = time.perf_counter()
         self.pipe.step(
             microbatches=batch.rrfp_mbs if self.first else None,
             targets=batch.rrfp_targets if self.last else None,
         )
+        if self.recorded is not None:
+            self.recorded[batch.step_id] = {
+                "rank": self.pipe.runtime.rank, "t0": t0, "t1": time.perf_counter(),
+                "tasks": [(r.task.stage, str(r.task.kind), r.task.mb, r.start, r.end) for r in self.pipe.last_stats.records]}
 
     def busy(self) -> float:
         return self.pipe.last_stats.busy
@@ -298,7 +306,8 @@ def rank_main(cfg: dict) -> dict | None:
                                         job=f"{cfg['run_id']}-{names.index(name)}",
                                         budgets=budgets.get(spec.get("budget")),
                                         hold=rrfp_hold(delays) if delays is not None else None,
-                                        chosen_hint=cfg.get("hint"), loss_fn=meter.metered(lm_loss))
+                                        chosen_hint=cfg.get("hint"), loss_fn=meter.metered(lm_loss),
+                                        record=bool(cfg.get("record_tasks")) and name in PROFILE_ROWS)
         else:
             wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1, stage=s, delays=delays,
                                     pack=work.pack if s == 0 else None) for m, s in zip(inner, stage_ids)]
@@ -418,7 +427,18 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
             if abs(a - b) > 1e-9:
                 raise BenchError(f"phase {ph['name']}: rank {rank} injected {a:.6f} s into {s.name} but {b:.6f} s into {first} (round {k + 1})")
     kept = {s.name: s.kept() for s in systems if isinstance(s, RrfpSystem) and s.kept()}
+    # The timed rounds' task records of the rows that keep them (cfg "record_tasks"): the
+    # calibrated model of the predictions is read off them (benchmarks.sim_pred.fit_model).
+    timed = {1000 * pi + k for k in range(2, n_rounds)}
+    mine = {s.name: {sid: r for sid, r in s.recorded.items() if sid in timed}
+            for s in systems if getattr(s, "recorded", None) is not None}
+    recorded: dict = {}
+    for part in (_gather_obj(mine) if cfg.get("record_tasks") else []):
+        for name, steps in part.items():
+            for sid, r in steps.items():
+                recorded.setdefault(name, {}).setdefault(sid, []).append(r)
     return {"name": ph["name"], "level": ph["level"], "varlen": ph["varlen"], "rounds": rounds, "worst_grad_ratio": worst,
+            **({"recorded": recorded} if recorded else {}),
             "kept": kept}
 
 

@@ -159,7 +159,8 @@ class ActivationMeter:
     """Peak bytes of tensors autograd saves for backward on this rank.
 
     Counted through ``torch.autograd.graph.saved_tensors_hooks`` while :attr:`active`:
-    storages are counted once however many saved tensors view them, parameters are excluded,
+    storages are counted once however many saved tensors view them, parameters are excluded
+    (those given to :meth:`exclude`, and any ``nn.Parameter`` or view of one),
     and a storage stops counting when autograd drops its last saved reference (the backward
     that used it ran, or the graph was freed). Tensors the runtimes buffer outside autograd
     (received inputs not yet consumed, outputs waiting to be sent) are not counted.
@@ -213,7 +214,10 @@ class ActivationMeter:
     def _pack(self, t: torch.Tensor) -> Any:
         st = t.untyped_storage()
         ptr = st.data_ptr()
-        if ptr in self._skip or st.nbytes() == 0:
+        # A parameter, or a view of one, is never an activation: FSDP2's parameters gathered
+        # for a step sit in storages allocated anew each step, which exclude() cannot know.
+        if ptr in self._skip or st.nbytes() == 0 or isinstance(t, torch.nn.Parameter) or \
+                isinstance(t._base, torch.nn.Parameter):
             return t
         ent = self._live.get(ptr)
         if ent is None:

@@ -160,19 +160,31 @@ def render_setting(res: dict) -> tuple[str, dict[str, dict]]:
         ref_cols = list(dict.fromkeys(ref_cols))
         header = ["system", "median ms", "IQR ms", "min-max ms"] + [
             f"speedup vs {_SHORT.get(c, c)}" + (" (fastest torch)" if c == ft else "") for c in ref_cols
-        ] + ["bubble per rank", "peak saved activations MiB per rank", "peak in-flight"]
+        ] + ["simulated ms", "real / simulated"] + [
+            "bubble per rank", "peak saved activations MiB per rank", "peak in-flight"]
         rows = []
         kept = ph.get("kept") or {}
+        pred = ((res.get("predicted") or {}).get(ph["name"]) or {})
+        s["predicted"] = {n: v for n, v in pred.items() if n in s["names"]}
+        s["sleep"] = bool(cfg.get("sleep"))
+        s["calibrated"] = bool((res.get("sim_model") or {}).get(ph["name"]))
         for n in s["names"]:
             st = s["systems"][n]["stats"]
+            sim = s["predicted"].get(n)
             rows.append([
                 f"{n} (auto kept `{kept[n]}`)" if n in kept else n, _ms(st["median"]), f"{_ms(st['p25'])}-{_ms(st['p75'])}", f"{_ms(st['min'])}-{_ms(st['max'])}",
                 *[f"{s['speedup'][n][c]:.2f}x" for c in ref_cols],
+                _ms(float(np.median(sim))) if sim else "-",
+                f"{np.median(np.asarray(s['steps'][n]) / np.asarray(sim)):.3f}" if sim else "-",
                 " ".join(f"{b:.2f}" for b in s["systems"][n]["bubble"]),
                 " ".join(_mib(b) for b in (s["systems"][n]["peak_bytes"] or [])),
                 " ".join(str(int(v)) if v >= 0 else "-" for v in s["systems"][n]["peak_inflight"]),
             ])
         lines += [_table(header, rows), ""]
+        if s["predicted"]:
+            from .report_peers import model_line
+
+            lines += [model_line((res.get("sim_model") or {}).get(ph["name"])), ""]
         lines += ["Speedup of the row's system over the column's (median over rounds of the paired ratio "
                   "t_column / t_row):", ""]
         cols = s["names"]
@@ -270,6 +282,24 @@ def _ideal_text(ideal: dict | None, phase: str, which: str) -> str:
     return f"{v:.2f}x" if v else "-"
 
 
+def simulated_speedup(s: dict, a: str, b: str) -> float | None:
+    """The simulator's speedup of row ``a`` over row ``b`` on the phase's predictions (the
+    calibrated model where the setting kept records, :mod:`benchmarks.report_peers`): median
+    over the timed rounds of ``sim_b / sim_a``; None without both."""
+    pred = s.get("predicted") or {}
+    if not pred.get(a) or not pred.get(b):
+        return None
+    return float(np.median(np.asarray(pred[b]) / np.asarray(pred[a])))
+
+
+def _sim_text(s: dict, a: str, b: str, ideal: dict | None, phase: str, which: str) -> str:
+    """The simulator's column: its ideal (no runtime cost) and, beside it, the calibrated
+    model's speedup on the run's own delays."""
+    cal = simulated_speedup(s, a, b)
+    ide = _ideal_text(ideal, phase, which)
+    return f"{ide} ideal; {cal:.2f}x calibrated" if cal else ide
+
+
 def targets(compare: dict[str, dict], micro: dict | None, ideal: dict | None = None) -> list[list[str]]:
     """[target, measured, verdict, simulator's ideal] rows: the real runtime's targets."""
     ideal = ideal or {}
@@ -286,7 +316,7 @@ def targets(compare: dict[str, dict], micro: dict | None, ideal: dict | None = N
             # The rule: "where a target is out of reach of the simulator's zero-overhead ideal
             # for its setting, show the ideal and say so".
             verdict += f" (out of reach of the ideal, {best:.2f}x)"
-        rows.append([label, _ratio(s, a, b), verdict, _ideal_text(ideal.get(setting), phase, which)])
+        rows.append([label, _ratio(s, a, b), verdict, _sim_text(s, a, b, ideal.get(setting), phase, which)])
 
     row("jitter4", "J2", R1, T1, 1.15, "4 ranks, J2, at 1F1B's memory: default hint >= 1.15x Schedule1F1B", "1f1b")
     row("jitter4", "J2", RG, TG, 1.25, "4 ranks, J2, at GPipe's memory: default hint >= 1.25x ScheduleGPipe", "gpipe")
@@ -316,6 +346,45 @@ def targets(compare: dict[str, dict], micro: dict | None, ideal: dict | None = N
     return rows
 
 
+STEP_TOL, RATIO_TOL = 0.05, 0.05
+"""Issue 33's goals for the calibrated simulator on real rows: each rrfp row's step time within
+5% of the simulated one, and its speedup over strict 1F1B within 0.05 of the simulated ratio."""
+
+
+def calibration_targets(compare: dict[str, dict]) -> list[list[str]]:
+    """[target, measured, verdict, simulated] rows, per setting and phase whose predictions ran
+    on the calibrated model (settings whose tasks sleep have their own rows in
+    :mod:`benchmarks.report_peers`): every rrfp row with a prediction against it."""
+    rows = []
+    for setting, phases in compare.items():
+        for name, s in phases.items():
+            if s.get("sleep") or not s.get("calibrated"):
+                continue
+            rrfp = [n for n in s["names"] if n.startswith("rrfp ") and (s.get("predicted") or {}).get(n)]
+            if not rrfp:
+                continue
+            ratio = {n: float(np.median(np.asarray(s["steps"][n]) / np.asarray(s["predicted"][n]))) for n in rrfp}
+            worst = max(rrfp, key=lambda n: abs(ratio[n] - 1))
+            ok = sum(abs(r - 1) <= STEP_TOL for r in ratio.values())
+            rows.append([f"{setting}, {name}: each rrfp row's real step within {STEP_TOL:.0%} of the calibrated "
+                         "simulator's", f"{ok} of {len(rrfp)} rows; real / simulated {min(ratio.values()):.3f}-"
+                         f"{max(ratio.values()):.3f} (worst {_SHORT.get(worst, worst)})",
+                         _verdict(ok == len(rrfp)), "-"])
+            base = "rrfp strict-1f1b"
+            if base not in rrfp:
+                continue
+            diffs = {n: s["speedup"][n][base] - simulated_speedup(s, n, base) for n in rrfp if n != base}
+            if not diffs:
+                continue
+            w = max(diffs, key=lambda n: abs(diffs[n]))
+            ok = sum(abs(d) <= RATIO_TOL for d in diffs.values())
+            rows.append([f"{setting}, {name}: each rrfp row's speedup over strict 1F1B within {RATIO_TOL} of the "
+                         "calibrated simulator's", f"{ok} of {len(diffs)} rows; real - simulated "
+                         f"{min(diffs.values()):+.3f} to {max(diffs.values()):+.3f} (worst {_SHORT.get(w, w)})",
+                         _verdict(ok == len(diffs)), "-"])
+    return rows
+
+
 def equal_memory(compare: dict[str, dict], ideal: dict | None) -> list[list[str]]:
     """One row per setting and phase: the default hint at 1F1B's and GPipe's bytes against
     PyTorch's schedule that holds them, with both systems' peak bytes per rank."""
@@ -328,7 +397,7 @@ def equal_memory(compare: dict[str, dict], ideal: dict | None) -> list[list[str]
                 pa, pb = s["systems"][a]["peak_bytes"] or [], s["systems"][b]["peak_bytes"] or []
                 rows.append([setting, name, f"{_SHORT[a]} vs {b[6:]}", _ratio(s, a, b),
                              " ".join(_mib(x) for x in pa), " ".join(_mib(x) for x in pb),
-                             _ideal_text((ideal or {}).get(setting), name, which)])
+                             _sim_text(s, a, b, (ideal or {}).get(setting), name, which)])
     return rows
 
 

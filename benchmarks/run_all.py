@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_sim:  # in-process simulations of the zero-bubble and many-rank rows (seconds)
         for name, res in results["compare"].items():
             res["predicted"] = attempt(f"predictions of {name}", lambda: report_peers.predictions(res))
+            res["sim_model"] = attempt(f"calibrated model of {name}", lambda: report_peers.models(res))
     if "micro" in parts:
         _log("micro-benchmarks")
         results["micro"] = attempt("micro-benchmarks", lambda: micro.run_micro(quick=args.quick, timeout=args.timeout,
@@ -361,6 +362,7 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
         setting_text.append(text)
     ideal = results.get("ideal") or {}
     rows = report.targets(summaries, results.get("micro"), ideal)
+    rows += report.calibration_targets(summaries)
     peer_lines, peer_targets = report_peers.render(results["compare"], bool(results.get("quick")))
     rows += peer_targets
     if results.get("quick"):  # one timed round at small sizes decides nothing (as sim_targets.target_rows)
@@ -374,7 +376,7 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
     if results.get("sim_targets"):
         rows += [[t, f, v, "-"] for t, f, v in sim_targets.target_rows(results["sim_targets"])]
     if rows:
-        lines += ["## Targets", "", report._table(["target", "measured", "verdict", "simulator's ideal"], rows), "",
+        lines += ["## Targets", "", report._table(["target", "measured", "verdict", "simulator: ideal; calibrated"], rows), "",
                   TARGETS_NOTE, ""]
     eq = report.equal_memory(summaries, ideal)
     if eq:
@@ -383,9 +385,11 @@ def render(results: dict, args: argparse.Namespace, command: str | None = None) 
                   "each rank, over that schedule (median over rounds of the paired ratio, quartiles of the "
                   "per-round ratios), the peak saved activations both measured on each rank, and the simulator's "
                   "ideal for the same setting (`rrfp simulate` on the setting's calibrated costs, with "
-                  "`--limit 1f1b` for 1F1B's memory, unlimited over `strict-gpipe` for GPipe's).", ""]
+                  "`--limit 1f1b` for 1F1B's memory, unlimited over `strict-gpipe` for GPipe's) beside the "
+                  "calibrated simulator's speedup of the same two rows (the run's own delays; PyTorch's schedule "
+                  "as its order on rrfp's calibrated model; the model under each setting's table).", ""]
         lines += [report._table(["setting", "phase", "rows", "speedup", "rrfp peak MiB per rank",
-                                 "torch peak MiB per rank", "simulator's ideal"], eq), ""]
+                                 "torch peak MiB per rank", "simulator: ideal; calibrated"], eq), ""]
         flags = [f"- {name}, {ph}: `rrfp simulate -p {results['compare'][name]['config']['n_ranks']} -m "
                  f"{results['compare'][name]['config']['n_microbatches']} --cost-f ... --cost-b ... {v['flags']} "
                  f"--steps 20 --hints <default>,strict-1f1b --limit 1f1b`"
@@ -444,6 +448,13 @@ How to read the targets:
   overhead, no communication time and one processor per rank. This machine runs 4 rank processes
   on 2 shared cores, so a task's time depends on what the other ranks run; the ideal is the
   reference for the setting, not an upper bound here.
+- The calibrated figure beside it is the simulator on the model of what this run's runtime paid
+  (`rrfp.sim.calibration`, read off the strict 1F1B row's task records in the same timed rounds:
+  each task's own cost in place, the runtime's time per task, per received input, per message
+  and per step; docs/simulator.md), with the very delays the run injected, round by round; a
+  PyTorch schedule is predicted as its order run strictly on that model (PyTorch's own runtime
+  costs are not modelled, so the runtime's share of a gain over PyTorch is not in it). The
+  settings' tables give each row's simulated step time and real / simulated.
 - Overhead: the runtime's CPU time per task in one process (`LocalPipeline`, 4 ranks on one event
   loop, do-nothing stages, messages through the codec as between processes) minus the same tasks
   run by hand; the median of 5 runs (each the fastest of 20 steps)."""

@@ -130,6 +130,9 @@ def setting_config(name: str, quick: bool = False, systems: Sequence[str] | None
         for ph in cfg["phases"]:
             ph["rounds"] = rounds
     cfg["systems"] = list(systems or cfg.get("systems") or LEGACY_SYSTEMS) + list(candidate_systems(candidates))
+    # Every setting keeps its strict rows' task records: the calibrated model of the report's
+    # predictions is read off them (benchmarks/sim_pred.py, fit_model; issue 33).
+    cfg.setdefault("record_tasks", True)
     cfg["seed"] = seed
     cfg["setting"] = name
     cfg["run_id"] = f"bench-{name}-{time.time_ns()}"

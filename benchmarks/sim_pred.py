@@ -1,27 +1,42 @@
 """The simulator's prediction of a benchmark row: the same arbiter (``rrfp.sim.engine``) on the
 row's placement, hint, in-flight limit and memory budget, with each task's duration its stage's
-base cost plus *the very delays the real run injected* (the keyed draws of
+cost plus *the very delays the real run injected* (the keyed draws of
 :class:`benchmarks.harness.Injector` and :class:`benchmarks.workloads.MessageDelays`, same seed,
-step ids, stages and microbatches), one step per round. No runtime overhead, no message time
-beyond the injected delays, one processor per rank.
+step ids, stages and microbatches), one step per round.
 
-Costs per stage: with one stage per rank, the rank's calibrated forward and backward (plus the
-setting's sleep, where tasks sleep for their compute); with two virtual stages, half of the
+Two models of a task's cost:
+
+- calibrated (``model``, a :class:`RuntimeModel`, :func:`fit_model`): each task's own cost
+  measured in place on the setting's recorded rows (its recorded duration less the sleeps the
+  harness injected into it), and what the runtime pays around tasks and how its ranks share
+  cores (:class:`rrfp.sim.calibration.Calibration`, the model ``auto`` ranks with too);
+- uncalibrated (no ``model``): the rank's calibrated compute (one rank at a time), no runtime
+  overhead, no message time beyond the injected delays, one processor per rank.
+
+Either way a split backward runs as the real runtime runs it: on stage 0 (no input gradient)
+``I`` is a no-op and ``W`` the whole backward with all of its injected delay and sleep
+(rrfp's and PyTorch's split); on the other stages ``I`` and ``W`` carry their share of the
+injected delay and sleep (:attr:`benchmarks.harness.Injector.w_share`), as the harness sleeps
+them, and their own measured costs (uncalibrated: half of the backward's compute each).
+
+Costs per stage: with one stage per rank, the rank's; with two virtual stages, half of the
 rank's each (the layers split evenly), and half of the rank's injected delay, as the harness
-injects it. The jitter's ``e`` is the stage's mean of forward and backward, as the harness's. A
-split backward's ``I`` and ``W`` each carry half of the compute and their share of the injected
-delay and of the sleep (:attr:`benchmarks.harness.Injector.w_share`), as the harness sleeps them.
+injects it. The jitter's ``e`` is the stage's mean of forward and backward, as the harness's.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import statistics
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 
 from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.schedules import one_f_one_b_limits
-from rrfp.scheduler.tasks import B, F, I, W, Placement
+from rrfp.scheduler.tasks import B, F, I, W, Placement, PipelineSpec, Task, TaskRecord
+from rrfp.sim.calibration import Calibration, RankStep, busy_share, fit, stage_costs
 from rrfp.sim.engine import simulate
 from rrfp.sim.jitter import LEVELS, STREAM_COMM_HIT, STREAM_COMM_SIZE, injected_delay
 
@@ -35,9 +50,96 @@ def timed_step_ids(phase_index: int, phase: dict) -> list[int]:
     return [1000 * phase_index + r["round"] for r in rounds if r["kind"] == "timed"]
 
 
+@dataclass
+class RuntimeModel:
+    """The calibrated model of a setting's rrfp rows (:func:`fit_model`).
+
+    Attributes:
+        calibration: what the runtime pays around tasks, how its ranks share cores.
+        costs: per rank (its one stage), the task's own seconds by kind (``F``, ``B``, ``I``,
+            ``W``), less what the harness slept in it.
+        source: which rows and rounds it was read from.
+    """
+
+    calibration: Calibration
+    costs: list[dict[str, float]]
+    source: str = ""
+
+    def to_json(self) -> dict:
+        return {"calibration": self.calibration.to_mapping(), "costs": self.costs, "source": self.source}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RuntimeModel":
+        return cls(Calibration.from_mapping(d["calibration"]), [dict(c) for c in d["costs"]], d.get("source", ""))
+
+
+def harness_sleep(cfg: dict, calibration: Sequence[dict], phase: dict, n_virtual: int = 1,
+                  placement: str = "loop") -> Callable[[int, int, Task], float]:
+    """``sleep(step_id, rank, task)``: the seconds the harness sleeps in ``task`` of step
+    ``step_id`` (the setting's sleep and the injected delay, :class:`benchmarks.harness.Injector`'s
+    draws), shared between a split backward's ``I`` and ``W`` as it sleeps them (module
+    docstring): what a task waits for, not CPU."""
+    from .harness import Injector
+
+    P, seed = cfg["n_ranks"], cfg["seed"]
+    level = LEVELS[phase["level"]]
+    base = cfg.get("sleep") or {"F": 0.0, "B": 0.0}
+    share = 1.0 / n_virtual
+    inj = [Injector(level, seed, r, dict(cfg["sleep"]) if cfg.get("sleep") else c, base=cfg.get("sleep"))
+           for r, c in enumerate(calibration)]
+    rank_of = Placement(P, n_virtual, placement).rank_of
+
+    def sleep(sid: int, rank: int, t: Task) -> float:
+        kind = F if t.kind == F else B
+        d = (injected_delay(level, seed, sid, rank_of(t.stage), t.mb, kind, inj[rank].e_stage) + base[kind]) * share
+        if t.kind == W:
+            return d if t.stage == 0 else d * inj[rank].w_share
+        if t.kind == I:
+            return 0.0 if t.stage == 0 else d * (1.0 - inj[rank].w_share)
+        return d
+
+    return sleep
+
+
+def message_delay(cfg: dict) -> Callable[[int, int, int, Task], float] | None:
+    """``delay(step_id, src, dst, task)``: the seconds the harness holds the message ``task``
+    sends (:class:`benchmarks.workloads.MessageDelays`' keyed draw of the setting's ``comm``
+    level, by sending stage, microbatch and direction); None in a setting without message
+    delays."""
+    if not cfg.get("comm"):
+        return None
+    comm, seed = LEVELS[cfg["comm"]], cfg["seed"]
+
+    def delay(sid: int, src: int, dst: int, t: Task) -> float:
+        return injected_delay(comm, seed, sid, t.stage, t.mb, F if t.kind == F else B, 0.0,
+                              streams=(STREAM_COMM_HIT, STREAM_COMM_SIZE))
+
+    return delay
+
+
+def compute_cost(calibration: Sequence[dict], n_virtual: int = 1) -> Callable[[int, Task], float]:
+    """``cost(rank, task)``, uncalibrated: the rank's calibrated compute (its share per virtual
+    stage); a split backward's ``I`` and ``W`` half of ``B`` each, but on stage 0 ``I`` nothing
+    and ``W`` all of it (the runtime's split there)."""
+    share = 1.0 / n_virtual
+
+    def cost(rank: int, t: Task) -> float:
+        if t.kind == F:
+            return calibration[rank][F] * share
+        b = calibration[rank][B] * share
+        if t.kind == B:
+            return b
+        if t.stage == 0:
+            return b if t.kind == W else 0.0
+        return b / 2
+
+    return cost
+
+
 def predict(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, hint: str, *,
             n_virtual: int = 1, placement: str = "loop", limit: int | str = 32,
-            budgets: Sequence[int] | None = None, stage_bytes: Sequence[Sequence[int]] | None = None) -> list[float]:
+            budgets: Sequence[int] | None = None, stage_bytes: Sequence[Sequence[int]] | None = None,
+            model: RuntimeModel | None = None) -> list[float]:
     """Simulated step time (seconds) of each timed round of ``phase`` for one benchmark row.
 
     Args:
@@ -50,18 +152,20 @@ def predict(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dic
         budgets: per rank, ``memory_budget`` in bytes, or None.
         stage_bytes: per rank, the saved bytes of one microbatch on each of its stages (in
             virtual-stage order); needed with ``budgets``.
+        model: the calibrated model (:func:`fit_model`); None: uncalibrated (module docstring).
 
     Raises:
         ValueError: a hint that does not fit the placement (from the scheduler).
     """
     return [res.makespan for res, _ in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement,
-                                               limit, budgets, stage_bytes, None)]
+                                               limit, budgets, stage_bytes, None, model)]
 
 
 def predict_bounded(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, hint: str, *,
                     bound_budgets: Sequence[int], stage_bytes: Sequence[Sequence[int]], n_virtual: int = 1,
                     placement: str = "loop", limit: int | str = 32,
-                    budgets: Sequence[int] | None = None) -> tuple[list[float], list[float]]:
+                    budgets: Sequence[int] | None = None, model: RuntimeModel | None = None,
+                    ) -> tuple[list[float], list[float]]:
     """:func:`predict`'s step times, and per round the memory-aware lower bound (seconds) on any
     schedule of the same tasks that keeps each rank within ``bound_budgets`` bytes: the larger of
     :func:`rrfp.sim.metrics.lower_bound` and :func:`rrfp.sim.metrics.memory_bound` over that
@@ -72,14 +176,14 @@ def predict_bounded(cfg: dict, calibration: Sequence[dict], phase_index: int, ph
     """
     steps, bounds = [], []
     for res, bound in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, limit, budgets,
-                              stage_bytes, bound_budgets):
+                              stage_bytes, bound_budgets, model):
         steps.append(res.makespan)
         bounds.append(bound)
     return steps, bounds
 
 
 def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, limit, budgets, stage_bytes,
-            bound_budgets):
+            bound_budgets, model=None):
     """Per timed round: (the simulation's result, its memory-aware bound at ``bound_budgets`` or
     None without them)."""
     from rrfp.sim.metrics import lower_bound, memory_bound
@@ -90,46 +194,117 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
     place = Placement(P, n_virtual, placement)
     limits = one_f_one_b_limits(P) if limit == "1f1b" else [int(limit)] * P
     spec, h, strict = resolve_hint(torch_order_hint(hint, P, M), place, M, inflight_limit=limits)
-    level = LEVELS[phase["level"]]
-    comm = LEVELS[cfg["comm"]] if cfg.get("comm") else None
-    sleep = cfg.get("sleep") or {"F": 0.0, "B": 0.0}
-    share = 1.0 / n_virtual
-    # The harness's own rules (its Injector): e per stage, W's share of a backward.
-    from .harness import Injector
-
-    inj = [Injector(level, seed, r, dict(sleep) if cfg.get("sleep") else c, base=cfg.get("sleep"))
-           for r, c in enumerate(calibration)]
+    sleep = harness_sleep(cfg, calibration, phase, n_virtual, placement)
+    if model is None:
+        cost = compute_cost(calibration, n_virtual)
+    else:
+        share = 1.0 / n_virtual
+        cost = lambda rank, t: model.costs[rank][t.kind] * share  # noqa: E731
     act = None
     if stage_bytes is not None:
         pos = {s: (place.rank_of(s), i) for r in range(P) for i, s in enumerate(place.stages_of(r))}
         act = lambda step, stage, mb: int(stage_bytes[pos[stage][0]][pos[stage][1]])  # noqa: E731
 
+    held = message_delay(cfg)
     for step_id in timed_step_ids(phase_index, phase):
         def duration(step: int, rank: int, t, sid=step_id) -> float:
-            kind = F if t.kind == F else B
-            base = calibration[rank][kind] * share
-            d = (injected_delay(level, seed, sid, rank, t.mb, kind, inj[rank].e_stage) + sleep[kind]) * share
-            if t.kind == W:
-                return base / 2 + d * inj[rank].w_share
-            if t.kind == I:
-                return base / 2 + d * (1.0 - inj[rank].w_share)
-            return d + base
+            return sleep(sid, rank, t) + cost(rank, t)
 
         def delay(step: int, src: int, dst: int, t, sid=step_id) -> float:
-            if comm is None:
-                return 0.0
-            return injected_delay(comm, seed, sid, t.stage, t.mb, F if t.kind == F else B, 0.0,
-                                  streams=(STREAM_COMM_HIT, STREAM_COMM_SIZE))
+            return 0.0 if held is None else held(sid, src, dst, t)
 
-        res = simulate(spec, h, duration, strict=strict, inflight_limit=limits, delay=delay,
-                       record=bound_budgets is not None,
-                       memory_budget=list(budgets) if budgets is not None else None,
-                       act_bytes=act if budgets is not None else None)
+        kw = dict(strict=strict, inflight_limit=limits, delay=delay, record=bound_budgets is not None,
+                  memory_budget=list(budgets) if budgets is not None else None,
+                  act_bytes=act if budgets is not None else None)
+        if model is None:
+            res = simulate(spec, h, duration, **kw)
+        else:
+            res = model.calibration.simulate(spec, h, duration, cpu=lambda k, r, t: cost(r, t), **kw)
         bound = None
         if bound_budgets is not None:
             bound = max(lower_bound(spec, res.records, delay=delay),
                         memory_bound(spec, res.records, list(bound_budgets), act, delay=delay))
         yield res, bound
+
+
+def machine_background(seconds: float = 0.5) -> tuple[int, float]:
+    """``(cores, background)``: this process's cores and the machine's other load as this
+    process's group sees it, read off the CPU share a busy loop of ``seconds`` got: a fair
+    scheduler gives it ``cores / (1 + background)`` of a core when that is below one (0 when it
+    got a whole core): :attr:`rrfp.sim.calibration.Calibration.background`. Rank processes
+    started from this one share its group."""
+    import os
+    import time
+
+    cores = len(os.sched_getaffinity(0))
+    t0, c0 = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - t0 < seconds:
+        pass
+    share = (time.thread_time() - c0) / (time.perf_counter() - t0)
+    return cores, (max(0.0, cores / max(share, 1e-3) - 1.0) if share < 0.98 else 0.0)
+
+
+PROFILE_ROWS = ("rrfp strict-1f1b", "rrfp strict-split")
+"""The rows a setting's calibrated model is read from when they ran (:func:`fit_model`): the
+strict schedule (``F``, ``B``) and its split (``I``, ``W``), as ``auto`` measures a job."""
+
+
+def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, recorded: dict,
+              rows: Sequence[str] = PROFILE_ROWS, cores: int | None = None, background: float = 0.0) -> RuntimeModel:
+    """The calibrated model of a setting's phase, read off the recorded steps of ``rows`` (those
+    that ran; one stage per rank): each task's own cost (its recorded duration less what the
+    harness slept in it, :func:`harness_sleep`; a kind no row ran is derived, ``I = W = B / 2``,
+    stage 0's ``I`` none), the runtime's time per task, per message (beyond the message delays
+    the harness injected, :func:`message_delay`) and per step
+    (:func:`rrfp.sim.calibration.fit`), and, with ``cores``, the duty the costs were measured at.
+
+    Args:
+        recorded: row -> step id -> per rank ``{"rank", "t0", "t1", "tasks": [[stage, kind, mb,
+            start, end], ...]}`` (:mod:`benchmarks.compare`
+            with ``record_tasks``, ``benchmarks/bench_sim_vs_runtime.py``).
+        cores, background: the machine's cores and its other load as the ranks see it
+            (:class:`~rrfp.sim.calibration.Calibration`).
+
+    Raises:
+        ValueError: none of ``rows`` was recorded in the phase's timed rounds, or a figure
+            without a sample.
+    """
+    P, M = cfg["n_ranks"], cfg["n_microbatches"]
+    place = Placement(P)
+    sleep = harness_sleep(cfg, calibration, phase)
+    ids = set(timed_step_ids(phase_index, phase))
+    used = [r for r in rows if r in recorded and ids & {int(k) for k in recorded[r]}]
+    if not used:
+        raise ValueError(f"no recorded step of {', '.join(rows)} in phase {phase.get('name', phase_index)}")
+    records: list[TaskRecord] = []
+    steps = []
+    for row in used:
+        split = any(t[1] in (I, W) for ranks in recorded[row].values() for rs in ranks for t in rs["tasks"])
+        spec = PipelineSpec(place, M, split)
+        for sid, ranks in sorted(recorded[row].items(), key=lambda kv: int(kv[0])):
+            if int(sid) not in ids:
+                continue
+            step = []
+            for rs in ranks:
+                recs = [TaskRecord(rs["rank"], int(sid), Task(int(a), str(k), int(m)), t0, t1)
+                        for a, k, m, t0, t1 in rs["tasks"]]
+                records += recs
+                step.append(RankStep(rs["rank"], recs, rs.get("t0"), rs.get("t1")))
+            steps.append((spec, step))
+    held = message_delay(cfg)  # an input held by the harness arrived that much later
+    fits = [fit([step], spec, delay=held) for spec, step in steps]
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    cal = Calibration(**{k: med([getattr(f.calibration, k) for f in fits]) for k in ("task", "recv", "hop", "step")})
+    costs = stage_costs(records, P, wait=sleep)
+    # stage 0's I is the runtime's no-op (its whole backward runs in W) when no split row ran.
+    per = [{k: c.cost(k) for k in (F, B, I, W)} for c in costs.stages]
+    if not any(r.task.kind == W for r in records):
+        per[0][I], per[0][W] = 0.0, per[0][B]
+    if cores is not None:
+        cpu = lambda k, r, t: per[r][t.kind]  # noqa: E731
+        cal = dataclasses.replace(cal, cores=cores, background=background, duty=busy_share(records, P, cpu))
+    n = sum(len(s) for _, s in steps) // P
+    return RuntimeModel(cal, per, f"{', '.join(used)}: {n} timed step{'s' if n != 1 else ''}")
 
 
 def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict:

@@ -1,13 +1,19 @@
 """The job secret's one rule (standard library only, so ``rrfp train`` checks
 ``--job-secret-file`` before torch loads): surrounding whitespace is stripped (a file's
-trailing newline) and at least :data:`MIN_SECRET_BYTES` bytes remain."""
+trailing newline) and at least :data:`MIN_SECRET_BYTES` bytes remain; and where the secret
+``rrfp train`` makes for one run waits for its ranks (:func:`private_secret_file`)."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import shutil
+import tempfile
+from typing import Callable
 
 MIN_SECRET_BYTES = 16
+MAX_SECRET_FILE_BYTES = 1 << 16
+"""A secret file larger than this (64 KiB), or one that is not a regular file (``/dev/zero``,
+a FIFO), is refused unread."""
 
 
 def normalized(secret: bytes | str) -> bytes:
@@ -26,13 +32,44 @@ def read_secret_file(path: str | os.PathLike) -> bytes:
     """A secret file's content, normalized.
 
     Raises:
-        ValueError: one line naming the file when it cannot be read or is too short.
+        ValueError: one line naming the file when it cannot be read, is not a regular file, is
+            larger than :data:`MAX_SECRET_FILE_BYTES` or its secret is too short.
     """
+    from ._inputs import read_small_file
+
     try:
-        data = Path(path).read_bytes()
+        data = read_small_file(path, MAX_SECRET_FILE_BYTES)
     except OSError as e:
         raise ValueError(f"job secret file {str(path)!r}: {e.strerror or e}") from None
+    except ValueError as e:  # not a regular file, or too large
+        raise ValueError(f"job secret file {str(path)!r}: {e}") from None
     try:
         return normalized(data)
     except ValueError as e:
         raise ValueError(f"job secret file {str(path)!r}: {e}") from None
+
+
+def private_secret_file(secret: str) -> tuple[str, Callable[[], None]]:
+    """Write a run's secret where only this user (and root) can read it, for its ranks to read
+    through ``--job-secret-file``: a file of mode 0600 in a new folder of mode 0700, in
+    ``/dev/shm`` where there is one (memory, never written to disk), else in the temporary
+    folder, named ``rrfp-secret-<this pid>-*``. Not the ranks' environment: ``/proc/<pid>/environ`` keeps the value a process
+    started with for its whole life, whatever it unsets.
+
+    Returns:
+        The file's path, and a function that deletes the file and its folder (call it when
+        the run ends).
+    """
+    shm = "/dev/shm"
+    # Named after the process that made it: the folder a SIGKILLed launcher left is its pid's.
+    folder = tempfile.mkdtemp(prefix=f"rrfp-secret-{os.getpid()}-",
+                              dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
+    path = os.path.join(folder, "job-secret")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secret)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return path, lambda: shutil.rmtree(folder, ignore_errors=True)

@@ -31,8 +31,11 @@ class _Chooser:
 def _checkpoint(tmp_path, hint, **written) -> str:
     d = tmp_path / "step-00000040"
     d.mkdir()
-    args = {"stages": 2, "virtual_stages": 1, "placement": "loop", "tp": 1, "dp": 1, "dp_shard": "none", **written}
-    (d / ck.META_FILE).write_text(json.dumps({"format": 3, "step": 40, "args": args, "hint": hint}))
+    args = {"model": "tiny", "stages": 2, "virtual_stages": 1, "placement": "loop", "tp": 1, "dp": 1,
+            "dp_shard": "none", **written}
+    # The fields every rrfp.json carries (ckpt_verify.meta_problem refuses a file without them).
+    data = {"next_step": 40, "n_samples": 640}
+    (d / ck.META_FILE).write_text(json.dumps({"format": 3, "step": 40, "args": args, "data": data, "hint": hint}))
     return str(d)
 
 
@@ -62,12 +65,22 @@ def test_a_choice_measured_at_another_layout_is_measured_anew(tmp_path, over, sa
     assert c.lines == [f"hint auto: the checkpoint's choice bf was measured at another layout {said}; measuring anew"]
 
 
-@pytest.mark.parametrize("hint", [None, "", 3])
+@pytest.mark.parametrize("hint", [None, ""])
 def test_no_recorded_choice_changes_nothing(tmp_path, hint) -> None:
     from rrfp.train.worker import _keep_recorded_hint
 
     c = _Chooser()
     _keep_recorded_hint(c, _args(), _checkpoint(tmp_path, hint))
+    assert c.adopted == [] and c.lines == []
+
+
+def test_a_recorded_hint_that_is_not_a_name_is_refused_in_one_line(tmp_path) -> None:
+    """A hand-edited "hint": 3 is damage (ckpt_verify.meta_problem), not "no choice"."""
+    from rrfp.train.worker import _keep_recorded_hint
+
+    c = _Chooser()
+    with pytest.raises(ValueError, match='"hint" is 3, expected a hint name or null'):
+        _keep_recorded_hint(c, _args(), _checkpoint(tmp_path, 3))
     assert c.adopted == [] and c.lines == []
 
 

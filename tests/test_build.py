@@ -232,9 +232,24 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
         build_hf_stages(str(tmp_path), 2, [0])
     tensors["model.layers.1.mlp.up_proj.weight"] = gone[:, :-1].contiguous()
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight: got a tensor of shape \(344, 127\), "
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.1.mlp.up_proj.weight' has shape \(344, 127\), "
                                          r"expected \(344, 128\)"):
         build_hf_stages(str(tmp_path), 2, [0])
+
+
+def test_a_misshapen_tensor_of_a_later_stage_is_named_as_saved(tmp_path):
+    """Layer 3 is the second stage's local layer 1: the message names the file's tensor
+    (layers.3), not the stage's local name (layers.1, a tensor that is fine)."""
+    from safetensors.torch import load_file, save_file
+
+    hf_model("llama", seed=1, max_len=32).save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.3.mlp.up_proj.weight"] = tensors["model.layers.3.mlp.up_proj.weight"][:, :-1].contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.3.mlp.up_proj.weight' has shape \(344, 127\)") as e:
+        build_hf_stages(str(tmp_path), 2, [1])
+    assert "layers.1" not in str(e.value)
 
 
 @pytest.mark.parametrize("family", ["gpt2", *(pytest.param(f, marks=pytest.mark.slow) for f in ("llama", "qwen2"))])

@@ -72,7 +72,7 @@ def test_export_of_an_hf_run_loads_with_from_pretrained(tmp_path):
 def test_export_refuses_a_multimodal_checkpoint_in_one_line(tmp_path):
     step = tmp_path / "step-00000001"
     step.mkdir()
-    meta = {"format": 3, "step": 1, "args": {"model": "multimodal", "tp": 1}}
+    meta = {"format": 3, "step": 1, "args": {"model": "multimodal", "tp": 1}, "data": {"next_step": 1, "n_samples": 0}}
     (step / "rrfp.json").write_text(json.dumps(meta))
     p = _rrfp("export", str(step), "--out", str(tmp_path / "hf"), cwd=tmp_path)
     err = p.stderr.strip().splitlines()
@@ -102,3 +102,23 @@ def test_an_output_folder_that_refuses_files_is_found_before_the_work():
     from rrfp._paths import output_file_problem
 
     assert output_file_problem("/proc/model.pt").startswith("cannot write into its folder '/proc'")
+
+
+@pytest.mark.parametrize("absent", ["transformers", "safetensors"])
+def test_export_without_the_hf_packages_is_one_line_before_the_work(tmp_path, monkeypatch, absent):
+    # export writes with transformers' save_pretrained; without it (no 'rrfp[hf]') the command
+    # used to end in a ModuleNotFoundError traceback after loading the checkpoint.
+    import argparse
+    import importlib.util
+
+    from rrfp.train import export_cli
+
+    step = tmp_path / "step-00000001"
+    step.mkdir()
+    (step / "rrfp.json").write_text(json.dumps({"format": 3, "step": 1, "args": {"model": "tiny", "tp": 1},
+                                                "data": {"next_step": 1, "n_samples": 8}}))  # the fields read_meta checks
+    args = argparse.Namespace(checkpoint=str(step), out=str(tmp_path / "hf"))
+    assert export_cli.check(args) is None  # both installed here
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == absent else real(name, *a))
+    assert export_cli.check(args) == f"rrfp export needs the {absent} package (pip install 'rrfp[hf]')"

@@ -37,11 +37,6 @@ CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor-monitoring.coreos.com-v1.json",
     ("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-monitoring.coreos.com-v1.json",
 }
-PENDING_METRICS = {"rrfp_memory_headroom_bytes"}
-"""Metrics the dashboard and the alerts use before rrfp/obs/metrics.py defines them: the memory
-headroom gauge (bytes each rank can still allocate before its memory budget or device limit)
-comes with issue 31's memory accounting. test_pending_metrics_are_not_defined_yet fails once
-it is defined, so that this set empties."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -230,12 +225,7 @@ def metric_names(expr: str) -> set[str]:
 
 
 def exposed(name: str) -> bool:
-    return name in METRIC_NAMES or name in PENDING_METRICS \
-        or any(name == f"{base}_{s}" for base in METRIC_NAMES for s in ("bucket", "sum", "count"))
-
-
-def test_pending_metrics_are_not_defined_yet() -> None:
-    assert not PENDING_METRICS & set(METRIC_NAMES), "defined now: remove them from PENDING_METRICS"
+    return name in METRIC_NAMES or any(name == f"{base}_{s}" for base in METRIC_NAMES for s in ("bucket", "sum", "count"))
 
 
 def test_dashboard_matches_its_schema_and_shows_the_panels() -> None:

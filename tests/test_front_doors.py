@@ -87,6 +87,26 @@ def test_an_fsdp2_stage_is_accepted_by_pipeline_stage_and_refused_by_local_pipel
     assert "\n" not in msg and msg.startswith("stage 1's module is sharded with fully_shard (FSDP2)"), msg
 
 
+def test_moving_a_sharded_stage_where_it_is_keeps_its_tp_marks(one_rank_group):
+    """``rrfp train --tp 2 --dp 2 --dp-shard full`` printed grad norm 3.0278 against 3.1498 for
+    --dp-shard none (and clipped by it): the runtime's ``.to(device)`` gave every FSDP2
+    parameter a new object without its ``_rrfp_tp_shard`` mark, so TP shards were counted on
+    TP rank 0 only. A move to where the stage already is must leave its parameters alone."""
+    from rrfp.parallel.clip import counted
+    from rrfp.runtime.doors.front import move_module
+
+    module = _wrapped("fsdp2")
+    module.inner[0].weight._rrfp_tp_shard = True
+    before = [id(p) for p in module.parameters()]
+    move_module(module, torch.device("cpu"))
+    assert [id(p) for p in module.parameters()] == before
+    assert module.inner[0].weight._rrfp_tp_shard
+
+    class TP1:  # a rank with TP rank 1, DP 1: counts only the TP shards
+        dp_rank, dp, tp_rank = 0, 1, 1
+    assert counted(module.inner[0].weight, TP1()) and not counted(module.inner[0].bias, TP1())
+
+
 @pytest.mark.parametrize("hint", [Schedule1F1B, "1F1B", "Schedule1F1B", "1f1b"])
 def test_a_torch_schedule_as_hint_keeps_its_peak_in_flight(hint):
     # 1F1B on 4 ranks holds p - r microbatches (hand-computed: rank r runs p - r warm-up

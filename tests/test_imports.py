@@ -17,7 +17,7 @@ ROOT = Path(rrfp.__file__).resolve().parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Lowest first; a module may import its own layer and the layers below it.
     ("leaves", ("rrfp.errors", "rrfp.lines", "rrfp._json", "rrfp._paths", "rrfp._pdeathsig", "rrfp.resources", "rrfp._net",
-                "rrfp._launch_env", "rrfp._secret")),
+                "rrfp._launch_env", "rrfp._secret", "rrfp._inputs", "rrfp.plugins")),
     ("scheduler", ("rrfp.scheduler",)),
     ("model", ("rrfp.model",)),
     ("data", ("rrfp.data",)),

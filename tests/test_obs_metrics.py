@@ -193,6 +193,7 @@ RANK_SCRIPT = textwrap.dedent("""
     assert m.registry is None, "expected multiprocess mode"
     m.observe(SimpleNamespace(busy=busy, wall=2 * busy, peak_mb_inflight=rank + 1), loss=loss, tokens=10)
     m.heartbeat.labels(str(rank)).set(beat)
+    m.observe_memory({"params": int(busy * 1000), "rss": 7, "headroom": int(loss * 100), "cuda_reserved": None})
 """)
 
 
@@ -225,8 +226,15 @@ def test_multiprocess_mode_merges_ranks_and_restarts(tmp_path, monkeypatch) -> N
         assert get(f"http://127.0.0.1:{srv.port}/readyz")[::2] == (200, "ready\n")
     finally:
         srv.close()
+    # Memory gauges: the restarted process's values (mostrecent), unmeasured ones absent.
+    assert got[("rrfp_memory_bytes", (("kind", "params"), r0))] == 500
+    assert got[("rrfp_memory_headroom_bytes", (r0,))] == 200 and got[("rrfp_memory_headroom_bytes", (r1,))] == 900
+    assert got[("rrfp_memory_peak_bytes", (r1, ("what", "rss")))] == 7
+    assert not any(name == "rrfp_memory_peak_bytes" and ("what", "cuda_reserved") in labels for name, labels in got)
     assert set(GAUGE_MODES) == {"rrfp_loss", "rrfp_peak_inflight_microbatches", "rrfp_last_heartbeat_timestamp_seconds",
-                                "rrfp_learning_rate", "rrfp_grad_norm", "rrfp_model_tflops", "rrfp_mfu"}
+                                "rrfp_learning_rate", "rrfp_grad_norm", "rrfp_model_tflops", "rrfp_mfu",
+                                "rrfp_memory_bytes", "rrfp_memory_peak_bytes", "rrfp_memory_limit_bytes",
+                                "rrfp_memory_headroom_bytes"}
 
 
 def test_node_registry_refuses_a_missing_folder(tmp_path) -> None:

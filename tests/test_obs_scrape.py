@@ -213,7 +213,7 @@ def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_pat
         "global: {scrape_interval: 1s}\n"
         "scrape_configs:\n"
         "  - job_name: rrfp\n"
-        f"    static_configs: [{{targets: [{', '.join(repr(f'127.0.0.1:{p}') for p in ports)}], labels: {{namespace: ns1}}}}]\n"
+        f"    static_configs: [{{targets: [{', '.join(repr(f'127.0.0.1:{p}') for p in ports)}]}}]\n"
     )
     prom = subprocess.Popen(
         ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
@@ -248,8 +248,9 @@ def test_real_prometheus_scrapes_the_run_and_answers_the_dashboard_query(tmp_pat
         from test_deploy import dashboard_exprs
 
         bubble = next(e for title, e in dashboard_exprs() if title.startswith("Bubble"))
-        # Grafana fills the dashboard's variables: the pods' namespace, the job (the scrape job here).
-        got = query(bubble.replace("$__rate_interval", "1h").replace("$namespace", "ns1").replace("$job", "rrfp"))
+        # Grafana fills the dashboard's variables; here the scrape job is "rrfp" and the series
+        # carry no namespace label, which PromQL's namespace="" matches.
+        got = query(bubble.replace("$__rate_interval", "1h").replace("$namespace", "").replace("$job", "rrfp"))
         assert set(got) == {str(r) for r in range(RANKS)} and all(0 <= v <= 100 for v in got.values()), got
     finally:
         proc.stop()

@@ -168,3 +168,23 @@ def test_rrfp_train_dp_shard_full_follows_the_replicated_loss_curve_and_resumes_
     resumed = losses(tmp_path / "resumed")
     assert sorted(resumed) == [3]
     assert resumed[3] == pytest.approx(got["none"][3], rel=1e-6, abs=0)
+
+
+@pytest.mark.timeout(900)
+def test_tp2_dp2_dp_shard_full_prints_and_clips_by_the_replicated_grad_norm(tmp_path):
+    """--stages 1 --tp 2 --dp 2 --dp-shard full against --dp-shard none: the same grad norms and
+    losses as printed (4 decimals), exact losses within 1e-6. Broken before the runtime skipped
+    a move to where a stage already is: FSDP2's .to() gave every parameter a new object without
+    its TP mark, so clipping counted TP rank 0's shards only (3.0278 printed against 3.1498)."""
+    from runs import losses, step_lines, train
+
+    got = {}
+    for shard in ("none", "full"):
+        out = train("--stages", "1", "--tp", "2", "--dp", "2", "--dp-shard", shard, "--clip-grad", "0.5",
+                    "--steps", "2", "--loss-file", str(tmp_path / shard), quiet=False)
+        got[shard] = step_lines(out), losses(tmp_path / shard)
+    (lines, exact), (ref_lines, ref_exact) = got["full"], got["none"]
+    assert sorted(ref_lines) == [1, 2] and ref_lines[1] != ref_lines[2]
+    assert lines == ref_lines
+    for step, loss in exact.items():
+        assert loss == pytest.approx(ref_exact[step], rel=1e-6, abs=0), (step, loss, ref_exact[step])

@@ -19,15 +19,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rrfp.scheduler import (
-    HINT_NAMES,
-    POLICIES,
+    SCHEDULES,
     Placement,
     PipelineSpec,
+    compile_policy,
     microbatches_per_round,
     order_peak_inflight,
     resolve_hint,
 )
+from rrfp.scheduler.registry import SPLIT, lookup, names
 from rrfp.sim.engine import simulate
+
+POLICIES = names(order=False)
+"""The kind-ranking policies of the hint table (what ``strict-<name>`` compiles)."""
+HINT_NAMES = POLICIES + tuple(SCHEDULES)
+"""The hints drawn: the policies and the named schedules (each fits any shape _draw_shape gives it)."""
 
 # Derandomized so CI sees the same examples every run; raise RRFP_HYPOTHESIS_EXAMPLES to
 # search harder locally.
@@ -137,9 +143,10 @@ def check_run(spec: PipelineSpec, hint, strict: bool, limits: list[int], res, st
 
 
 def peaks_from_records(spec: PipelineSpec, records) -> tuple[list[int], list[int]]:
-    """Per rank, the most activations held (F done, its backward not) and the most
-    microbatches in flight (F done on the rank's first virtual stage, its backward not) at
-    any moment of a step, recomputed from the executed tasks alone."""
+    """Per rank, the most activations held (F done, its B, or W with the split backward, not:
+    W reads what F saved) and the most microbatches in flight (F done on the rank's first
+    virtual stage, its B or W not) at any moment of a step, recomputed from the executed tasks
+    alone."""
     place = spec.placement
     acts, mbs = [0] * place.n_ranks, [0] * place.n_ranks
     first = {r: place.stages_of(r)[0] for r in range(place.n_ranks)}
@@ -149,7 +156,7 @@ def peaks_from_records(spec: PipelineSpec, records) -> tuple[list[int], list[int
     for (r, _), recs in by_rank_step.items():
         a = b = 0
         for rec in sorted(recs, key=lambda x: x.end):
-            d = 1 if rec.task.kind == "F" else -1 if rec.task.kind in ("B", "I") else 0
+            d = 1 if rec.task.kind == "F" else -1 if rec.task.kind in ("B", "W") else 0
             a += d
             if rec.task.stage == first[r]:
                 b += d
@@ -184,9 +191,8 @@ def test_any_hint_any_mode_completes_correctly(sc):
         text, sc["placement"], sc["n_microbatches"], split, inflight_limit=limits, backpressure=sc["backpressure"]
     )
     assert strict == sc["strict"]
-    if split is None:
-        want = POLICIES[sc["name"]][2] if sc["name"] in POLICIES else sc["name"].startswith("zb-")
-        assert spec.split_backward == want
+    if split is None:  # the hint's own backward form, from the hint table
+        assert spec.split_backward == (lookup(sc["name"]).backward == SPLIT)
     dur_sample = _sampler(rng, sc["durations"])
     delay_sample = _sampler(rng, sc["delays"])
     delay_scale = 0.0 if sc["delays"] == "zero" else rng.uniform(0.01, 2.0)
@@ -223,6 +229,34 @@ def test_compiled_policy_respects_the_bound_and_matches_the_simulator(p, v, kind
     assert acts == order_peak_inflight(spec, strict_hint.order)
     for r in range(p):
         assert_within_bound(place, policy.backpressure, limit, acts[r], mbs[r], f"rank {r}")
+
+
+@settings(max_examples=max(20, EXAMPLES // 3), deadline=None, derandomize=True, database=None)
+@given(
+    p=st.integers(1, 6),
+    v=st.integers(1, 3),
+    kind=st.sampled_from(["loop", "v"]),
+    m=st.integers(1, 16),
+    limits=st.lists(st.integers(1, 16), min_size=6, max_size=6),
+    durations=st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0]), min_size=4, max_size=4),
+    split=st.booleans(),
+    backpressure=st.sampled_from(["admission", "completion-order"]),
+    name=st.sampled_from(POLICIES),
+)
+def test_compile_policy_and_the_simulator_give_the_same_orders(p, v, kind, m, limits, durations, split, backpressure,
+                                                               name):
+    """compile_policy's event loop and the simulator's are one event model: over random
+    shapes, per-kind durations (ties included), per-rank limits and backpressure, the orders
+    compile_policy returns are the per-rank dispatch orders of simulate() with the same
+    durations and no message delay."""
+    place = Placement(p, v, kind)
+    spec, hint, _ = resolve_hint(name, place, m, split, backpressure=backpressure)
+    dur = dict(zip("FBIW", durations))
+    lim = limits[:p]
+    compiled = compile_policy(spec, hint, lim, dur)
+    res = simulate(spec, hint, lambda s, r, t: dur[t.kind], inflight_limit=lim)
+    ran = [[rec.task for rec in res.records if rec.rank == r] for r in range(p)]  # records: dispatch order
+    assert ran == compiled
 
 
 def _largest(name: str) -> tuple[Placement, int]:

@@ -52,7 +52,51 @@ def test_wfloat_has_no_strict_form_and_needs_a_fixed_order():
     with pytest.raises(ValueError, match="no fixed order"):
         resolve_hint("wfloat", Placement(2, 3, "v"), 4)
     spec, h, strict = resolve_hint("ahead", Placement(2, 2, "v"), 4)
-    assert spec.split_backward and not strict and h.policy == "order-ahead"
+    assert spec.split_backward and not strict and h.policy == "ahead"
+
+
+def test_wfloat_refuses_limits_below_its_orders_own():
+    # 1F1B's order holds p - r = [4, 3, 2, 1] in flight (hand count): below that on a rank, the
+    # order's forwards wait for a limit that only the order's later backwards free, and the
+    # ranks deadlock (on main the simulator raised DeadlockError for [2, 2, 2, 2]).
+    for limits in ([2, 2, 2, 2], 1, [4, 3, 1, 1], [3, 3, 2, 1]):
+        with pytest.raises(ValueError, match=r"^hint 'wfloat': in-flight limit \d on rank \d is below its order's "
+                           r"own \d \(per rank \[4, 3, 2, 1\]\)"):
+            resolve_hint("wfloat", Placement(4), 8, inflight_limit=limits)
+    with pytest.raises(ValueError, match="limit 1 on rank 2 is below its order's own 2"):
+        resolve_hint("wfloat", Placement(4), 8, inflight_limit=[4, 3, 1, 1])
+    assert resolve_hint("wfloat", Placement(4), 8, inflight_limit=[4, 3, 2, 1])[1].policy == "wfloat"
+    # With virtual stages and admission backpressure the guard counts microbatches: the
+    # strict-split order of 2 ranks x 2 loop stages, 4 microbatches, admits 4 then 3 (hand count
+    # of its first local stage's F minus I).
+    with pytest.raises(ValueError, match=r"per rank \[4, 3\]"):
+        resolve_hint("wfloat", Placement(2, 2, "loop"), 4, inflight_limit=[4, 2])
+    # ahead runs later ready tasks while the planned one waits, so no limit is refused.
+    assert resolve_hint("ahead", Placement(4), 8, inflight_limit=1)[1].policy == "ahead"
+
+
+@pytest.mark.parametrize("p, v, kind, m, backpressure", [
+    (2, 1, "loop", 2, "admission"), (3, 1, "loop", 7, "admission"), (4, 1, "loop", 4, "admission"),
+    (4, 1, "loop", 9, "admission"), *[(p, 2, kind, m, bp) for p, kind, m in ((2, "loop", 4), (2, "v", 4), (3, "v", 6))
+                                      for bp in ("admission", "completion-order")]])
+def test_wfloat_completes_at_every_limit_it_accepts(p, v, kind, m, backpressure):
+    """Every limit vector from the order's own count to one above it, per rank: resolved, and
+    the simulation completes (no DeadlockError) with random durations and message delays."""
+    import itertools
+
+    place = Placement(p, v, kind)
+    spec, base, _ = resolve_hint("strict-split", place, m, backpressure=backpressure)
+    from rrfp.scheduler.validate import order_limits
+
+    need = order_limits(spec, base.order, backpressure)
+    rng = random.Random(p * 100 + m)
+    for extra in itertools.product((0, 1), repeat=p):
+        limits = [n + e for n, e in zip(need, extra)]
+        spec, h, strict = resolve_hint("wfloat", place, m, inflight_limit=limits, backpressure=backpressure)
+        durs = {t: rng.uniform(0.5, 2.0) for t in spec.all_tasks()}
+        res = simulate(spec, h, lambda k, r, t: durs[t], strict=strict, inflight_limit=limits,
+                       delay=lambda k, a, b, t: rng.uniform(0.0, 0.3), record=False)
+        assert res.makespan > 0
 
 
 def replay_bytes(records, size, p: int, steps: int) -> list[int]:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from rrfp.sim.auto import (CANDIDATES, PROFILE_SEED, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, margin, medians, preference, spread,
+from rrfp.sim.auto import (PROFILE_SEED, all_candidates, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, margin, medians, preference, spread,
                            forward_seconds, profile_from_samples, profile_of_config, rank, scaled, simulate_auto, trial_candidates, trial_order)
 from rrfp.sim.compare import SimConfig, run_one
 from rrfp.sim.costs import CostModel, StageCost
@@ -69,13 +69,14 @@ def test_profile_from_samples_means_spread_and_errors() -> None:
 
 
 def test_candidates_are_data() -> None:
-    assert CANDIDATES[0] == "strict" and "strict-split" in CANDIDATES and "backfill" in CANDIDATES
+    # The built-in entries that allow auto, in their tie order (the order before the hint table).
+    assert all_candidates() == ("strict", "strict-split", "backfill", "bf", "bfw-mem", "wfloat")
 
 
 @pytest.mark.parametrize("layout", [(1, "loop"), (2, "loop"), (2, "v")])
 def test_every_candidate_resolves_on_the_suites_placements(layout) -> None:
     known, skipped = known_candidates(4, layout[0], layout[1], 16)
-    assert skipped == [] and "wfloat" in known and len(known) == len(CANDIDATES)
+    assert skipped == [] and "wfloat" in known and len(known) == len(all_candidates())
 
 
 def _steps(*times: float, work: float = 0.0) -> list[tuple[float, float]]:
@@ -103,7 +104,7 @@ def test_keep_takes_the_smallest_median_and_never_a_policy_slower_than_strict() 
 
 def test_among_tied_hints_keep_takes_the_fixed_order_of_preference() -> None:
     # bf, bfw-mem and wfloat are within TIE of the fastest (bfw-mem, 0.895: 0.895 > 0.99 x 0.9
-    # and > 0.99 x 0.897); strict (1.0) is not. CANDIDATES' order puts bf first, whichever of
+    # and > 0.99 x 0.897); strict (1.0) is not. all_candidates()' order puts bf first, whichever of
     # the three the noise made fastest.
     assert preference(["wfloat", "bfw-mem", "zz", "bf", "strict-1f1b"], "strict-1f1b") == [
         "strict-1f1b", "bf", "bfw-mem", "wfloat", "zz"]
@@ -112,7 +113,7 @@ def test_among_tied_hints_keep_takes_the_fixed_order_of_preference() -> None:
         assert keep(walls, "strict-1f1b") == "bf", times
     # A gain beyond the tie wins over the order: bfw-mem 0.88 < 0.99 x 0.9.
     assert keep({"strict-1f1b": _steps(1.0), "bf": _steps(0.9), "bfw-mem": _steps(0.88)}, "strict-1f1b") == "bfw-mem"
-    # The order given (auto passes its known candidates) replaces CANDIDATES'.
+    # The order given (auto passes its known candidates) replaces all_candidates()'.
     assert keep({"bf": _steps(0.9), "bfw-mem": _steps(0.895)}, None, prefer=["bfw-mem", "bf"]) == "bfw-mem"
     # Without a strict schedule, within the tie: the preferred one, whichever is faster.
     assert keep({"bf": _steps(1.0), "bfw-mem": _steps(0.999)}, None) == "bf"

@@ -14,14 +14,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rrfp.scheduler import Placement, resolve_hint
-from rrfp.scheduler.hints import HINT_NAMES
+from rrfp.scheduler import SCHEDULES, Placement, resolve_hint
+from rrfp.scheduler.registry import names
 from rrfp.sim.costs import CostModel, StageCost
 from rrfp.sim.duration import CommModel, Dist, DurationModel
 from rrfp.sim.engine import simulate
 from rrfp.sim.jitter import LEVELS
 from rrfp.sim.metrics import lower_bound, memory_bound
 
+HINT_NAMES = names(order=False) + tuple(SCHEDULES)  # the policies and the named schedules
 EXAMPLES = int(os.environ.get("RRFP_HYPOTHESIS_EXAMPLES", "200"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -26,6 +26,17 @@ from rrfp.sim.jitter import (
 
 
 # ------------------------------------------------------------------------ jitter
+def test_kind_codes_in_keys_are_fixed() -> None:
+    """The kind codes in jitter keys come from the kind table's stable index; recorded
+    realisations depend on them, so they are pinned here: the module docstring's algorithm
+    written out with codes F 0, B 1, I 2, W 3, none 15 (values computed before the codes moved
+    to rrfp.scheduler.tasks.KIND_INDEX)."""
+    got = [key_hash(7, 3, 1, 2, 5, k) for k in ("F", "B", "I", "W", None)]
+    assert got == [13796320148069752437, 11300088022093803831, 5297854177095067775,
+                   17459412158004809613, 11363913260176237360]
+    assert [key_hash(7, 3, 1, 2, 5, c) for c in (0, 1, 2, 3, 15)] == got
+
+
 def test_keyed_draws_are_pure_functions_of_the_key() -> None:
     keys = [(s, st, m, k) for s in range(3) for st in range(4) for m in range(5) for k in "FBIW"]
     first = {key: keyed_uniform(7, *key) for key in keys}

@@ -7,7 +7,11 @@ RRFP "Bounds": with balanced stages and no communication, GPipe and 1F1B take
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from rrfp.scheduler import Placement, resolve_hint
 from rrfp.scheduler.hints import Hint
@@ -111,3 +115,42 @@ def test_deadlock_names_the_waiting_rank() -> None:
     bad = Hint("bad", order=[[Task(0, "F", 0), Task(0, "B", 0)], [Task(1, "B", 0), Task(1, "F", 0)]])
     with pytest.raises(DeadlockError, match="rank 1"):
         simulate(spec, bad, lambda s, r, t: 1.0, strict=True)
+
+
+@settings(max_examples=int(os.environ.get("RRFP_HYPOTHESIS_EXAMPLES", "100")), deadline=None, derandomize=True,
+          database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    p=st.integers(2, 4),
+    v=st.integers(1, 2),
+    m=st.integers(2, 8),
+    name=st.sampled_from(["bf", "fb", "bfw", "bfw-df", "b-priority", "f-priority", "bfw-alt", "1f1b", "gpipe",
+                          "interleaved-1f1b", "zb-v", "split"]),
+    strict=st.booleans(),
+    limit=st.integers(1, 5),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_inlined_decision_runs_what_arbiter_next_runs(p, v, m, name, strict, limit, seed):
+    """The run loop's inlined decision (engine.INLINE_DECISIONS: the policy's next_taken, the
+    running task set by the loop) against Arbiter.next itself: the same records, peaks and
+    makespan under random task times and message delays."""
+    import random
+
+    from rrfp.sim import engine
+
+    try:
+        spec, hint, _ = resolve_hint(("strict-" if strict else "") + name, Placement(p, v, "v" if name == "zb-v" else "loop"), m)
+    except ValueError:
+        assume(False)
+
+    def draw(*key) -> float:
+        return random.Random(hash((seed, *key))).uniform(0.5, 2.0)
+
+    def run():
+        res = simulate(spec, hint, lambda k, r, t: draw(k, r, *t), strict=strict, inflight_limit=limit, steps=2,
+                       delay=lambda k, a, b, t: draw("d", k, a, b, *t) - 0.5)
+        return [(x.rank, x.step, tuple(x.task), x.start, x.end) for x in res.records], res.peak_inflight, res.makespan
+
+    inlined = run()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine, "INLINE_DECISIONS", False)
+        assert run() == inlined

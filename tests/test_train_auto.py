@@ -50,7 +50,7 @@ def _pipe():
     ``RankRuntime.set_hint`` (the one way ``auto`` switches)."""
     spec, hint, strict = resolve_hint("strict-1f1b", Placement(2), M)
     rt = SimpleNamespace(rank=0, stages={}, hooks=SimpleNamespace(final_kind="B"), loop=SimpleNamespace(record=False),
-                         sizer=None, spec=spec, hint=hint, strict=strict)
+                         sizer=None, spec=spec, hint=hint, strict=strict, inflight_limit=M, memory_budget=None)
     rt.set_hint = lambda *a: RankRuntime.set_hint(rt, *a)
     pipe = SimpleNamespace(spec=spec, hint=hint, strict=strict, n_microbatches=M, runtime=rt, runtimes=[rt],
                            plan=SimpleNamespace(limits=[M, M], budget=None), config=RuntimeConfig())
@@ -64,12 +64,13 @@ def _after(ctl, k, stats):
 
 def _stats(pipe, wall: float):
     """A step's records: every task of the current spec, F 10 ms, B 20 ms, I and W 10 ms, run
-    back to back on one clock (the messages take 1 ms)."""
+    back to back on one clock (no time between tasks: the calibrated model's per-task time,
+    rrfp.sim.calibration, is 0)."""
     t, recs = 0.0, []
     for task in pipe.spec.all_tasks():
         d = {"F": 0.010, "B": 0.020, "I": 0.010, "W": 0.010}[task.kind]
-        recs.append(TaskRecord(0, 0, task, t + 0.001, t + 0.001 + d))
-        t += 0.001 + d
+        recs.append(TaskRecord(0, 0, task, t, t + d))
+        t += d
     return SimpleNamespace(wall=wall, records=recs)
 
 
@@ -250,7 +251,7 @@ def test_a_recorded_choice_that_is_no_candidate_here_is_measured_anew(share) -> 
 
 def test_tied_candidates_resolve_to_the_fixed_preference(share) -> None:
     # bfw-mem measured 0.4% faster than bf, within TIE: bf comes first in the order of
-    # preference (CANDIDATES'), so noise of that size cannot flip the choice.
+    # preference (all_candidates()'), so noise of that size cannot flip the choice.
     ctl, ran, lines = _drive(share, lambda k, h: {"strict-1f1b": 1.0, "bf": 0.9, "bfw-mem": 0.8964}[h],
                              TRIAL_END + 1, 0)
     assert sorted(ctl.trial) == ["bf", "bfw-mem", "strict-1f1b"]

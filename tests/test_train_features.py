@@ -242,7 +242,9 @@ def test_a_job_with_every_feature(tmp_path):
     evals = [l for l in lines if l.startswith("eval after step")]
     assert [l.split()[3] for l in evals] == ["2/4", "4/4"], p.stdout
     assert all(math.isfinite(float(l.split()[-1])) for l in evals)
-    assert "validation loss" in lines[-2] or "validation loss" in lines[-1]
+    # The run's summary, after its last step and eval lines (the memory and trace lines follow it).
+    last = max(i for i, l in enumerate(lines) if l.startswith(("step", "eval")))
+    assert any("validation loss" in l for l in lines[last + 1:]), p.stdout
     logged = log.read_text().splitlines()
     assert [l for l in logged if l.startswith(("step", "eval"))] == [l for l in lines if l.startswith(("step", "eval"))]
     recs = [json.loads((tmp_path / "tr" / f"records.rank{r}.json").read_text())["records"] for r in range(2)]

@@ -40,3 +40,11 @@ def test_step_equals_the_unpipelined_model(hint, budget):
     for m, gs in zip(modules, ref_grads):
         for p, g in zip(m.parameters(), gs):
             torch.testing.assert_close(p.grad, g, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.timeout(60)
+def test_a_limit_wfloat_could_deadlock_under_is_refused_before_the_first_step():
+    # 4 stages, 1F1B's order holds [4, 3, 2, 1] in flight: at 2 per rank the pipeline hung
+    # on main (the watchdog, shortened here, fired in the first step).
+    with pytest.raises(ValueError, match="hint 'wfloat': in-flight limit 2 on rank 0 is below its order's own 4"):
+        LocalPipeline(_model(4), 8, F.mse_loss, hint="wfloat", inflight_limit=2, watchdog=5)

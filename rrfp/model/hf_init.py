@@ -94,9 +94,19 @@ def load_safetensors(model: nn.Module, root: nn.Module, model_name: Callable[[st
                 found = weights.find(tied[name], prefix)
             return found
 
+        def read(k: str, local: str, meta: torch.Tensor) -> torch.Tensor:
+            # Checked here, not only by materialise, whose message knows the stage's local name
+            # (h.1 of a later stage) rather than the model's (h.3) that the file holds.
+            value = weights.get(k)
+            if tuple(value.shape) != tuple(meta.shape):
+                raise ValueError(f"{folder}: tensor {k!r} has shape {tuple(value.shape)}, expected "
+                                 f"{tuple(meta.shape)} for {model_name(local)!r} (its config.json's "
+                                 f"{model.config.model_type} model)")
+            return value
+
         def buffer(local: str, owner: nn.Module, meta: torch.Tensor) -> torch.Tensor:
             if (k := key(local)) is not None:
-                return weights.get(k)
+                return read(k, local, meta)
             computed.append(owner)
             return torch.empty(meta.shape, dtype=meta.dtype)
 
@@ -104,7 +114,7 @@ def load_safetensors(model: nn.Module, root: nn.Module, model_name: Callable[[st
             if (k := key(local)) is None:
                 raise ValueError(f"{folder}: no tensor {model_name(local)!r} in its safetensors files "
                                  f"(its config.json's {model.config.model_type} model has one)")
-            return weights.get(k)
+            return read(k, local, meta)
 
         materialise(root, buffer, parameters=False)
         with torch.no_grad():

@@ -31,6 +31,7 @@ from pathlib import Path
 from .. import _net
 from ..errors import UsageError
 from ..train.stop import PREEMPTED
+from .peers import DEFAULT_JOIN_TIMEOUT_S
 
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_RDZV_PORT = 29500
@@ -79,6 +80,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="SEC",
                    help="/healthz fails when a running rank's liveness beat, from a thread that one long task "
                    "does not block, is older than this: the process is frozen (default %(default)s)")
+    from .peers import SAY_EVERY_S
+
+    p.add_argument("--join-timeout", type=int, default=DEFAULT_JOIN_TIMEOUT_S, metavar="SEC",
+                   help="give up, exit 1, when the other nodes have not all joined the rendezvous (at the start, or "
+                   f"after a restart, e.g. when a peer host vanished) within this; said every {SAY_EVERY_S:g} s "
+                   "while waiting (torch's join_timeout; default %(default)s)")
     p.add_argument("--run-dir", default=None, help="the daemon's working folder (metrics files, stop file); default a temporary one")
     p.set_defaults(func=run, pass_through=True)
 
@@ -146,6 +153,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     problem = check_metrics_flags(args, allow_any_port=True)
     if problem:
         raise UsageError(problem)
+    join_timeout = getattr(args, "join_timeout", DEFAULT_JOIN_TIMEOUT_S)
+    if join_timeout < 1:
+        raise UsageError(f"--join-timeout={join_timeout}: expected a positive number of seconds")
     if not args.heartbeat_timeout > 0:
         raise UsageError(f"--heartbeat-timeout={args.heartbeat_timeout}: expected a positive number of seconds")
     if args.metrics_port and (problem := port_problem(args.metrics_addr, args.metrics_port, 1,
@@ -170,7 +180,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         _check_run_dir(args.run_dir)  # last: it makes the folder
     return argparse.Namespace(
         nnodes=nnodes, nproc=nproc, node_rank=node_rank, port=port, train_args=train_args, targs=targs,
-        master_addr=master_addr, node_addr=node_addr,
+        master_addr=master_addr, node_addr=node_addr, join_timeout=join_timeout,
     )
 
 
@@ -287,8 +297,6 @@ def run(args: argparse.Namespace) -> int:
     node_addr = job.node_addr or node_address(job.master_addr, job.port or DEFAULT_RDZV_PORT)
     os.environ[_net.NODE_ADDR_ENV] = node_addr
     os.environ.update(_net.socket_ifname_env(node_addr))
-    from torch.distributed.launcher.api import LaunchConfig
-
     from ..lines import say
     from ..obs.server import linger, serve_node
     from .health import Health
@@ -334,19 +342,13 @@ def run(args: argparse.Namespace) -> int:
                          f"{PREEMPTED}; ranks still starting are stopped, none is restarted",
                          on_request=lambda: setattr(health, "stopping", True))
     signal.signal(signal.SIGTERM, stop)
-    config = LaunchConfig(
-        min_nodes=job.nnodes, max_nodes=job.nnodes, nproc_per_node=job.nproc, run_id=args.job_id,
-        rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
-        # With rdzv_store this daemon already hosts the store: its agent joins it as a client.
-        rdzv_configs={"is_host": job.node_rank == 0 and rdzv_store is None}, max_restarts=args.max_restarts, monitor_interval=0.5,
-        local_addr=node_addr,
-        # SIGTERM stays the daemon's own (above): the agent would forward it as "die now".
-        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
-    )
+    config = _launch_config(args, job, rdzv_port, hosts_store=rdzv_store is not None, node_addr=node_addr)
     code = 0
+    waiting = _rendezvous_wait(job, f"{job.master_addr}:{rdzv_port} ({args.job_id})", say)
     try:
         code = _launch(config, job, stop)
     finally:
+        waiting.stop()
         watching.set()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if code == 0:
@@ -357,6 +359,34 @@ def run(args: argparse.Namespace) -> int:
         if own_dir:
             shutil.rmtree(run_dir, ignore_errors=True)
     return code
+
+
+def _launch_config(args: argparse.Namespace, job, rdzv_port: int, hosts_store: bool, node_addr: str):
+    """torch's ``LaunchConfig`` for this node's agent; ``hosts_store``: this daemon already
+    hosts the rendezvous store (node 0 on an OS-picked port), so its agent joins as a client."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=job.nnodes, max_nodes=job.nnodes, nproc_per_node=job.nproc, run_id=args.job_id,
+        rdzv_backend="c10d", rdzv_endpoint=f"{job.master_addr}:{rdzv_port}",
+        rdzv_configs={"is_host": job.node_rank == 0 and not hosts_store, "join_timeout": job.join_timeout},
+        max_restarts=args.max_restarts, monitor_interval=0.5,
+        local_addr=node_addr,
+        # SIGTERM stays the daemon's own (run): the agent would forward it as "die now".
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
+    )
+
+
+def _rendezvous_wait(job, rendezvous: str, say):
+    """The lines that say what this node waits for while no rank of it runs (rrfp/node/peers.py),
+    started only with more than one node: alone, a node never waits for another."""
+    from ..train.stop import child_pids
+    from .peers import RendezvousWait
+
+    waiting = RendezvousWait(lambda: bool(child_pids()), rendezvous, job.nnodes, job.join_timeout, say)
+    if job.nnodes > 1:
+        waiting.start()
+    return waiting
 
 
 def _ranks_env(run_dir: Path, job) -> tuple[Path, Path]:
@@ -392,7 +422,7 @@ def _launch(config, job, stop) -> int:
     :class:`~rrfp.train.stop.StopForwarder`), 1 on a failure."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import elastic_launch
 
     from ..lines import say
@@ -427,6 +457,10 @@ def _launch(config, job, stop) -> int:
             return 1
         say(f"rrfp node: stopped by {signal.Signals(e.sigval).name}; the ranks were stopped too", sys.stderr)
         return 128 + int(e.sigval)
-    except (RendezvousError, RuntimeError, OSError) as e:  # a rendezvous timeout and the like: one line
+    except RendezvousTimeoutError:  # torch's says nothing more
+        say(f"rrfp node: error: not every node of the {job.nnodes} joined the rendezvous within --join-timeout "
+            f"{config.rdzv_configs['join_timeout']} s (a peer host gone?); giving up", sys.stderr)
+        return 1
+    except (RendezvousError, RuntimeError, OSError) as e:  # a lost store and the like: one line
         say(f"rrfp node: error: {type(e).__name__}: {e}", sys.stderr)
         return 1

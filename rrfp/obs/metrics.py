@@ -15,6 +15,22 @@ Two ways to serve them:
   each rank writes its values to memory-mapped files in that folder, and the daemon serves
   them all from one endpoint (:func:`node_registry`). Gauges are merged over the processes
   of a rank (a restarted rank has a new pid) as :data:`GAUGE_MODES` says.
+
+Memory (every rank, after each optimizer step; ``rrfp/train/memory.py``, ``rrfp/obs/memory.py``),
+all in bytes, for dashboards and alerts:
+
+* ``rrfp_memory_bytes{rank, kind}``: what the rank holds, by ``kind``: ``params``, ``grads``,
+  ``optimizer`` (the optimizer's states), ``activations`` (the most held at once in the step)
+  and ``gathered`` (FSDP2's unsharded parameters and gradients held within the step; 0 with
+  replicated DP);
+* ``rrfp_memory_peak_bytes{rank, what}``: the process's peak of its last step, ``what``:
+  ``rss`` (peak resident set: ``VmHWM``, reset each step), ``cuda_allocated``,
+  ``cuda_reserved`` (GPU ranks only);
+* ``rrfp_memory_limit_bytes{rank}``: the limit the headroom is taken against (the GPU's
+  memory, the cgroup's ``memory.max``, or the host's ``MemTotal``);
+* ``rrfp_memory_headroom_bytes{rank}``: bytes left under that limit at the last step's peak
+  (negative: past it). Alert when it stays small, e.g.
+  ``min by (rank) (rrfp_memory_headroom_bytes) < 2 * 2^30`` (``docs/operations.md``).
 """
 
 from __future__ import annotations
@@ -28,14 +44,21 @@ from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from ..scheduler.tasks import KINDS
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-TASK_KINDS = ("F", "B", "I", "W")
+TASK_KINDS = tuple(KINDS)
 DIRECTIONS = ("sent", "received")
 REJECT_REASONS = ("decode", "routing")
 """``decode``: refused by the transport before delivery (malformed, oversized, unknown
 sender); ``routing``: delivered but not for this rank's job, step or stages, a duplicate,
 or past a backlog bound (the runtime's check)."""
+
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "gathered")
+"""``kind`` label values of ``rrfp_memory_bytes`` (``rrfp.train.memory.KINDS`` is this tuple)."""
+MEMORY_PEAKS = ("rss", "cuda_allocated", "cuda_reserved")
+"""``what`` label values of ``rrfp_memory_peak_bytes``."""
 
 STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0, 300.0)
 """Step-duration histogram buckets (seconds): a tiny CPU model's 10 ms steps to 5-minute steps."""
@@ -48,6 +71,10 @@ GAUGE_MODES = {
     "rrfp_grad_norm": "mostrecent",
     "rrfp_model_tflops": "mostrecent",
     "rrfp_mfu": "mostrecent",
+    "rrfp_memory_bytes": "mostrecent",
+    "rrfp_memory_peak_bytes": "mostrecent",
+    "rrfp_memory_limit_bytes": "mostrecent",
+    "rrfp_memory_headroom_bytes": "mostrecent",
 }
 """Multiprocess merge of each gauge over the processes that wrote it under the same labels
 (every rank writes its own ``rank`` label, so several processes share labels only when a rank
@@ -77,6 +104,10 @@ METRIC_NAMES = (
     "rrfp_grad_norm",
     "rrfp_model_tflops",
     "rrfp_mfu",
+    "rrfp_memory_bytes",
+    "rrfp_memory_peak_bytes",
+    "rrfp_memory_limit_bytes",
+    "rrfp_memory_headroom_bytes",
 )
 """Every metric family this module defines, as exposed (counters with ``_total``; the
 histogram also exposes ``_bucket``, ``_sum`` and ``_count``)."""
@@ -160,6 +191,19 @@ class RankMetrics:
         self.mfu = Gauge("rrfp_mfu", "model FLOPs utilisation of the rank's last step (0..1, against --peak-tflops "
                          "or the GPU's table entry; absent without a peak)", ["rank"], registry=r,
                          multiprocess_mode=GAUGE_MODES["rrfp_mfu"])
+        self.memory = Gauge("rrfp_memory_bytes", "bytes the rank held at its last step, by kind: params, grads, "
+                            "optimizer (states), activations (most held at once), gathered (FSDP2's unsharded "
+                            "parameters and gradients within the step)", ["rank", "kind"], registry=r,
+                            multiprocess_mode=GAUGE_MODES["rrfp_memory_bytes"])
+        self.memory_peak = Gauge("rrfp_memory_peak_bytes", "the rank process's peak bytes in its last step: rss "
+                                 "(VmHWM reset per step), cuda_allocated, cuda_reserved", ["rank", "what"], registry=r,
+                                 multiprocess_mode=GAUGE_MODES["rrfp_memory_peak_bytes"])
+        self.memory_limit = Gauge("rrfp_memory_limit_bytes", "the memory limit the headroom is taken against (GPU "
+                                  "memory, cgroup memory.max, or host MemTotal)", ["rank"], registry=r,
+                                  multiprocess_mode=GAUGE_MODES["rrfp_memory_limit_bytes"])
+        self.memory_headroom = Gauge("rrfp_memory_headroom_bytes", "bytes left under the limit at the rank's last "
+                                     "step's peak (negative: past it)", ["rank"], registry=r,
+                                     multiprocess_mode=GAUGE_MODES["rrfp_memory_headroom_bytes"])
         # Every series exists from the start at 0, so a scrape before the first step is a
         # baseline and rate() sees the first increments.
         for s in self.stages:
@@ -244,6 +288,22 @@ class RankMetrics:
             for gauge, value in ((self.lr, lr), (self.tflops, tflops), (self.mfu, mfu)):
                 if value is not None:
                     gauge.labels(self.rank).set(value)
+
+    def observe_memory(self, mem: Mapping[str, int | None]) -> None:
+        """Record the rank's memory of its last step (:meth:`rrfp.train.memory.RankMemory.fields`:
+        bytes by kind, the process's peaks, ``limit``, ``headroom``); a value that is None
+        (not measured on this device) leaves its series unset."""
+        with self.lock:
+            for kind in MEMORY_KINDS:
+                if mem.get(kind) is not None:
+                    self.memory.labels(self.rank, kind).set(mem[kind])
+            for what in MEMORY_PEAKS:
+                if mem.get(what) is not None:
+                    self.memory_peak.labels(self.rank, what).set(mem[what])
+            if mem.get("limit") is not None:
+                self.memory_limit.labels(self.rank).set(mem["limit"])
+            if mem.get("headroom") is not None:
+                self.memory_headroom.labels(self.rank).set(mem["headroom"])
 
     def observe_global(self, *, grad_norm: float) -> None:
         """Record a value of the whole job that rank 0 assembles (the global gradient norm)."""

@@ -3,11 +3,11 @@ the arbiter, named schedules and their validation (RRFP §3-5, App. A, App. C). 
 asyncio, no I/O (a CSV schedule file is the one thing it may read)."""
 
 from .arbiter import Arbiter, SchedulingError
-from .hints import DEFAULT_HINT, HINT_NAMES, NOMINAL_DURATIONS, POLICIES, Hint, compile_policy, resolve_hint
-from .policy import POLICY_REGISTRY, Policy, register
+from .hints import DEFAULT_HINT, NOMINAL_DURATIONS, Hint, compile_policy, resolve_hint
+from .policy import Policy
+from .registry import HINTS, HintEntry, register
 from .schedules import (
     SCHEDULES,
-    SPLIT_BACKWARD_DEFAULT,
     Order,
     dump_order_csv,
     format_orders,
@@ -27,9 +27,9 @@ from .validate import ScheduleError, order_peak_inflight, validate_schedule
 
 __all__ = [
     "Arbiter", "SchedulingError",
-    "DEFAULT_HINT", "HINT_NAMES", "NOMINAL_DURATIONS", "POLICIES", "Hint", "compile_policy", "resolve_hint",
-    "POLICY_REGISTRY", "Policy", "register",
-    "SCHEDULES", "SPLIT_BACKWARD_DEFAULT", "Order", "dump_order_csv", "format_orders", "gpipe",
+    "DEFAULT_HINT", "NOMINAL_DURATIONS", "Hint", "compile_policy", "resolve_hint",
+    "Policy", "HINTS", "HintEntry", "register",
+    "SCHEDULES", "Order", "dump_order_csv", "format_orders", "gpipe",
     "interleaved_1f1b", "load_order_csv", "looped_bfs", "microbatches_per_round", "one_f_one_b",
     "one_f_one_b_limits", "parse_orders", "zb_h1", "zb_v",
     "B", "F", "I", "W", "PipelineSpec", "Placement", "Task", "TaskRecord", "format_order", "parse_action",

@@ -50,7 +50,7 @@ class TPAgreement:
     Args:
         arbiter: the rank's arbiter for this step.
         needs_agreement: ``task -> bool``; default: the kind table's
-            (:data:`rrfp.scheduler.readyset.KINDS`: F, B and I issue collectives, W does not).
+            (:data:`rrfp.scheduler.tasks.KINDS`: F, B and I issue collectives, W does not).
 
     Attributes:
         rounds: proposal exchanges so far; mismatches: those that disagreed.

@@ -20,15 +20,16 @@ Pure module: no torch, no asyncio, no I/O.
 
 from __future__ import annotations
 
-import heapq
+from heapq import heappush
 
 from .backfill import Backfill
 from .errors import SchedulingError
 from .guards import NO_GUARD, Admission, ByteBudget, CompletionOrder, CountLimit, OrderPeak, RankState
 from .memory import MemoryLedger, SizeFn
-from .policy import Hint, build_policy, policy_name
-from .readyset import KIND_CODE as _CODE, ReadySet
-from .tasks import F, I, W, PipelineSpec, Task
+from .policy import Hint, Policy, in_order
+from .readyset import ReadySet
+from .registry import policy_factory
+from .tasks import B_CODE, F, F_CODE, I, KIND_CODE as _CODE, W, W_CODE, PipelineSpec, Task, kinds_of
 
 
 def validate_rank_order(spec: PipelineSpec, rank: int, order: list[Task]) -> None:
@@ -81,7 +82,16 @@ class Arbiter:
         ValueError: bad limit or budget, a budget without ``act_bytes`` or with
             ``completion-order`` backpressure, strict mode without a total order, or an
             order that is not exactly this rank's tasks.
+        TypeError: the hint's factory built something that is not a
+            :class:`~rrfp.scheduler.policy.Policy`.
     """
+
+    # Slots: the simulator reads these once per event; an instance dict of more than 30 keys
+    # loses CPython's fast attribute path (measured: +10% per decision at 31 attributes).
+    __slots__ = ("backfill", "_wsize", "spec", "rank", "hint", "strict", "limit", "stages", "_vidx", "_last_stage",
+                 "_n_mb", "n_tasks", "n_done", "running", "memory", "ready", "policy", "_taken", "_next_taken", "state", "_act",
+                 "_grad", "_done_f", "_done_b", "_done_w", "_rdy_f", "_rdy_b", "_rdy_w", "_rf", "_rb", "_rw",
+                 "_queues", "_rfl", "_fsign")
 
     def __init__(
         self,
@@ -103,9 +113,7 @@ class Arbiter:
         stages = spec.placement.stages_of(rank)
         if memory_budget is not None and len(stages) > 1 and hint.backpressure != "admission":
             raise ValueError(f"a memory budget needs admission backpressure, got {hint.backpressure!r}")
-        name = policy_name(hint, strict, backfill is not None)
-        if backfill is not None and not strict:
-            raise ValueError("backfilling runs over a strict order: pass strict=True")
+        factory = policy_factory(hint, strict, backfill is not None)
         self.backfill = backfill
         self._wsize = w_bytes
         self.spec = spec
@@ -117,7 +125,7 @@ class Arbiter:
         self._vidx = {s: i for i, s in enumerate(stages)}
         self._last_stage = spec.n_stages - 1
         self._n_mb = spec.n_microbatches
-        self.n_tasks = len(stages) * spec.n_microbatches * (3 if spec.split_backward else 2)
+        self.n_tasks = len(stages) * spec.n_microbatches * len(kinds_of(spec.split_backward))
         self.n_done = 0
         self.running: Task | None = None
         self.memory = None if act_bytes is None else MemoryLedger(stages, act_bytes, None if strict else memory_budget)
@@ -125,19 +133,13 @@ class Arbiter:
         if hint.order is not None:
             validate_rank_order(spec, rank, list(hint.order[rank]))
             order = hint.order[rank]
-        self.ready = ReadySet(stages, spec.n_microbatches)
-        self.policy = build_policy(name, order=order, ready=self.ready, backfill=backfill, memory=self.memory,
-                                   w_bytes=w_bytes if self.memory is not None else None)
-        self.ready.queues = self.policy.queues
-        self.ready.fsign = -1 if self.policy.depth_first else 1
-        self._alternate = self.policy.alternate
-        self._taken = getattr(self.policy, "taken", None)
-        self.state = st = RankState(stages, spec.n_microbatches, inflight_limit, spec.backward_kind, self.policy.first)
+        self.ready = r = ReadySet(stages, spec.n_microbatches)
+        self.state = st = RankState(stages, spec.n_microbatches, inflight_limit, spec.backward_kind)
         if strict:
             st.guard = NO_GUARD
         elif memory_budget is not None:
             st.guard = ByteBudget(self.memory)
-        elif hint.held_to_order and name == "order":
+        elif hint.held_to_order and factory is in_order:  # readiness over a schedule used as a hint
             st.guard = OrderPeak(order, self.ready)
         elif len(stages) == 1:
             st.guard = CountLimit()
@@ -145,13 +147,21 @@ class Arbiter:
             st.guard = Admission()
         else:
             st.guard = CompletionOrder(st)
-        self._may_bind = st.guard.may_bind
-        # The ready set's arrays and heaps, aliased: the event paths below run once per
-        # message and task in the simulator.
-        r = self.ready
-        self._act, self._grad, self._done, self._rdy = r.act, r.grad, r.done, r.ready
-        self._rf, self._rb, self._rw = r.f, r.b, r.w
-        self._queues = r.queues
+        self.policy = p = factory(order=order, ready=r, state=st, backfill=backfill, memory=self.memory,
+                                  w_bytes=w_bytes if self.memory is not None else None)
+        if not isinstance(p, Policy):
+            raise TypeError(f"hint {hint.name!r}: its factory built {type(p).__name__}, expected a "
+                            "rrfp.scheduler.policy.Policy (subclass it)")
+        r.configure(queues=p.queues, depth_first=p.depth_first)
+        self._taken = p.taken
+        self._next_taken = p.next_taken
+        # The ready set's arrays and heaps by kind code, aliased: the event paths below run
+        # once per message and task in the simulator.
+        self._act, self._grad = r.act, r.grad
+        self._done_f, self._done_b, self._done_w = r.done[F_CODE], r.done[B_CODE], r.done[W_CODE]
+        self._rdy_f, self._rdy_b, self._rdy_w = r.ready[F_CODE], r.ready[B_CODE], r.ready[W_CODE]
+        self._rf, self._rb, self._rw, self._rfl = r.f, r.b, r.w, r.fl
+        self._queues, self._fsign = r.queues, r.fsign
         if stages[0] == 0:
             for m in range(spec.n_microbatches):
                 self._act[m] = 1
@@ -165,7 +175,8 @@ class Arbiter:
 
     @property
     def inflight(self) -> int:
-        """Activations held now (``D``: forwards minus input backwards finished)."""
+        """Activations held now (``D``: forwards minus ``B``, or ``W`` with the split backward,
+        finished: :data:`~rrfp.scheduler.tasks.IN_FLIGHT_END`)."""
         return self.state.inflight
 
     @property
@@ -174,7 +185,7 @@ class Arbiter:
 
     @property
     def mb_inflight(self) -> int:
-        """Microbatches in flight now (first virtual stage's F done, its backward not)."""
+        """Microbatches in flight now (first virtual stage's F done, its B or W not)."""
         return self.state.mb_inflight
 
     @property
@@ -199,17 +210,20 @@ class Arbiter:
             if self._grad[i] or stage == self._last_stage:
                 raise SchedulingError(f"rank {self.rank}: duplicate gradient for stage {stage} microbatch {mb}")
             self._grad[i] = 1
-            if self._done[0][i]:
-                self._rdy[1][i] = 1
+            if self._done_f[i]:
+                self._rdy_b[i] = 1
                 if self._queues:
-                    heapq.heappush(self._rb, (-v, mb, stage))
+                    heappush(self._rb, (-v, mb, stage))
         else:
             if self._act[i]:
                 raise SchedulingError(f"rank {self.rank}: duplicate activation for stage {stage} microbatch {mb}")
             self._act[i] = 1
-            self._rdy[0][i] = 1
+            self._rdy_f[i] = 1
             if self._queues:
-                heapq.heappush(self._rf, (v * self.ready.fsign, mb, stage))
+                e = (v * self._fsign, mb, stage)
+                heappush(self._rf, e)
+                if e[0] > 0:  # breadth-first, past the first virtual stage (ReadySet.fl)
+                    heappush(self._rfl, e)
 
     @property
     def peak_bytes(self) -> int:
@@ -242,7 +256,7 @@ class Arbiter:
         st = self.state
         # ReadySet.add inlined: the simulator calls this once per task.
         if k == F:
-            self._done[0][i] = 1
+            self._done_f[i] = 1
             st.inflight += 1
             if st.inflight > st.peak_inflight:
                 st.peak_inflight = st.inflight
@@ -251,20 +265,24 @@ class Arbiter:
                 if st.mb_inflight > st.peak_mb_inflight:
                     st.peak_mb_inflight = st.mb_inflight
             if s == self._last_stage or self._grad[i]:
-                self._rdy[1][i] = 1
+                self._rdy_b[i] = 1
                 if self._queues:
-                    heapq.heappush(self._rb, (-v, m, s))
-        elif k == W:
-            self._done[2][i] = 1
+                    heappush(self._rb, (-v, m, s))
         else:
-            self._done[1][i] = 1
-            st.inflight -= 1
-            if v == 0:
-                st.mb_inflight -= 1
-            if k == I:
-                self._rdy[2][i] = 1
+            if k == W:
+                self._done_w[i] = 1
+            else:
+                self._done_b[i] = 1
+            # In flight until B, or W with the split backward (tasks.IN_FLIGHT_END: W reads
+            # what F saved, so an I frees only part of it).
+            if k != I:
+                st.inflight -= 1
+                if v == 0:
+                    st.mb_inflight -= 1
+            else:
+                self._rdy_w[i] = 1
                 if self._queues:
-                    heapq.heappush(self._rw, (m, -v, s))
+                    heappush(self._rw, (m, -v, s))
 
     # --------------------------------------------------------------- decisions
     def next(self) -> Task | None:
@@ -276,9 +294,9 @@ class Arbiter:
         """
         if self.running is not None:
             raise SchedulingError(f"rank {self.rank}: next() while {self.running} is running")
-        t = self.policy.choose(self.ready, self.state)
+        t = self._next_taken(self.ready, self.state)  # choose, then _take's two calls
         if t is not None:
-            self._take(t)
+            self.running = t
         return t
 
     def propose(self) -> Task | None:
@@ -304,24 +322,16 @@ class Arbiter:
             raise SchedulingError(f"rank {self.rank}: commit of {task} while {self.running} is running")
         v = self._vidx.get(task[0])
         c = _CODE.get(task[1])
-        if v is None or c is None or not 0 <= task[2] < self._n_mb or not self._rdy[c][v * self._n_mb + task[2]]:
+        if v is None or c is None or not 0 <= task[2] < self._n_mb or not self.ready.ready[c][v * self._n_mb + task[2]]:
             raise SchedulingError(f"rank {self.rank}: commit of {task}, which is not ready")
         self._take(task)
 
     def _take(self, t: Task) -> None:
-        # The one place a chosen task leaves the ready set.
+        # A chosen task leaves the ready set and the policy is told, always (next() inlines
+        # these three lines).
         self.running = t
         self.ready.take(t)
-        if self._alternate:
-            # A BF/FB round alternates after each F or backward; a guard that decides (the
-            # completion order) leaves the round where it was.
-            k = t[1]
-            if k != W:
-                st = self.state
-                if not (self._may_bind and st.guard.binding(st)):
-                    st.phase = "B" if k == F else F
-        elif self._taken is not None:
-            self._taken(t)
+        self._taken(t, self.state)
 
     def planned(self) -> Task | None:
         """In strict mode, the order's first task not finished as of the last decision (the
@@ -344,7 +354,7 @@ class Arbiter:
                 i = v * self._n_mb + m
                 if not self._act[i]:
                     missing.append(f"activation for {Task(s, F, m)} {place.source(place.prev_stage(s))}")
-                elif self._done[0][i] and s != self._last_stage and not self._grad[i]:
+                elif self._done_f[i] and s != self._last_stage and not self._grad[i]:
                     missing.append(f"gradient for {Task(s, bk, m)} {place.source(place.next_stage(s))}")
             if len(missing) >= limit:
                 break

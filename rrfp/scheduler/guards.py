@@ -3,8 +3,11 @@
 choose; backwards and ``W`` are never gated. Guards read the ready set and the rank's public
 counters (:class:`RankState`) and change nothing.
 
-``D`` is the number of forwards minus input backwards finished so far this step on the rank
-(activations held). In readiness mode, once ``D`` reaches the in-flight limit:
+``D`` is the number of forwards minus ``B`` finished so far this step on the rank
+(activations held); with the split backward a microbatch counts until its ``W``, not its ``I``
+(:data:`~rrfp.scheduler.tasks.IN_FLIGHT_END`: ``W`` reads what ``F`` saved, so at 1F1B's
+limits every hint holds at most the microbatches strict 1F1B holds, as ZB-H1 does). In
+readiness mode, once ``D`` reaches the in-flight limit:
 
 - one stage per rank (:class:`CountLimit`): forwards are disabled; ready backwards (and ``W``
   fillers) still run;
@@ -18,8 +21,9 @@ counters (:class:`RankState`) and change nothing.
 - ``V > 1``, ``completion-order`` backpressure (:class:`CompletionOrder`, RRFP App. C.2):
   while ``D`` is at the limit, the rank follows the deterministic microbatch-by-microbatch
   completion order (``m = 0..M-1``, each ``F_0..F_{V-1}, B_{V-1}..B_0``). It waits for its
-  next task there instead of skipping it, until ``D`` drops below the limit; ``W`` may fill the
-  wait (it never changes ``D``). The bound is ``limit + V``. It serialises deep interleaved
+  next task there instead of skipping it, until ``D`` drops below the limit; with the split
+  backward a ready ``W`` runs first (it lowers ``D``) and may fill the wait. The bound is
+  ``limit + V``. It serialises deep interleaved
   pipelines once the limit binds: simulated, 16 ranks x 2 virtual stages, 128 microbatches,
   limit 32 took 10x strict interleaved 1F1B.
 
@@ -66,8 +70,8 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 from .memory import MemoryLedger
-from .readyset import KIND_CODE, ReadySet
-from .tasks import F, Task
+from .readyset import ReadySet
+from .tasks import B_CODE, F, F_CODE, KIND_CODE, Task
 
 ANY = "any"
 """Verdict: every ready forward may run."""
@@ -108,21 +112,18 @@ class RankState:
         inflight, peak_inflight: activations held (``D``), now / at most.
         mb_inflight, peak_mb_inflight: microbatches in flight (first virtual stage's F done,
             its backward not), now / at most; equal to ``inflight`` with one stage per rank.
-        phase: the kind an alternating policy prefers next (``F`` or ``B``); the arbiter
-            flips it after each ``F`` or backward the policy chose.
         backward_kind: ``B``, or ``I`` with the split backward.
         guard: the rank's guard.
     """
 
     __slots__ = ("stages", "n_mb", "limit", "inflight", "peak_inflight", "mb_inflight", "peak_mb_inflight",
-                 "phase", "backward_kind", "guard")
+                 "backward_kind", "guard")
 
-    def __init__(self, stages, n_mb: int, limit: int, backward_kind: str, phase: str) -> None:
+    def __init__(self, stages, n_mb: int, limit: int, backward_kind: str) -> None:
         self.stages = stages
         self.n_mb = n_mb
         self.limit = limit
         self.inflight = self.peak_inflight = self.mb_inflight = self.peak_mb_inflight = 0
-        self.phase = phase
         self.backward_kind = backward_kind
         self.guard: Guard = NO_GUARD
 
@@ -215,13 +216,15 @@ class CompletionOrder:
         # virtual stages 0..V-1, then the backward on V-1..0. Computed, not stored; the flag
         # of the current position is cached because a waiting rank asks again and again.
         self._pos = 0
-        self._flag = (0, 0)  # (kind code, flag index) of position _pos: F_0 of microbatch 0
+        self._flag = (F_CODE, 0)  # (kind code, flag index) of position _pos: F_0 of microbatch 0
 
     def forward(self, ready: ReadySet, state: RankState):
         if state.inflight < state.limit:
             return ANY
         done, n = ready.done, self._n
         pos = self._pos
+        if ready.ready[2].find(1) >= 0:  # a ready W lowers D (split backward): it goes first
+            return Only(None)
         c, i = self._flag
         nv = len(state.stages)
         if pos < n and done[c][i]:
@@ -229,12 +232,12 @@ class CompletionOrder:
             while pos < n and done[c][i]:
                 pos += 1
                 m, j = divmod(pos, 2 * nv)
-                c, i = (0, j * M + m) if j < nv else (1, (2 * nv - 1 - j) * M + m)
+                c, i = (F_CODE, j * M + m) if j < nv else (B_CODE, (2 * nv - 1 - j) * M + m)
             self._pos = pos
             self._flag = (c, i)
         if pos < n and ready.ready[c][i]:
             m, j = divmod(pos, 2 * nv)
-            if c == 0:
+            if c == F_CODE:
                 return Only(_new(Task, (state.stages[j], F, m)))
             return Only(_new(Task, (state.stages[2 * nv - 1 - j], state.backward_kind, m)))
         return Only(None)
@@ -305,7 +308,7 @@ class ByteBudget:
         if not ready.queues:
             return GATED
         mem, M, stages = self.mem, state.n_mb, state.stages
-        rdy = ready.ready[0]
+        rdy = ready.ready[F_CODE]
         interleaved = len(stages) > 1
         if interleaved:
             m0 = mem.n_admitted

@@ -1,22 +1,21 @@
 """Hints: a rank's ordered preference over its ready tasks (RRFP §4, App. A).
 
-A hint is either a *policy* (``bf``, ``bfw``, ``bfw-alt``, ``fb``, ``b-priority``,
-``f-priority``, the depth-first ``-df`` variants and the memory-aware ``bfw-mem``: the
-kind-ranking policies registered in :mod:`rrfp.scheduler.policy`), which ranks whatever is
-ready by kind, or a *total order* per rank: compiled from a named schedule
-(:data:`~rrfp.scheduler.schedules.SCHEDULES`: ``gpipe``, ``looped-bfs``, ``1f1b``,
-``interleaved-1f1b``, ``zb-h1``, ``zb-v``) or given by the user as text or a CSV file.
+A hint is a name of the hint table (:data:`rrfp.scheduler.registry.HINTS`: the kind-ranking
+*policies* ``bf``, ``bfw``, ``fb``..., which rank whatever is ready by kind; the named
+schedules ``gpipe``, ``1f1b``, ``zb-v``...; the placement's orders ``split``, ``backfill``,
+``wfloat``, ``ahead``; anything :func:`~rrfp.scheduler.registry.register` added), or a *total
+order* per rank given by the user as text or a CSV file.
 
-Any hint runs in readiness mode (dispatch the best-ranked ready task, skip unready ones) or,
-prefixed ``strict-``, in strict mode (the fixed-order baseline: run only the order's next task,
-waiting for it). A policy in strict mode is first compiled into a total order by running it
-with nominal durations (:func:`compile_policy`).
+Any hint with a strict form runs in readiness mode (dispatch the best-ranked ready task, skip
+unready ones) or, prefixed ``strict-``, in strict mode (the fixed-order baseline: run only the
+order's next task, waiting for it). A policy in strict mode is first compiled into a total
+order by running it with nominal durations (:func:`compile_policy`).
 
 Hint text grammar (:func:`resolve_hint`)::
 
-    [strict-]<name>            a policy or named schedule, e.g. "bf", "strict-zb-v"
-    wfloat, ahead              the placement's split order with floating W (no strict form;
-                               :mod:`rrfp.scheduler.wfloat`)
+    [strict-]<name>            a name of the hint table (or an alias: PyTorch's schedule
+                               names), e.g. "bf", "strict-zb-v", "Interleaved1F1B"
+    backfill:<strict order>    conservative backfilling over another strict order
     [strict-]order:<orders>    per-rank orders inline, ranks separated by newlines or "|",
                                optionally labelled: "order:rank0: 0F0 0B0 | rank1: 1F0 1B0"
     [strict-]csv:<path>        a PyTorch compute-only schedule CSV (one row per rank)
@@ -32,17 +31,12 @@ import dataclasses
 import heapq
 from typing import Sequence, Union
 
-from . import wfloat as _wfloat  # noqa: F401  (registers the w-float policies)
 from .arbiter import Arbiter
-from .policy import KIND_POLICIES, Hint, placement_schedule
-from .schedules import SCHEDULES, SPLIT_BACKWARD_DEFAULT, Order, load_order_csv, parse_orders
+from .policy import Hint
+from .registry import ALWAYS, COMPILE, SPLIT, HintEntry, canonical, forms, lookup, placement_order
+from .schedules import Order, load_order_csv, parse_orders
 from .tasks import B, F, I, W, PipelineSpec, Placement
 from .validate import ScheduleError, validate_schedule
-
-POLICIES = {name: (p.first, p.alternate, p.split) for name, p in KIND_POLICIES.items()}
-"""The kind-ranking policies (:data:`rrfp.scheduler.policy.KIND_POLICIES`), name ->
-``(kind the first round prefers, alternates?, split backward?)``."""
-HINT_NAMES = tuple(POLICIES) + tuple(SCHEDULES)
 
 STRICT_SPLIT = "split"
 """The placement's own fixed order (:func:`~rrfp.scheduler.policy.placement_schedule`: 1F1B,
@@ -53,18 +47,6 @@ BACKFILL = "backfill"
 conservative backfilling (:mod:`rrfp.scheduler.backfill`); always strict. The simulator's
 "started" notices are instant; the runtime's travel on its control plane
 (:mod:`rrfp.runtime.features.notices`)."""
-WFLOAT = "wfloat"
-"""The placement's split order (as ``split``) whose ``W`` tasks float later
-(:class:`~rrfp.scheduler.wfloat.WFloat`): forwards and input backwards keep the order, a
-pending ``W`` runs while the order's next other task waits for its input or for bytes. No
-strict form; the runtime and the simulator run it alike (it needs no notices)."""
-AHEAD = "ahead"
-"""``wfloat`` that also runs later ready tasks of the order while the planned one waits,
-within the order's own byte profile (:class:`~rrfp.scheduler.wfloat.OrderAhead`)."""
-FLOATING = {WFLOAT: "w-float", AHEAD: "order-ahead"}
-"""Hint name -> the registered policy it runs over the placement's split order."""
-ORDER_HINTS = (STRICT_SPLIT, BACKFILL, WFLOAT, AHEAD)
-"""Hint names beside :data:`HINT_NAMES` whose order depends on the placement."""
 
 
 DEFAULT_HINT = "bf"
@@ -97,12 +79,15 @@ def compile_policy(
     dispatches its tasks when the policy runs in readiness mode with fixed durations
     (default :data:`NOMINAL_DURATIONS`: ``F = 1``, ``B = 2``, ``I = W = 1``) and no
     communication time. Ties resolve as in :func:`rrfp.sim.engine.simulate` (all events of an
-    instant first, then idle ranks decide), so the result equals that simulation's per-rank
-    order. Any executed order respects every dependency, so the result always runs strictly.
+    instant first, then idle ranks decide in rank order), so the result equals that
+    simulation's per-rank dispatch order: one event model in two loops, since the simulator
+    sits above this package (``tests/test_scheduler_properties.py`` checks both give the same
+    orders over random shapes, durations, limits and backpressure). Any executed order respects
+    every dependency, so the result always runs strictly.
 
     Args:
         spec: the pipeline's shape.
-        hint: the policy (``hint.order`` is ignored).
+        hint: the policy and its backpressure (``hint.order`` is ignored).
         inflight_limit: one in-flight limit for every rank, or one per rank.
         durations: seconds (any unit) per task kind.
 
@@ -118,7 +103,7 @@ def compile_policy(
     if len(limits) != P:
         raise ValueError(f"{len(limits)} in-flight limits given for {P} ranks")
     dur = NOMINAL_DURATIONS if durations is None else durations
-    policy = Hint(hint.name, hint.policy)
+    policy = Hint(hint.name, hint.policy, backpressure=hint.backpressure)  # the readiness run it stands for
     arbs = [Arbiter(spec, r, policy, inflight_limit=limits[r]) for r in range(P)]
     orders: Order = [[] for _ in range(P)]
     events: list[tuple[float, int, int]] = []  # (end time, seq, rank)
@@ -160,13 +145,6 @@ def compile_policy(
     return orders
 
 
-def _forms() -> str:
-    names = ", ".join(HINT_NAMES + (STRICT_SPLIT,))
-    names += f", {', '.join(FLOATING)} (no strict form)"
-    return (f"{names} (each also as strict-<name>), backfill, backfill:<strict order>, "
-            "order:<per-rank orders>, csv:<path> or <path>.csv")
-
-
 def resolve_hint(
     text: str,
     placement: Placement,
@@ -179,8 +157,9 @@ def resolve_hint(
     """Turn hint text (``"bf"``, ``"strict-1f1b"``, ``"order:..."``, ``"sched.csv"``; grammar in
     the module docstring) into ``(spec, hint, strict)``.
 
-    ``split_backward`` defaults to what the hint implies: ``bfw``, ``zb-h1`` and ``zb-v`` split;
-    a user order splits when it holds ``I``/``W`` actions; the rest do not.
+    ``split_backward`` defaults to what the hint implies: its entry's backward form
+    (:attr:`~rrfp.scheduler.registry.HintEntry.backward`: ``bfw``, ``zb-h1``, ``zb-v``, ``split``
+    ... split); a user order splits when it holds ``I``/``W`` actions.
     A strict policy (``strict-bf``...) is compiled with :func:`compile_policy` under
     ``inflight_limit``. Strict orders are checked with
     :func:`~rrfp.scheduler.validate.validate_schedule`; user orders in readiness mode only need
@@ -196,8 +175,9 @@ def resolve_hint(
         backpressure: one of :data:`BACKPRESSURE`.
 
     Raises:
-        ValueError: one line naming an unknown hint and listing the known forms, or a named
-            schedule that does not fit the placement or microbatch count.
+        ValueError: one line naming an unknown hint and listing the known forms
+            (:func:`~rrfp.scheduler.registry.forms`), or a hint whose order does not fit the
+            placement or microbatch count (``hint '<text>': <why>``).
         ScheduleError: (a ``ValueError``) a user order that is not a valid schedule, naming
             its first offending action.
         OSError: a CSV file that cannot be read.
@@ -208,61 +188,52 @@ def resolve_hint(
     return spec, dataclasses.replace(hint, backpressure=backpressure), strict
 
 
+FORMS = ("name", BACKFILL, "order", "csv")
+"""What hint text can be (:func:`hint_form`): a name of the hint table, ``backfill[:<order>]``,
+``order:<orders>``, a CSV file."""
+
+
+def hint_form(text: str) -> str | None:
+    """Which of :data:`FORMS` hint text takes (``strict-`` and aliases allowed), without
+    resolving it or reading a file; None: an unknown hint. The one reading of the grammar
+    (module docstring): :func:`resolve_hint` and ``rrfp train``'s early checks use it."""
+    name = canonical(text).removeprefix("strict-")
+    if name == BACKFILL or name.startswith(BACKFILL + ":"):
+        return BACKFILL
+    if lookup(name) is not None:
+        return "name"
+    if name.startswith("order:"):
+        return "order"
+    if name.startswith("csv:") or name.endswith(".csv"):
+        return "csv"
+    return None
+
+
+def unknown_hint(text: str) -> str:
+    """The one-line error for hint text that :func:`hint_form` does not know, listing the
+    forms (:func:`~rrfp.scheduler.registry.forms`)."""
+    return f"unknown hint {text!r}: expected one of {forms()}"
+
+
 def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, backpressure):
+    form = hint_form(text)
+    if form is None:
+        raise ValueError(unknown_hint(text))
+    text = canonical(text)
     strict = text.startswith("strict-")
     name = text[len("strict-"):] if strict else text
-    if name == BACKFILL or name.startswith(BACKFILL + ":"):
-        base = STRICT_SPLIT if name == BACKFILL else name[len(BACKFILL) + 1:]
-        base = base[len("strict-"):] if base.startswith("strict-") else base
-        if not base or base == BACKFILL or base.startswith(BACKFILL + ":"):
-            raise ValueError(f"hint {text!r}: expected backfill or backfill:<strict order>, e.g. backfill:1f1b")
-        try:
-            spec, hint, _ = _resolve("strict-" + base, placement, n_microbatches, split_backward, inflight_limit,
-                                     backpressure)
-        except ValueError as e:
-            # The inner message names "strict-<base>", a hint the user did not type.
-            raise ValueError(f"hint {text!r}: its strict order {base!r} does not resolve: {e}") from None
-        return spec, dataclasses.replace(hint, name=name, backfill=True), True
-    if name in FLOATING:
-        if strict:
-            raise ValueError(f"hint {text!r}: {name} floats its W tasks, so it has no strict form; use strict-split")
-        spec, hint, _ = _resolve(STRICT_SPLIT, placement, n_microbatches, split_backward, inflight_limit, backpressure)
-        if not spec.split_backward:
-            raise ValueError(f"hint {text!r}: {name} needs the split backward (I and W); drop the full-backward setting")
-        return spec, Hint(name, FLOATING[name], order=hint.order, backpressure=backpressure), False
-    if name == STRICT_SPLIT:
-        sched = placement_schedule(placement.n_virtual, placement.kind)
-        if sched is None:
-            raise ValueError(f"hint {text!r}: the {placement.kind} placement with {placement.n_virtual} virtual "
-                             "stages has no fixed order (1f1b: 1, interleaved-1f1b: loop, zb-v: v with 2)")
-        spec = PipelineSpec(placement, n_microbatches, True if split_backward is None else split_backward)
-        hint = Hint(name, order=SCHEDULES[sched](spec))
-        if strict:
-            validate_schedule(spec, hint.order)
-        return spec, hint, strict
-    if name in POLICIES:
-        split = KIND_POLICIES[name].split
-        spec = PipelineSpec(placement, n_microbatches, split if split_backward is None else split_backward)
-        hint = Hint(name, name, backpressure=backpressure)
-        if strict:
-            hint = Hint(name, name, order=compile_policy(spec, hint, inflight_limit))
-        return spec, hint, strict
-    if name in SCHEDULES:
-        split = SPLIT_BACKWARD_DEFAULT[name] if split_backward is None else split_backward
-        spec = PipelineSpec(placement, n_microbatches, split)
-        hint = Hint(name, order=SCHEDULES[name](spec))
-        if strict:
-            validate_schedule(spec, hint.order)
-        return spec, hint, strict
-    if name.startswith("order:"):
+    if form == BACKFILL:
+        return _backfill(text, name, placement, n_microbatches, split_backward, inflight_limit, backpressure)
+    if form == "name":
+        return _named(text, name, strict, lookup(name), placement, n_microbatches, split_backward, inflight_limit,
+                      backpressure)
+    if form == "order":
         orders = parse_orders(name[len("order:"):])
         label = "order"
-    elif name.startswith("csv:") or name.endswith(".csv"):
+    else:
         path = name[len("csv:"):] if name.startswith("csv:") else name
         orders = load_order_csv(path)
         label = path
-    else:
-        raise ValueError(f"unknown hint {text!r}: expected one of {_forms()}")
     if split_backward is None:
         kinds = {t.kind for o in orders for t in o}
         if B in kinds and kinds & {I, W}:
@@ -276,3 +247,45 @@ def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, ba
     spec = PipelineSpec(placement, n_microbatches, split_backward)
     validate_schedule(spec, orders, strict=strict)
     return spec, Hint(label, order=orders), strict
+
+
+def _named(text, name, strict, entry: HintEntry, placement, n_microbatches, split_backward, inflight_limit,
+           backpressure):
+    """A name of the hint table, in readiness or strict mode."""
+    if strict and not entry.strict_forms:
+        fixed = "; strict-split runs its order fixed" if entry.order is placement_order else ""
+        raise ValueError(f"hint {text!r}: {name} has no strict form{fixed}")
+    split = entry.backward == SPLIT if split_backward is None else split_backward
+    if entry.split_only and not split:
+        raise ValueError(f"hint {text!r}: {name} needs the split backward (I and W); drop the full-backward setting")
+    spec = PipelineSpec(placement, n_microbatches, split)
+    if entry.order is None:  # a policy: ranks whatever is ready
+        hint = Hint(name, name, backpressure=backpressure)
+        if strict and entry.strict == COMPILE:
+            hint = Hint(name, name, order=compile_policy(spec, hint, inflight_limit))
+        return spec, hint, strict
+    try:
+        order = entry.order(spec)
+    except ValueError as e:  # named: a schedule's own message starts with its name
+        raise ValueError(str(e) if str(e).startswith(name + " ") else f"hint {text!r}: {e}") from None
+    if entry.check is not None and not strict:
+        entry.check(name, spec, order, inflight_limit, backpressure)
+    hint = Hint(name, name if entry.factory is not None else None, order=order, backpressure=backpressure)
+    if strict:
+        validate_schedule(spec, order)
+    return spec, hint, strict or entry.strict == ALWAYS
+
+
+def _backfill(text, name, placement, n_microbatches, split_backward, inflight_limit, backpressure):
+    """``backfill`` (over ``split``) or ``backfill:<strict order>``: always strict."""
+    base = STRICT_SPLIT if name == BACKFILL else name[len(BACKFILL) + 1:]
+    base = base[len("strict-"):] if base.startswith("strict-") else base
+    if not base or base == BACKFILL or base.startswith(BACKFILL + ":"):
+        raise ValueError(f"hint {text!r}: expected backfill or backfill:<strict order>, e.g. backfill:1f1b")
+    try:
+        spec, hint, _ = _resolve("strict-" + base, placement, n_microbatches, split_backward, inflight_limit,
+                                 backpressure)
+    except ValueError as e:
+        # The inner message names "strict-<base>", a hint the user did not type.
+        raise ValueError(f"hint {text!r}: its strict order {base!r} does not resolve: {e}") from None
+    return spec, dataclasses.replace(hint, name=name, backfill=True), True

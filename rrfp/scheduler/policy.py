@@ -7,18 +7,20 @@ position past finished tasks of its order). What it may choose is filtered by th
 (:mod:`rrfp.scheduler.guards`: in-flight limit, admission, completion order, byte budget),
 which it asks for the verdict on forwards; backwards and ``W`` are never gated.
 
-Policies are registered by name (:data:`POLICY_REGISTRY`); the hint resolver
-(:mod:`rrfp.scheduler.hints`) names one in :attr:`Hint.policy` and the arbiter builds it
-(:func:`build_policy`):
+A policy is a :class:`Policy`: it declares at construction what it asks of the ready set
+(:attr:`Policy.queues`, :attr:`Policy.depth_first`), keeps its own state (a round, a position
+in an order) and is told every task the arbiter took (:meth:`Policy.taken`, always called).
+The arbiter has no policy-specific branch. Policies are built per rank and step by the
+factories of the hint table (:mod:`rrfp.scheduler.registry`); the mechanisms a hint runs by:
 
 - kind-ranking policies (:class:`KindPolicy`: ``bf``, ``fb``, ``bfw``, ``b-priority``,
   ``f-priority``, ``bfw-alt``, the depth-first ``-df`` variants, the memory-aware ``bfw-mem``)
   rank whatever is ready by kind, from the ready set's heaps;
-- ``order`` (:class:`InOrder`): a total order in readiness mode, the first ready task of the
-  order that the guard allows (a named schedule, ``split``, a user order);
-- ``strict`` (:class:`StrictOrder`): the order's next task, waiting for it (the fixed-order
-  baseline; no guard);
-- ``backfill`` (:class:`BackfillOrder`): the strict order with conservative backfilling
+- :class:`InOrder`: a total order in readiness mode, the first ready task of the order that
+  the guard allows (a named schedule, ``split``, a user order);
+- :class:`StrictOrder`: the order's next task, waiting for it (the fixed-order baseline; no
+  guard);
+- :class:`BackfillOrder`: the strict order with conservative backfilling
   (:mod:`rrfp.scheduler.backfill`).
 
 Pure module: no torch, no asyncio, no I/O.
@@ -27,14 +29,15 @@ Pure module: no torch, no asyncio, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from heapq import heappop
+from typing import Callable, Sequence
 
 from .backfill import Backfill
 from .guards import ANY, LATER, REFUSED, Only, RankState, admits
 from .memory import MemoryLedger, SizeFn, order_bytes
-from .readyset import KIND_CODE, ReadySet
+from .readyset import B_CODE, KIND_CODE, ReadySet
 from .schedules import Order
-from .tasks import B, F, W, Task
+from .tasks import B, F, F_CODE, W, W_CODE, Task
 
 _new = tuple.__new__  # Task(...) runs a Python-level __new__; this builds the same tuple faster
 
@@ -50,51 +53,82 @@ def placement_schedule(n_virtual: int, kind: str = "loop") -> str | None:
     return "zb-v" if n_virtual == 2 else None
 
 
-class Policy(Protocol):
-    """Chooses one rank's next task (module docstring).
+class Policy:
+    """Chooses one rank's next task (module docstring). Subclass it; a policy is built once per
+    rank and step by its factory, so it may keep state of its own.
 
-    Attributes:
-        name: the registered name.
-        queues: whether it reads the ready set's heaps (:attr:`ReadySet.f` ...).
-        depth_first: whether the ready set orders forwards depth-first.
-        alternate: whether it alternates rounds (:attr:`RankState.phase`).
-        first: the kind its first round prefers.
+    Attributes (declared, fixed at construction; the arbiter configures the ready set from
+    them before any task joins it):
+        name: the policy's name (for messages).
+        queues: it reads the ready set's heaps (:attr:`ReadySet.f`, ``b``, ``w``); False: the
+            flags only, and the heaps are not kept.
+        depth_first: the forward heap puts later virtual stages first.
     """
 
-    name: str
-    queues: bool
-    depth_first: bool
-    alternate: bool
-    first: str
+    name = "policy"
+    queues = False
+    depth_first = False
 
     def choose(self, ready: ReadySet, state: RankState) -> Task | None:
-        """The task to run now, or None; no side effects."""
+        """The task to run now, or None (nothing may run until the next event). No side
+        effects: the arbiter may ask again, or take another task (a TP group's agreement)."""
+        raise NotImplementedError(f"policy {self.name!r}: choose() is not implemented")
+
+    def taken(self, task: Task, state: RankState) -> None:
+        """The arbiter took ``task`` (it runs); called once for every task taken, chosen by
+        this policy or not (a TP group may agree on another ready task). The place to move
+        the policy's own state (a round, what ran ahead of an order)."""
+
+    def planned(self) -> Task | None:
+        """The task the policy's order runs next (a strict order's planned task), or None
+        (no order). Read for messages and by backfilling's notices."""
+        return None
+
+    def next_taken(self, ready: ReadySet, state: RankState) -> Task | None:
+        """:meth:`choose`, and the chosen task taken: out of the ready set
+        (:meth:`ReadySet.take`) and told to :meth:`taken`. What :meth:`Arbiter.next` runs. A
+        policy may fuse the three for speed; ``tests/test_scheduler_policy.py`` checks that a
+        fused path dispatches what this one does and leaves the same ready set."""
+        t = self.choose(ready, state)
+        if t is not None:
+            ready.take(t)
+            self.taken(t, state)
+        return t
 
 
-class KindPolicy:
+class KindPolicy(Policy):
     """Ranks ready tasks by kind (RRFP App. A): a backward or a forward, each the best of its
-    kind in the ready set's order; ``W`` only when neither may run.
+    kind in the ready set's order; ``W`` only when neither may run. Built per rank: it keeps
+    the round of an alternating policy (:attr:`phase`).
 
     Args:
-        name: the registered name.
+        name: the hint name.
         first: the kind preferred when both a forward and a backward may run, in the first
             round (alternating) or always (a fixed priority).
         alternate: BF/FB rounds (one of each kind in turn) instead of a fixed priority.
-        split: the backward form the policy implies (``I`` + ``W``).
         depth_first: among ready forwards prefer the latest virtual stage, so a microbatch
             already admitted moves on to its backward (and frees its memory) before a new one
             starts; with one stage per rank it changes nothing.
         free_first: when the byte budget refuses an admission the count allows
             (:data:`~rrfp.scheduler.guards.REFUSED`), run a ready ``W`` first: it frees the
             bytes the forward waits for.
+        guard_binds: the rank's guard can decide (:attr:`Guard.may_bind`); False spares
+            :meth:`taken` asking it (the simulator calls it once per task).
+
+    Attributes:
+        phase: the kind the policy prefers next (``F`` or ``B``): ``first``, then, when
+            alternating, flipped after each forward or backward taken while the guard does
+            not decide (:meth:`taken`).
     """
 
     queues = True
 
-    def __init__(self, name: str, first: str, alternate: bool, split: bool, *, depth_first: bool = False,
-                 free_first: bool = False) -> None:
-        self.name, self.first, self.alternate, self.split = name, first, alternate, split
+    def __init__(self, name: str, first: str, alternate: bool, *, depth_first: bool = False,
+                 free_first: bool = False, guard_binds: bool = True) -> None:
+        self.name, self.first, self.alternate = name, first, alternate
         self.depth_first, self.free_first = depth_first, free_first
+        self.guard_binds = guard_binds
+        self.phase = first
 
     def choose(self, ready: ReadySet, state: RankState) -> Task | None:
         # The simulator calls this once per decision.
@@ -118,7 +152,7 @@ class KindPolicy:
             m, _, s = ready.w[0]
             return _new(Task, (s, W, m))
         rb = ready.b
-        if f is not None and (not rb or state.phase == F):
+        if f is not None and (not rb or self.phase == F):
             return _new(Task, (f[2], F, f[1]))
         if rb:
             _, m, s = rb[0]
@@ -128,13 +162,72 @@ class KindPolicy:
             return _new(Task, (s, W, m))
         return None
 
+    def taken(self, task: Task, state: RankState) -> None:
+        """A BF/FB round alternates after each forward or backward; a guard that decides (the
+        completion order) leaves the round where it was. A fixed priority keeps no round."""
+        if self.alternate:
+            k = task[1]
+            if k != W and not (self.guard_binds and state.guard.binding(state)):
+                self.phase = B if k == F else F
 
-class _OrderPolicy:
-    queues = False
-    depth_first = False
-    alternate = False
-    first = B
+    def next_taken(self, ready: ReadySet, state: RankState) -> Task | None:
+        """:meth:`Policy.next_taken` fused (the simulator's one call per decision): the best
+        task of each kind is its heap's top, so taking it pops that top. Verdicts other than
+        any forward, none, or later forwards (a byte budget's, the completion order's) take
+        the plain path."""
+        f = state.guard.forward(ready, state)
+        if f is ANY:
+            rf = ready.f
+            f = rf[0] if rf else None
+        elif f is LATER:
+            f = ready.later_forward()
+        elif f is not None:
+            return Policy.next_taken(self, ready, state)
+        rb = ready.b
+        if f is not None and (not rb or self.phase == F):
+            heap = ready.f
+            code = F_CODE
+            m = f[1]
+            s = f[2]
+            i = f[0] * ready.fsign * ready.n_mb + m
+            kind = F
+            if heap[0] is not f and heap[0] != f:  # a later forward below first-stage ones
+                ready.stale[code].add(f)
+                ready.n_stale += 1
+                ready.ready[code][i] = 0
+                heap = None
+        elif rb:
+            heap, code = rb, B_CODE
+            v, m, s = rb[0]
+            i = -v * ready.n_mb + m
+            kind = state.backward_kind
+        elif ready.w:
+            heap, code = ready.w, W_CODE
+            m, v, s = ready.w[0]
+            i = -v * ready.n_mb + m
+            kind = W
+        else:
+            return None
+        if heap is not None:
+            heappop(heap)
+            if ready.n_stale:
+                ready.drop_stale(heap, code)
+            ready.ready[code][i] = 0
+        if self.alternate and kind != W and not (self.guard_binds and state.guard.binding(state)):
+            self.phase = B if kind == F else F
+        return _new(Task, (s, kind, m))
 
+
+def kind_policy(name: str, first: str, alternate: bool, *, depth_first: bool = False,
+                free_first: bool = False) -> "PolicyFactory":
+    """A factory of :class:`KindPolicy` (a fresh one per rank and step: it keeps its round)."""
+    def factory(*, state: RankState | None = None, **_) -> KindPolicy:
+        return KindPolicy(name, first, alternate, depth_first=depth_first, free_first=free_first,
+                          guard_binds=state is None or state.guard.may_bind)
+    return factory
+
+
+class _OrderPolicy(Policy):
     def __init__(self, order: Sequence[Task], ready: ReadySet) -> None:
         self.order = list(order)
         M, vidx = ready.n_mb, ready.vidx
@@ -171,14 +264,16 @@ class InOrder(_OrderPolicy):
         if f.__class__ is Only:
             if f.task is not None:
                 return f.task
+            rw = rdy[W_CODE]
             for j in range(pos, len(order)):  # a W fills the completion order's wait
                 c, i = keys[j]
-                if c == 2 and rdy[2][i]:
+                if c == W_CODE and rw[i]:
                     return order[j]
             return None
+        cf = F_CODE
         for j in range(pos, len(order)):
             c, i = keys[j]
-            if rdy[c][i] and (c != 0 or admits(f, g, ready, state, i)):
+            if rdy[c][i] and (c != cf or admits(f, g, ready, state, i)):
                 return order[j]
         return None
 
@@ -246,11 +341,11 @@ class BackfillOrder(_OrderPolicy):
             c, i = keys[j]
             if rdy[c][i]:
                 t = order[j]
-                if bf.fits(t, room) and (c != 0 or self._bytes_ok(pos, j, t)):
+                if bf.fits(t, room) and (c != F_CODE or self._bytes_ok(pos, j, t)):
                     return t
         return None
 
-    def taken(self, task: Task) -> None:
+    def taken(self, task: Task, state: RankState) -> None:
         """The arbiter took ``task``: count it if it ran ahead of the order."""
         if self.pos < len(self.order) and self.order[self.pos] == task:
             return
@@ -287,55 +382,26 @@ def room_ahead(prefix: Sequence[int], ahead: Sequence[tuple[int, int | None]], p
     return max(prefix[pos:j], default=lo) + extra <= cap and lo + extra <= cap
 
 
-KIND_POLICIES: dict[str, KindPolicy] = {}
-"""The registered kind-ranking policies, by name, in registration order."""
-
 PolicyFactory = Callable[..., Policy]
-POLICY_REGISTRY: dict[str, PolicyFactory] = {}
-"""Registered policies: name -> ``factory(order=, ready=, backfill=, memory=, w_bytes=)``
-(each factory takes what it needs)."""
+"""Builds one rank's policy for one step from keywords (``order``: the rank's order or None;
+``ready``: its :class:`ReadySet`; ``state``: its :class:`RankState`, guard set; ``backfill``;
+``memory``: its :class:`MemoryLedger` or None; ``w_bytes``), taking what it needs and ignoring
+the rest (``**_``)."""
 
 
-def register(name: str, factory: PolicyFactory) -> None:
-    """Register a policy under ``name``.
-
-    Raises:
-        ValueError: ``name`` is taken.
-    """
-    if name in POLICY_REGISTRY:
-        raise ValueError(f"policy {name!r} is already registered")
-    POLICY_REGISTRY[name] = factory
+def in_order(*, order, ready, **_) -> InOrder:
+    """Factory of :class:`InOrder` (a total order in readiness mode)."""
+    return InOrder(order, ready)
 
 
-def _register_kind(p: KindPolicy) -> None:
-    KIND_POLICIES[p.name] = p
-    register(p.name, lambda **_: p)
+def strict_order(*, order, ready, **_) -> StrictOrder:
+    """Factory of :class:`StrictOrder` (strict mode)."""
+    return StrictOrder(order, ready)
 
 
-for _p in (
-    KindPolicy("bf", B, True, False),
-    KindPolicy("fb", F, True, False),
-    KindPolicy("bfw", B, False, True),
-    KindPolicy("b-priority", B, False, False),
-    KindPolicy("f-priority", F, False, False),
-    # bfw-alt: bf's rounds with the split backward, W only when neither kind may run. Under a
-    # memory budget the forward a round may run is capped by the budget, so a ready F goes
-    # downstream as soon as memory allows instead of waiting behind every ready I (bfw).
-    KindPolicy("bfw-alt", B, True, True),
-    KindPolicy("bf-df", B, True, False, depth_first=True),
-    KindPolicy("bfw-df", B, False, True, depth_first=True),
-    KindPolicy("bfw-alt-df", B, True, True, depth_first=True),
-    # bfw-mem: bfw-alt-df that frees bytes first (KindPolicy.free_first) with one stage per
-    # rank. Measured on the suite at 1F1B's memory (docs/suite.md): median speedup 1.085x ->
-    # 1.098x, min 1.005x both; with virtual stages the rule was mixed (J3 -2%, J1 +2%), so the
-    # guard reports a refusal only with one stage per rank.
-    KindPolicy("bfw-mem", B, True, True, depth_first=True, free_first=True),
-):
-    _register_kind(_p)
-register("order", lambda *, order, ready, **_: InOrder(order, ready))
-register("strict", lambda *, order, ready, **_: StrictOrder(order, ready))
-register("backfill", lambda *, order, ready, backfill, memory=None, w_bytes=None, **_:
-         BackfillOrder(order, ready, backfill, memory, w_bytes))
+def backfill_order(*, order, ready, backfill, memory=None, w_bytes=None, **_) -> BackfillOrder:
+    """Factory of :class:`BackfillOrder` (strict mode with backfilling)."""
+    return BackfillOrder(order, ready, backfill, memory, w_bytes)
 
 
 @dataclass(frozen=True)
@@ -344,10 +410,11 @@ class Hint:
 
     Attributes:
         name: the hint's name as the user gave it, without ``strict-``.
-        policy: the registered kind-ranking policy (:data:`KIND_POLICIES`) it runs in
-            readiness mode (default: ``name`` when it names one); for a total order, None
-            (readiness over the order, ``order``) or another registered policy that takes
-            the order (``w-float``: :mod:`rrfp.scheduler.wfloat`).
+        policy: the hint-table name (:data:`rrfp.scheduler.registry.HINTS`) whose policy runs
+            in readiness mode (None: ``name`` for a policy; for a total order, readiness over
+            the order, :class:`InOrder`). With an order it names an entry that takes the
+            order (``wfloat``: :mod:`rrfp.scheduler.wfloat`); a policy's name beside an order
+            of its own (a compiled ``strict-bf``) is only a label.
         order: for a total-order hint, the per-rank order; None for a policy.
         backpressure: what readiness mode does at the in-flight limit with virtual stages
             (``admission`` or ``completion-order``, :mod:`rrfp.scheduler.guards`); one stage
@@ -365,50 +432,3 @@ class Hint:
     backpressure: str = "admission"
     backfill: bool = False
     held_to_order: bool = False
-
-    @property
-    def kind_policy(self) -> KindPolicy | None:
-        """The kind-ranking policy named by :attr:`policy` (or :attr:`name`), or None."""
-        return KIND_POLICIES.get(self.policy or self.name)
-
-    @property
-    def is_policy(self) -> bool:
-        return self.order is None
-
-    @property
-    def first(self) -> str:
-        p = self.kind_policy
-        return B if p is None else p.first
-
-    @property
-    def alternate(self) -> bool:
-        p = self.kind_policy
-        return True if p is None else p.alternate
-
-
-def policy_name(hint: Hint, strict: bool, backfill: bool) -> str:
-    """The registered policy a rank runs ``hint`` with.
-
-    Raises:
-        ValueError: strict mode without a total order, or a policy name nobody registered.
-    """
-    if strict and hint.order is None:
-        raise ValueError(f"strict mode needs a total-order hint, got the policy {hint.name!r}")
-    if backfill:
-        return "backfill"
-    if strict:
-        return "strict"
-    if hint.order is not None:
-        # An order policy named by the hint (w-float...); a compiled kind policy's name is
-        # only a label there.
-        return hint.policy if hint.policy in POLICY_REGISTRY and hint.policy not in KIND_POLICIES else "order"
-    name = hint.policy or hint.name
-    if name not in POLICY_REGISTRY:
-        raise ValueError(f"hint {hint.name!r}: no policy {name!r} (registered: {', '.join(POLICY_REGISTRY)})")
-    return name
-
-
-def build_policy(name: str, **context) -> Policy:
-    """The registered policy ``name``, built for one rank's step from ``context`` (``order``,
-    ``ready``, ``backfill``, ``memory``, ``w_bytes``: what its factory takes)."""
-    return POLICY_REGISTRY[name](**context)

@@ -1,10 +1,7 @@
-"""Task kinds and a rank's ready set (RRFP §3-4).
+"""A rank's ready set (RRFP §3-4).
 
-:data:`KINDS` is the one table of task kinds: what each kind is called, the ready-set code it
-is stored under, which input it waits for, whether a TP group must agree on it before running
-it (it issues collectives), whether it finalises the stage's gradients for its microbatch and
-which backward form it belongs to. The arbiter, TP agreement and the runtime read it instead
-of comparing kind letters.
+Task kinds and their ready-set codes come from the one table, :data:`rrfp.scheduler.tasks.KINDS`
+(re-exported here with its helpers, where the ready set's readers import them).
 
 :class:`ReadySet` is the per-(stage, microbatch) state of one rank's step, as flags indexed by
 ``virtual index * M + microbatch``: bytearrays keep a 128-rank, 1024-microbatch simulation in
@@ -19,64 +16,14 @@ Pure module: no torch, no asyncio, no I/O.
 from __future__ import annotations
 
 import heapq
-from typing import NamedTuple, Sequence
+from heapq import heappop
+from typing import Sequence
 
-from .tasks import B, F, I, W, Task
+from .tasks import (  # noqa: F401  (re-exported: the kind table's readers import it from here)
+    ACT, B_CODE, F_CODE, GRAD, KIND_CODE, KIND_INDEX, KINDS, LOCAL, W_CODE, Kind, Task, finalising_kind,
+    needs_agreement,
+)
 
-ACT, GRAD, LOCAL = "activation", "gradient", "local"
-"""Input directions: a forward waits for the previous stage's activation, an input backward
-for the next stage's gradient (the last stage: its own loss), ``W`` only for its own ``I``."""
-
-
-class Kind(NamedTuple):
-    """One task kind.
-
-    Attributes:
-        name: ``F``, ``B``, ``I`` or ``W``.
-        code: the ready-set flag array it lives in (0: F, 1: B or I, of which a step has one,
-            2: W).
-        input: the input it waits for (:data:`ACT`, :data:`GRAD`, :data:`LOCAL`).
-        needs_agreement: a TP-sharded stage issues collectives in it, so a TP group agrees on
-            it first (RRFP §4.2); W computes local weight gradients only.
-        finalises: after it the stage's weight gradients for the microbatch are complete
-            (``B``, ``W``).
-        frees_input: it consumes the forward's saved activations (``B``, ``I``): the
-            microbatch's in-flight count drops.
-        split: the backward form it exists in: True (split backward only: ``I``, ``W``),
-            False (full backward only: ``B``), None (both: ``F``).
-    """
-
-    name: str
-    code: int
-    input: str
-    needs_agreement: bool
-    finalises: bool
-    frees_input: bool
-    split: bool | None
-
-
-KINDS: dict[str, Kind] = {
-    F: Kind(F, 0, ACT, True, False, False, None),
-    B: Kind(B, 1, GRAD, True, True, True, False),
-    I: Kind(I, 1, GRAD, True, False, True, True),
-    W: Kind(W, 2, LOCAL, False, True, False, True),
-}
-"""The task kinds, by name."""
-
-KIND_CODE: dict[str, int] = {k.name: k.code for k in KINDS.values()}
-KIND_INDEX: dict[str, int] = {name: i for i, name in enumerate(KINDS)}
-"""Kind name -> a stable small integer (wire encodings: TP agreement's all-gather)."""
-
-
-def needs_agreement(task: Task) -> bool:
-    """Whether a TP group must agree on ``task`` before running it (:data:`KINDS`)."""
-    return KINDS[task[1]].needs_agreement
-
-
-def finalising_kind(split_backward: bool) -> str:
-    """The kind after which a stage's weight gradients for a microbatch are complete, in a
-    step with (``W``) or without (``B``) the split backward (:data:`KINDS`)."""
-    return next(k.name for k in KINDS.values() if k.finalises and k.split in (None, split_backward))
 
 
 class ReadySet:
@@ -98,11 +45,15 @@ class ReadySet:
             higher (``fsign = -1``); a first-virtual-stage forward has key 0 either way.
         b: ready input backwards, ``(-virtual index, mb, stage)``: higher virtual stage first.
         w: ready ``W``, ``(mb, -virtual index, stage)``: lower microbatch first.
+        fl: breadth-first only (``fsign = 1``), the entries of :attr:`f` past the first
+            virtual stage, pushed beside them; its taken entries leave lazily (their ready
+            flag is clear), so its top is not always ready (:meth:`later_forward` reads it).
+        heaps: the three heaps by kind code (``heaps[F_CODE] is f``...).
         queues: whether the heaps are kept. The top of each heap is always a ready task.
     """
 
-    __slots__ = ("stages", "n_mb", "vidx", "act", "grad", "done", "ready", "f", "b", "w", "fsign", "queues",
-                 "stale", "n_stale")
+    __slots__ = ("stages", "n_mb", "vidx", "act", "grad", "done", "ready", "f", "b", "w", "heaps", "fsign",
+                 "queues", "stale", "n_stale", "_by_kind", "fl")
 
     def __init__(self, stages: Sequence[int], n_microbatches: int, *, queues: bool = False,
                  depth_first: bool = False) -> None:
@@ -112,18 +63,39 @@ class ReadySet:
         n = len(self.stages) * n_microbatches
         self.act = bytearray(n)
         self.grad = bytearray(n)
-        self.done = (bytearray(n), bytearray(n), bytearray(n))
-        self.ready = (bytearray(n), bytearray(n), bytearray(n))
+        n_codes = len(set(KIND_CODE.values()))
+        self.done = tuple(bytearray(n) for _ in range(n_codes))
+        self.ready = tuple(bytearray(n) for _ in range(n_codes))
         self.queues = queues
         self.fsign = -1 if depth_first else 1
-        self.f: list[tuple[int, int, int]] = []
-        self.b: list[tuple[int, int, int]] = []
-        self.w: list[tuple[int, int, int]] = []
+        self.heaps: tuple[list[tuple[int, int, int]], ...] = tuple([] for _ in range(n_codes))
+        self.f, self.b, self.w = self.heaps[F_CODE], self.heaps[B_CODE], self.heaps[W_CODE]
+        # Breadth-first, a rank that admits no new microbatch asks for the best forward past
+        # its first virtual stage, which sorts after every first-stage entry of f: this heap
+        # answers without scanning f (a rank at the limit holds up to M first-stage forwards).
+        self.fl: list[tuple[int, int, int]] = []
         # Entries taken out of a heap's middle, one set per heap (the heaps' entries can be
         # equal tuples); dropped lazily when they reach the top, so that a heap is empty
         # exactly when it holds no ready task.
-        self.stale: tuple[set, set, set] = (set(), set(), set())
+        self.stale: tuple[set, ...] = tuple(set() for _ in range(n_codes))
         self.n_stale = 0
+        # Per kind: (code, heap, where an entry holds the microbatch, ready flags); take()
+        # runs once per task in the simulator.
+        self._by_kind = {k.name: (k.code, self.heaps[k.code], 0 if k.code == W_CODE else 1, self.ready[k.code])
+                         for k in KINDS.values()}
+
+    def configure(self, *, queues: bool, depth_first: bool) -> None:
+        """Set what the rank's policy asks of the ready set (its declared
+        :attr:`~rrfp.scheduler.policy.Policy.queues` and ``depth_first``), before any task
+        joins it.
+
+        Raises:
+            ValueError: a task has joined already.
+        """
+        if any(a.find(1) >= 0 for a in (*self.ready, *self.done)):
+            raise ValueError("configure() on a ready set that holds tasks: configure it first")
+        self.queues = queues
+        self.fsign = -1 if depth_first else 1
 
     def key(self, task: Task) -> tuple[int, int]:
         """``(kind code, flag index)`` of one of this rank's tasks.
@@ -132,7 +104,16 @@ class ReadySet:
             KeyError: a stage this rank does not hold, or an unknown kind.
         """
         s, k, m = task
-        return KINDS[k].code, self.vidx[s] * self.n_mb + m
+        return KIND_CODE[k], self.vidx[s] * self.n_mb + m
+
+    def entry(self, code: int, v: int, m: int, s: int) -> tuple[int, int, int]:
+        """The heap entry of the task of kind code ``code`` on virtual stage ``v`` (global
+        stage ``s``), microbatch ``m`` (the orders under :attr:`f`, :attr:`b`, :attr:`w`)."""
+        if code == F_CODE:
+            return (v * self.fsign, m, s)
+        if code == B_CODE:
+            return (-v, m, s)
+        return (m, -v, s)
 
     def is_ready(self, task: Task) -> bool:
         c, i = self.key(task)
@@ -143,44 +124,34 @@ class ReadySet:
         return bool(self.done[c][i])
 
     def add(self, task: Task) -> None:
-        """``task``'s inputs are there: it joins the ready set."""
+        """``task``'s inputs are there: it joins the ready set. (The arbiter inlines this in
+        its event paths; ``tests/test_scheduler_readyset.py`` checks both leave the same set.)"""
         s, k, m = task
-        c = KINDS[k].code
+        c = KIND_CODE[k]
         v = self.vidx[s]
         self.ready[c][v * self.n_mb + m] = 1
         if self.queues:
-            if c == 0:
-                heapq.heappush(self.f, (v * self.fsign, m, s))
-            elif c == 1:
-                heapq.heappush(self.b, (-v, m, s))
-            else:
-                heapq.heappush(self.w, (m, -v, s))
+            e = self.entry(c, v, m, s)
+            heapq.heappush(self.heaps[c], e)
+            if c == F_CODE and v and self.fsign > 0:
+                heapq.heappush(self.fl, e)
 
     def take(self, task: Task) -> None:
         """``task`` leaves the ready set (it runs). The simulator calls this once per task:
         the usual case, the heap's top, is popped; any other entry is dropped lazily."""
         s, k, m = task
+        c, heap, at, flags = self._by_kind[k]
+        i = self.vidx[s] * self.n_mb + m
         if self.queues:
-            if k == F:
-                heap, c = self.f, 0
-            elif k == W:
-                heap, c = self.w, 2
-            else:
-                heap, c = self.b, 1
             top = heap[0]
-            if top[2] == s and top[0 if c == 2 else 1] == m:
-                heapq.heappop(heap)
+            if top[2] == s and top[at] == m:
+                heappop(heap)
                 if self.n_stale:
-                    self._drop_stale(heap, c)
-                v = top[0] * self.fsign if c == 0 else -top[0] if c == 1 else -top[1]
+                    self.drop_stale(heap, c)
             else:
-                v = self.vidx[s]
-                self.stale[c].add((v * self.fsign, m, s) if c == 0 else (-v, m, s) if c == 1 else (m, -v, s))
+                self.stale[c].add(self.entry(c, i // self.n_mb, m, s))
                 self.n_stale += 1
-        else:
-            v = self.vidx[s]
-            c = 0 if k == F else 2 if k == W else 1
-        self.ready[c][v * self.n_mb + m] = 0
+        flags[i] = 0
 
     def later_forward(self) -> tuple[int, int, int] | None:
         """The best ready forward (:attr:`f`'s order) past the rank's first virtual stage, or
@@ -191,12 +162,20 @@ class ReadySet:
         if self.fsign < 0 or rf[0][0]:
             # Depth-first: entries with key != 0 sort before every key-0 entry; otherwise a
             # top with key != 0 means there is no key-0 entry. Either way the answer is the
-            # (ready) top, or there is none: no scan.
+            # (ready) top, or there is none.
             return rf[0] if rf[0][0] else None
-        stale = self.stale[0]
-        return min((e for e in rf if e[0] and e not in stale), default=None)
+        # Breadth-first: fl's top, past the entries already taken (key = virtual index).
+        fl, flags, M = self.fl, self.ready[F_CODE], self.n_mb
+        while fl:
+            e = fl[0]
+            if flags[e[0] * M + e[1]]:
+                return e
+            heappop(fl)
+        return None
 
-    def _drop_stale(self, heap: list, c: int) -> None:
+    def drop_stale(self, heap: list, c: int) -> None:
+        """Drop the entries taken out of the middle of ``heap`` (kind code ``c``) that reached
+        its top, so that its top is a ready task again (after a pop)."""
         stale = self.stale[c]
         while heap and heap[0] in stale:
             stale.discard(heapq.heappop(heap))

@@ -298,10 +298,9 @@ SCHEDULES: dict[str, Callable[[PipelineSpec], Order]] = {
     "zb-h1": zb_h1,
     "zb-v": zb_v,
 }
-"""Named schedule generators: ``name -> (spec -> Order)``."""
+"""Named schedule generators: ``name -> (spec -> Order)``; each is a hint of the hint table
+(:mod:`rrfp.scheduler.registry`, which holds its default backward form)."""
 
-SPLIT_BACKWARD_DEFAULT: dict[str, bool] = {name: name.startswith("zb-") for name in SCHEDULES}
-"""Whether a named schedule splits the backward into ``I`` + ``W`` unless told otherwise."""
 
 
 # ----------------------------------------------------------------- text forms
@@ -507,4 +506,3 @@ def dualpipev(spec: PipelineSpec) -> Order:
 
 
 SCHEDULES["dualpipev"] = dualpipev
-SPLIT_BACKWARD_DEFAULT["dualpipev"] = True

@@ -1,4 +1,5 @@
-"""Tasks, placements and dependency rules of a pipeline (RRFP §3, "Execution model").
+"""Tasks, their kinds (:data:`KINDS`, the one table), placements and dependency rules of a
+pipeline (RRFP §3, "Execution model").
 
 A *task* is one unit of compute on one stage for one microbatch:
 
@@ -20,8 +21,84 @@ from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
 F, B, I, W = "F", "B", "I", "W"
-KINDS = (F, B, I, W)
-BACKWARD_INPUT = (B, I)  # kinds that produce the gradient the previous stage waits for
+
+ACT, GRAD, LOCAL = "activation", "gradient", "local"
+"""Input directions: a forward waits for the previous stage's activation, an input backward
+for the next stage's gradient (the last stage: its own loss), ``W`` only for its own ``I``."""
+
+
+class Kind(NamedTuple):
+    """One task kind (a row of :data:`KINDS`).
+
+    Attributes:
+        name: ``F``, ``B``, ``I`` or ``W``.
+        code: the ready-set flag array it lives in (:class:`~rrfp.scheduler.readyset.ReadySet`;
+            0: F, 1: B or I, of which a step has one, 2: W).
+        input: the input it waits for (:data:`ACT`, :data:`GRAD`, :data:`LOCAL`).
+        needs_agreement: a TP-sharded stage issues collectives in it, so a TP group agrees on
+            it first (RRFP §4.2); W computes local weight gradients only.
+        finalises: after it the stage's weight gradients for the microbatch are complete
+            (``B``, ``W``).
+        frees_input: after it the forward's saved activations are all free (``B``; ``W``,
+            which reads the split layers' inputs ``F`` saved): the microbatch's in-flight count
+            drops (:data:`IN_FLIGHT_END`).
+        split: the backward form it exists in: True (split backward only: ``I``, ``W``),
+            False (full backward only: ``B``), None (both: ``F``).
+    """
+
+    name: str
+    code: int
+    input: str
+    needs_agreement: bool
+    finalises: bool
+    frees_input: bool
+    split: bool | None
+
+
+KINDS: dict[str, Kind] = {
+    F: Kind(F, 0, ACT, True, False, False, None),
+    B: Kind(B, 1, GRAD, True, True, True, False),
+    I: Kind(I, 1, GRAD, True, False, False, True),
+    W: Kind(W, 2, LOCAL, False, True, True, True),
+}
+"""The one table of task kinds, by name: what each kind is called, the ready-set code it is
+stored under, which input it waits for, whether a TP group must agree on it before running it
+(it issues collectives), whether it finalises the stage's gradients for its microbatch and
+which backward form it belongs to. The arbiter, the ready set, TP agreement and the runtime
+read it instead of comparing kind letters or spelling codes."""
+
+KIND_CODE: dict[str, int] = {k.name: k.code for k in KINDS.values()}
+"""Kind name -> ready-set code (:attr:`Kind.code`)."""
+F_CODE, B_CODE, W_CODE = KINDS[F].code, KINDS[B].code, KINDS[W].code
+"""The ready-set codes by name: forwards, input backwards (``B`` or ``I``), ``W``."""
+KIND_INDEX: dict[str, int] = {name: i for i, name in enumerate(KINDS)}
+"""Kind name -> a stable small integer (F 0, B 1, I 2, W 3: wire encodings, TP agreement's
+all-gather, and the kind code of :mod:`rrfp.sim.jitter`'s keys, so a new kind goes last)."""
+BACKWARD_INPUT = tuple(k.name for k in KINDS.values() if k.input == GRAD)
+"""Kinds that produce the gradient the previous stage waits for (``B``, ``I``)."""
+IN_FLIGHT_END = tuple(k.name for k in KINDS.values() if k.frees_input)
+"""Kinds that end a microbatch's flight on a stage (``B``, ``W``): the in-flight count (``D``)
+runs from its ``F`` to its ``B``, or with the split backward to its ``W``, not its ``I``: ``W``
+reads the split layers' inputs that ``F`` saved, so a microbatch whose ``W`` is pending still
+holds activations (counted until ``I``, ``bfw`` at 1F1B's limits held 3-5x strict 1F1B's bytes
+on the last rank). One rule for the arbiter's guards and :mod:`rrfp.scheduler.validate`'s
+limits; the zero-bubble orders at 1F1B's memory (ZB-H1) count the same way."""
+
+
+def kinds_of(split_backward: bool) -> tuple[str, ...]:
+    """The kinds a step runs: ``F, B`` or, with the split backward, ``F, I, W`` (:data:`KINDS`)."""
+    return tuple(k.name for k in KINDS.values() if k.split in (None, split_backward))
+
+
+def needs_agreement(task: Task) -> bool:
+    """Whether a TP group must agree on ``task`` before running it (:data:`KINDS`)."""
+    return KINDS[task[1]].needs_agreement
+
+
+def finalising_kind(split_backward: bool) -> str:
+    """The kind after which a stage's weight gradients for a microbatch are complete, in a
+    step with (``W``) or without (``B``) the split backward (:data:`KINDS`)."""
+    return next(k.name for k in KINDS.values() if k.finalises and k.split in (None, split_backward))
 
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
 
@@ -168,7 +245,7 @@ class PipelineSpec:
 
     def tasks_of(self, rank: int) -> list[Task]:
         """Every task rank ``rank`` must run in one step (any order)."""
-        kinds = (F, I, W) if self.split_backward else (F, B)
+        kinds = kinds_of(self.split_backward)
         return [
             Task(s, k, m)
             for s in self.placement.stages_of(rank)

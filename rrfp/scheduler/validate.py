@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .tasks import BACKWARD_INPUT, F, W, PipelineSpec, Task
+from .tasks import IN_FLIGHT_END, F, KINDS, PipelineSpec, Task
 
 
 class ScheduleError(ValueError):
@@ -48,18 +48,18 @@ def _foreign_reason(spec: PipelineSpec, rank: int, t: Task) -> str | None:
         return f"stage {t.stage} is on rank {owner}"
     if not 0 <= t.mb < spec.n_microbatches:
         return f"microbatch {t.mb} does not exist (the step has microbatches 0..{spec.n_microbatches - 1})"
-    if spec.split_backward and t.kind == "B":
-        return "the backward is split: use I (input gradient) and W (weight gradient) instead of B"
-    if not spec.split_backward and t.kind in ("I", W):
+    if KINDS[t.kind].split not in (None, spec.split_backward):
+        if spec.split_backward:
+            return "the backward is split: use I (input gradient) and W (weight gradient) instead of B"
         return "the backward is not split: use B instead of I and W"
     return None
 
 
 def _task_sort_key(spec: PipelineSpec, t: Task) -> tuple[int, int, int]:
     # Missing tasks are reported in the order a 1F1B-like step would reach them.
-    rank_of_kind = {F: 0, "B": 1, "I": 1, W: 2}
+    # Kinds in ready-set code order: F, then B or I, then W.
     v = spec.placement.virtual_index(t.stage)
-    return (t.mb, rank_of_kind[t.kind], v if t.kind == F else -v)
+    return (t.mb, KINDS[t.kind].code, v if t.kind == F else -v)
 
 
 def validate_schedule(
@@ -195,10 +195,37 @@ def _check_cycles(
     )
 
 
+def order_limits(spec: PipelineSpec, orders: Sequence[Sequence[Task]], backpressure: str = "admission") -> list[int]:
+    """Per rank, the in-flight limit that holds a strict run of ``orders`` to its own peak, as
+    the rank's guard counts (:mod:`rrfp.scheduler.guards`): with one stage per rank, or with
+    ``completion-order`` backpressure (which counts activations), the peak of
+    ``#F - #(B or W)`` over the order (:func:`order_peak_inflight`; 1F1B: ``p - r``); with
+    virtual stages and ``admission`` backpressure (which counts microbatches), the peak of
+    microbatches whose first local stage's forward ran and whose ``B`` (or ``W``) there did not
+    (RRFP App. C). At least 1 per rank."""
+    if spec.placement.n_virtual == 1 or backpressure != "admission":
+        return [max(1, p) for p in order_peak_inflight(spec, orders)]
+    limits = []
+    for rank, order in enumerate(orders):
+        first = spec.placement.stages_of(rank)[0]
+        held = peak = 0
+        for t in order:
+            if t.stage != first:
+                continue
+            if t.kind == F:
+                held += 1
+                peak = max(peak, held)
+            elif t.kind in IN_FLIGHT_END:
+                held -= 1
+        limits.append(max(1, peak))
+    return limits
+
+
 def order_peak_inflight(spec: PipelineSpec, orders: Sequence[Sequence[Task]]) -> list[int]:
     """Per rank, the most activations a strict run of ``orders`` holds at once: the peak of
-    ``D = #F - #(B or I)`` over the order's prefixes (RRFP App. C's ``D``; 1F1B gives
-    ``p - r`` for ``M >= p``)."""
+    ``D = #F - #(B or W)`` over the order's prefixes (RRFP App. C's ``D``, a split backward's
+    microbatch counted until its ``W``: :data:`~rrfp.scheduler.tasks.IN_FLIGHT_END`; 1F1B
+    gives ``p - r`` for ``M >= p``)."""
     peaks = []
     for order in orders:
         d = peak = 0
@@ -206,7 +233,7 @@ def order_peak_inflight(spec: PipelineSpec, orders: Sequence[Sequence[Task]]) ->
             if t.kind == F:
                 d += 1
                 peak = max(peak, d)
-            elif t.kind in BACKWARD_INPUT:
+            elif t.kind in IN_FLIGHT_END:
                 d -= 1
         peaks.append(peak)
     return peaks

@@ -1,8 +1,8 @@
 """Order policies whose ``W`` tasks float (:class:`WFloat`, hint ``wfloat``) and that also run
 later tasks ahead (:class:`OrderAhead`, hint ``ahead``): a fixed order kept for forwards and
 input backwards, with zero-bubble's freedom for ``W`` (Qi et al. 2024, "Zero Bubble Pipeline
-Parallelism"). Registered in :data:`rrfp.scheduler.policy.POLICY_REGISTRY` as ``w-float`` and
-``order-ahead``.
+Parallelism"). The hint table (:mod:`rrfp.scheduler.registry`) builds them with
+:func:`w_float` and :func:`order_ahead`.
 
 Pure module: no torch, no asyncio, no I/O.
 """
@@ -13,9 +13,10 @@ from typing import Sequence
 
 from .guards import RankState, admits
 from .memory import MemoryLedger, SizeFn, order_bytes
-from .policy import InOrder, _OrderPolicy, register, room_ahead
+from .policy import InOrder, _OrderPolicy, room_ahead
 from .readyset import ReadySet
-from .tasks import F, Task
+from .tasks import F, F_CODE, W_CODE, PipelineSpec, Task
+from .validate import order_limits
 
 
 class WFloat(_OrderPolicy):
@@ -52,6 +53,13 @@ class WFloat(_OrderPolicy):
     Deadlock freedom: a ``W`` the order put before the planned task has its ``I`` done (an
     earlier task of the order), so it is ready; the planned task runs whenever it is ready,
     after at most the pending ``W`` tasks, so a rank waits only where its strict order would.
+    That needs every rank's in-flight limit to admit the order's own forwards: below the
+    order's own count on some rank (:func:`~rrfp.scheduler.validate.order_limits`, 1F1B's
+    ``p - r``), that rank must run another task first while the next rank waits for the
+    forward its order puts first, and the pipeline can deadlock (simulated, 4 ranks, 4 or 9
+    microbatches, limits 1-5 per rank: 325 of the 505 vectors below the order's own); :func:`check_limits` refuses them when
+    the hint is resolved. At or above it, no deadlock was found on any limit vector of 2-4
+    ranks, one or two virtual stages (``tests/test_scheduler_wfloat.py``).
 
     Args:
         order: the rank's order (each of its tasks once).
@@ -63,15 +71,15 @@ class WFloat(_OrderPolicy):
             ``W`` fill any wait, even ahead of its place (:class:`OrderAhead`).
     """
 
-    name = "w-float"
+    name = "wfloat"
     late = True
 
     def __init__(self, order: Sequence[Task], ready: ReadySet, memory: MemoryLedger | None = None) -> None:
         super().__init__(order, ready)
         self.memory = memory if memory is not None and memory.budget is not None else None
         keys = self.keys
-        self._main = [j for j, (c, _) in enumerate(keys) if c != 2]
-        self._ws = [j for j, (c, _) in enumerate(keys) if c == 2]
+        self._main = [j for j, (c, _) in enumerate(keys) if c != W_CODE]
+        self._ws = [j for j, (c, _) in enumerate(keys) if c == W_CODE]
         self._mpos = 0  # cache: index into _main, no earlier non-W task left to run
         self._wpos = 0  # cache: index into _ws, no earlier W left to run
 
@@ -99,7 +107,7 @@ class WFloat(_OrderPolicy):
         if not ready.ready[c][i]:
             return None
         t = self.order[j]
-        if c != 0:
+        if c != F_CODE:
             return t
         fits = self._fits(t)
         if fits or (fits is None and not self._guard_refuses(ready, state, i)):
@@ -128,7 +136,7 @@ class WFloat(_OrderPolicy):
         """The order's first ready ``W``; with ``before`` (an order index) and :attr:`late`,
         only one the order placed before it."""
         keys, ws, wp = self.keys, self._ws, self._wpos
-        d2, r2 = ready.done[2], ready.ready[2]
+        d2, r2 = ready.done[W_CODE], ready.ready[W_CODE]
         while wp < len(ws) and d2[keys[ws[wp]][1]]:
             wp += 1
         self._wpos = wp
@@ -161,7 +169,7 @@ class OrderAhead(WFloat):
         w_bytes: bytes a split backward's ``W`` reads (the ledger's rule), or None.
     """
 
-    name = "order-ahead"
+    name = "ahead"
     late = False
 
     def __init__(self, order: Sequence[Task], ready: ReadySet, memory: MemoryLedger | None = None,
@@ -182,12 +190,12 @@ class OrderAhead(WFloat):
         order, keys, rdy = self.order, self.keys, ready.ready
         c, i = keys[pos]
         waits = not rdy[c][i]
-        if not waits and (c != 0 or self._ahead_ok(ready, state, order[pos], i)):
+        if not waits and (c != F_CODE or self._ahead_ok(ready, state, order[pos], i)):
             return order[pos]
         # The planned task waits for its input or for bytes: a later task, else a W.
         for j in main[mp + 1:]:
             c, i = keys[j]
-            if rdy[c][i] and (c != 0 or (self._room(pos, j, order[j]) and self._ahead_ok(ready, state, order[j], i))):
+            if rdy[c][i] and (c != F_CODE or (self._room(pos, j, order[j]) and self._ahead_ok(ready, state, order[j], i))):
                 return order[j]
         w = self._first_w(ready, pos)
         if w is not None or waits:
@@ -198,7 +206,7 @@ class OrderAhead(WFloat):
         fits = self._fits(t)
         return (not self._guard_refuses(ready, state, i)) if fits is None else fits
 
-    def taken(self, task: Task) -> None:
+    def taken(self, task: Task, state: RankState) -> None:
         """The arbiter took ``task``: remember a forward that ran ahead of the order."""
         if task[1] != F:
             return
@@ -218,6 +226,34 @@ class OrderAhead(WFloat):
         return room_ahead(self._prefix, self._ahead, pos, j, self._size(t))
 
 
-register("w-float", lambda *, order, ready, memory=None, **_: WFloat(order, ready, memory))
-register("order-ahead", lambda *, order, ready, memory=None, w_bytes=None, **_:
-         OrderAhead(order, ready, memory, w_bytes))
+def check_limits(name: str, spec: PipelineSpec, orders: Sequence[Sequence[Task]], inflight_limit: int | Sequence[int],
+                 backpressure: str = "admission") -> None:
+    """Refuse in-flight limits under which :class:`WFloat` over ``orders`` can deadlock: any
+    rank's limit below the order's own count there (:func:`~rrfp.scheduler.validate.order_limits`;
+    the class docstring says why). ``name``: the hint's name, for the message. A list of the
+    wrong length passes (the arbiter names it).
+
+    Raises:
+        ValueError: one line naming the first such rank, its limit and what its order needs.
+    """
+    P = spec.placement.n_ranks
+    limits = [inflight_limit] * P if isinstance(inflight_limit, int) else list(inflight_limit)
+    if len(limits) != P:
+        return
+    need = order_limits(spec, orders, backpressure)
+    bad = next(((r, lim, n) for r, (lim, n) in enumerate(zip(limits, need)) if lim < n), None)
+    if bad is not None:
+        r, lim, n = bad
+        raise ValueError(f"hint {name!r}: in-flight limit {lim} on rank {r} is below its order's own {n} "
+                         f"(per rank {need}): {name} keeps the order's forwards and input backwards and could "
+                         f"deadlock there; give at least those limits, or use strict-split or bf")
+
+
+def w_float(*, order, ready, memory=None, **_) -> WFloat:
+    """Factory of :class:`WFloat` (hint ``wfloat``)."""
+    return WFloat(order, ready, memory)
+
+
+def order_ahead(*, order, ready, memory=None, w_bytes=None, **_) -> OrderAhead:
+    """Factory of :class:`OrderAhead` (hint ``ahead``)."""
+    return OrderAhead(order, ready, memory, w_bytes)

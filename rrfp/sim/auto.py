@@ -8,7 +8,7 @@ steps, :func:`simulate_auto`):
 1. Ranking: given a :class:`Profile` (per stage the mean ``F``, ``B``, ``I``, ``W`` seconds and
    activation bytes, per link the mean message seconds, and the spread of both) and the user's
    memory (in-flight limit, byte budget), :func:`rank` simulates every candidate of
-   :data:`CANDIDATES` on that profile and orders them by simulated makespan. The spread enters
+   :func:`all_candidates` on that profile and orders them by simulated makespan. The spread enters
    as lognormal noise with the measured coefficient of variation, so a candidate that only
    wins on steady durations is not preferred under a noisy profile.
 2. Trial: the strict schedule and the best two by simulation (:func:`trial_candidates`) run
@@ -17,11 +17,13 @@ steps, :func:`simulate_auto`):
    forward work, :func:`scaled`, so a step's batch size does not pick the winner); among hints
    within :data:`TIE` of the fastest (or within the steps' own :func:`spread`, where larger),
    the strict schedule, else the first in the fixed order of
-   :data:`CANDIDATES` (:func:`preference`), so a policy measured slower than the strict
+   :func:`all_candidates` (:func:`preference`), so a policy measured slower than the strict
    schedule is never kept and noise below the tie cannot flip the choice.
 
-Candidates are data: a name the hint registry does not resolve (a policy of another version,
-or one that does not fit the placement) is skipped and reported, never an error.
+Candidates are data: the hint table's entries that allow ``auto``
+(:attr:`rrfp.scheduler.registry.HintEntry.auto`, so a registered hint joins them); a name the
+table does not resolve for the shape (one that does not fit the placement) is skipped and
+reported, never an error.
 
 Pure module: no torch, no asyncio (it drives :mod:`rrfp.sim`).
 """
@@ -35,9 +37,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from ..scheduler.hints import resolve_hint
+from ..scheduler.registry import auto_candidates
 from ..scheduler.tasks import B, F, I, W, Task
 from .compare import SimConfig, default_baseline, run_one
+from .calibration import Calibration
 from .costs import CostModel, StageCost
+from .engine import DeadlockError
 
 log = logging.getLogger("rrfp.auto")
 
@@ -46,15 +51,6 @@ AUTO = "auto"
 
 STRICT = "strict"
 """Stands for the placement's own strict schedule (:func:`rrfp.sim.compare.default_baseline`)."""
-
-CANDIDATES = (STRICT, "strict-split", "backfill", "bf", "bfw-mem", "wfloat")
-"""What ``auto`` chooses from, in order of preference on a tie: the placement's strict schedule,
-that order with each backward split into ``I`` then ``W``, conservative backfilling over it,
-RRFP's BF, the memory-aware split-backward policy, and the split order whose ``W`` tasks float
-later (:mod:`rrfp.scheduler.wfloat`). Measured on the suite at 1F1B's memory, 4 and 8 ranks,
-the 120 points with variability: adding ``wfloat`` raised auto's median 1.049x -> 1.052x at
-min 1.000x both; adding ``ahead`` as well lowered it (median 1.050x, min 0.986x), so it is a
-hint, not a candidate."""
 
 PROFILE_SEED = 1_000_003
 """Seed of the ranking's noise: the ranking never sees a run's own draws."""
@@ -75,7 +71,7 @@ several percent, which the rescaling to equal forward work (:func:`scaled`) remo
 TIE = 0.01
 """Hints whose median trial step times are within this fraction of the fastest's are tied
 (or within the trial steps' measured :func:`spread`, where larger): the strict schedule, a
-re-check's incumbent, or else the first in :data:`CANDIDATES`' order is kept among them
+re-check's incumbent, or else the first in :func:`all_candidates`' order is kept among them
 (:func:`keep`); a switch needs a measured gain beyond it."""
 
 _NS = 1e9  # message seconds travel as "bytes" at 1 byte/ns (CommModel's size term)
@@ -186,16 +182,30 @@ def profile_of_config(cfg: SimConfig, seed: int = PROFILE_SEED) -> Profile:
     return profile_from_samples(samples, msgs, S, act)
 
 
-def candidate_names(n_virtual: int, placement: str, candidates: Sequence[str] = CANDIDATES) -> list[str]:
-    """The candidates as hint names (``strict`` replaced by the placement's strict schedule;
-    dropped when the placement has none)."""
+def all_candidates() -> tuple[str, ...]:
+    """What ``auto`` chooses from, in order of preference on a tie: :data:`STRICT` (the
+    placement's strict schedule), then the hint table's entries that allow ``auto``
+    (:func:`rrfp.scheduler.registry.auto_candidates`): built in, ``strict-split`` (that order
+    with each backward split into ``I`` then ``W``), ``backfill`` (conservative backfilling over
+    it), ``bf`` (RRFP's BF), ``bfw-mem`` (the memory-aware split-backward policy) and ``wfloat``
+    (the split order whose ``W`` tasks float later, :mod:`rrfp.scheduler.wfloat`). Measured on
+    the suite at 1F1B's memory, 4 and 8 ranks, the 120 points with variability: adding
+    ``wfloat`` raised auto's median 1.049x -> 1.052x at min 1.000x both; adding ``ahead`` as
+    well lowered it (median 1.050x, min 0.986x), so it is a hint, not a candidate."""
+    return (STRICT, *auto_candidates())
+
+
+def candidate_names(n_virtual: int, placement: str, candidates: Sequence[str] | None = None) -> list[str]:
+    """The candidates (default :func:`all_candidates`) as hint names (``strict`` replaced by the
+    placement's strict schedule; dropped when the placement has none)."""
+    candidates = all_candidates() if candidates is None else candidates
     base = default_baseline(n_virtual, placement)
     out = [base if c == STRICT else c for c in candidates if c != STRICT or base]
     return list(dict.fromkeys(out))
 
 
 def known_candidates(n_ranks: int, n_virtual: int, placement: str, n_microbatches: int,
-                     candidates: Sequence[str] = CANDIDATES) -> tuple[list[str], list[tuple[str, str]]]:
+                     candidates: Sequence[str] | None = None) -> tuple[list[str], list[tuple[str, str]]]:
     """``(known, skipped)``: the candidates the hint registry resolves for this placement, and
     ``(name, why)`` for the others (logged at INFO on ``rrfp.auto``)."""
     from ..scheduler.tasks import Placement
@@ -206,7 +216,7 @@ def known_candidates(n_ranks: int, n_virtual: int, placement: str, n_microbatche
         try:
             resolve_hint(name, place, n_microbatches)
         except (ValueError, RuntimeError) as e:
-            skipped.append((name, str(e).split(":")[0]))
+            skipped.append((name, str(e).removeprefix(f"hint {name!r}: ").split(":")[0]))
             continue
         known.append(name)
     for name, why in skipped:
@@ -222,12 +232,12 @@ def auto_first_hint(placement: Any, n_microbatches: int, known: Sequence[str] | 
     schedule, and logs the skipped ones).
 
     Raises:
-        ValueError: no candidate of :data:`CANDIDATES` fits the shape.
+        ValueError: no candidate of :func:`all_candidates` fits the shape.
     """
     if known is None:
         known, _ = known_candidates(placement.n_ranks, placement.n_virtual, placement.kind, n_microbatches)
     if not known:
-        raise ValueError(f"hint {AUTO!r}: none of its candidates ({', '.join(CANDIDATES)}) fits "
+        raise ValueError(f"hint {AUTO!r}: none of its candidates ({', '.join(all_candidates())}) fits "
                          f"{placement.n_ranks} ranks x {placement.n_virtual} virtual stages ({placement.kind}), "
                          f"{n_microbatches} microbatches; name a hint")
     return next((c for c in known if c.startswith("strict-")), known[0])
@@ -239,9 +249,10 @@ class Ranking:
 
     Attributes:
         order: ``(hint, simulated makespan in seconds)``, fastest first; ties keep
-            :data:`CANDIDATES`' order.
+            :func:`all_candidates`' order.
         strict: the placement's strict schedule's name (None: none).
-        skipped: ``(name, why)`` of candidates the registry did not resolve.
+        skipped: ``(name, why)`` of candidates the registry did not resolve, or that could
+            not run at the user's memory (refused, or deadlocked in the simulation).
     """
 
     order: list[tuple[str, float]]
@@ -277,39 +288,56 @@ def rank(
     memory_budget: Any = None,
     backpressure: str = "admission",
     seeds: int = 1,
-    candidates: Sequence[str] = CANDIDATES,
+    candidates: Sequence[str] | None = None,
+    calibration: Calibration | None = None,
 ) -> Ranking:
-    """Simulate each known candidate on ``profile`` at the user's memory and order them.
+    """Simulate each known candidate on ``profile`` at the user's memory and order them. A
+    candidate that cannot run there (refused at those limits, or a simulation that deadlocks)
+    is dropped, logged at INFO on ``rrfp.auto`` and named in :attr:`Ranking.skipped`.
 
     Args:
         limit, memory_budget, backpressure: as :class:`~rrfp.sim.compare.SimConfig` (the
             user's in-flight limit and byte budget, or ``"1f1b"``).
         seeds: noise draws per candidate (makespans averaged; draws start at
             :data:`PROFILE_SEED`).
+        calibration: what the runtime pays around the profile's tasks
+            (:class:`~rrfp.sim.calibration.Calibration`, fitted on the same steps; None:
+            nothing).
 
     Raises:
-        ValueError: no candidate is known, or a bad configuration.
+        ValueError: no candidate is known or none can run, or a bad configuration.
     """
     known, skipped = known_candidates(n_ranks, n_virtual, placement, n_microbatches, candidates)
     if not known:
-        raise ValueError(f"auto: none of the candidates {', '.join(candidates)} is a known hint")
+        names = all_candidates() if candidates is None else candidates
+        raise ValueError(f"auto: none of the candidates {', '.join(names)} is a known hint")
     cfg = SimConfig(
         n_ranks=n_ranks, n_microbatches=n_microbatches, n_virtual=n_virtual, placement=placement, limit=limit,
         memory_budget=memory_budget, backpressure=backpressure, costs=profile.costs(),
         noise=_sigma(profile.compute_cv), comm_noise=_sigma(profile.message_cv),
-        bandwidth=_NS if any(profile.links) else math.inf,
+        bandwidth=_NS if any(profile.links) else math.inf, calibration=calibration,
     )
     if memory_budget is not None:  # resolved once for every candidate
         cfg = replace(cfg, memory_budget=cfg.memory_budgets())
     times = []
     for i, name in enumerate(known):
-        t = statistics.fmean(
-            run_one(replace(cfg, seed=PROFILE_SEED + k), name, record=False)[0].makespan
-            for k in range(seeds))
+        try:
+            t = statistics.fmean(
+                run_one(replace(cfg, seed=PROFILE_SEED + k), name, record=False)[0].makespan
+                for k in range(seeds))
+        except (ValueError, DeadlockError) as e:
+            # At the user's limits (wfloat below its order's own) or a policy's bug: that
+            # candidate cannot run here, the others still can.
+            why = str(e).splitlines()[0]
+            log.info("auto: candidate %s dropped (%s)", name, why)
+            skipped.append((name, why))
+            continue
         times.append((t, i, name))
+    if not times:
+        raise ValueError(f"auto: no candidate can run here: {'; '.join(f'{n}: {w}' for n, w in skipped)}")
     times.sort()
     strict = default_baseline(n_virtual, placement)
-    return Ranking([(n, t) for t, _, n in times], strict if strict in known else None, skipped)
+    return Ranking([(n, t) for t, _, n in times], strict if any(n == strict for *_, n in times) else None, skipped)
 
 
 def trial_candidates(order: Sequence[str], strict: str | None, n: int = 2) -> list[str]:
@@ -375,10 +403,10 @@ def margin(trial: Mapping[str, Sequence[Step]], tie: float = TIE) -> float:
 
 def preference(hints: Sequence[str], strict: str | None, prefer: Sequence[str] | None = None) -> list[str]:
     """``hints`` in ``auto``'s fixed order of preference: ``strict`` first, then the order of
-    ``prefer`` (default: :data:`CANDIDATES`' order), then any others by name. It decides among
+    ``prefer`` (default: :func:`all_candidates`' order), then any others by name. It decides among
     hints measured within :data:`TIE` of each other (:func:`keep`), so noise below the tie
     cannot flip a choice."""
-    order = list(prefer) if prefer is not None else [c for c in CANDIDATES if c != STRICT]
+    order = list(prefer) if prefer is not None else [c for c in all_candidates() if c != STRICT]
     rank_of = {h: i for i, h in enumerate(dict.fromkeys(order))}
     return sorted(hints, key=lambda h: (h != strict, rank_of.get(h, len(rank_of)), h))
 
@@ -398,7 +426,7 @@ def keep(trial: Mapping[str, Sequence[Step]], strict: str | None, tie: float = T
         trial: hint -> its trial steps (:data:`Step`; one per round).
         strict: the placement's strict schedule (None: none).
         incumbent: the hint kept so far (a re-check's; None: the first choice).
-        prefer: the order of preference after ``strict`` (default: :data:`CANDIDATES`').
+        prefer: the order of preference after ``strict`` (default: :func:`all_candidates`').
 
     Raises:
         ValueError: no hint has a step.
@@ -432,7 +460,7 @@ class AutoRun:
 
 
 def simulate_auto(cfg: SimConfig, *, rounds: int = TRIAL_ROUNDS, seed: int = TRIAL_SEED,
-                  candidates: Sequence[str] = CANDIDATES) -> AutoRun:
+                  candidates: Sequence[str] | None = None) -> AutoRun:
     """``auto`` as it runs on ``cfg``'s workload, with simulated steps for real ones: rank the
     candidates on the profile :func:`profile_of_config` measures, then run the trial's
     ``rounds`` rounds, step ``j`` simulated on ``cfg`` under seed ``seed + j`` (none of them

@@ -22,7 +22,9 @@ from typing import Any
 
 from .. import _json as strict_json
 from ..errors import UsageError
+from ..plugins import add_flag as add_plugin_flag, load as load_plugins
 from ..resources import doc_path
+from ..scheduler.registry import forms as hint_forms
 from .auto import AUTO, TRIAL_ROUNDS, medians, simulate_auto
 from .compare import SimConfig, compare, default_baseline, sweep, sweep_table
 from .costs import MAX_BYTES, MAX_SECONDS, CostModel, StageCost, load_costs, short
@@ -30,6 +32,7 @@ from .duration import Dist
 from .engine import DeadlockError
 from .jitter import parse_jitter
 from .metrics import format_csv, format_markdown, format_text, table_rows, to_json
+from .modes import check_flags, check_study, suite_tasks, sweep_tasks
 
 
 def register(subparsers: Any) -> None:
@@ -50,8 +53,10 @@ def register(subparsers: Any) -> None:
     g.add_argument("--step-overhead", type=float, default=0.0, help="seconds between a rank's steps (optimizer)")
 
     g = p.add_argument_group("scheduling")
-    g.add_argument("--hint", action="append", default=[], help="a hint (repeatable): auto, bf, bfw, strict-1f1b, ...")
-    g.add_argument("--hints", default=None, help="comma-separated hints, side by side; without --hint/--hints, bf,bfw (and the baseline)")
+    g.add_argument("--hint", action="append", default=[], help="a hint (repeatable): auto, or " + hint_forms())
+    g.add_argument("--hints", default=None, help="comma-separated hints, side by side; without --hint/--hints, bf,bfw "
+                   "(and the baseline)")
+    add_plugin_flag(g)
     g.add_argument("--backpressure", choices=["admission", "completion-order"], default="admission",
                    help="with virtual stages: admission (the limit counts microbatches in flight) or "
                    "completion-order (RRFP App. C.2)")
@@ -137,13 +142,15 @@ MAX_SIGMA = 10.0
 0 or overflows to inf."""
 
 
-def _ints(text: str, what: str) -> list[int]:
+def _ints(text: str, what: str, most: int | None = None) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--{what} {text!r}: expected comma-separated integers") from None
     if not vals or any(v < 1 for v in vals):
         raise UsageError(f"--{what} {text!r}: expected integers >= 1")
+    if most is not None and max(vals) > most:
+        raise UsageError(f"--{what} {max(vals)}: expected at most {most}")
     return vals
 
 
@@ -169,7 +176,8 @@ _BOUNDED_FLAGS = {
 }
 
 
-_SIZE_CAPS = {"ranks": 1024, "virtual": 64, "microbatches": 65536, "steps": 10000, "samples_per_mb": 4096}
+_SIZE_CAPS = {"ranks": 1024, "virtual": 64, "microbatches": 65536, "steps": 10000, "samples_per_mb": 4096,
+              "seeds": 1000, "suite_jobs": 256}
 """Largest accepted simulator sizes (ranks, microbatches, steps, samples), far above any real
 pipeline: a typo or hostile value is one line, not minutes of work and gigabytes."""
 MAX_TASKS = 2_000_000
@@ -203,6 +211,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--samples-per-mb {args.samples_per_mb}: expected at least 1 sample per microbatch")
     if getattr(args, "encoder_stages", 0) < 0:
         raise UsageError(f"--encoder-stages {args.encoder_stages}: expected a number of stages >= 0")
+    if not getattr(args, "suite", False):  # a sweep's shallowest point must hold the encoder too
+        ranks = min(_ints(args.depths, "depths")) if args.sweep else args.ranks
+        if args.encoder_stages > ranks * args.virtual:
+            raise UsageError(f"--encoder-stages {args.encoder_stages}: the pipeline has {ranks * args.virtual} stages "
+                             f"({ranks} ranks x {args.virtual} virtual), expected at most that many")
     bw = getattr(args, "bandwidth", None)
     if bw is not None and not bw > 0:
         raise UsageError(f"--bandwidth={bw}: expected a positive number of bytes per second (inf: free)")
@@ -438,32 +451,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} {path}: is a folder, expected a file name")
 
 
-SUITE_FLAGS = {"suite", "suite_ranks", "suite_scenarios", "suite_jobs", "hint", "hints", "seed", "seeds", "markdown"}
-"""What ``--suite`` reads; its scenarios fix every other setting (docs/suite.md)."""
-
-
-def _check_suite_flags(args: argparse.Namespace) -> None:
-    """Refuse a flag ``--suite`` would ignore (``--costs``, ``--jitter``, ``-p``...): the
-    suite's scenarios have fixed costs, sizes and variability, so a given flag would
-    silently change nothing.
-
-    Raises:
-        UsageError: one line naming the ignored flags.
-    """
-    parser = argparse.ArgumentParser()
-    sub = parser.add_subparsers()
-    register(sub)
-    sim = parser.parse_args(["simulate"])
-    flag = {a.dest: a.option_strings[-1] for a in sub.choices["simulate"]._actions if a.option_strings}
-    ignored = [flag[d] for d, default in vars(sim).items()
-               if d not in SUITE_FLAGS and d in flag and getattr(args, d, default) != default]
-    if ignored:
-        costs = any(f.startswith(("--cost", "--act-bytes", "--msg-bytes")) for f in ignored)
-        why = "its scenarios have fixed costs" if costs else "its scenarios fix every other setting"
-        raise UsageError(f"--suite does not take {', '.join(ignored)}: {why} (docs/suite.md); "
-                         "it reads --hint/--hints, --suite-ranks, --suite-scenarios, --suite-jobs, --seed, --seeds and --markdown")
-
-
 def _check_hint_files(cfg: SimConfig, hints: list[str]) -> None:
     """Resolve every hint before simulating: an unknown name is one line listing the known ones
     (``auto`` first, as in the README's hint table), and an unreadable CSV file (``x.csv``,
@@ -503,15 +490,21 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         UsageError: bad flags, an unknown hint, a hint that does not fit, a schedule that
-            cannot finish, or an output that cannot be written.
+            cannot finish, or an output that cannot be written, or a ``--plugin`` that cannot
+            be imported.
     """
+    load_plugins(getattr(args, "plugin", None))  # before any hint is read: its hints are names here
     _check_numbers(args)
+    check_flags(args, register)  # flags the mode (single run, --sweep, --suite) does not read
     _check_outputs(args)
     if args.suite:
-        _check_suite_flags(args)
-        from .suite import run_suite_command
+        from .suite import SCENARIOS, SEEDS, SUITE_HINTS, run_suite_command
 
-        return run_suite_command(args, _hints_or(args, None), _ints(args.suite_ranks, "suite-ranks"), _write)
+        ranks, hints = _ints(args.suite_ranks, "suite-ranks", _SIZE_CAPS["ranks"]), _hints_or(args, None)
+        n_scen = len(args.suite_scenarios.split(",")) if args.suite_scenarios else len(SCENARIOS)
+        check_study(suite_tasks(ranks, n_scen, args.seeds or len(SEEDS), len(hints or SUITE_HINTS)),
+                    "--suite-ranks x --suite-scenarios x --seeds x hints")
+        return run_suite_command(args, hints, ranks, _write)
     cfg = config_from_args(args)
     if args.sweep:
         return _run_sweep(args, cfg)
@@ -563,8 +556,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_sweep(args: argparse.Namespace, cfg: SimConfig) -> int:
-    depths = _ints(args.depths, "depths")
-    mps = _ints(args.mb_per_stage, "mb-per-stage")
+    depths = _ints(args.depths, "depths", _SIZE_CAPS["ranks"])
+    mps = _ints(args.mb_per_stage, "mb-per-stage", _SIZE_CAPS["microbatches"] // max(depths))
     try:
         jitters = [_jitter(j, "--jitter-levels") for j in args.jitter_levels.split(",") if j.strip()]
     except ValueError as e:
@@ -574,6 +567,9 @@ def _run_sweep(args: argparse.Namespace, cfg: SimConfig) -> int:
     if AUTO in hints:
         raise UsageError("--sweep --hints auto: auto runs in single simulations and in --suite, not in a sweep")
     baseline = _baseline(args)
+    repeats = len(jitters) * len(imbalances) * (args.seeds or 1) * len({*hints, baseline} - {None})
+    check_study(sweep_tasks(depths, mps, cfg.n_virtual, cfg.steps, repeats),
+                "--depths x --mb-per-stage x --jitter-levels x --imbalance x --seeds x hints")
     try:
         points = sweep(cfg, depths=depths, mb_per_stage=mps, jitters=jitters, imbalances=imbalances,
                        hints=hints, baseline=baseline, seeds=args.seeds if args.seeds is not None else 1,

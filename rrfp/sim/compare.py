@@ -20,6 +20,7 @@ from ..scheduler.policy import placement_schedule
 from ..scheduler.memory import BUDGET_NAMES, order_peak_bytes, parse_size
 from ..scheduler.schedules import one_f_one_b_limits
 from ..scheduler.tasks import Placement
+from .calibration import Calibration
 from .costs import CostModel
 from .duration import CommModel, Dist, DurationModel
 from .engine import SimResult, simulate
@@ -43,7 +44,7 @@ class SimConfig:
         limit: the in-flight limit: an int, a per-rank list, or ``"1f1b"`` (1F1B's own
             per-rank limits ``p - r``, which match its activation memory).
         memory_budget: activation bytes per rank: None (no budget), bytes (an int, or one
-            per rank), or ``"1f1b"`` / ``"gpipe"``: what the placement's fixed-order baseline
+            per rank, None for a rank without one), or ``"1f1b"`` / ``"gpipe"``: what the placement's fixed-order baseline
             (:func:`default_baseline`) or GPipe holds on each rank with these sizes
             (:func:`memory_budgets`). Needs ``act_bytes`` in the costs.
         costs: per-stage costs (None: every stage ``F = 10 ms``, ``B = 20 ms``).
@@ -51,6 +52,8 @@ class SimConfig:
         encoder_scale, stragglers: the compute model (:class:`~rrfp.sim.duration.DurationModel`).
         latency, bandwidth, comm_noise, comm_jitter, slow_links: the message model
             (:class:`~rrfp.sim.duration.CommModel`).
+        calibration: what the runtime pays around tasks and how its ranks share cores
+            (:class:`~rrfp.sim.calibration.Calibration`; None: nothing).
     """
 
     n_ranks: int
@@ -77,6 +80,7 @@ class SimConfig:
     comm_noise: float = 0.0
     comm_jitter: JitterLevel | None = None
     slow_links: dict[tuple[int, int], float] = field(default_factory=dict)
+    calibration: Calibration | None = None
 
     def make_placement(self) -> Placement:
         """Raises ValueError for a bad count or placement kind."""
@@ -99,7 +103,7 @@ class SimConfig:
             return list(lim)
         raise ValueError(f"in-flight limit {lim!r}: expected an integer >= 1, '1f1b', or one per rank")
 
-    def memory_budgets(self) -> list[int] | None:
+    def memory_budgets(self) -> list[int | None] | None:
         """Per rank, the memory budget in bytes (None: no budget).
 
         Raises:
@@ -115,7 +119,7 @@ class SimConfig:
         if isinstance(mb, (list, tuple)):
             if len(mb) != P:
                 raise ValueError(f"{len(mb)} memory budgets given for {P} ranks")
-            return [parse_size(x) for x in mb]
+            return [None if x is None else parse_size(x) for x in mb]
         if mb not in BUDGET_NAMES:
             return [parse_size(mb)] * P
         if mb == "gpipe":  # all forwards before any backward: every microbatch held
@@ -187,7 +191,8 @@ def run_one(cfg: SimConfig, hint: str, *, record: bool = True) -> tuple[RunSumma
         if any(x is not None for x in w_share):
             # W's bytes scale with the microbatch as its activation does.
             kw["w_bytes"] = lambda k, s, m: None if w_share[s] is None else round(w_share[s] * model.act_bytes(k, s, m))
-    res = simulate(
+    run = simulate if cfg.calibration is None else cfg.calibration.simulate
+    res = run(
         spec, h, model, strict=strict, inflight_limit=limits, steps=cfg.steps,
         step_overhead=cfg.step_overhead, record=record, **kw,
     )

@@ -33,7 +33,10 @@ stage ``s - 1`` has the size of stage ``s - 1``'s output.
 
 Missing fields are derived: ``B = I + W`` when only the split is given; ``I = W = B / 2`` when
 only ``B`` is (the issue's rule; zero-bubble papers measure W close to I); one of ``I``/``W``
-given: the other is ``B`` minus it. A file with one stage applies to every stage.
+given: the other is ``B`` minus it. A file with one stage applies to every stage. The derived
+split is an assumption: the real runtime runs stage 0's whole backward in ``W`` (its ``I`` is a
+no-op) and a small transformer stage's ``I`` costs most of a ``B``; a profile measured in place
+(``auto``'s, :func:`rrfp.sim.calibration.stage_costs`) carries what really happens.
 
 Every given time is at most :data:`MAX_SECONDS` and every size at most :data:`MAX_BYTES`, so
 that no product of a cost with the simulator's bounded factors overflows to ``inf``.
@@ -51,8 +54,10 @@ import tomllib
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Mapping
 
-_FIELDS = ("F", "B", "I", "W", "act_bytes", "msg_bytes", "w_bytes")
-_SECONDS = ("F", "B", "I", "W")
+from ..scheduler.tasks import KINDS
+
+_SECONDS = tuple(KINDS)
+_FIELDS = (*_SECONDS, "act_bytes", "msg_bytes", "w_bytes")
 
 MAX_SECONDS = 1e9
 """Largest accepted time of one task or message, in seconds (about 31 years). Real costs are

@@ -174,6 +174,11 @@ class DurationModel:
         encoder_scale: cost multiplier of the encoder stages (encoder/LLM imbalance).
         stragglers: rank -> slowdown factor (``>= 0``).
 
+    Attributes:
+        fixed: with no jitter, noise, sequence lengths, images or stragglers, every task's
+            seconds by stage and kind (``fixed[stage][kind]``, the simulator reads it instead
+            of calling the model); else None.
+
     Raises:
         ValueError: for a negative factor or count, or an image distribution with mean 0.
     """
@@ -219,6 +224,8 @@ class DurationModel:
             self._tab[s] = {k: v * encoder_scale for k, v in self._tab[s].items()}
         self._inject = InjectedJitter(self.jitter, seed) if self.jitter else None
         self._plain = self.jitter is None and noise == 0 and seqlen is None and images is None and not stragglers
+        # Read by the simulator (rrfp.sim.engine): every task takes its stage and kind's time.
+        self.fixed: list[dict[str, float]] | None = self._tab if self._plain else None
         self._e: dict[tuple[int, int], float] = {}  # (stage, rank) -> expected compute per task
         self._mb_scale: dict[tuple[int, int], float] = {}
         self._img_scale: dict[tuple[int, int], float] = {}

@@ -54,6 +54,13 @@ class SimResult:
         return [1.0 - b / self.makespan if self.makespan > 0 else 0.0 for b in self.busy]
 
 
+_new = tuple.__new__  # a NamedTuple's own __new__ is a Python function: this builds the same tuple faster
+INLINE_DECISIONS = True
+"""The run loop takes each decision through the rank's policy (``policy.next_taken``) and sets
+the arbiter's running task itself, saving :meth:`Arbiter.next`'s call (about a tenth of a run);
+False: through ``Arbiter.next`` (``tests/test_sim_engine.py`` checks both give the same run)."""
+
+
 def _zero_delay(step: int, src: int, dst: int, task: Task) -> float:
     return 0.0
 
@@ -82,7 +89,8 @@ def simulate(
 
     Each rank runs one task at a time; when it is idle it asks its arbiter for the next task.
     ``duration(step, rank, task)`` is called once per task, when the rank dispatches it, in each
-    rank's dispatch order (a stateful duration model may rely on that). A finished task's
+    rank's dispatch order (a stateful duration model may rely on that), unless it has a
+    ``fixed`` table (not None: ``fixed[stage][kind]`` seconds, read instead; :class:`~rrfp.sim.duration.DurationModel`). A finished task's
     output reaches its consumer after ``delay(step, src, dst, task)`` seconds (not called, and
     0, when the consumer is on the same rank). Events of equal time are all applied before any
     idle rank decides, and idle ranks decide in rank order, so ties resolve the same way on
@@ -165,6 +173,15 @@ def _per_rank(value, n: int, what: str, one: bool) -> list:
     return values
 
 
+def _in_rank_order(touched: list[int]) -> list[int]:
+    """The ranks touched at one instant, each once, in rank order (two: no set, no sort)."""
+    if len(touched) > 2:
+        return sorted(set(touched))
+    if touched[0] < touched[1]:
+        return touched
+    return [touched[1]] if touched[0] == touched[1] else [touched[1], touched[0]]
+
+
 class _Sim:
     """The state of one :func:`simulate` run: per rank its arbiters, running task and clocks."""
 
@@ -232,37 +249,42 @@ class _Sim:
 
     # ------------------------------------------------------------ the run
     def run(self, duration: DurationFn, delay: DelayFn, step_overhead: float, record: bool) -> SimResult:
-        # The per-task path stays in this one function, with its state in locals: the
-        # simulator's speed is this loop's (benchmarks/bench_sim.py).
+        # The per-task path stays in this one function, state in locals: bench_sim.py times it.
         events, pop, push, seq = self.events, heapq.heappop, heapq.heappush, self.seq
         running, cur, cur_step, busy_until, busy = self.running, self.cur, self.cur_step, self.busy_until, self.busy
         records, backfilling, averages, run_d = self.records, self.backfilling, self.averages, self.run_d
         held, peak_held, after, before = self.held, self.peak_held, self.after, self.before
         instant = delay is _zero_delay
-        now = 0.0
-        touched: list[int] = list(range(self.P))
+        # ``fixed`` (stage -> kind -> seconds): every task takes its stage and kind's time; a lookup.
+        fixed = getattr(duration, "fixed", None)
+        new, Finish, inline = _new, _Finish, INLINE_DECISIONS
+        now, touched = 0.0, list(range(self.P))
         while True:
             # Decisions: every idle rank touched at this instant, in rank order.
-            if len(touched) > 2:
-                touched = sorted(set(touched))
-            elif len(touched) == 2 and touched[0] >= touched[1]:
-                touched = [touched[1]] if touched[0] == touched[1] else [touched[1], touched[0]]
+            if len(touched) > 1:
+                touched = _in_rank_order(touched)
             for r in touched:
                 a = cur[r]
                 if running[r] is not None or a is None or now < busy_until[r]:
                     continue
                 if backfilling:
                     a.backfill.now = now  # type: ignore[union-attr]
-                t = a.next()
-                if t is None:
-                    continue
+                if inline:  # Arbiter.next without its check that nothing runs: running[r] is None here
+                    t = a.policy.next_taken(a.ready, a.state)
+                    if t is None:
+                        continue
+                    a.running = t
+                else:
+                    t = a.next()
+                    if t is None:
+                        continue
                 step = cur_step[r]
-                d = duration(step, r, t)
+                d = duration(step, r, t) if fixed is None else fixed[t[0]][t[1]]
                 if backfilling:
                     self.notice(r, step, t, now, d)
                 running[r] = t
                 busy[r] += d
-                push(events, _Finish(now + d, next(seq), r))
+                push(events, new(Finish, (now + d, next(seq), r)))
                 if record:
                     records.append(TaskRecord(r, step, t, now, now + d))
             if not events:

@@ -49,12 +49,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..scheduler.tasks import KIND_INDEX
+
 _M64 = (1 << 64) - 1
 _TWO_53 = 1.0 / (1 << 53)
 
-KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3, None: 15}
-"""Integer code of a task kind inside a key; ``None`` keys draws that belong to no task
-(per-microbatch workload draws)."""
+KIND_CODE: dict[str | None, int] = {**KIND_INDEX, None: 15}
+"""Integer code of a task kind inside a key, the kind table's stable index
+(:data:`rrfp.scheduler.tasks.KIND_INDEX`: F 0, B 1, I 2, W 3); ``None`` keys draws that belong
+to no task (per-microbatch workload draws)."""
 
 # Stream numbers: independent draws under one key. Fixed forever: changing one changes every
 # recorded jitter realisation.

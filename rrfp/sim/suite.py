@@ -369,7 +369,7 @@ def suite_markdown(rows: Sequence[SuiteRow], hints: Sequence[str], wall_s: float
     """The document: how it was made, the targets met or missed, the per-hint summary, the table."""
     from .metrics import format_markdown
 
-    skipped = sorted({c for c in auto.CANDIDATES if c != auto.STRICT} - set(_hints_of(rows, hints)))
+    skipped = sorted({c for c in auto.all_candidates() if c != auto.STRICT} - set(_hints_of(rows, hints)))
     lines = [
         "# The scenario suite",
         "",

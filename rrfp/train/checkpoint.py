@@ -171,10 +171,16 @@ def check_writable(path: str | os.PathLike) -> str | None:
 def check_compatible(meta: dict, args: argparse.Namespace, what: str) -> str | None:
     """Why a checkpoint cannot resume this run (another model or data stream; for a checkpoint
     keyed by stage index, another layout), or None."""
+    from .models import model_difference
+
     by_stage = meta["format"] < 3
     for key in (LAYOUT_KEYS if by_stage else MODEL_KEYS) + DATA_KEYS:
         have, want = meta["args"].get(key, _DEFAULTS.get(key)), getattr(args, key, _DEFAULTS.get(key))
-        if have != want:
+        if key == "model":  # hf:qx and hf:/abs/qx name one model: compared by its configuration
+            why = model_difference(have, meta.get("model_config"), args)
+            if why is not None:
+                return f"{what} was written with --model {have}, this run has --model {want}: expected the same{why}"
+        elif have != want:
             flag = "--pp" if key == "stages" else "--" + key.replace("_", "-")  # --stages: an alias
             why = (f" (a checkpoint of format {meta['format']}, keyed by stage index, resumes under another --dp "
                    "only)") if by_stage and key not in MODEL_KEYS else ""
@@ -191,17 +197,23 @@ def read_meta(path: str | os.PathLike) -> dict:
     """The ``rrfp.json`` of a committed checkpoint folder.
 
     Raises:
-        ValueError: one line if ``path`` is not a committed rrfp checkpoint.
+        ValueError: one line if ``path`` is not a committed rrfp checkpoint; for a
+            ``--checkpoint-dir`` (step folders inside), naming the newest committed one.
     """
     f = Path(path) / META_FILE
     try:
         meta = json.loads(f.read_text())
     except FileNotFoundError:
-        raise ValueError(f"not a committed checkpoint (no {META_FILE} in {os.fspath(path)!r})") from None
+        inside = committed(path)  # a --checkpoint-dir given where one of its step folders was meant
+        hint = (f": a checkpoint folder holding {len(inside)} committed checkpoint{'s' * (len(inside) > 1)}, "
+                f"expected one of them, e.g. the newest {os.fspath(inside[-1])!r}") if inside else ""
+        raise ValueError(f"not a committed checkpoint (no {META_FILE} in {os.fspath(path)!r}){hint}") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"unreadable {META_FILE}: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") not in _FORMATS or not isinstance(meta.get("step"), int):
-        raise ValueError(f"{f} is not an rrfp checkpoint description of format {' or '.join(map(str, _FORMATS))}")
+    from .ckpt_verify import meta_problem
+
+    if problem := meta_problem(meta, os.fspath(f), _FORMATS):
+        raise ValueError(problem)
     return meta
 
 

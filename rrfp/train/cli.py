@@ -15,7 +15,8 @@ import os
 import sys
 
 from ..errors import UsageError
-from ..scheduler.hints import HINT_NAMES, ORDER_HINTS
+from ..plugins import add_flag as add_plugin_flag
+from ..scheduler.registry import forms as hint_forms
 from ..runtime.features.recheck import RECHECK_EVERY, recheck_steps
 from ..sim.auto import AUTO
 from ..lines import say
@@ -57,9 +58,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, default=DEFAULTS["microbatches"], help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"], help="samples per step")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="optimizer steps")
-    p.add_argument("--hint", default=DEFAULTS["hint"], help=f"auto (measure this job's costs, simulate and try the candidates, keep the fastest: rrfp/runtime/features/auto.py), "
-                   f"{', '.join(HINT_NAMES + ORDER_HINTS)}, backfill:<order>; strict-<name> for the fixed order; "
-                   "order:<per-rank actions> or a .csv file")
+    p.add_argument("--hint", default=DEFAULTS["hint"], help="auto (measure this job's costs, simulate and try the "
+                   "candidates, keep the fastest: rrfp/runtime/features/auto.py), or one of " + hint_forms()
+                   + "; PyTorch's schedule names too (Interleaved1F1B...), and the hints a --plugin registers")
+    add_plugin_flag(p)
     p.add_argument("--auto-recheck", default=str(RECHECK_EVERY), metavar="N|off",
                    help="with --hint auto: steps between re-checks (one more trial round each; a switch needs a hint "
                    "measured faster than the kept one beyond the tie); off: keep the first choice")
@@ -82,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--trace", metavar="DIR", default=None, help="write to DIR: trace.json (Chrome trace, open in Perfetto), timeline.png, "
                    "profile.json (per-stage costs for rrfp simulate --costs) and records.rank*.json (each rank's tasks)")
-    p.add_argument("--watchdog", type=float, default=60.0, help="seconds without progress before a rank fails with what it waits for")
+    p.add_argument("--watchdog", type=float, default=60.0, help="seconds a rank may wait, or one task run, before the rank fails naming it")
     from ..obs.server import add_flags as add_metrics_flags
 
     add_metrics_flags(p, "serve Prometheus metrics on this port + rank (each rank its own endpoint, /metrics; "
@@ -99,14 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from .checkpoint import add_flags as add_checkpoint_flags
 
     add_checkpoint_flags(p)
-    # Security: job secret, unauthenticated mode, poisoned steps.
-    p.add_argument("--job-secret-file", metavar="PATH", default=None,
-                   help="file holding the job secret (e.g. a mounted Kubernetes Secret); else RRFP_JOB_SECRET; "
-                   "on one machine rrfp train makes one per run")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow ranks to bind a non-loopback address without a job secret (no authentication)")
-    p.add_argument("--skip-nonfinite", action="store_true",
-                   help="skip a step whose loss or gradient norm is NaN/inf instead of stopping the run")
+    add_security_flags(p)
     # Step line, activation checkpointing, gradient accumulation (rrfp/train/stepline.py, models.py, accum.py).
     from .accum import add_flags as add_accum_flags
     from .models import add_flags as add_model_flags
@@ -119,6 +114,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="rank 0 writes every step's loss here at the end, one line '<step> <float.hex>' "
                    "(exact: two runs compare bit for bit)")
     p.set_defaults(func=run, _parser=p)
+
+
+def add_security_flags(p: argparse.ArgumentParser) -> None:
+    """The job secret, the unauthenticated mode and poisoned steps (README: Security)."""
+    p.add_argument("--job-secret-file", metavar="PATH", default=None,
+                   help="file holding the job secret (e.g. a mounted Kubernetes Secret); else RRFP_JOB_SECRET; "
+                   "on one machine rrfp train makes one per run")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow ranks to bind a non-loopback address without a job secret (no authentication)")
+    p.add_argument("--skip-nonfinite", action="store_true",
+                   help="skip a step whose loss or gradient norm is NaN/inf instead of stopping the run")
 
 
 def add_dp_shard_flag(p: argparse.ArgumentParser) -> None:
@@ -300,20 +306,38 @@ def launch(args: argparse.Namespace) -> int:
     :class:`~rrfp.train.stop.StopForwarder` asks the ranks to end the step in progress),
     1 with one line naming the rank that failed first, :data:`PIPE_CLOSED`, or 128 + another
     signal that stopped the run."""
-    import tempfile
-
+    from .._secret import private_secret_file
     from ..transport.auth import ENV_SECRET, JobAuth
-    from .stop import STOP_FILE_ENV, StopForwarder
-    from .zygote import LocalJob, Signalled
 
     world = args.stages * args.dp * args.tp
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # before the zygote loads OpenMP
     env = dict(os.environ)
-    # One secret per run, handed to the ranks with their environment (never disk or argv); a
-    # --job-secret-file or a secret already in the environment is kept.
+    argv = getattr(args, "argv", None) or ["train"]
+    # One secret per run, handed to the ranks as a --job-secret-file only this user can read
+    # (rrfp/_secret.py), deleted when the run ends: never in argv, nor in their environment,
+    # which /proc/<pid>/environ shows for the process's whole life. A --job-secret-file or a
+    # secret already in the environment is kept.
+    remove_secret = None
     if not getattr(args, "job_secret_file", None) and not env.get(ENV_SECRET):
-        env[ENV_SECRET] = JobAuth.generate()
+        secret_file, remove_secret = private_secret_file(JobAuth.generate())
+        argv = [*argv, "--job-secret-file", secret_file]
     checkpoint_dir = getattr(args, "checkpoint_dir", None)
+    try:
+        return _launch_local(argv, world, env, args, checkpoint_dir)
+    finally:
+        if remove_secret is not None:
+            remove_secret()
+
+
+def _launch_local(argv: list[str], world: int, env: dict[str, str], args: argparse.Namespace,
+                  checkpoint_dir: str | None) -> int:
+    """:func:`launch` once the secret is settled: ``world`` ranks of ``rrfp ARGV`` forked from
+    the zygote with ``env``, the launcher's signals handled."""
+    import tempfile
+
+    from .stop import STOP_FILE_ENV, StopForwarder
+    from .zygote import LocalJob, Signalled
+
     with tempfile.TemporaryDirectory(prefix="rrfp-train-") as folder:
         finished = None
         if getattr(args, "metrics_linger", 0) > 0:
@@ -321,7 +345,7 @@ def launch(args: argparse.Namespace) -> int:
             os.mkdir(finished)
         then = ", commit a checkpoint" if checkpoint_dir else ""
         env[STOP_FILE_ENV] = os.path.join(folder, "stop-requested")
-        with LocalJob(getattr(args, "argv", None) or ["train"], world, env, folder) as job:
+        with LocalJob(argv, world, env, folder) as job:
             stop = StopForwarder(env[STOP_FILE_ENV], f"rrfp train: SIGTERM: asking the ranks to end the step in "
                                  f"progress{then} and exit {PREEMPTED}", children=job.running,
                                  finished=finished and (lambda: all_finished(finished, world)), raises=Signalled)

@@ -20,9 +20,10 @@ from .._launch_env import in_launched_worker
 from .._paths import output_file_problem
 from .._secret import read_secret_file
 from ..errors import UsageError
+from ..plugins import load as load_plugins
 from ..runtime.doors.config import DEFAULT_INFLIGHT_LIMIT
 from ..runtime.doors.names import hint_text
-from ..scheduler.hints import BACKFILL, HINT_NAMES, ORDER_HINTS, _forms
+from ..scheduler.hints import hint_form, unknown_hint
 from ..sim.auto import AUTO
 
 DEFAULT_STAGES = 4
@@ -59,17 +60,12 @@ def inflight_limits(args: argparse.Namespace, n_ranks: int) -> list[int] | None:
 
 
 def hint_problem(text: str, default: str | None) -> str | None:
-    """Why ``text`` cannot name a hint (None: it can): not a policy or schedule (rrfp's or
-    PyTorch's name, optionally ``strict-``), an ``order:``, or a CSV file. The parser's
-    default is always accepted."""
-    if text == default:
+    """Why ``text`` cannot name a hint (None: it can): not a name of the hint table (rrfp's,
+    a ``--plugin``'s or PyTorch's, optionally ``strict-``), ``backfill:``, ``order:`` or a CSV
+    file (:func:`rrfp.scheduler.hints.hint_form`). The parser's default is always accepted."""
+    if text == default or hint_form(hint_text(text)) is not None:
         return None
-    name = hint_text(text)
-    name = name[len("strict-"):] if name.startswith("strict-") else name
-    if (name in HINT_NAMES or name in ORDER_HINTS or name.startswith((BACKFILL + ":", "order:", "csv:"))
-            or name.endswith(".csv")):
-        return None
-    return f"--hint={text!r}: unknown hint {text!r}: expected one of {_forms()}, or {AUTO} (the default)"
+    return f"--hint={text!r}: {unknown_hint(text)}, or {AUTO} (the default)"
 
 
 def port_problem(addr: str, first: int, n: int, what: str) -> str | None:
@@ -113,6 +109,7 @@ def check_flags(args: argparse.Namespace) -> None:
     Raises:
         UsageError: one line naming the bad value and what was expected.
     """
+    load_plugins(getattr(args, "plugin", None))  # first: the hints it registers are names below
     resolve_stages(args)
     for name in POSITIVE:
         v = getattr(args, name)

@@ -8,6 +8,7 @@ import argparse
 from ..errors import UsageError
 from .checkpoint import read_meta
 from .export import export, export_problem, out_problem
+from .models import hf_missing
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +31,8 @@ def check(args: argparse.Namespace) -> str | None:
         return f"{args.checkpoint!r}: {e}"
     if (problem := export_problem(meta, args.checkpoint)) is not None:
         return f"{args.checkpoint!r}: {problem}"
+    if (missing := hf_missing()) is not None:  # it writes with transformers' save_pretrained
+        return f"rrfp export {missing}"
     if (problem := out_problem(args.out)) is not None:
         return f"--out={args.out!r}: {problem}"
     return None

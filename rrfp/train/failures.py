@@ -1,6 +1,7 @@
-"""How a rank of ``rrfp train`` ends when something fails: the root cause named by global
+"""How a rank of ``rrfp train`` ends: when something fails, the root cause named by global
 rank, a peer's loss found when a collective only says it broke, and a quiet stop when rank 0's
-stdout reader went away (``rrfp train | head``)."""
+stdout reader went away (``rrfp train | head``); when its run finished, an exit that skips the
+interpreter's finalization (:func:`end_finished`)."""
 
 from __future__ import annotations
 
@@ -113,3 +114,36 @@ def named_globally(exc: BaseException, layout):
     named = PeerLost(rank, e.reason)
     named.args = (f"{ParallelLayout.name(rank, layout.dp, layout.tp)} lost: {e.reason}",)
     return named
+
+
+def flush_output() -> None:
+    """Flush the logging handlers, stdout and stderr (before :func:`end_finished`).
+
+    Raises:
+        BrokenPipeError: stdout's reader went away.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def end_finished(code: int = 0):
+    """End a rank whose run finished and whose process group is destroyed: ``os._exit``,
+    after :func:`flush_output`, never the interpreter's finalization.
+
+    Why: a daemon thread inside a torch C++ call that released the GIL (a gloo work's
+    ``wait()``, a ``TCPStore`` wait, a pyzmq poll) and returns while the interpreter finalizes
+    is ended by CPython with ``pthread_exit``; the unwind runs through pybind11's GIL guard, a
+    ``noexcept`` destructor, and C++ aborts: ``terminate called without an active exception``,
+    SIGABRT, after a run that printed ``done`` and committed its checkpoint (a flaky exit code
+    134 under load, where finalization is slow). Nothing is left to do at that point (pipeline
+    closed, checkpoint committed, process group destroyed, output flushed), so nothing is lost
+    by skipping finalization; tests/test_clean_ends.py reproduces the abort.
+    """
+    try:
+        flush_output()
+    except BrokenPipeError:
+        os._exit(PIPE_CLOSED)
+    os._exit(code)

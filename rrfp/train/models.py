@@ -6,11 +6,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from ..errors import UsageError
 
 HF_PREFIX = "hf:"
+
+
+def hf_missing() -> str | None:
+    """What is missing for a Hugging Face model (``rrfp[hf]``: transformers and safetensors),
+    one phrase, or None when both are installed. Found, not imported: that takes seconds."""
+    import importlib.util
+
+    for name in ("transformers", "safetensors"):
+        if importlib.util.find_spec(name) is None:
+            return f"needs the {name} package (pip install 'rrfp[hf]')"
+    return None
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -40,16 +52,15 @@ def hf_layers(args: argparse.Namespace) -> int:
     Raises:
         UsageError: an unknown name, a folder without a readable ``config.json`` or without
             safetensors weights (:func:`hf_weights_check`), an unsupported model type, positions
-            fewer than ``--max-len``, ``--tp`` above 1, or ``transformers`` not installed.
+            fewer than ``--max-len``, ``--tp`` above 1, or ``transformers`` or ``safetensors`` not
+            installed (:func:`hf_missing`).
     """
-    import importlib.util
-
     from ..model.spec import FAMILY_NAMES, HF_PRESETS, preset_layers
 
     spec = args.model[len(HF_PREFIX):]
     flag = f"--model={args.model!r}"
-    if importlib.util.find_spec("transformers") is None:  # found, not imported: that takes seconds
-        raise UsageError(f"{flag}: needs the transformers package (pip install 'rrfp[hf]')")
+    if (missing := hf_missing()) is not None:
+        raise UsageError(f"{flag}: {missing}")
     if getattr(args, "tp", 1) > 1:
         raise UsageError(f"{flag} with --tp {args.tp}: tensor parallelism covers the byte-level GPT presets; "
                          "expected --tp 1")
@@ -74,6 +85,57 @@ def hf_layers(args: argparse.Namespace) -> int:
         raise UsageError(f"{flag}: config.json gives no layer count (num_hidden_layers or n_layer)")
     hf_weights_check(path, flag)
     return layers
+
+
+_NOT_ARCHITECTURE = frozenset({
+    "_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version",  # where and how it was saved
+    "use_cache", "output_attentions", "output_hidden_states", "return_dict",  # what a forward returns
+})
+"""``config.json`` entries that do not change the model rrfp trains: a checkpoint's parameters
+fit a model that differs only in these (rrfp trains float32, without a cache, whatever the folder says)."""
+
+
+def model_difference(recorded: str, recorded_config: dict | None, args: argparse.Namespace) -> str | None:
+    """Why ``--model args.model`` is not the model a checkpoint was written with, or None.
+
+    The same ``--model`` text is the same model. Two ``hf:`` spellings are the same model when the
+    configuration the checkpoint records (``rrfp.json``'s ``model_config``) equals the one
+    ``args.model`` gives, but for :data:`_NOT_ARCHITECTURE`: ``hf:qx``, ``hf:/abs/qx``,
+    ``hf:./qx/`` and a copy of the folder elsewhere all resume a checkpoint written with any one
+    of them. A checkpoint without a recorded configuration resumes from the same folder only
+    (the resolved path; a relative one resolves against the current folder).
+
+    Args:
+        recorded: the checkpoint's ``--model``.
+        recorded_config: its ``model_config`` (``{"kind": "hf", "config": {...}}``), or None.
+        args: this run's flags (``model``, ``max_len``).
+
+    Returns:
+        None, "" (another model, nothing more to say), or ``" (...)"`` naming the first
+        configuration entries that differ, to append to the caller's one line.
+    """
+    want = args.model
+    if recorded == want:
+        return None
+    if not (is_hf(recorded) and is_hf(want)):
+        return ""
+    spec, old = want[len(HF_PREFIX):], recorded[len(HF_PREFIX):]
+    if recorded_config is None or recorded_config.get("kind") != "hf":
+        same = Path(spec).is_dir() and Path(old).is_dir() and os.path.samefile(spec, old)
+        return None if same else " (the checkpoint records no model configuration to compare: expected the same folder)"
+    from ..model.hf import hf_config
+
+    try:
+        config = json.loads(hf_config(spec, args.max_len).to_json_string(use_diff=False))
+    except (OSError, ValueError) as e:
+        return f" (cannot read this run's model configuration: {e})"
+    have = recorded_config["config"]
+    keys = sorted((k != "model_type", k) for k in set(have) | set(config)
+                  if k not in _NOT_ARCHITECTURE and have.get(k) != config.get(k))
+    if not keys:
+        return None
+    shown = "; ".join(f"{k}: {have.get(k)!r} in the checkpoint, {config.get(k)!r} here" for _, k in keys[:3])
+    return f" model configuration ({shown}{', ...' if len(keys) > 3 else ''})"
 
 
 def hf_weights_check(path: Path, flag: str) -> None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..scheduler.tasks import Placement
+from .memory import mem_problem, step_text, summary_text
 from .progress import Output
 from ..lines import say
 
@@ -32,6 +33,10 @@ class Reporter:
         self.next_step = 0
         self.notes: dict[int, list[str]] = {}
         self.extras = None  # lr, grad norm, TFLOP/s, MFU: a StepExtras (rrfp/train/stepline.py) the worker sets
+
+    memory_sources = ""
+    """Said after the memory breakdown in the summary: how the peak and the limit are read
+    (:meth:`rrfp.train.memory.RankMemory.sources`)."""
 
     hint_detail = ""
     """Said after the hint's name in the summary (``auto``: what it kept, or that the run ended
@@ -89,17 +94,20 @@ class Reporter:
             bubble = [1.0 - per_rank[r]["busy"] / per_rank[r]["wall"] if per_rank[r]["wall"] > 0 else 0.0 for r in range(self.n_ranks)]
             peak = [per_rank[r]["peak"] for r in range(self.n_ranks)]
             t = self.step_time[k]
-            row = dict(step=k, loss=loss, seconds=t, tokens=self.tokens[k], tok_s=self.tokens[k] / t, bubble=bubble, peak=peak)
+            mem = [per_rank[r].get("mem") for r in range(self.n_ranks)]
+            row = dict(step=k, loss=loss, seconds=t, tokens=self.tokens[k], tok_s=self.tokens[k] / t, bubble=bubble,
+                       peak=peak, mem=mem)
             more = ""
             if self.extras is not None:
                 row.update(self.extras.fields(per_rank))
                 more = self.extras.text(row) + "  "
                 self.extras.publish(row)
             self.rows.append(row)
+            mem_text = step_text(mem)
             self.out.step(
                 f"step {k + 1:4d}/{self.args.steps}  loss {loss:7.4f}  tok/s {row['tok_s']:8.0f}  {more}"
                 f"step {t:6.3f} s  bubble/rank [{' '.join(f'{b:.2f}' for b in bubble)}]  "
-                f"peak in-flight [{' '.join(str(p) for p in peak)}]",
+                f"peak in-flight [{' '.join(str(p) for p in peak)}]{'  ' + mem_text if mem_text else ''}",
                 postfix=f"loss {loss:.4f}, {row['tok_s']:.0f} tok/s",
             )
             self.next_step += 1
@@ -126,6 +134,8 @@ class Reporter:
             f"loss {first:.4f} -> {last:.4f} ({_change(first, last)}); "
             f"per-step mean bubble/rank [{' '.join(f'{b:.2f}' for b in mean_bubble)}]; hint {self.args.hint}{self.hint_detail}{val}"
         )
+        if any(rows[-1]["mem"]):
+            self.out.message(summary_text(rows[-1]["mem"], self.memory_sources))
 
 
 def write_loss_file(path: str, rows: list[dict]) -> None:
@@ -171,6 +181,8 @@ def _stats_problem(meta: object, src: int, rep: Reporter) -> str | None:
         return f"loss={loss!r} is not a finite number"
     if loss is None and owns_last and not getattr(rep.args, "skip_nonfinite", False):
         return "no loss from the rank holding the last stage"
+    if "mem" in meta and (why := mem_problem(meta["mem"])) is not None:
+        return why
     if rep.extras is not None:
         from .stepline import fields_problem
 

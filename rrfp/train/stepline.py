@@ -5,7 +5,8 @@ Every rank adds three numbers to the statistics it already sends rank 0 each ste
 (:func:`rank_fields`): the learning rate it stepped with, its share of the squared global
 gradient norm, and the model FLOPs its stages ran (:mod:`rrfp.train.flops`). Rank 0 checks them
 like the rest of a peer's statistics (:func:`fields_problem`) and :class:`StepExtras` turns
-one step's messages into the line's fields.
+one step's messages into the line's fields. The memory figures ride in the same messages; their
+field, checks and scalars are :mod:`rrfp.train.memory`'s (TensorBoard: ``rank/R/memory/KIND``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="peak TFLOP/s of one rank's device, for the step line's MFU; without it, a table of known "
                    "GPUs by name on CUDA (rrfp/train/flops.py), none on CPU")
     p.add_argument("--tensorboard", metavar="DIR", default=None,
-                   help="rank 0 writes the step line's values (loss, lr, grad norm, tok/s, TFLOP/s, MFU, bubble) "
-                   "as TensorBoard scalars to DIR")
+                   help="rank 0 writes the step line's values (loss, lr, grad norm, tok/s, TFLOP/s, MFU, bubble, "
+                   "memory by kind per rank) as TensorBoard scalars to DIR")
 
 
 def check_flags(args: argparse.Namespace) -> str | None:
@@ -139,6 +140,10 @@ class StepExtras:
         for r, (t, b) in enumerate(zip(row["tflops"], row["bubble"])):
             w.add_scalar(f"rank/{r}/tflops", t, k)
             w.add_scalar(f"rank/{r}/bubble", b, k)
+        if row.get("mem"):
+            from .memory import publish
+
+            publish(w, row["mem"], k)
 
     def evaluation(self, step: int, loss: float) -> None:
         """A validation loss after training step ``step`` (1-based) to TensorBoard."""

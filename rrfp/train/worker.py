@@ -32,8 +32,8 @@ from ..scheduler.tasks import Placement
 from . import device
 from .accum import accumulated_step
 from .early import SAMPLE_POOL, inflight_limits
-from .failures import (GlobalRankNames, QuietAfterReaderLeft, PIPE_CLOSED, lost_peer, mark_reader_gone,
-                       named_globally, reader_gone, stop_quietly)
+from .failures import (GlobalRankNames, QuietAfterReaderLeft, PIPE_CLOSED, end_finished, flush_output, lost_peer,
+                       mark_reader_gone, named_globally, reader_gone, stop_quietly)
 from .guard import check_finite, pause_for_test
 from .heldout import eval_steps, evaluate, split_held_out
 from .optim import lr_scheduler
@@ -49,10 +49,11 @@ TP_IMPL = "manual"
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run this rank of ``rrfp train`` under a launcher; returns 0 (the run finished) or
-    :data:`~rrfp.train.stop.PREEMPTED` (stopped on SIGTERM after the checkpoint of the step in
-    progress), or ends the process with a non-zero exit after one line on stderr (130:
-    interrupted, :data:`PIPE_CLOSED`: the reader of rank 0's output went away)."""
+    """Run this rank of ``rrfp train`` under a launcher, then end the process
+    (:func:`~rrfp.train.failures.end_finished`): 0 when the run finished,
+    :data:`~rrfp.train.stop.PREEMPTED` when it stopped on SIGTERM after the checkpoint of the
+    step in progress, or non-zero after one line on stderr (130: interrupted,
+    :data:`PIPE_CLOSED`: the reader of rank 0's output went away)."""
     from .. import _pdeathsig
 
     _pdeathsig.die_with_parent()  # again: the API entry skips __main__ (already set: a no-op)
@@ -63,7 +64,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         configure_auth(args)
-        return _main(args)
+        code = _main(args)
+        flush_output()  # here: a reader gone meanwhile is the quiet stop below
     except BrokenPipeError:
         # `rrfp train | head`: the reader is gone. Stop as Unix tools do, quietly, and tell the
         # other ranks (through the launcher's store) that this is no failure to report.
@@ -80,6 +82,7 @@ def main(args: argparse.Namespace) -> int:
         if rank.isdigit():
             write_error_file(e, int(rank), line)
         os._exit(1)
+    end_finished(code)
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -234,6 +237,11 @@ class _Run:
         self.peak = peak_tflops(args.peak_tflops, stages[0].device)
         if self.reporter is not None:
             self.reporter.extras = StepExtras(args, stages[0].device, metrics)
+        from .memory import RankMemory  # bytes by kind and the process's peak (rrfp/train/memory.py)
+
+        self.memory = RankMemory([s.submod for s in stages], self.opt, self.pipe, stages[0].device)
+        if self.reporter is not None:
+            self.reporter.memory_sources = self.memory.sources()
         self.trace_range = getattr(args, "trace_range", None) or (1, args.steps)
         self.records: list = []
         self.step_log: list = []
@@ -302,6 +310,7 @@ class _Run:
         """Run training step ``k`` (0-based) and what follows it; True: stop after it."""
         args, data, chooser = self.args, self.data, self.chooser
         t_step = time.perf_counter()
+        self.memory.begin_step()
         self.opt.zero_grad(set_to_none=True)
         mbs = data.batches(k, args.microbatches * args.grad_accum) if data.batches else None
         if chooser is not None:
@@ -356,8 +365,10 @@ class _Run:
 
         args, layout, pipe, metrics, reporter = self.args, self.layout, self.pipe, self.metrics, self.reporter
         meta = {"kind": "stats", "step": k, "busy": st.busy, "wall": st.wall, "peak": st.peak_mb_inflight,
-                "loss": None if loss is None else float(loss), **rank_fields(self.lr, self.grad_sq, self.flops)}
+                "loss": None if loss is None else float(loss), **rank_fields(self.lr, self.grad_sq, self.flops),
+                "mem": self.memory.fields(st)}
         if metrics is not None:
+            metrics.observe_memory(meta["mem"])
             metrics.observe(st, loss=meta["loss"], tokens=sum(mb.n_tokens for mb in mbs) if self.data.first else 0,
                             seconds=time.perf_counter() - t_step, transport=_transport_counts(pipe.transport),
                             runtime_rejected=pipe.runtime.inbox.rejected)
@@ -397,7 +408,10 @@ class _Run:
         stopping = self.stop.after_step(end, args.steps)
         if self.ckpt.root is not None and (stopping or end == args.steps or (
                 args.checkpoint_every and end % args.checkpoint_every == 0)):
-            path = self.ckpt.save(end)
+            from .ckpt_verify import save_errors
+
+            with save_errors(self.ckpt.root, end, layout.rank):  # a full disk: one line, not every rank's traceback
+                path = self.ckpt.save(end)
             if layout.rank == 0:
                 _after_step(self.reporter, end, f"rrfp train: checkpoint {path} committed after step {end}")
         if stopping and layout.pp_rank == 0:

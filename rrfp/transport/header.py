@@ -178,10 +178,14 @@ def parse_header(obj: Any, max_bytes: int) -> tuple[MsgKey, list[Desc | None], i
     if type(job) is not str or len(job) > MAX_JOB_LEN:
         raise CodecError(f"header.job: expected a str of at most {MAX_JOB_LEN} chars")
     step, microbatch, stage, d = obj["step"], obj["microbatch"], obj["stage"], obj["direction"]
-    for field, v in (("step", step), ("microbatch", microbatch), ("stage", stage), ("direction", d)):
-        # msgpack yields exact ints, and bools as bool: ``type is int`` excludes them.
-        if type(v) is not int or not INT64_MIN <= v <= INT64_MAX:
-            raise CodecError(f"header.{field}: expected an int64, got {_tname(v)}")
+    # msgpack yields exact ints, and bools as bool: ``type is int`` excludes them. One test of
+    # all four first (the message path); the loop names the first bad field.
+    if not (type(step) is int and type(microbatch) is int and type(stage) is int and type(d) is int
+            and INT64_MIN <= step <= INT64_MAX and INT64_MIN <= microbatch <= INT64_MAX
+            and INT64_MIN <= stage <= INT64_MAX and INT64_MIN <= d <= INT64_MAX):
+        for field, v in (("step", step), ("microbatch", microbatch), ("stage", stage), ("direction", d)):
+            if type(v) is not int or not INT64_MIN <= v <= INT64_MAX:
+                raise CodecError(f"header.{field}: expected an int64, got {_tname(v)}")
     direction = _DIRECTION_OF.get(d)
     if direction is None:
         raise CodecError(f"header.direction: unknown direction {d}")

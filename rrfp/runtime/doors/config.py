@@ -14,8 +14,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ...scheduler.hints import Hint, resolve_hint
 from ...scheduler.memory import budget_bytes
-from ...scheduler.tasks import BACKWARD_INPUT, F, PipelineSpec, Placement
-from ...scheduler.validate import order_peak_inflight
+from ...scheduler.tasks import PipelineSpec, Placement
+from ...scheduler.validate import order_limits
 from ...sim.auto import AUTO, auto_first_hint
 from ..features.recheck import RECHECK_EVERY, check_recheck
 from .names import hint_text
@@ -31,11 +31,11 @@ class RuntimeConfig:
     Attributes:
         hint: ``auto`` (the default: measure this job's steps, then keep the fastest of the
             candidate policies, never one measured slower than the placement's strict
-            schedule; :class:`~rrfp.runtime.features.auto.AutoHint`), ``bf``, ``bfw``, ``fb``,
-            ``b-priority``, ``f-priority``, ``bfw-mem``, ``backfill``, a schedule name
-            (``1f1b``, ``gpipe``...; PyTorch's names and classes too: ``"1F1B"``,
-            ``Schedule1F1B``) used as a hint, or ``strict-<schedule>`` for the fixed-order
-            baseline (RRFP §4).
+            schedule; :class:`~rrfp.runtime.features.auto.AutoHint`), or any name of the hint
+            table (:data:`rrfp.scheduler.registry.HINTS`: ``bf``, ``bfw-mem``, ``backfill``, a
+            schedule such as ``1f1b``..., and any hint registered in this process; PyTorch's
+            schedule names and classes too: ``"1F1B"``, ``Schedule1F1B``), ``strict-<name>``
+            for the fixed-order baseline (RRFP §4), ``order:...`` or a CSV file.
         inflight_limit: the in-flight limit (RRFP §6); a sequence gives one per rank. None:
             a schedule used as a hint, and ``auto``'s candidates, keep the (placement's
             strict) schedule's own peak in flight per rank (1F1B: ``p - r``;
@@ -156,27 +156,9 @@ def inflight_limits(inflight_limit: int | Sequence[int], n_ranks: int) -> list[i
 
 def schedule_limits(spec: PipelineSpec, hint: Hint) -> list[int]:
     """Per rank, the in-flight limit that holds a schedule used as a hint to that schedule's
-    own peak: with one stage per rank (or ``completion-order`` backpressure, which counts
-    activations) the peak of ``#F - #(B or I)`` over its order (1F1B: ``p - r``; GPipe: the
-    microbatch count); with virtual stages and ``admission`` backpressure, which counts
-    microbatches, the peak of microbatches whose first local stage's forward ran and whose
-    backward there did not (RRFP App. C)."""
-    if spec.placement.n_virtual == 1 or hint.backpressure != "admission":
-        return [max(1, p) for p in order_peak_inflight(spec, hint.order)]
-    limits = []
-    for rank, order in enumerate(hint.order):
-        first = spec.placement.stages_of(rank)[0]
-        held = peak = 0
-        for t in order:
-            if t.stage != first:
-                continue
-            if t.kind == F:
-                held += 1
-                peak = max(peak, held)
-            elif t.kind in BACKWARD_INPUT:
-                held -= 1
-        limits.append(max(1, peak))
-    return limits
+    own peak (GPipe: the microbatch count; 1F1B: ``p - r``), as the rank's guard counts under
+    the hint's backpressure (:func:`rrfp.scheduler.validate.order_limits`)."""
+    return order_limits(spec, hint.order, hint.backpressure)
 
 
 def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: int) -> Plan:

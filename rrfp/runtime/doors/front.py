@@ -75,6 +75,22 @@ def _v_stages(plan: Plan, rank: int) -> list[int]:
         return []
 
 
+def move_module(module: torch.nn.Module, device: torch.device) -> None:
+    """``module.to(device)``, skipped where every parameter and buffer is there already: on a
+    module that FSDP2's ``fully_shard`` sharded, even a move to where it is gives each parameter
+    a new ``nn.Parameter`` object without the attributes set on the old one (a TP shard's
+    ``_rrfp_tp_shard``, which global-norm clipping counts by)."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())  # where .to("cuda") would go
+
+    def there(t: torch.Tensor) -> bool:
+        return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+    tensors = [*module.parameters(), *module.buffers()]
+    if not all(there(t) for t in tensors):
+        module.to(device)
+
+
 async def build_runtime(plan: Plan, config: RuntimeConfig, rank: int, stages: Sequence[PipelineStage],
                         transport, io: StepIO, job: str) -> RankRuntime:
     """One rank's runtime, for every front door: its stages moved to ``config.device``, its
@@ -89,7 +105,7 @@ async def build_runtime(plan: Plan, config: RuntimeConfig, rank: int, stages: Se
     if config.device is not None:
         device = torch.device(config.device)
         for st in stages:
-            st.submod.to(device)
+            move_module(st.submod, device)
             st.device = device
     ex = make_executor(config.executor, stages[0].device, window=config.launch_ahead)
     rt = RankRuntime(
@@ -243,13 +259,19 @@ class FrontDoor:
 
     def run(self, coro):
         """Run a coroutine on this pipeline's event loop (e.g. :meth:`astep`, ``runtime.control()``)."""
-        return self._loop.run_until_complete(coro)
+        try:
+            return self._loop.run_until_complete(coro)
+        except (KeyboardInterrupt, SystemExit):
+            # These leave the loop at once, the step's other tasks pending: end them now, so
+            # that close() neither raises the interrupt again nor logs it.
+            self._end_tasks()
+            raise
 
     def _loop_run(self, coro):
         if self._loop.is_closed():
             coro.close()
             raise RuntimeError("this pipeline is closed: build a new one to run more steps")
-        return self._loop.run_until_complete(coro)
+        return self.run(coro)
 
     async def _step_async(self, args, kwargs, target, losses, return_outputs, loss_kwargs, microbatches, targets,
                           forward_only):

@@ -1,27 +1,18 @@
-"""PyTorch's schedule names and classes as rrfp hints. Torch-free, so that ``rrfp train``
-checks a hint's name before it imports torch."""
+"""Hint text from what a front door is given: an rrfp hint, or PyTorch's schedule names and
+classes (aliases in the hint table, :data:`rrfp.scheduler.registry.ALIASES`). Torch-free, so
+that ``rrfp train`` checks a hint's name before it imports torch."""
 
 from __future__ import annotations
 
 from typing import Any
 
-# torch.distributed.pipelining's schedule names (get_schedule_class is case-insensitive, and
-# so is this) -> the rrfp hint that ranks ready work the same way.
-TORCH_SCHEDULE_HINTS = {
-    "gpipe": "gpipe",
-    "1f1b": "1f1b",
-    "interleaved1f1b": "interleaved-1f1b",
-    "loopedbfs": "looped-bfs",
-    "interleavedzerobubble": "zb-h1",
-    "zbvzerobubble": "zb-v",
-    "dualpipev": "dualpipev",
-}
+from ...scheduler.registry import canonical
 
 
 def hint_text(hint: Any) -> str:
     """rrfp hint text for ``hint``: an rrfp hint, a PyTorch schedule name (``Interleaved1F1B``,
     ``ScheduleZBVZeroBubble``, any case) or class (``Schedule1F1B``); ``strict-`` works with
-    each.
+    each (:func:`rrfp.scheduler.registry.canonical`).
 
     Raises:
         TypeError: ``hint`` is neither text nor a class.
@@ -30,8 +21,4 @@ def hint_text(hint: Any) -> str:
         hint = hint.__name__
     if not isinstance(hint, str):
         raise TypeError(f"hint {hint!r}: expected a hint name or a PyTorch schedule class")
-    prefix = "strict-" if hint.startswith("strict-") else ""
-    base = hint[len(prefix):]
-    key = base.lower()
-    key = key[len("schedule"):] if key.startswith("schedule") else key
-    return prefix + TORCH_SCHEDULE_HINTS.get(key, base)
+    return canonical(hint)

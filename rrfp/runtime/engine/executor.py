@@ -19,8 +19,9 @@ keeps the loop answering during long tasks.
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -131,13 +132,17 @@ class ThreadExecutor(_NoDeviceWork):
     Costs a thread hop and back per task (``benchmarks/bench_executor.py``). PyTorch releases
     the GIL inside its kernels, so the loop thread gets the interpreter while they run; a task
     spending its time in Python code shares the GIL with the loop.
+
+    The worker is a daemon thread (not a ``ThreadPoolExecutor``'s, which the interpreter joins
+    at exit): a task that never returns, reported by the watchdog
+    (:mod:`rrfp.runtime.engine.watchdog`), cannot keep the process from exiting.
     """
 
     name = "thread"
     window = 1
 
     def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: queue.SimpleQueue | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: Callable[[], None] = lambda: None
 
@@ -145,13 +150,19 @@ class ThreadExecutor(_NoDeviceWork):
         self._wake = wake
 
     def launch(self, task: Task, run_fn: RunFn) -> Pending:
-        if self._pool is None:
+        if self._jobs is None:
             self._loop = asyncio.get_running_loop()
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="rrfp-task")
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._work, args=(self._jobs,), name="rrfp-task", daemon=True).start()
         p = Pending(task, time.perf_counter())
         # The caller's autocast around step() is thread-local: carried to the worker (engine/autocast.py).
-        self._pool.submit(self._run, p, run_fn, autocast.capture())
+        self._jobs.put((p, run_fn, autocast.capture()))
         return p
+
+    def _work(self, jobs: queue.SimpleQueue) -> None:  # the worker thread
+        while (job := jobs.get()) is not None:
+            self._run(*job)
+            del job  # the task's tensors go with its outputs, not with this frame
 
     def _run(self, p: Pending, run_fn: RunFn, amp: autocast.AutocastState | None = None) -> None:  # on the worker
         try:
@@ -170,9 +181,9 @@ class ThreadExecutor(_NoDeviceWork):
         self._wake()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        if self._jobs is not None:
+            self._jobs.put(None)  # the worker ends after its task; one that never returns is a daemon
+            self._jobs = None
 
 
 EXECUTORS = ("inline", "thread", "cuda")

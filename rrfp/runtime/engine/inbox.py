@@ -160,7 +160,8 @@ class Inbox:
         if problem is not None:
             return self.reject(msg, f"sent by rank {msg.src}, but {problem}")
         # A peer can be at most one step ahead: it needs this rank's step-k outputs to finish
-        # step k. Anything else is a stale, forged or corrupt message.
+        # step k, or (forward-only) this rank to begin it (engine/pace.py). Anything else is a
+        # stale, forged or corrupt message.
         current = self.step if self.step is not None else self.last_step + 1
         if key.step == current + 1 or (self.step is None and key.step == current):
             early = self.pending.setdefault(key.step, [])

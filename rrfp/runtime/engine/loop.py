@@ -38,6 +38,7 @@ from .executor import Executor, Pending, RunFn
 from .hooks import HookRunner
 from .inbox import Inbox
 from .observer import StepObserver
+from .watchdog import TaskWatch, loop_busy
 
 AGAIN = object()
 """What a decider returns when no task may run yet but the loop should look at arrivals and
@@ -83,6 +84,7 @@ class SchedulerLoop:
         self.observers: tuple[StepObserver, ...] = ()  # every registered observer
         self._watching: tuple[StepObserver, ...] = ()  # those taking this step's task events
         self.decide: DeciderFn | None = None  # None: the arbiter's own next()
+        self.task_watch = TaskWatch(rank, watchdog, list(inbox.stages), self._stuck)  # a task that never returns
         executor.bind(inbox.wake.set)
 
     def add_observer(self, observer: StepObserver) -> None:
@@ -114,6 +116,8 @@ class SchedulerLoop:
         self._progress = self._clock()
         self._last_end = 0.0
         self._timed_out = None
+        self.task_watch.period = self.watchdog
+        run_fn = self.task_watch.watched(run_fn, step)
         running = self._running
         running.clear()
         inbox, ex = self.inbox, self.executor
@@ -238,7 +242,9 @@ class SchedulerLoop:
         if left > 0:  # progress since arming
             self._arm_watchdog(left)
             return
-        if not self._waiting or self._running:  # busy in a task or its injected delay: not stalled
+        if not self._waiting or self._running or loop_busy(asyncio.get_running_loop()):
+            # Busy in a task or its injected delay, or waiting on a rank of this loop that runs
+            # one: not stalled (a task that never returns is the task watchdog's to report).
             self._arm_watchdog(self.watchdog)
             return
         if self.inbox.wake.is_set():
@@ -251,3 +257,10 @@ class SchedulerLoop:
             f"in step {self._step}: waiting for {self._arb.waiting_for()}"
         )
         self.inbox.wake.set()
+
+    def _stuck(self, step: int, exc: WatchdogTimeout) -> None:
+        # The task watchdog (rrfp/runtime/engine/watchdog.py) found a task of this rank stuck
+        # on a worker thread: the step raises its error from the wait.
+        if self._step == step:
+            self._timed_out = exc
+            self.inbox.wake.set()

@@ -13,6 +13,8 @@
   keeps receiving in its own I/O thread while Python computes, and an inline dispatch costs
   microseconds where a hop to a worker thread and back costs about 90 us on a 2-core machine);
 - :mod:`~rrfp.runtime.engine.outbox`: sends, which never block compute;
+- :mod:`~rrfp.runtime.engine.pace`: a forward-only step ends once the ranks it sends
+  activations to have begun it (else a peer can run more than one step ahead);
 - :mod:`~rrfp.runtime.engine.hooks`: step hooks (a stage's gradients are final; the step ends);
 - step features join through :mod:`~rrfp.runtime.engine.observer` (the loop's events),
   :meth:`~rrfp.runtime.engine.inbox.Inbox.on_control` (their control messages), a decider
@@ -47,6 +49,7 @@ from .inbox import Inbox
 from .loop import DelayFn, SchedulerLoop
 from .ordered import _OrderedGrads
 from .outbox import Outbox
+from .pace import ForwardPace
 from .router import Router
 from .split import enable_split_backward
 from .stage import PipelineStage, as_tuple
@@ -119,9 +122,11 @@ class RankRuntime:
 
     Attributes:
         router, inbox, loop (the SchedulerLoop, not an asyncio loop), outbox, executor, compute
-            (the :class:`~rrfp.runtime.engine.compute.TaskCompute`): the parts (see the module
-            docstring). The knobs live on their parts: ``loop.watchdog``, ``loop.task_delay``,
-            ``loop.record``, ``compute.loss_fn``; refusals are counted in ``inbox.rejected``.
+            (the :class:`~rrfp.runtime.engine.compute.TaskCompute`), pace (the
+            :class:`~rrfp.runtime.engine.pace.ForwardPace` of forward-only steps): the parts
+            (see the module docstring). The knobs live on their parts: ``loop.watchdog``,
+            ``loop.task_delay``, ``loop.record``, ``compute.loss_fn``; refusals are counted in
+            ``inbox.rejected``.
         features: the step features attached to this rank, by name (``notices``: backfilling's
             :class:`~rrfp.runtime.features.notices.StartedNotices`; ``tp-agreement``), for
             inspection; each registers itself through the seams (module docstring).
@@ -187,19 +192,32 @@ class RankRuntime:
         self.hooks = HookRunner(self.stages, spec.n_microbatches, finalising_kind(spec.split_backward))
         self._receiving = False
         inbox, outbox = self.inbox, self.outbox
+        # Forward-only steps in a row stay within one step of their receivers (engine/pace.py).
+        self.pace = ForwardPace(self.router, inbox, self.outbox.send_control)
         self.router.connect(inbox.deliver_local, lambda dst_rank, dst_stage, m, direction, tensors: outbox.send(
             dst_rank, inbox.step, m, dst_stage, direction, tensors))
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self.memory_budget = memory_budget
-        self.sizer = None
+        self.sizer = self._wbytes = None
+        self.compute = TaskCompute(rank, self.stages, self.last_stage, loss_fn, self.router, self._ordered)
         if memory_budget is not None:
-            from .memory import ForwardSizer, WeightBytes
+            self.measure_activations()
 
-            self.sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()}, got[0])
-        self.compute = TaskCompute(rank, self.stages, self.last_stage, loss_fn, self.router, self._ordered,
-                                   self.sizer)
-        # Under a budget the ledger frees at I all but what W's store holds (measured).
-        self._wbytes = None if self.sizer is None else WeightBytes(self.compute._wstate)
+    def measure_activations(self) -> None:
+        """Measure what each forward saves for its backward from the next step on (a memory
+        budget does it by itself), so that :attr:`StepStats.peak_bytes` reports the most
+        activation bytes held at once. Without a budget nothing is gated by it; a
+        backfilling hint then keeps its forwards run ahead within the order's peak *bytes*
+        instead of its count of activations (:class:`~rrfp.scheduler.policy.BackfillOrder`).
+        Idempotent."""
+        if self.sizer is not None:
+            return
+        from .memory import ForwardSizer, WeightBytes
+
+        self.sizer = self.compute.sizer = ForwardSizer({i: st.submod for i, st in self.stages.items()},
+                                                       self.spec.placement.stages_of(self.rank)[0])
+        # The ledger frees at I all but what W's store holds (measured).
+        self._wbytes = WeightBytes(self.compute._wstate)
 
     def set_loss_reduction(self, total_fn: Callable[[float], float], loss_fn: Callable[[float], float]) -> None:
         """Data parallelism (:mod:`rrfp.parallel.grads`): ``total_fn(local total)`` gives the
@@ -311,6 +329,8 @@ class RankRuntime:
         compute.begin_step(kwargs, outputs, forward_only)
         self.executor.begin_step()
         inbox.begin_step(step, arb)  # clears the input buffers, then admits early arrivals
+        if forward_only:
+            self.pace.begins(step)
         weights, mb_losses = self._feed(inputs, targets, sum_losses)
         hooks = self.hooks if self.hooks.hooks and not forward_only else None
         if hooks is not None:
@@ -337,6 +357,8 @@ class RankRuntime:
             stats.loss = self._step_loss(mb_losses, weights)
         compute.targets = compute.weights = None
         await self.outbox.flush()
+        if forward_only:
+            await self.pace.ends(step, self.loop.watchdog)
         inbox.end_step(step)
         return stats
 

@@ -7,11 +7,13 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
 1. Step 1 runs the placement's strict schedule (its one-time costs are not measured).
 2. Steps 2 and 3 measure: the strict schedule (``F``, ``B``), then the first split-backward
    candidate (``I``, ``W``). Every rank's task records are gathered; per stage and kind the
-   mean seconds and the spread; per link the message time, read as the gap between the
-   producer's end and the consumer's start (the ranks of one host share a monotonic clock; the
-   smallest gap per link, since a larger one includes the consumer's wait).
-3. :func:`rrfp.sim.auto.rank` simulates every known candidate on that profile at this job's
-   in-flight limit and memory budget.
+   mean seconds and the spread; what the runtime pays around them, the calibrated model of
+   :mod:`rrfp.sim.calibration` (:func:`~rrfp.sim.calibration.fit`: the runtime's time per
+   task and per input received from another rank, and per link the mean time a consumer that
+   waited for a message waited, from the producer's end to its own start; the ranks of one
+   host share a monotonic clock).
+3. :func:`rrfp.sim.auto.rank` simulates every known candidate on that profile and calibration
+   at every rank's own in-flight limit and memory budget (shared while measuring).
 4. Trial: the strict schedule and the best two by simulation
    (:func:`rrfp.sim.auto.trial_candidates`) run :data:`rrfp.sim.auto.TRIAL_ROUNDS` rounds,
    one step each, in rotating order (paired: each round's steps are neighbours, so machine
@@ -20,7 +22,7 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
    median of step times rescaled to the trial's median forward work; among the hints within
    :data:`rrfp.sim.auto.TIE` of it, or within the trial steps' own spread where that is
    larger (:func:`rrfp.sim.auto.margin`), the strict schedule, else the first in the fixed order of
-   :data:`rrfp.sim.auto.CANDIDATES`, so a policy measured slower than the strict schedule is
+   :func:`rrfp.sim.auto.all_candidates`, so a policy measured slower than the strict schedule is
    never kept and noise below the tie cannot flip the choice), the rule the suite's ``auto``
    uses too.
 5. Every ``recheck_every`` steps (default :data:`RECHECK_EVERY`; 0: never) one more round is
@@ -34,8 +36,8 @@ runs what the run before it chose.
 
 One process says, one line each, which steps measure and which run the trial (with the
 candidates) before they run, and what was kept and why. The candidates are
-:data:`rrfp.sim.auto.CANDIDATES`; names this build's registry does not know are skipped and
-named in the last line.
+:func:`rrfp.sim.auto.all_candidates` (the hint table's entries that allow auto); names that do
+not fit the shape are skipped and named in the last line.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ...errors import PipelineError
 from ...scheduler.hints import resolve_hint
-from ...scheduler.tasks import F
+from ...scheduler.tasks import F, PipelineSpec, Task, TaskRecord
 from ...sim import auto as sim_auto
 from ...sim.auto import AUTO, TIE, TRIAL_ROUNDS, auto_first_hint
+from ...sim.calibration import Calibration, Fit, RankStep, fit
 from ..engine.inbox import ControlQueue
 from .recheck import RECHECK_EVERY, check_recheck, recheck_steps
 
@@ -280,8 +283,9 @@ class AutoHint:
         self.current = self.strict
         self.plan: list[str] = [self.strict, self.strict] + ([self.split] if self.split else [])
         self.samples: dict[tuple[int, str], list[float]] = {}
-        self.gaps: dict[int, list[float]] = {}
+        self.measured: list[tuple[bool, list[TaskRecord]]] = []  # (split backward?, records) per measured step
         self.act: dict[int, int] = {}
+        self.rank_memory: dict[int, tuple[int, int | None]] = {}  # rank -> its own (limit, budget)
         self.trial: list[str] = []
         self.walls: dict[str, list[sim_auto.Step]] = {}
         self.chosen: str | None = None
@@ -389,7 +393,7 @@ class AutoHint:
         step_hint = self.plan.pop(0)
         if self.ranking is None:
             if len(self.plan) < (3 if self.split else 2) - 1:  # not the warm-up step
-                await self._gather(stats)
+                await self._gather(stats, self._splits(step_hint))
             if not self.plan:
                 self._rank()
                 self.plan = [h for r in range(TRIAL_ROUNDS) for h in sim_auto.trial_order(self.trial, r)]
@@ -414,39 +418,74 @@ class AutoHint:
         if not self.plan:  # the trial's last round (or a re-check's round) is complete
             self._choose()
 
-    async def _gather(self, stats: Sequence[Any]) -> None:
+    async def _gather(self, stats: Sequence[Any], split: bool) -> None:
         mine: list = [("r", rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end)
                       for st in stats for rec in st.records]
         for rt in self.pipe.runtimes:
+            # Each rank's own in-flight limit and budget: another process may have been given
+            # other values, and every rank must rank on the same ones (or their trials differ).
+            mine.append(("l", rt.rank, int(rt.inflight_limit), rt.memory_budget))
             sizer = rt.sizer  # the memory budget's measured activation bytes (None: no budget)
             if sizer is not None:
                 for s in rt.stages:
                     got = [sizer(s, m) for m in range(self.M)]
                     mine.append(("a", s, round(statistics.fmean(x for x in got if x)) if any(got) else 0))
-        ends: dict[tuple[int, str, int], float] = {}
-        starts: dict[tuple[int, str, int], float] = {}
+        recs: list[TaskRecord] = []
         for item in await self.share.gather(mine):
             if item[0] == "a":
                 self.act[item[1]] = item[2]
                 continue
+            if item[0] == "l":
+                self.rank_memory[item[1]] = (item[2], item[3])
+                continue
             _, s, kind, m, t0, t1 = item
             self.samples.setdefault((s, kind), []).append(t1 - t0)
-            ends[(s, kind, m)], starts[(s, kind, m)] = t1, t0
-        rank_of, nxt = self.place.rank_of, self.place.next_stage
-        for (s, kind, m), t1 in ends.items():
-            if kind == F and nxt(s) is not None and rank_of(nxt(s)) != rank_of(s):
-                t0 = starts.get((nxt(s), F, m))
-                if t0 is not None:
-                    self.gaps.setdefault(s, []).append(max(0.0, t0 - t1))
+            recs.append(TaskRecord(self.place.rank_of(s), self.steps, Task(s, kind, m), t0, t1))
+        self.measured.append((split, recs))
+
+    def _fit(self) -> Fit | None:
+        """What the runtime paid around the measured tasks (:func:`rrfp.sim.calibration.fit`;
+        the ranks of one host share a monotonic clock), or None with too few tasks to tell."""
+        steps = []
+        for split, recs in self.measured:
+            spec = PipelineSpec(self.place, self.M, split)
+            by_rank: dict[int, list[TaskRecord]] = {}
+            for r in recs:
+                by_rank.setdefault(r.rank, []).append(r)
+            steps.append((spec, [RankStep(r, rs) for r, rs in by_rank.items()]))
+        try:
+            fits = [fit([ranks], spec) for spec, ranks in steps]
+        except ValueError:
+            return None
+        task, recv = (statistics.fmean(getattr(f.calibration, k) for f in fits) for k in ("task", "recv"))
+        links = {s: statistics.median([f.links[s] for f in fits if s in f.links])
+                 for s in {s for f in fits for s in f.links}}
+        return Fit(Calibration(task=task, recv=recv), links, {})
+
+    def memory(self) -> tuple[list[int], list[int | None] | None]:
+        """``(limits, budgets)``: per rank, the in-flight limit and memory budget the ranking
+        uses, each rank's own as it shared them while measuring (this process's plan for a rank
+        that did not); a budget only where that rank's activation bytes were measured (None:
+        no budget anywhere)."""
+        P, place = self.place.n_ranks, self.place
+        limits = [self.rank_memory.get(r, (self.limits[r], None))[0] for r in range(P)]
+        budgets = [self.rank_memory[r][1] if r in self.rank_memory else self.budget for r in range(P)]
+        budgets = [b if b is not None and all(self.act.get(s) for s in place.stages_of(r)) else None
+                   for r, b in enumerate(budgets)]
+        return limits, (budgets if any(b is not None for b in budgets) else None)
 
     def _rank(self) -> None:
         S = self.place.n_stages
-        links = {s: [min(g)] for s, g in self.gaps.items() if g}
+        # The calibrated model (rrfp.sim.calibration): each task's measured cost, the runtime's
+        # time per task and per received input beside it, per link what a waiting consumer waited.
+        fitted = self._fit()
+        links = {s: [h] for s, h in fitted.links.items()} if fitted else {}
         prof = sim_auto.profile_from_samples(self.samples, links, S, [self.act.get(s, 0) for s in range(S)])
-        budget = self.budget if self.budget is not None and all(self.act.get(s) for s in range(S)) else None
+        limits, budgets = self.memory()
         self.ranking = sim_auto.rank(prof, n_ranks=self.place.n_ranks, n_virtual=self.place.n_virtual,
-                                     placement=self.place.kind, n_microbatches=self.M, limit=self.limits,
-                                     memory_budget=budget, backpressure=self.backpressure, candidates=self.known)
+                                     placement=self.place.kind, n_microbatches=self.M, limit=limits,
+                                     memory_budget=budgets, backpressure=self.backpressure, candidates=self.known,
+                                     calibration=fitted.calibration if fitted else None)
         self.profile = prof
         self.trial = sim_auto.trial_candidates([h for h, _ in self.ranking.order], self.strict)
 

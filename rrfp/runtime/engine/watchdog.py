@@ -1,0 +1,200 @@
+"""The task watchdog: a task that runs longer than the watchdog period, seen from another thread.
+
+The scheduler loop's own watchdog (:mod:`rrfp.runtime.engine.loop`) runs on the event loop: it
+notices a rank that waits too long for a message, but not a task that never returns. With the
+inline executor the task holds the loop thread, so no timer of the loop ever runs again; with
+the worker-thread executor the loop counts a running task as busy, not stalled. One daemon
+thread per process (:class:`_Watcher`) therefore looks at every rank's running task
+(:class:`TaskWatch`) a few times per period, and a task that has run a whole period ends as
+follows (README, "Clean ends"):
+
+- **the task holds the loop thread** (inline executor, the CPU default; the host part of a
+  CUDA task): nothing can unwind it. The watchdog writes the stuck thread's stack to stderr,
+  then one line, ``rrfp: watchdog: rank R (stages [...]) stuck in task T of step S for N s
+  (watchdog P s); ending the process (exit 1)``, and ends the process with exit code
+  :data:`STUCK_EXIT` (``os._exit``: a thread that never returns cannot be joined).
+- **the task runs on a worker thread** (``executor="thread"``): the stuck thread's stack goes
+  to stderr and the rank's step raises :class:`~rrfp.errors.WatchdogTimeout` with that line
+  in the caller, as any other watchdog timeout; the worker is a daemon thread, so the process
+  can exit (an uncaught error: Python's exit code 1).
+
+A task counts from the moment its compute starts on its thread until it returns, in wall time
+(``time.monotonic``); the watchdog period is the runtime's ``watchdog`` (0 disables both
+watchdogs). An event loop that keeps its own simulated time (tests/virtual_time.py: its clock
+is more than a second away from ``time.monotonic``) is timed on that clock, which stands still
+while a task holds the loop: as for the loop's watchdog, simulated time alone decides. While a rank of an event loop runs a task, the other ranks of that loop (every
+rank of a :class:`~rrfp.runtime.doors.local.LocalPipeline`) are not stalled by waiting for it:
+:func:`loop_busy` tells their loop watchdog so, and the one that is stuck is the one reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+import time
+import traceback
+import weakref
+from typing import Callable
+
+from ...errors import WatchdogTimeout
+from .pending import RunFn
+
+STUCK_EXIT = 1
+"""Exit code of a process whose loop thread the watchdog found stuck in a task (as an uncaught
+:class:`~rrfp.errors.WatchdogTimeout`, or any failing rank of ``rrfp train``)."""
+
+_CHECKS_PER_PERIOD = 4  # a stuck task is reported between 1 and 1.25 periods after it started
+
+
+class TaskWatch:
+    """One rank's running task, as the watchdog thread sees it.
+
+    Args:
+        rank: the rank (for the report).
+        period: seconds a task may run (the runtime's ``watchdog``; 0 disables).
+        stages: the rank's stage indices (for the report).
+        on_stuck: ``on_stuck(step, exc)``, called on the rank's event loop thread when a task
+            of ``step`` on a worker thread is stuck: the scheduler loop raises ``exc`` from
+            that step.
+    """
+
+    def __init__(self, rank: int, period: float, stages: list[int],
+                 on_stuck: Callable[[int, WatchdogTimeout], None]) -> None:
+        self.rank = rank
+        self.period = period
+        self.stages = stages
+        self.on_stuck = on_stuck
+        self.current: tuple | None = None  # (task, step, start, thread ident) while a task runs
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop_thread: int | None = None
+        self.clock: Callable[[], float] = time.monotonic
+        self._reported: tuple | None = None  # the ``current`` already reported
+
+    def watched(self, run_fn: RunFn, step: int) -> RunFn:
+        """``run_fn`` timed by the watchdog thread, on whatever thread the executor runs it;
+        call on the event loop thread when a step starts. ``run_fn`` itself when disabled."""
+        if self.period <= 0:
+            return run_fn
+        self.loop = loop = asyncio.get_running_loop()
+        self.loop_thread = threading.get_ident()
+        self.clock = clock = loop.time if abs(loop.time() - time.monotonic()) > 1.0 else time.monotonic
+        _watcher().add(self)
+
+        def run(task):
+            self.current = (task, step, clock(), threading.get_ident())
+            try:
+                return run_fn(task)
+            finally:
+                self.current = None
+
+        return run
+
+    @property
+    def busy(self) -> bool:
+        """A task runs and has not been reported stuck."""
+        cur = self.current
+        return cur is not None and cur is not self._reported
+
+    def check(self) -> None:
+        """On the watchdog thread: report the running task if it has run a whole period."""
+        cur = self.current
+        if cur is None or cur is self._reported or (now := self.clock()) - cur[2] < self.period:
+            return
+        self._reported = cur
+        task, step, start, ident = cur
+        line = (f"rank {self.rank} (stages {self.stages}) stuck in task {task} of step {step} for "
+                f"{now - start:.1f} s (watchdog {self.period:g} s)")
+        _write_stack(ident, f"rrfp: watchdog: where rank {self.rank}'s task {task} is stuck:\n")
+        if ident == self.loop_thread:
+            _end_process(f"rrfp: watchdog: {line}; ending the process (exit {STUCK_EXIT})")
+        try:
+            self.loop.call_soon_threadsafe(self.on_stuck, step, WatchdogTimeout(line))
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for this step
+            pass
+
+
+def loop_busy(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether a rank of ``loop`` runs a task (not yet reported stuck): then a rank of the same
+    loop that waits is waiting on it, not stalled."""
+    w = _WATCHER
+    return w is not None and any(t.busy and t.loop is loop for t in w.watches())
+
+
+def _write_stack(ident: int, header: str) -> None:
+    frame = sys._current_frames().get(ident)
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "  (the thread has ended)\n"
+    _write(header + stack)
+
+
+def _write(text: str) -> None:
+    # Straight to the file descriptor: the stuck thread may hold sys.stderr's lock.
+    data = text.encode("utf-8", "replace")
+    while data:
+        try:
+            data = data[os.write(2, data):]
+        except OSError:
+            return
+
+
+def _end_process(line: str) -> None:
+    _write(line + "\n")
+    os._exit(STUCK_EXIT)
+
+
+class _Watcher:
+    """The process's one watchdog thread (a daemon: it never holds an exit)."""
+
+    def __init__(self) -> None:
+        self._watches: weakref.WeakSet[TaskWatch] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._changed = threading.Event()
+        threading.Thread(target=self._run, name="rrfp-watchdog", daemon=True).start()
+
+    def add(self, watch: TaskWatch) -> None:
+        with self._lock:
+            if watch in self._watches:
+                return
+            self._watches.add(watch)
+        self._changed.set()
+
+    def watches(self) -> list[TaskWatch]:
+        with self._lock:
+            return list(self._watches)
+
+    def _run(self) -> None:
+        while True:
+            self._changed.clear()
+            watches = self.watches()
+            if not watches:  # a pipeline's watches go with it: sleep until the next one comes
+                self._changed.wait()
+                continue
+            for w in watches:
+                w.check()
+            self._changed.wait(min(w.period for w in watches) / _CHECKS_PER_PERIOD)
+
+
+_WATCHER: _Watcher | None = None
+_WATCHER_LOCK = threading.Lock()
+
+
+def _watcher() -> _Watcher:
+    global _WATCHER
+    if _WATCHER is None:
+        with _WATCHER_LOCK:
+            if _WATCHER is None:
+                _WATCHER = _Watcher()
+    return _WATCHER
+
+
+def _reset_after_fork() -> None:
+    # A forked child has no watchdog thread: it starts its own when it needs one.
+    global _WATCHER
+    _WATCHER = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
+
+__all__ = ["STUCK_EXIT", "TaskWatch", "loop_busy"]

@@ -1,0 +1,351 @@
+"""What the runtime pays beyond each task's own cost, calibrated from recorded steps: the one
+place the simulator models it (``auto``'s ranking, :mod:`rrfp.sim.auto`, and ``rrfp bench``'s
+predictions, ``benchmarks/sim_pred.py``, both read a :class:`Calibration`).
+
+A task's cost (per stage and kind, ``F``, ``B``, ``I``, ``W``: a :class:`~rrfp.sim.costs.CostModel`)
+is what the task itself takes on its rank, measured in place (:func:`stage_costs`: the mean of
+its recorded durations, less what the task waited for, a sleep or a device, when the caller
+knows it). Measured in place, not assumed: a split backward's ``I`` and ``W`` are their own
+(PyTorch's and rrfp's split run stage 0's whole backward in ``W``, its ``I`` is a no-op; ``I`` of
+a small transformer stage costs most of a ``B``, not half). Around the tasks the runtime pays
+(seconds; :func:`fit` reads them off recorded steps):
+
+- ``task``: per task on its rank, the gap between a task's end and the next task's start when
+  that task's input was already there (the arbiter's decision, the executor's dispatch, the
+  records, the step hooks): the mean over such gaps;
+- ``recv``: per task whose input came from another rank and was sent while its rank was busy,
+  the mean gap before it beyond ``task``: receiving the message (the loop reads and decodes it
+  between tasks) and whatever of its flight was left;
+- ``hop``: per cross-rank message, from the producing task's end until the consuming task can
+  start, when the consumer's rank was idle from before the producer ended (so the whole wait
+  shows, whatever its length), less ``task``: the codec, the socket, waking the sender's I/O
+  thread and the receiving process. The mean over such waits (a message the consumer does not
+  wait for costs nothing, so the model adds it to every message and lets the schedule hide it);
+- ``step``: per step, the slowest rank's step time beyond the span of all tasks (first start
+  to last end): the runtime's set-up before the first task and its end after the last, and the
+  ranks leaving the step's start at different moments (the median over steps).
+
+Ranks sharing cores: ``N`` rank processes on ``cores`` cores, beside other work. Linux shares
+the cores fairly between groups of processes (autogroup, cgroups), then within a group: the
+ranks, one group, get ``cores / (1 + background)`` cores however many of them are busy, where
+``background`` is the machine's other load as a busy loop of the ranks' group sees it (it gets
+``min(1, cores / (1 + background))`` of a core; 0 on a quiet machine). A rank busy on the CPU
+shares that with the ``K`` other ranks busy at that moment, each busy with probability
+``duty`` (the ranks' share of the step spent on the CPU, independently), so its CPU work
+stretches by ``E[max(1, (1 + K) (1 + background) / cores)]``, ``K ~ Binomial(N - 1, duty)``
+(:meth:`Calibration.stretch`). Checked by ``python -m benchmarks.bench_sim_vs_runtime --cores``
+(``docs/simulator.md``: N processes at a duty, measured stretch against the model). Costs measured in place already carry the stretch of the duty
+they were measured at (:attr:`Calibration.duty`); a schedule that keeps more ranks busy at once
+stretches more, fewer less (:meth:`Calibration.rescale`), which :meth:`Calibration.simulate`
+applies to each task's CPU part. Without ``cores`` (ranks on their own devices or cores) the
+costs stand as measured.
+
+Pure module: no torch (it drives :mod:`rrfp.sim.engine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from ..scheduler.hints import Hint
+from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task, TaskRecord
+from .costs import MAX_SECONDS, CostModel, StageCost
+from .engine import DelayFn, DurationFn, SimResult, simulate
+
+_SECONDS = ("task", "recv", "hop", "step")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the runtime pays around tasks (module docstring), and how its ranks share cores.
+
+    Attributes:
+        task: seconds per task on its rank, beside the task's own cost.
+        recv: seconds more per task whose input came from another rank (receiving it).
+        hop: seconds per cross-rank message, beside ``task``.
+        step: seconds per step outside tasks.
+        cores: cores the ranks share (None: each rank has its own; nothing is rescaled).
+        background: the machine's other load, as the ranks' group sees it: a busy loop of
+            theirs gets ``cores / (1 + background)`` cores (``>= 0``; module docstring).
+        duty: the ranks' CPU duty (``0..1``) when the costs were measured (None: measured
+            with no other rank busy, as one rank at a time).
+        source: where the figures come from (a line for reports).
+
+    Raises:
+        ValueError: a time that is negative, not finite or above
+            :data:`~rrfp.sim.costs.MAX_SECONDS`, cores below 1, a negative background, or a
+            duty outside ``0..1``.
+    """
+
+    task: float = 0.0
+    recv: float = 0.0
+    hop: float = 0.0
+    step: float = 0.0
+    cores: int | None = None
+    background: float = 0.0
+    duty: float | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for k in _SECONDS:
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_SECONDS:
+                raise ValueError(f"calibration {k}={v!r}: expected seconds, 0 to {MAX_SECONDS:g}")
+        c = self.cores
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
+            raise ValueError(f"calibration cores={c!r}: expected an integer >= 1, or None")
+        b = self.background
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1e6:
+            raise ValueError(f"calibration background={b!r}: expected a load >= 0")
+        d = self.duty
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1):
+            raise ValueError(f"calibration duty={d!r}: expected a share of time, 0 to 1, or None")
+
+    # ------------------------------------------------------------ cores
+    def stretch(self, n_ranks: int, duty: float) -> float:
+        """The factor CPU work of one of ``n_ranks`` ranks stretches by when each rank is busy
+        on the CPU ``duty`` of the time (module docstring); 1 without :attr:`cores`."""
+        if self.cores is None:
+            return 1.0
+        u, n = min(max(duty, 0.0), 1.0), max(n_ranks - 1, 0)
+        per = (1.0 + self.background) / self.cores  # stretch per busy rank of the group
+        if u in (0.0, 1.0):  # K is 0, or every other rank
+            return max(1.0, (1 + n * u) * per)
+        return sum(math.comb(n, k) * u ** k * (1.0 - u) ** (n - k) * max(1.0, (1 + k) * per) for k in range(n + 1))
+
+    def rescale(self, n_ranks: int, duty: float) -> float:
+        """The factor on costs measured at :attr:`duty` for a run whose ranks are busy
+        ``duty`` of the time: ``stretch(n_ranks, duty) / stretch(n_ranks, self.duty)``."""
+        return self.stretch(n_ranks, duty) / self.stretch(n_ranks, self.duty or 0.0)
+
+    # ------------------------------------------------------------ the model
+    def simulate(self, spec: PipelineSpec, hint: Hint, duration: DurationFn, *, cpu: DurationFn | None = None,
+                 delay: DelayFn | None = None, steps: int = 1, step_overhead: float = 0.0,
+                 **kw: Any) -> SimResult:
+        """:func:`~rrfp.sim.engine.simulate` with what the runtime pays: each task's
+        ``duration`` plus :attr:`task` (and :attr:`recv` when its input comes from another
+        rank), each cross-rank message's ``delay`` plus :attr:`hop`,
+        each step :attr:`step` more (between steps, and after the last), and with
+        :attr:`cores`, each task's CPU part (``cpu(step, rank, task)`` seconds of its
+        duration, default all of it, plus :attr:`task`) rescaled to the run's own duty: a first
+        run measures the duty (the ranks' CPU seconds over their number times the makespan),
+        the second runs at it.
+
+        Args:
+            duration, delay: as :func:`~rrfp.sim.engine.simulate` (delay None: none).
+            cpu: the CPU part of a task's duration (the rest it waits for: a sleep, a device).
+            kw: any other argument of :func:`~rrfp.sim.engine.simulate`.
+
+        Raises:
+            as :func:`~rrfp.sim.engine.simulate`.
+        """
+        hop, task, recv = self.hop, self.task, self.recv
+        rank_of = spec.placement.rank_of
+        remote = set()  # (stage, kind) of the tasks whose input comes from another rank
+        for t in spec.all_tasks():
+            src = spec.producer(t)
+            if src is not None and rank_of(src.stage) != rank_of(t.stage):
+                remote.add((t.stage, t.kind))
+        if recv and remote:
+            own = duration
+            duration = lambda k, r, t: own(k, r, t) + (recv if (t[0], t[1]) in remote else 0.0)  # noqa: E731
+            if cpu is not None:
+                own_cpu = cpu
+                cpu = lambda k, r, t: own_cpu(k, r, t) + (recv if (t[0], t[1]) in remote else 0.0)  # noqa: E731
+        if delay is None:
+            wire = (lambda step, src, dst, t: hop) if hop else None
+        else:
+            wire = (lambda step, src, dst, t: delay(step, src, dst, t) + hop) if hop else delay
+        extra = {} if wire is None else {"delay": wire}
+        between = step_overhead + self.step
+        run = lambda d: simulate(spec, hint, d, steps=steps, step_overhead=between, **extra, **kw)  # noqa: E731
+        if self.cores is None:
+            res = run((lambda k, r, t: duration(k, r, t) + task) if task else duration)
+        else:
+            part = cpu or duration
+            spent = [0.0]
+
+            def counted(k: int, r: int, t: Task) -> float:
+                spent[0] += part(k, r, t) + task
+                return duration(k, r, t) + task
+
+            first = run(counted)
+            n = spec.placement.n_ranks
+            duty = spent[0] / (n * first.makespan) if first.makespan > 0 else 0.0
+            f = self.rescale(n, duty)
+            res = run(lambda k, r, t: duration(k, r, t) + task + (f - 1.0) * (part(k, r, t) + task))
+        if not self.step:
+            return res
+        return dataclasses.replace(res, makespan=res.makespan + self.step,
+                                   step_end=[t + self.step for t in res.step_end])
+
+    # ------------------------------------------------------------ files
+    def to_mapping(self) -> dict[str, Any]:
+        """The fields as a JSON-able dict (None fields left out)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and v != ""}
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any], source: str = "calibration") -> "Calibration":
+        """Build from :meth:`to_mapping`'s dict.
+
+        Raises:
+            ValueError: an unknown field or a bad value, naming ``source``.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{source}: expected an object of {', '.join(sorted(names))}")
+        bad = sorted(set(d) - names)
+        if bad:
+            raise ValueError(f"{source}: unknown field {bad[0]!r}: expected {', '.join(sorted(names))}")
+        try:
+            return cls(**d)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Calibration":
+        """Read a JSON file of :meth:`to_mapping`'s form.
+
+        Raises:
+            OSError: unreadable; ValueError: not JSON, or a bad field (naming the file).
+        """
+        with open(path, encoding="utf-8") as f:
+            try:
+                obj = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON: {e}") from None
+        return cls.from_mapping(obj, str(path))
+
+    def describe(self) -> str:
+        """One line: the figures in milliseconds."""
+        cores = "" if self.cores is None else (f", {self.cores} cores, background {self.background:.1f}"
+                                               f"{'' if self.duty is None else f', measured at duty {self.duty:.2f}'}")
+        return (f"task {1e3 * self.task:.3f} ms, recv {1e3 * self.recv:.3f} ms, hop {1e3 * self.hop:.3f} ms, "
+                f"step {1e3 * self.step:.2f} ms{cores}")
+
+
+# ------------------------------------------------------------------ from recorded steps
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """One rank's step as recorded: its tasks (the records' clock, seconds: ranks of one host
+    share a monotonic clock), and when known, when the step began and returned on that rank."""
+
+    rank: int
+    records: Sequence[TaskRecord]
+    begin: float | None = None
+    end: float | None = None
+
+
+@dataclass
+class Fit:
+    """What :func:`fit` read off the steps: the calibration, per link (stage ``s`` to its
+    next) the mean hop, and how many samples each figure had."""
+
+    calibration: Calibration
+    links: dict[int, float]
+    samples: dict[str, int]
+
+
+def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn | None = None,
+        **fields: Any) -> Fit:
+    """:attr:`Calibration.task`, :attr:`~Calibration.hop` and :attr:`~Calibration.step` from
+    recorded steps (the module docstring's rules): ``steps``, per step every rank's
+    :class:`RankStep`. A gap between two tasks of a rank counts towards ``task`` when the next
+    one's input is its own rank's (or none), towards ``recv`` when it came from another rank
+    whose producer ended before the previous task did, and the time from the producer's end to
+    the next task's start towards ``hop`` when the producer ended after it (the rank was idle,
+    waiting). ``delay(step, src, dst, task)``: what a message was held beyond the runtime's
+    own time (an injected delay, seconds; None: nothing): its input arrived that much after
+    the producer ended, so that arrival, not the producer's end, decides the gap's kind and
+    starts its wait (a simulation adds the same delay to :attr:`~Calibration.hop`).
+    ``step`` needs every rank's ``begin`` and ``end`` (else it is 0). ``fields``: the
+    calibration's other fields (``cores``, ...).
+
+    Raises:
+        ValueError: no gap to read ``task`` from (a figure without a sample is 0).
+    """
+    gaps: list[float] = []
+    received: list[float] = []
+    waits: dict[int, list[float]] = {}
+    outside: list[float] = []
+    for ranks in steps:
+        ended = {r.task: (r.rank, r.end, r.step) for rs in ranks for r in rs.records}
+        recs_all = [r for rs in ranks for r in rs.records]
+        timed = [rs for rs in ranks if rs.records and rs.begin is not None and rs.end is not None]
+        if timed and len(timed) == len(ranks):
+            span = max(r.end for r in recs_all) - min(r.start for r in recs_all)
+            outside.append(max(rs.end - rs.begin for rs in timed) - span)
+        for rs in ranks:
+            recs = sorted(rs.records, key=lambda r: r.start)
+            for prev, nxt in zip(recs, recs[1:]):
+                src = spec.producer(nxt.task)
+                made = ended.get(src) if src is not None else None
+                if made is None or made[0] == rs.rank:
+                    gaps.append(nxt.start - prev.end)
+                    continue
+                arrived = made[1] + (delay(made[2], made[0], rs.rank, src) if delay else 0.0)
+                if arrived < prev.end:
+                    received.append(nxt.start - prev.end)
+                else:
+                    link = min(src.stage, nxt.task.stage)
+                    waits.setdefault(link, []).append(nxt.start - arrived)
+    if not gaps:
+        raise ValueError("calibration: no gap between two tasks whose input was there: record more tasks")
+    task = max(0.0, statistics.fmean(gaps))
+    recv = max(0.0, statistics.fmean(received) - task) if received else 0.0
+    every = [w for ws in waits.values() for w in ws]
+    hop = max(0.0, statistics.fmean(every) - task) if every else 0.0
+    links = {s: max(0.0, statistics.fmean(ws) - task) for s, ws in sorted(waits.items())}
+    step = max(0.0, statistics.median(outside)) if outside else 0.0
+    cal = Calibration(task=task, recv=recv, hop=hop, step=step, **fields)
+    return Fit(cal, links, {"task": len(gaps), "recv": len(received), "hop": len(every), "step": len(outside)})
+
+
+WaitFn = Callable[[int, int, Task], float]  # (step, rank, task) -> seconds the task waited (not CPU)
+
+
+def stage_costs(records: Sequence[TaskRecord], n_stages: int, wait: WaitFn | None = None,
+                act_bytes: Sequence[int] | None = None) -> CostModel:
+    """Per stage, the mean recorded seconds of each kind less what each task waited for
+    (``wait(step, rank, task)``, e.g. an injected sleep; None: nothing): the task's own cost
+    in place. A kind never recorded is derived (:meth:`StageCost.from_mapping`: ``B = I + W``,
+    ``I = W = B / 2``).
+
+    Raises:
+        ValueError: a stage without a forward or a backward record.
+    """
+    samples: dict[tuple[int, str], list[float]] = {}
+    for r in records:
+        t = r.task
+        samples.setdefault((t.stage, t.kind), []).append(r.end - r.start - (wait(r.step, r.rank, t) if wait else 0.0))
+    stages = []
+    for s in range(n_stages):
+        m = {k: max(0.0, statistics.fmean(samples[(s, k)])) for k in (F, B, I, W) if samples.get((s, k))}
+        if F not in m or not (B in m or (I in m and W in m)):
+            raise ValueError(f"calibration: stage {s} has no forward or no backward record (have {sorted(m)})")
+        if act_bytes is not None:
+            m["act_bytes"] = int(act_bytes[s])
+        stages.append(StageCost.from_mapping(m, f"stage {s}"))
+    return CostModel(tuple(stages))
+
+
+def busy_share(records: Sequence[TaskRecord], n_ranks: int, cpu: WaitFn | None = None) -> float:
+    """The ranks' CPU duty over recorded steps: their CPU seconds (``cpu(step, rank, task)``,
+    default each task's whole duration) over ``n_ranks`` times the summed step spans (first
+    start to last end, per step). For :attr:`Calibration.duty`."""
+    spans: dict[int, list[float]] = {}
+    total = 0.0
+    for r in records:
+        span = spans.setdefault(r.step, [math.inf, -math.inf])
+        span[0], span[1] = min(span[0], r.start), max(span[1], r.end)
+        total += cpu(r.step, r.rank, r.task) if cpu else r.end - r.start
+    wall = sum(b - a for a, b in spans.values())
+    return min(1.0, total / (n_ranks * wall)) if wall > 0 else 0.0

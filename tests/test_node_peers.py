@@ -1,0 +1,80 @@
+"""``rrfp node`` when a peer host vanishes (issue 32 item 4): the daemon left behind says what
+it waits for while its agent waits in the rendezvous, and gives up after ``--join-timeout``
+with one line and exit code 1 (main: more than 180 s without a word, torch's 600 s bound).
+
+Every wait is on an event (a line a process printed, a process exit) under a timeout."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+
+import pytest
+
+from procs import Proc
+
+ADDRS = ("127.0.0.2", "127.0.0.3")
+
+
+def _bindable(addr: str) -> bool:
+    try:
+        with socket.socket() as s:
+            s.bind((addr, 0))
+        return True
+    except OSError:
+        return False
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "PET_NNODES", "PET_NODE_RANK", "JOB_COMPLETION_INDEX"):
+        env.pop(k, None)
+    return env
+
+
+def test_the_wait_line_says_what_for_how_long_and_when_it_gives_up():
+    from rrfp.node.peers import RendezvousWait
+
+    w = RendezvousWait(lambda: False, "10.0.0.1:29500 (job)", 2, 600, print)
+    assert w.every == 30.0 and RendezvousWait(lambda: False, "x", 2, 20, print).every == 5.0
+    assert w.line(90.4) == ("rrfp node: waiting for all 2 nodes to join the rendezvous at 10.0.0.1:29500 (job) for "
+                            "90 s (a peer host gone or not started yet); giving up in 510 s (--join-timeout 600)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not all(_bindable(a) for a in ADDRS), reason="127.0.0.2/3 not bindable here")
+def test_a_daemon_whose_peer_host_was_sigkilled_says_what_it_waits_for_and_gives_up():
+    """Two daemons, one rank each, train; node 1's daemon is SIGKILLed (its rank dies with
+    it). Node 0's rank loses its peer, its agent restarts it and waits in the rendezvous:
+    every 5 s (a quarter of --join-timeout 20) node 0 says it waits for all 2 nodes, then
+    gives up in one line, exit 1."""
+    procs: list[Proc] = []
+    port = 0
+    try:
+        for node, addr in enumerate(ADDRS):
+            argv = [sys.executable, "-m", "rrfp", "node", "--nnodes", "2", "--nproc-per-node", "1", "--master-addr",
+                    ADDRS[0], "--master-port", str(port), "--node-addr", addr, "--metrics-addr", addr,
+                    "--metrics-port", "0", "--job-id", f"peers{os.getpid()}", "--node-rank", str(node),
+                    "--join-timeout", "20", "--", "--pp", "2", "--steps", "100000", "--batch-size", "4",
+                    "--microbatches", "2", "--max-len", "32", "--threads", "1"]
+            procs.append(Proc(argv, _env()))
+            if node == 0:
+                line = procs[0].wait_for(", rendezvous ", 600)
+                port = int(line.split(", rendezvous ")[1].split(" ")[0].rsplit(":", 1)[1])
+        procs[0].wait_for(" loss ", 600)  # a step line: both nodes train
+        seen = len(procs[0].lines)
+        procs[1].kill()
+        assert procs[0].finish(600) == 1, procs[0].output()
+        after = procs[0].lines[seen:]
+        waits = [ln for ln in after if ln.startswith("rrfp node: waiting for all 2 nodes to join the rendezvous at ")]
+        assert waits and all(re.search(r"for \d+ s \(a peer host gone or not started yet\); giving up in \d+ s "
+                                       r"\(--join-timeout 20\)$", ln) for ln in waits), procs[0].output()
+        ours = [ln for ln in after if ln.startswith("rrfp node: ")]  # torch's agent may log after it
+        assert ours[-1] == ("rrfp node: error: not every node of the 2 joined the rendezvous within --join-timeout "
+                             "20 s (a peer host gone?); giving up"), procs[0].output()
+    finally:
+        for p in procs:
+            p.kill()

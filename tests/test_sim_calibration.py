@@ -1,0 +1,233 @@
+"""The calibrated simulator (rrfp.sim.calibration): hand-computed makespans with what the runtime
+pays around tasks and with ranks sharing cores, the fit that reads those figures off recorded
+steps, and a recorded real run's step times reproduced from its recorded profile (no clock:
+``tests/data/calibration_run.json``, written by ``python -m benchmarks.bench_sim_vs_runtime
+--fixture``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import sim_pred  # noqa: E402
+from rrfp.scheduler import Placement, PipelineSpec, resolve_hint  # noqa: E402
+from rrfp.scheduler.tasks import Task, TaskRecord  # noqa: E402
+from rrfp.sim.calibration import Calibration, RankStep, busy_share, fit, stage_costs  # noqa: E402
+from rrfp.sim.compare import SimConfig, run_one  # noqa: E402
+from rrfp.sim.costs import CostModel  # noqa: E402
+from rrfp.sim.engine import simulate  # noqa: E402
+
+FIXTURE = Path(__file__).parent / "data" / "calibration_run.json"
+COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def _strict(p: int, m: int, split: bool = False):
+    return resolve_hint("strict-split" if split else "strict-1f1b", Placement(p), m)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("task", -1.0, "calibration task=-1.0: expected seconds"),
+    ("hop", float("nan"), "calibration hop=nan"),
+    ("step", True, "calibration step=True"),
+    ("cores", 0, "calibration cores=0: expected an integer >= 1, or None"),
+    ("background", -0.5, "calibration background=-0.5"),
+    ("duty", 1.5, "calibration duty=1.5: expected a share of time, 0 to 1"),
+])
+def test_bad_figures_are_refused_naming_them(field, value, says):
+    with pytest.raises(ValueError, match=f"^{says}".replace("(", r"\(").replace(")", r"\)")):
+        Calibration(**{field: value})
+    with pytest.raises(ValueError, match="^run.json: unknown field 'tasks'"):
+        Calibration.from_mapping({"tasks": 1.0}, "run.json")
+
+
+def test_stretch_of_ranks_sharing_cores_by_hand():
+    two = Calibration(cores=2)
+    assert Calibration().stretch(16, 1.0) == 1.0  # a core per rank: nothing stretches
+    assert two.stretch(1, 1.0) == 1.0 and two.stretch(4, 1.0) == 2.0  # 4 busy ranks on 2 cores
+    # K ~ Bin(3, 1/2) other busy ranks: (1/8 + 3/8) x 1 + 3/8 x 3/2 + 1/8 x 2.
+    assert two.stretch(4, 0.5) == pytest.approx(1.3125)
+    # A loaded machine gives the ranks' group 2 / (1 + 3) = half a core, which its busy ranks
+    # share: one busy rank runs at half speed, two at a quarter.
+    busy = Calibration(cores=2, background=3)
+    assert busy.stretch(1, 0.0) == 2.0 and busy.stretch(2, 1.0) == 4.0
+    assert busy.stretch(3, 0.5) == pytest.approx(0.25 * 2 + 0.5 * 4 + 0.25 * 6)
+    # Costs measured at duty 0.5 on 4 ranks: a run at duty 1 stretches them by 2 / 1.3125.
+    assert Calibration(cores=2, duty=0.5).rescale(4, 1.0) == pytest.approx(2 / 1.3125)
+
+
+def test_runtime_costs_add_to_a_hand_computed_makespan():
+    # 2 ranks, 1 microbatch, strict 1F1B: F0, hop, F1, B1, hop, B0 in a chain (F 1 s, B 2 s).
+    # F1 and B0 receive their input from the other rank: recv twice.
+    spec, h, strict = _strict(2, 1)
+    cal = Calibration(task=0.1, recv=0.02, hop=0.25, step=0.05)
+    res = cal.simulate(spec, h, lambda k, r, t: COST[t.kind], strict=strict)
+    assert res.makespan == pytest.approx(6 + 4 * 0.1 + 2 * 0.02 + 2 * 0.25 + 0.05)
+    # Two steps: the runtime's step time between them and after the last.
+    two = cal.simulate(spec, h, lambda k, r, t: COST[t.kind], strict=strict, steps=2)
+    assert two.makespan == pytest.approx(2 * res.makespan)
+    # The same through SimConfig (what auto's ranking runs).
+    cfg = SimConfig(n_ranks=2, n_microbatches=1, costs=CostModel.uniform(2, 1.0, 2.0), calibration=cal)
+    assert run_one(cfg, "strict-1f1b", record=False)[0].makespan == pytest.approx(res.makespan)
+
+
+def test_ranks_sharing_one_core_stretch_their_cpu_work():
+    # The same chain on 1 core: one pass finds each rank busy half the time (6 s of work over
+    # 2 ranks x 6 s), so the other rank is busy half the time: CPU work stretches by
+    # 1/2 x 1 + 1/2 x 2 = 1.5 (hand count), the makespan 6 -> 9 s.
+    spec, h, strict = _strict(2, 1)
+    one = Calibration(cores=1)
+    assert one.simulate(spec, h, lambda k, r, t: COST[t.kind], strict=strict).makespan == pytest.approx(9.0)
+    # Only the CPU part stretches: B waits 1 s of its 2 (a sleep, a device), so the busy
+    # time is 4 of 12 rank-seconds (duty 1/3), stretch 2/3 + 1/3 x 2 = 4/3 on the CPU parts.
+    res = one.simulate(spec, h, lambda k, r, t: COST[t.kind], strict=strict,
+                       cpu=lambda k, r, t: 1.0)
+    assert res.makespan == pytest.approx(2 * 1.0 + 4 * (4 / 3))
+
+
+def _recorded_chain(task: float, hop: float, begin: float, end: float, held=None):
+    """Records of a simulated 4-rank strict 1F1B step (F 1 s, B 2 s, 4 microbatches) whose
+    runtime cost ``task`` precedes each task and each message took ``hop`` more (and
+    ``held(step, src, dst, task)`` more, an injected delay): what a recorded step shows (each
+    record starts after the runtime's gap)."""
+    spec, h, strict = _strict(4, 4)
+    res = simulate(spec, h, lambda k, r, t: COST[t.kind] + task, strict=strict,
+                   delay=lambda k, a, b, t: hop + (held(k, a, b, t) if held else 0.0))
+    recs = [TaskRecord(r.rank, 0, r.task, r.start + task, r.end) for r in res.records]
+    ranks = []
+    for rank in range(4):
+        mine = [r for r in recs if r.rank == rank]
+        ranks.append(RankStep(rank, mine, min(r.start for r in mine) - task - begin,
+                              max(r.end for r in mine) + end))
+    return spec, ranks
+
+
+def test_fit_reads_the_runtimes_costs_off_recorded_steps():
+    spec, ranks = _recorded_chain(task=0.03, hop=0.2, begin=0.004, end=0.001)
+    got = fit([ranks], spec)
+    assert got.calibration.task == pytest.approx(0.03)
+    assert got.calibration.hop == pytest.approx(0.2) and got.links == pytest.approx({0: 0.2, 1: 0.2, 2: 0.2})
+    # An input sent while its rank was busy costs no more than the runtime's gap here.
+    assert got.calibration.recv == pytest.approx(0.0, abs=1e-12) and got.samples["recv"] > 0
+    assert got.calibration.step == pytest.approx(0.03 + 0.004 + 0.001)
+    assert got.samples["task"] > 0 and got.samples["hop"] > 0
+    costs = stage_costs([r for rs in ranks for r in rs.records], 4)
+    assert [(c.F, c.B, c.I, c.W) for c in costs.stages] == [pytest.approx((1.0, 2.0, 1.0, 1.0))] * 4
+    # Less what a task waited for (a sleep): its own cost.
+    half = stage_costs([r for rs in ranks for r in rs.records], 4, wait=lambda k, r, t: COST[t.kind] / 2)
+    assert half.stages[0].B == pytest.approx(1.0)
+    assert busy_share([r for rs in ranks for r in rs.records], 4) == pytest.approx(
+        4 * 3 * 4 / (4 * (max(r.end for rs in ranks for r in rs.records) - min(r.start for rs in ranks for r in rs.records))))
+    with pytest.raises(ValueError, match="no gap between two tasks"):
+        fit([[RankStep(0, [])]], spec)
+
+
+def test_fit_leaves_out_the_message_delays_the_harness_injected():
+    # The comm setting holds some messages (here each forward of microbatch 1 and 3, 0.7 s):
+    # told of them, fit reads the same runtime figures as without; not told, its hop grows.
+    held = lambda k, a, b, t: 0.7 if t.kind == "F" and t.mb % 2 else 0.0  # noqa: E731
+    spec, ranks = _recorded_chain(task=0.03, hop=0.2, begin=0.004, end=0.001, held=held)
+    got = fit([ranks], spec, delay=held)
+    assert got.calibration.task == pytest.approx(0.03) and got.calibration.hop == pytest.approx(0.2)
+    assert fit([ranks], spec).calibration.hop > 0.25
+
+
+def test_the_harness_split_backward_as_the_runtime_runs_it():
+    # Stage 0 has no input gradient: its I is the runtime's no-op, its W the whole backward,
+    # with all of the backward's sleep; another stage's I and W share it (w_share 1/2).
+    cfg = {"n_ranks": 2, "n_microbatches": 4, "seed": 0, "sleep": {"F": 0.010, "B": 0.020}}
+    cal = [{"F": 0.001, "B": 0.004}] * 2
+    sleep = sim_pred.harness_sleep(cfg, cal, {"level": "J0"})
+    cost = sim_pred.compute_cost(cal)
+    assert (sleep(2, 0, Task(0, "I", 0)), sleep(2, 0, Task(0, "W", 0))) == (0.0, 0.020)
+    assert (cost(0, Task(0, "I", 0)), cost(0, Task(0, "W", 0))) == (0.0, 0.004)
+    assert (sleep(2, 1, Task(1, "I", 0)), sleep(2, 1, Task(1, "W", 0))) == (0.010, 0.010)
+    assert (cost(1, Task(1, "I", 0)), cost(1, Task(1, "W", 0))) == (0.002, 0.002)
+
+
+def _fixture():
+    data = json.loads(FIXTURE.read_text())
+    recorded = {row: {int(k): v for k, v in steps.items()} for row, steps in data["recorded"].items()}
+    phase = {"name": data["phase"]["name"], "level": data["phase"]["level"], "rounds": data["phase"]["rounds"]}
+    return data, phase, recorded
+
+
+def test_a_recorded_real_runs_step_times_are_reproduced_within_5_percent():
+    """The calibrated model read off the recorded strict rows (their task records: costs in
+    place, as the ranks shared the cores; the runtime's time per task, per message and per
+    step) predicts every row's recorded step times, the readiness rows' out of sample, within
+    5% (median over the rounds); the uncalibrated simulator misses them by more."""
+    data, phase, recorded = _fixture()
+    cfg, cal = data["config"], data["calibration"]
+    model = sim_pred.fit_model(cfg, cal, 0, phase, recorded)
+    worst_raw = 0.0
+    for row, v in data["rows"].items():
+        sim = sim_pred.predict(cfg, cal, 0, phase, v["hint"], limit=v["limit"], model=model)
+        ratio = float(np.median(np.asarray(v["step"]) / np.asarray(sim)))
+        assert abs(ratio - 1) <= 0.05, (row, ratio, v["step"], sim)
+        raw = sim_pred.predict(cfg, cal, 0, phase, v["hint"], limit=v["limit"])
+        worst_raw = max(worst_raw, abs(float(np.median(np.asarray(v["step"]) / np.asarray(raw))) - 1))
+    assert worst_raw > 0.05
+    assert len(data["rows"]) >= 4 and set(data["recorded"]) < set(data["rows"])  # some rows out of sample
+
+
+def test_the_reports_predictions_use_the_model_read_off_the_settings_records():
+    """``rrfp bench``'s many-rank rows (benchmarks.report_peers.predictions): with the strict
+    row's task records kept, every row is predicted on the calibrated model fitted to them."""
+    from benchmarks import report_peers
+
+    data, phase, recorded = _fixture()
+    rows = {n: v for n, v in data["rows"].items() if n in ("rrfp strict-1f1b", "rrfp bf", "rrfp bf, 1F1B limits")}
+    rounds = [{"round": 2 + i, "kind": "timed", "systems": {n: {"step": v["step"][i]} for n, v in rows.items()}}
+              for i in range(phase["rounds"])]
+    ph = {"name": phase["name"], "level": phase["level"], "rounds": rounds,
+          "recorded": {n: {str(k): v for k, v in steps.items()} for n, steps in recorded.items()}}
+    res = {"config": {**data["config"], "hint": "bf"}, "calibration": data["calibration"], "phases": [ph]}
+    got = report_peers.predictions(res)[phase["name"]]
+    model = sim_pred.fit_model(data["config"], data["calibration"], 0, ph, recorded)
+    for n, v in rows.items():
+        assert got[n] == pytest.approx(sim_pred.predict(data["config"], data["calibration"], 0, ph, v["hint"],
+                                                        limit=v["limit"], model=model))
+    # Without the records: the uncalibrated simulator, as before.
+    del ph["recorded"]
+    assert report_peers.predictions(res)[phase["name"]]["rrfp bf"] == pytest.approx(
+        sim_pred.predict(data["config"], data["calibration"], 0, ph, "bf"))
+
+
+def test_every_one_stage_row_of_a_recorded_setting_is_predicted_on_the_calibrated_model():
+    """``rrfp bench``'s settings all keep the strict row's records now: every row with one
+    stage per rank gets a calibrated prediction, a byte-budget row at its budget and PyTorch's
+    1F1B and GPipe as their orders run strictly. With alike microbatches a budget of ``P - r``
+    microbatches is 1F1B's in-flight count (full backward), an independent reference."""
+    from benchmarks import report_peers
+
+    data, phase, recorded = _fixture()
+    cfg = dict(data["config"])
+    names = ["rrfp strict-1f1b", "rrfp default, 1F1B memory", "rrfp default, GPipe memory", "torch 1F1B",
+             "torch GPipe"]
+    rounds = [{"round": 2 + i, "kind": "timed", "systems": {n: {"step": 1.0} for n in names}}
+              for i in range(phase["rounds"])]
+    ph = {"name": phase["name"], "level": phase["level"], "rounds": rounds,
+          "recorded": {n: {str(k): v for k, v in steps.items()} for n, steps in recorded.items()}}
+    P, M, a = cfg["n_ranks"], cfg["n_microbatches"], 3000
+    res = {"config": {**cfg, "hint": "bf"}, "calibration": data["calibration"], "phases": [ph],
+           "budgets": [{"1f1b": (P - r) * a, "gpipe": M * a} for r in range(P)]}
+    got = report_peers.predictions(res)[phase["name"]]
+    assert set(got) == set(names)
+    model = sim_pred.fit_model(cfg, data["calibration"], 0, ph, recorded)
+    pred = lambda hint, **kw: sim_pred.predict(cfg, data["calibration"], 0, ph, hint, model=model, **kw)  # noqa: E731
+    assert got["torch 1F1B"] == pytest.approx(pred("strict-1f1b"))
+    assert got["rrfp strict-1f1b"] == pytest.approx(pred("strict-1f1b"))
+    assert got["torch GPipe"] == pytest.approx(pred("strict-gpipe"))
+    assert got["rrfp default, 1F1B memory"] == pytest.approx(pred("bf", limit="1f1b"))
+    assert got["rrfp default, GPipe memory"] == pytest.approx(pred("bf"))
+    assert got["rrfp default, 1F1B memory"] != pytest.approx(got["rrfp default, GPipe memory"])
+    assert report_peers.models(res)[phase["name"]]["costs"] == model.costs
+    # Without budgets a budget row cannot be predicted: it is left out, not guessed.
+    del res["budgets"]
+    assert set(report_peers.predictions(res)[phase["name"]]) == {"rrfp strict-1f1b", "torch 1F1B", "torch GPipe"}
