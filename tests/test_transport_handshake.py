@@ -85,6 +85,7 @@ async def _start_pair(cut: int, auth: JobAuth | None):
     return ts, relays, results, (master, client)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("secret", [None, "curve"])
 async def test_a_handshake_cut_during_start_is_retried_not_a_lost_peer(secret):
