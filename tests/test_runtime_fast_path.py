@@ -132,7 +132,9 @@ class _ThroughLaunch:
     """Not InlineExecutor: the loop takes the launch path for the inline executor's tasks."""
 
 
-@pytest.mark.parametrize("hint, n_virtual, encode", [("bf", 1, True), ("bfw", 1, False), ("bf", 2, True),
+@pytest.mark.parametrize("hint, n_virtual, encode", [pytest.param("bf", 1, True, marks=pytest.mark.slow),
+                                                     pytest.param("bfw", 1, False, marks=pytest.mark.slow),
+                                                     pytest.param("bf", 2, True, marks=pytest.mark.slow),
                                                      ("strict-1f1b", 1, True)])
 def test_the_loop_runs_inline_tasks_in_the_order_of_the_launch_path(monkeypatch, hint, n_virtual, encode):
     merged = _run(hint, n_virtual, encode)

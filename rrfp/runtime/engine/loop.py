@@ -41,9 +41,6 @@ from .inbox import Inbox
 from .observer import StepObserver
 from .watchdog import TaskWatch, loop_busy
 
-perf_counter = time.perf_counter
-
-
 @types.coroutine
 def _yield():
     """What ``await asyncio.sleep(0)`` does (one bare yield: the task runs again on the loop's
@@ -166,7 +163,7 @@ class SchedulerLoop:
                         if inline:
                             # InlineExecutor.launch, _hand_on and _finish in one place: the
                             # same calls in the same order, without a Pending per task.
-                            t0 = perf_counter()
+                            t0 = time.perf_counter()
                             outputs = run_fn(task)
                             if self.task_delay is not None:
                                 await self._delay(step, task)
@@ -225,7 +222,7 @@ class SchedulerLoop:
     def _finished(self, task: Task, t0: float, step: int, stats, hooks: HookRunner | None,
                   p: Pending | None = None) -> None:
         # ``p``: the executor's Pending, released here (None: the inline path made none).
-        t1 = perf_counter()
+        t1 = time.perf_counter()
         # Tasks launched ahead overlap on the device: count each instant once.
         stats.busy += t1 - (t0 if t0 > self._last_end else self._last_end)
         stats.n_tasks += 1
