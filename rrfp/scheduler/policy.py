@@ -175,6 +175,11 @@ class KindPolicy(Policy):
         task of each kind is its heap's top, so taking it pops that top. Verdicts other than
         any forward, none, or later forwards (a byte budget's, the completion order's) take
         the plain path."""
+        if not ready.b and not ready.f and not ready.w:
+            # Nothing ready (the heaps hold exactly the ready tasks): no verdict can name a
+            # task. About half the simulator's decisions end here; guards keep no state
+            # but caches, so skipping their verdict changes nothing.
+            return None
         f = state.guard.forward(ready, state)
         if f is ANY:
             rf = ready.f

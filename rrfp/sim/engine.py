@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import heapq
-import itertools
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
@@ -54,7 +53,6 @@ class SimResult:
         return [1.0 - b / self.makespan if self.makespan > 0 else 0.0 for b in self.busy]
 
 
-_new = tuple.__new__  # a NamedTuple's own __new__ is a Python function: this builds the same tuple faster
 INLINE_DECISIONS = True
 """The run loop takes each decision through the rank's policy (``policy.next_taken``) and sets
 the arbiter's running task itself, saving :meth:`Arbiter.next`'s call (about a tenth of a run);
@@ -137,28 +135,17 @@ def simulate(
             gc.enable()
 
 
-class _Finish(NamedTuple):
-    """Event: rank ``rank``'s running task finishes at ``time``."""
-
-    time: float
-    seq: int  # unique, so the heap never compares past it
-    rank: int
-
-
 class _Resume(NamedTuple):
-    """Event: rank ``rank``'s optimizer step ends at ``time`` (it may start its next step)."""
+    """Event: rank ``rank``'s optimizer step ends (it may start its next step). A task's
+    finish is the bare rank number (an ``int``): the per-task event builds no object."""
 
-    time: float
-    seq: int
     rank: int
 
 
 class _Arrival(NamedTuple):
-    """Event: an input reaches rank ``rank`` at ``time``: the activation (``grad`` False) or
-    the gradient for ``stage``'s microbatch ``mb`` in step ``step``."""
+    """Event: an input reaches rank ``rank``: the activation (``grad`` False) or the gradient
+    for ``stage``'s microbatch ``mb`` in step ``step``."""
 
-    time: float
-    seq: int
     rank: int
     step: int
     stage: int
@@ -216,8 +203,12 @@ class _Sim:
         self.step_end = [0.0] * max(steps, 0)
         self.run_d = [0.0] * P  # seconds of each rank's running task (backfilling's averages)
         self.records: list[TaskRecord] = []
-        self.events: list[tuple] = []
-        self.seq = itertools.count(1)  # event sequence numbers
+        # Pending events: a heap of their distinct times, and per time its events in the order
+        # posted (a time leaves both once its events are applied). Equal times are common
+        # (fixed costs), and a heap of floats compares faster than one of (time, seq, ...)
+        # tuples, which it replaces with the same order: by time, then as posted.
+        self.times: list[float] = []
+        self.at: dict[float, list] = {}
 
     def _where(self, stage: int | None) -> tuple[int, int]:
         return (-1, -1) if stage is None else (self.rank_of[stage], stage)
@@ -250,14 +241,14 @@ class _Sim:
     # ------------------------------------------------------------ the run
     def run(self, duration: DurationFn, delay: DelayFn, step_overhead: float, record: bool) -> SimResult:
         # The per-task path stays in this one function, state in locals: bench_sim.py times it.
-        events, pop, push, seq = self.events, heapq.heappop, heapq.heappush, self.seq
+        times, at, pop, push = self.times, self.at, heapq.heappop, heapq.heappush
         running, cur, cur_step, busy_until, busy = self.running, self.cur, self.cur_step, self.busy_until, self.busy
         records, backfilling, averages, run_d = self.records, self.backfilling, self.averages, self.run_d
         held, peak_held, after, before = self.held, self.peak_held, self.after, self.before
         instant = delay is _zero_delay
         # ``fixed`` (stage -> kind -> seconds): every task takes its stage and kind's time; a lookup.
         fixed = getattr(duration, "fixed", None)
-        new, Finish, inline = _new, _Finish, INLINE_DECISIONS
+        inline = INLINE_DECISIONS
         now, touched = 0.0, list(range(self.P))
         while True:
             # Decisions: every idle rank touched at this instant, in rank order.
@@ -284,48 +275,57 @@ class _Sim:
                     self.notice(r, step, t, now, d)
                 running[r] = t
                 busy[r] += d
-                push(events, new(Finish, (now + d, next(seq), r)))
+                e = now + d
+                evs = at.get(e)
+                if evs is None:
+                    at[e] = [r]
+                    push(times, e)
+                else:
+                    evs.append(r)
                 if record:
                     records.append(TaskRecord(r, step, t, now, now + d))
-            if not events:
+            if not times:
                 break
             touched = []
-            now = events[0][0]
-            while events and events[0][0] == now:
-                ev = pop(events)
-                r = ev[2]
-                touched.append(r)
-                if type(ev) is not _Finish:
-                    if type(ev) is _Arrival:
-                        self.arbiter_for(r, ev.step).mark_input(ev.stage, ev.mb, ev.grad)
-                    continue
-                # Rank r's task finished: complete it and send its output on.
-                t = running[r]
-                running[r] = None
-                a = cur[r]
-                a.complete(t)  # type: ignore[union-attr]
-                if averages is not None:
-                    averages.observe(t, run_d[r])  # type: ignore[arg-type]
-                s, k, m = t  # type: ignore[misc]
-                if k == F:
-                    held[s] += 1
-                    if held[s] > peak_held[s]:
-                        peak_held[s] = held[s]
-                    dst, cs = after[s]
-                elif k == W:
-                    dst = -1
-                else:
-                    held[s] -= 1
-                    dst, cs = before[s]
-                if dst == r:
-                    a.mark_input(cs, m, k != F)  # type: ignore[union-attr]
-                elif dst >= 0 and instant and cur_step[dst] == cur_step[r]:
-                    cur[dst].mark_input(cs, m, k != F)  # type: ignore[union-attr]
-                    touched.append(dst)
-                elif dst >= 0:
-                    self.send(r, dst, cs, t, now, delay, touched)
-                if a.n_done == a.n_tasks:  # type: ignore[union-attr]  # a.finished, without the call
-                    self.end_step(r, a, now, step_overhead)  # type: ignore[arg-type]
+            now = times[0]
+            while times and times[0] == now:
+                pop(times)
+                for r in at.pop(now):  # in the order posted
+                    if r.__class__ is not int:  # an arrival or a resume
+                        ev, r = r, r.rank
+                        touched.append(r)
+                        if ev.__class__ is _Arrival:
+                            self.arbiter_for(r, ev.step).mark_input(ev.stage, ev.mb, ev.grad)
+                        continue
+                    touched.append(r)
+                    # Rank r's task finished: complete it and send its output on.
+                    t = running[r]
+                    running[r] = None
+                    a = cur[r]
+                    a.complete(t)  # type: ignore[union-attr]
+                    if averages is not None:
+                        averages.observe(t, run_d[r])  # type: ignore[arg-type]
+                    s, k, m = t  # type: ignore[misc]
+                    if k == F:
+                        held[s] += 1
+                        if held[s] > peak_held[s]:
+                            peak_held[s] = held[s]
+                        dst, cs = after[s]
+                    elif k == W:
+                        dst = -1
+                    else:
+                        held[s] -= 1
+                        dst, cs = before[s]
+                    if dst == r:
+                        a.mark_input(cs, m, k != F)  # type: ignore[union-attr]
+                    elif dst >= 0 and instant and cur_step[dst] == cur_step[r]:
+                        cur[dst].mark_input(cs, m, k != F)  # type: ignore[union-attr]
+                        if running[dst] is None:  # a running rank decides when its own task ends
+                            touched.append(dst)
+                    elif dst >= 0:
+                        self.send(r, dst, cs, t, now, delay, touched)
+                    if a.n_done == a.n_tasks:  # type: ignore[union-attr]  # a.finished, without the call
+                        self.end_step(r, a, now, step_overhead)  # type: ignore[arg-type]
         self.check_finished()
         return SimResult(now, records, busy, self.peak, self.step_end, peak_held, self.peak_bytes)
 
@@ -346,7 +346,7 @@ class _Sim:
             self.arbiter_for(dst, step).mark_input(cs, t[2], grad)
             touched.append(dst)
         else:
-            heapq.heappush(self.events, _Arrival(now + dd, next(self.seq), dst, step, cs, t[2], grad))
+            self.post(now + dd, _Arrival(dst, step, cs, t[2], grad))
 
     def end_step(self, r: int, a: Arbiter, now: float, step_overhead: float) -> None:
         """Rank ``r`` finished its current step at ``now``: keep its peaks, start the next."""
@@ -364,7 +364,16 @@ class _Sim:
         self.cur[r] = self.ahead[r].pop(nxt, None) or self.new_arbiter(r, nxt)
         if step_overhead > 0:
             self.busy_until[r] = now + step_overhead
-            heapq.heappush(self.events, _Resume(now + step_overhead, next(self.seq), r))
+            self.post(now + step_overhead, _Resume(r))
+
+    def post(self, time: float, ev: tuple) -> None:
+        """Queue the event ``ev`` at ``time`` (after those already queued at that time)."""
+        evs = self.at.get(time)
+        if evs is None:
+            self.at[time] = [ev]
+            heapq.heappush(self.times, time)
+        else:
+            evs.append(ev)
 
     def check_finished(self) -> None:
         """Raise :class:`DeadlockError` when a rank has steps left but no event is pending."""
