@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple, Sequence
 from ..scheduler.arbiter import Arbiter
 from ..scheduler.backfill import Backfill, CostAverages
 from ..scheduler.hints import Hint
-from ..scheduler.tasks import F, W, PipelineSpec, Task, TaskRecord
+from ..scheduler.tasks import BACKWARD_INPUT, F, W, PipelineSpec, Task, TaskRecord
 
 DurationFn = Callable[[int, int, Task], float]  # (step, rank, task) -> seconds
 DelayFn = Callable[[int, int, int, Task], float]  # (step, src rank, dst rank, producing task) -> seconds
@@ -57,6 +57,10 @@ INLINE_DECISIONS = True
 """The run loop takes each decision through the rank's policy (``policy.next_taken``) and sets
 the arbiter's running task itself, saving :meth:`Arbiter.next`'s call (about a tenth of a run);
 False: through ``Arbiter.next`` (``tests/test_sim_engine.py`` checks both give the same run)."""
+
+
+_OFF = ("off",)
+"""A rank's running task while it cannot decide (its steps are done, or its optimizer step runs)."""
 
 
 def _zero_delay(step: int, src: int, dst: int, task: Task) -> float:
@@ -182,9 +186,12 @@ class _Sim:
         self.budgets = _per_rank(memory_budget, P, "memory budgets", not isinstance(memory_budget, (list, tuple)))
         self.act_bytes, self.w_bytes, self.cost_estimate = act_bytes, w_bytes, cost_estimate
         self.rank_of = [place.rank_of(s) for s in range(S)]
-        # Where each stage's outputs go (the placement's chain): (rank, stage), or (-1, -1).
-        self.after = [self._where(place.next_stage(s)) for s in range(S)]
-        self.before = [self._where(place.prev_stage(s)) for s in range(S)]
+        # Per stage and kind, what a finished task does: where its output goes (the placement's
+        # chain: rank and stage, or -1, -1), the change in the stage's held activations (F's
+        # output held until its input backward) and whether the output is a gradient.
+        self.route = [{F: (*self._where(place.next_stage(s)), 1, False), W: (-1, -1, 0, False),
+                       **{k: (*self._where(place.prev_stage(s)), -1, True) for k in BACKWARD_INPUT}}
+                      for s in range(S)]
         self.backfilling = hint.backfill and strict
         self.averages = CostAverages() if self.backfilling and cost_estimate is None else None
         self.boards: dict[int, dict[Task, float]] = {}  # step -> started task -> estimated end
@@ -193,8 +200,8 @@ class _Sim:
         self.cur: list[Arbiter | None] = [self.new_arbiter(r) if steps >= 1 else None for r in range(P)]
         self.ahead: list[dict[int, Arbiter]] = [{} for _ in range(P)]
         self.cur_step = [0] * P
-        self.running: list[Task | None] = [None] * P
-        self.busy_until = [0.0] * P
+        # Per rank its running task, None when idle, or _OFF: finished, or in its optimizer step.
+        self.running: list = [None if steps >= 1 else _OFF] * P
         self.busy = [0.0] * P
         self.peak = [0] * P
         self.peak_bytes = [0] * P
@@ -242,37 +249,34 @@ class _Sim:
     def run(self, duration: DurationFn, delay: DelayFn, step_overhead: float, record: bool) -> SimResult:
         # The per-task path stays in this one function, state in locals: bench_sim.py times it.
         times, at, pop, push = self.times, self.at, heapq.heappop, heapq.heappush
-        running, cur, cur_step, busy_until, busy = self.running, self.cur, self.cur_step, self.busy_until, self.busy
-        records, backfilling, averages, run_d = self.records, self.backfilling, self.averages, self.run_d
-        held, peak_held, after, before = self.held, self.peak_held, self.after, self.before
+        running, cur, cur_step, busy, records = self.running, self.cur, self.cur_step, self.busy, self.records
+        backfilling, averages, run_d = self.backfilling, self.averages, self.run_d
+        held, peak_held, route = self.held, self.peak_held, self.route
         instant = delay is _zero_delay
+        one_step = instant and self.steps == 1  # every message then goes to its consumer's current step
         # ``fixed`` (stage -> kind -> seconds): every task takes its stage and kind's time; a lookup.
         fixed = getattr(duration, "fixed", None)
         inline = INLINE_DECISIONS
         now, touched = 0.0, list(range(self.P))
         while True:
-            # Decisions: every idle rank touched at this instant, in rank order.
+            # Decisions: every idle rank touched at this instant, in rank order (running[r] is
+            # not None: a task runs, or the rank is off: finished, or in its optimizer step).
             if len(touched) > 1:
                 touched = _in_rank_order(touched)
             for r in touched:
-                a = cur[r]
-                if running[r] is not None or a is None or now < busy_until[r]:
+                if running[r] is not None:
                     continue
+                a = cur[r]
                 if backfilling:
                     a.backfill.now = now  # type: ignore[union-attr]
-                if inline:  # Arbiter.next without its check that nothing runs: running[r] is None here
-                    t = a.policy.next_taken(a.ready, a.state)
-                    if t is None:
-                        continue
-                    a.running = t
-                else:
-                    t = a.next()
-                    if t is None:
-                        continue
-                step = cur_step[r]
-                d = duration(step, r, t) if fixed is None else fixed[t[0]][t[1]]
+                # Inline: Arbiter.next without its check that nothing runs (nothing does here).
+                t = a.policy.next_taken(a.ready, a.state) if inline else a.next()  # type: ignore[union-attr]
+                if t is None:
+                    continue
+                a.running = t  # type: ignore[union-attr]
+                d = duration(cur_step[r], r, t) if fixed is None else fixed[t[0]][t[1]]
                 if backfilling:
-                    self.notice(r, step, t, now, d)
+                    self.notice(r, cur_step[r], t, now, d)
                 running[r] = t
                 busy[r] += d
                 e = now + d
@@ -283,7 +287,7 @@ class _Sim:
                 else:
                     evs.append(r)
                 if record:
-                    records.append(TaskRecord(r, step, t, now, now + d))
+                    records.append(TaskRecord(r, cur_step[r], t, now, e))
             if not times:
                 break
             touched = []
@@ -292,10 +296,7 @@ class _Sim:
                 pop(times)
                 for r in at.pop(now):  # in the order posted
                     if r.__class__ is not int:  # an arrival or a resume
-                        ev, r = r, r.rank
-                        touched.append(r)
-                        if ev.__class__ is _Arrival:
-                            self.arbiter_for(r, ev.step).mark_input(ev.stage, ev.mb, ev.grad)
+                        touched.append(self.apply(r))
                         continue
                     touched.append(r)
                     # Rank r's task finished: complete it and send its output on.
@@ -306,28 +307,32 @@ class _Sim:
                     if averages is not None:
                         averages.observe(t, run_d[r])  # type: ignore[arg-type]
                     s, k, m = t  # type: ignore[misc]
-                    if k == F:
-                        held[s] += 1
-                        if held[s] > peak_held[s]:
-                            peak_held[s] = held[s]
-                        dst, cs = after[s]
-                    elif k == W:
-                        dst = -1
-                    else:
-                        held[s] -= 1
-                        dst, cs = before[s]
+                    dst, cs, dh, grad = route[s][k]
+                    held[s] += dh
+                    if held[s] > peak_held[s]:
+                        peak_held[s] = held[s]
                     if dst == r:
-                        a.mark_input(cs, m, k != F)  # type: ignore[union-attr]
-                    elif dst >= 0 and instant and cur_step[dst] == cur_step[r]:
-                        cur[dst].mark_input(cs, m, k != F)  # type: ignore[union-attr]
-                        if running[dst] is None:  # a running rank decides when its own task ends
+                        a.mark_input(cs, m, grad)  # type: ignore[union-attr]
+                    elif dst < 0:
+                        pass
+                    elif one_step or (instant and cur_step[dst] == cur_step[r]):
+                        cur[dst].mark_input(cs, m, grad)  # type: ignore[union-attr]
+                        if running[dst] is None:  # a busy or off rank decides when that ends
                             touched.append(dst)
-                    elif dst >= 0:
+                    else:
                         self.send(r, dst, cs, t, now, delay, touched)
                     if a.n_done == a.n_tasks:  # type: ignore[union-attr]  # a.finished, without the call
                         self.end_step(r, a, now, step_overhead)  # type: ignore[arg-type]
         self.check_finished()
         return SimResult(now, records, busy, self.peak, self.step_end, peak_held, self.peak_bytes)
+
+    def apply(self, ev: tuple) -> int:
+        """Apply an arrival or a resume event; return its rank."""
+        if ev.__class__ is _Arrival:
+            self.arbiter_for(ev.rank, ev.step).mark_input(ev.stage, ev.mb, ev.grad)  # type: ignore[attr-defined]
+        else:
+            self.running[ev.rank] = None  # its optimizer step is over: it may decide
+        return ev.rank  # type: ignore[attr-defined]
 
     def notice(self, r: int, step: int, t: Task, now: float, d: float) -> None:
         """Backfilling: rank ``r`` started ``t`` at ``now`` for ``d`` seconds; post its
@@ -360,10 +365,11 @@ class _Sim:
         nxt = self.cur_step[r] = step + 1
         if nxt >= self.steps:
             self.cur[r] = None
+            self.running[r] = _OFF
             return
         self.cur[r] = self.ahead[r].pop(nxt, None) or self.new_arbiter(r, nxt)
         if step_overhead > 0:
-            self.busy_until[r] = now + step_overhead
+            self.running[r] = _OFF  # until its _Resume
             self.post(now + step_overhead, _Resume(r))
 
     def post(self, time: float, ev: tuple) -> None:
