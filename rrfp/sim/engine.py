@@ -246,31 +246,32 @@ class _Sim:
         return a
 
     # ------------------------------------------------------------ the run
+    # The per-task path stays in run, state in locals (bench_sim.py times it). Each pass of its
+    # loop is one instant: decisions, then the events of the next time. Decisions: every idle
+    # rank touched at the instant, in rank order (running[r] is not None: a task runs, or the
+    # rank is off: finished, or in its optimizer step). ``fixed`` (stage -> kind -> seconds):
+    # every task takes its stage and kind's time, a lookup. Events: every one posted for the
+    # instant's time, as posted, including any posted meanwhile (a delay below the clock's
+    # resolution), before any rank decides.
     def run(self, duration: DurationFn, delay: DelayFn, step_overhead: float, record: bool) -> SimResult:
-        # The per-task path stays in this one function, state in locals: bench_sim.py times it.
         times, at, pop, push = self.times, self.at, heapq.heappop, heapq.heappush
         running, cur, cur_step, busy, records = self.running, self.cur, self.cur_step, self.busy, self.records
         backfilling, averages, run_d = self.backfilling, self.averages, self.run_d
         held, peak_held, route = self.held, self.peak_held, self.route
         instant = delay is _zero_delay
         one_step = instant and self.steps == 1  # every message then goes to its consumer's current step
-        # ``fixed`` (stage -> kind -> seconds): every task takes its stage and kind's time; a lookup.
         fixed = getattr(duration, "fixed", None)
-        inline = INLINE_DECISIONS
+        fast = INLINE_DECISIONS and not backfilling
         now, touched = 0.0, list(range(self.P))
         while True:
-            # Decisions: every idle rank touched at this instant, in rank order (running[r] is
-            # not None: a task runs, or the rank is off: finished, or in its optimizer step).
             if len(touched) > 1:
                 touched = _in_rank_order(touched)
             for r in touched:
                 if running[r] is not None:
                     continue
                 a = cur[r]
-                if backfilling:
-                    a.backfill.now = now  # type: ignore[union-attr]
-                # Inline: Arbiter.next without its check that nothing runs (nothing does here).
-                t = a.policy.next_taken(a.ready, a.state) if inline else a.next()  # type: ignore[union-attr]
+                # Fast: Arbiter.next without its check that nothing runs (nothing does here).
+                t = a.policy.next_taken(a.ready, a.state) if fast else self.decide(a, now)  # type: ignore[union-attr]
                 if t is None:
                     continue
                 a.running = t  # type: ignore[union-attr]
@@ -291,10 +292,10 @@ class _Sim:
             if not times:
                 break
             touched = []
-            now = times[0]
-            while times and times[0] == now:
-                pop(times)
-                for r in at.pop(now):  # in the order posted
+            now = pop(times)
+            evs = at.pop(now)
+            while evs:
+                for r in evs:
                     if r.__class__ is not int:  # an arrival or a resume
                         touched.append(self.apply(r))
                         continue
@@ -323,8 +324,19 @@ class _Sim:
                         self.send(r, dst, cs, t, now, delay, touched)
                     if a.n_done == a.n_tasks:  # type: ignore[union-attr]  # a.finished, without the call
                         self.end_step(r, a, now, step_overhead)  # type: ignore[arg-type]
+                evs = None
+                if times and times[0] == now:  # posted for this instant meanwhile
+                    pop(times)
+                    evs = at.pop(now)
         self.check_finished()
         return SimResult(now, records, busy, self.peak, self.step_end, peak_held, self.peak_bytes)
+
+    def decide(self, a: Arbiter, now: float) -> Task | None:
+        """A decision by ``a`` at ``now``: backfilling's clock set, then inline or through
+        :meth:`Arbiter.next` (:data:`INLINE_DECISIONS`)."""
+        if self.backfilling:
+            a.backfill.now = now  # type: ignore[union-attr]
+        return a.policy.next_taken(a.ready, a.state) if INLINE_DECISIONS else a.next()
 
     def apply(self, ev: tuple) -> int:
         """Apply an arrival or a resume event; return its rank."""
