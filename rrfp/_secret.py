@@ -53,7 +53,7 @@ def private_secret_file(secret: str) -> tuple[str, Callable[[], None]]:
     """Write a run's secret where only this user (and root) can read it, for its ranks to read
     through ``--job-secret-file``: a file of mode 0600 in a new folder of mode 0700, in
     ``/dev/shm`` where there is one (memory, never written to disk), else in the temporary
-    folder. Not the ranks' environment: ``/proc/<pid>/environ`` keeps the value a process
+    folder, named ``rrfp-secret-<this pid>-*``. Not the ranks' environment: ``/proc/<pid>/environ`` keeps the value a process
     started with for its whole life, whatever it unsets.
 
     Returns:
@@ -61,7 +61,9 @@ def private_secret_file(secret: str) -> tuple[str, Callable[[], None]]:
         the run ends).
     """
     shm = "/dev/shm"
-    folder = tempfile.mkdtemp(prefix="rrfp-secret-", dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
+    # Named after the process that made it: the folder a SIGKILLed launcher left is its pid's.
+    folder = tempfile.mkdtemp(prefix=f"rrfp-secret-{os.getpid()}-",
+                              dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
     path = os.path.join(folder, "job-secret")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)

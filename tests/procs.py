@@ -59,3 +59,38 @@ class Proc:
         if self.p.poll() is None:
             self.p.kill()
             self.p.wait()
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (Linux /proc)."""
+    from pathlib import Path
+
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, p in parent.items() if p in frontier} - found
+        found |= frontier
+    return found
+
+
+def rank_pids(launcher: int) -> dict[int, int]:
+    """``{rank: pid}`` of the ranks an ``rrfp train`` launcher started: its descendants named
+    ``rrfp rank N`` (``/proc/<pid>/comm``, set by rrfp/train/zygote.py in each forked rank).
+    Not their environment or command line: a rank forked from the zygote shows the zygote's."""
+    from pathlib import Path
+
+    found = {}
+    for pid in descendants(launcher):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:  # gone already
+            continue
+        if name.startswith("rrfp rank "):
+            found[int(name.removeprefix("rrfp rank "))] = pid
+    return found

@@ -180,6 +180,7 @@ def test_arbiter_micro_benchmark_runs():
     assert 0 < r["median"] < 1000
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_launcher_kills_ranks_on_timeout_and_reports_failures():
     with pytest.raises(BenchError, match="timed out"):
@@ -191,6 +192,7 @@ def test_launcher_kills_ranks_on_timeout_and_reports_failures():
     assert "failing on purpose" in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tiny_comparison_runs_every_system_with_equal_gradients():
     # With a default row: auto (Pipeline's default) measures and tries after the memory round,
@@ -223,6 +225,7 @@ def test_tiny_comparison_runs_every_system_with_equal_gradients():
     assert summaries["J2"]["fastest_torch"].startswith("torch")
 
 
+@pytest.mark.slow
 def test_rrfp_bench_bad_input_is_a_usage_error(capfd):
     from rrfp.cli import main
 
@@ -243,6 +246,7 @@ def test_rrfp_bench_bad_input_is_a_usage_error(capfd):
     assert "--from-json /no/such/results.json: no such file" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_report_renders_again_from_raw_results(tmp_path, capfd):
     """``--from-json`` writes the report of an earlier run without running anything: the same
     text as the run itself would write, and a clear error for a file that is not results."""
@@ -381,6 +385,7 @@ def test_inbox_hold_delays_the_input_not_the_result():
     assert grads == pytest.approx([st.w.grad.item() for st in ref_stages], rel=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting", ["comm4", "multimodal4"])
 def test_core_settings_run_at_equal_memory_with_equal_gradients(setting):

@@ -20,6 +20,7 @@ from rrfp.runtime.engine.memory import ForwardSizer  # noqa: E402
 from rrfp.sim.jitter import LEVELS  # noqa: E402
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setting", ["jitter4", "comm4", "multimodal4"])
 def test_meter_counts_what_rrfps_budget_counts(setting):
     """Every rank's stage runs all its microbatches' forwards (and the last stage its loss) as

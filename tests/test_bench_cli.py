@@ -73,6 +73,7 @@ def test_bad_options_are_refused_before_torch_loads(argv, line, tmp_path):
     assert p.returncode == 2 and len(errors) == 1 and errors[0].startswith(line), p.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_launcher_removes_its_temporary_folder(tmp_path, monkeypatch):
     """Each launch (the probe, every setting) made an ``rrfp-bench-*`` folder and left it."""
     monkeypatch.setattr(launcher.tempfile, "tempdir", str(tmp_path))
@@ -83,6 +84,7 @@ def test_the_launcher_removes_its_temporary_folder(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="subreaper and PR_SET_PDEATHSIG are Linux-only")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])

@@ -8,6 +8,7 @@ from benchmarks import profile_comm
 from benchmarks.settings import setting_config
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_profile_records_releases_sends_and_replays(tmp_path, capsys):
     """The tiny comm4 setting, profiled: rrfp's tasks, sends and PyTorch's compute calls are

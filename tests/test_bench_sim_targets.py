@@ -46,6 +46,7 @@ def test_quick_figures_carry_no_verdict():
     assert [r[2] for r in rows] == ["- (quick)", "- (quick)"]
 
 
+@pytest.mark.slow
 def test_suite_part_judges_the_default_and_the_best_hint():
     """The best hint is the one with the highest median at 1F1B's memory over the variable
     scenarios, computed here from an independent run of the same (quick) suite."""

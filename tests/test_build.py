@@ -252,7 +252,7 @@ def test_a_misshapen_tensor_of_a_later_stage_is_named_as_saved(tmp_path):
     assert "layers.1" not in str(e.value)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("family", ["gpt2", *(pytest.param(f, marks=pytest.mark.slow) for f in ("llama", "qwen2"))])
 def test_preset_stages_equal_the_unsplit_preset(family):
     want = hf_model(family, seed=9, max_len=32)
     ref = dict(want.named_parameters(remove_duplicate=False)) | dict(want.named_buffers())

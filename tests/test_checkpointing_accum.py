@@ -54,6 +54,7 @@ def test_saved_bytes_are_what_a_checkpointed_stage_keeps(mode):
     assert counted[mode] < counted["none"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_the_runtimes_budget_measures_the_kept_bytes(mode):
     """Rank 1 of a LocalPipeline under a memory budget, one microbatch in flight: its peak
@@ -68,7 +69,7 @@ def test_the_runtimes_budget_measures_the_kept_bytes(mode):
 
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
-@pytest.mark.parametrize("hint", ["bf", "bfw"])
+@pytest.mark.parametrize("hint", [pytest.param("bf", marks=pytest.mark.slow), "bfw"])
 def test_checkpointed_gradients_equal_the_unsplit_model(mode, hint):
     model = GPT(CFG, seed=2)
     x, y = _batch(1)
@@ -77,6 +78,7 @@ def test_checkpointed_gradients_equal_the_unsplit_model(mode, hint):
     _assert_pipeline_grads([apply_activation_checkpointing(s, mode) for s in split_gpt(model, 3)], x, y, ref, hint)
 
 
+@pytest.mark.slow
 def test_checkpointed_hugging_face_stages_equal_the_unsplit_model():
     pytest.importorskip("transformers")
     from rrfp.hf import hf_model, split_hf

@@ -129,6 +129,7 @@ def _keyed(stages, opt):
     return NameKeyed([PipelineStage(st, i, len(stages)) for i, st in enumerate(stages)], opt)
 
 
+@pytest.mark.slow
 def test_a_state_saved_at_two_stages_loads_at_four_and_trains_on_bit_for_bit(tmp_path):
     """Weights and AdamW state written by a 2-stage split load into a 4-stage split of another
     initialisation; one more step on both gives equal weights, bit for bit."""
@@ -155,6 +156,7 @@ def test_a_state_saved_at_two_stages_loads_at_four_and_trains_on_bit_for_bit(tmp
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_a_tied_weight_is_written_under_both_names_optimizer_state_included():
     pytest.importorskip("transformers")
     from rrfp.hf import hf_model, split_hf

@@ -137,6 +137,7 @@ def _resume(capsys, ckdir, *flags) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_damaged_shard_is_one_line_naming_the_file(checkpoint, tmp_path, capsys, no_launch):
     from rrfp.train import checkpoint as ck

@@ -34,7 +34,7 @@ def _batch(seed: int, b: int = 6, t: int = 12):
     return ids, mask, targets
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=[f if f in ("gpt2", "qwen2") else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def model(request):
     return hf_model(request.param, seed=3, max_len=32)
 

@@ -241,35 +241,20 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_naming_no_space_left(t
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def _rank_pids(launcher: int) -> dict[int, int]:
-    """``{rank: pid}`` of the launcher's children whose environment holds torchrun's RANK."""
-    found = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher:
-                continue
-            env = (d / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        rank = next((e[5:].decode() for e in env if e.startswith(b"RANK=")), None)
-        if rank is not None:
-            found[int(rank)] = int(d.name)
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_per_run_secret_is_in_no_ranks_environment(tmp_path):
     """``rrfp train``'s per-run secret reaches its ranks as a ``--job-secret-file`` of mode
     0600 in a folder of mode 0700 (README "Security"), not in their environment, which
     ``/proc/<rank>/environ`` shows for the process's whole life (main: it is there); the
-    folder is gone once the run ends."""
+    folder is gone once the run ends. The ranks are forks of the launcher's zygote, so their
+    ``/proc/<pid>/cmdline`` is the zygote's: the file is found by its launcher's pid."""
+    import glob
     import signal
     import stat
+    import tempfile
 
-    from procs import Proc
+    from procs import Proc, rank_pids
 
     env = {k: v for k, v in os.environ.items() if k not in ("RRFP_JOB_SECRET", "RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                              "MASTER_PORT")}
@@ -277,15 +262,13 @@ def test_the_per_run_secret_is_in_no_ranks_environment(tmp_path):
                      "--microbatches", "2", "--max-len", "32", "--threads", "1"], dict(env, OMP_NUM_THREADS="1"))
     try:
         launcher.wait_for("loss", 600)  # a step line: both ranks run
-        ranks = _rank_pids(launcher.p.pid)
+        ranks = rank_pids(launcher.p.pid)
         assert sorted(ranks) == [0, 1], ranks
-        files = set()
         for pid in ranks.values():
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             assert not [e for e in environ if e.startswith(b"RRFP_JOB_SECRET=")]
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            files.add(argv[argv.index("--job-secret-file") + 1])
-        (secret,) = files
+        (secret,) = [f for d in ("/dev/shm", tempfile.gettempdir())
+                     for f in glob.glob(f"{d}/rrfp-secret-{launcher.p.pid}-*/job-secret")]
         st, folder = os.stat(secret), os.stat(os.path.dirname(secret))
         assert (stat.S_IMODE(st.st_mode), stat.S_IMODE(folder.st_mode), st.st_uid) == (0o600, 0o700, os.getuid())
         assert len(Path(secret).read_bytes().strip()) >= 16

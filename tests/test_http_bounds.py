@@ -35,6 +35,7 @@ def enough_descriptors():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_thousand_half_open_clients_leave_the_server_answering(enough_descriptors):
     m = RankMetrics(0, [0])

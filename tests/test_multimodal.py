@@ -56,6 +56,7 @@ def _reference(mbs, seed):
         lm_loss(full(*mb.inputs), mb.targets) * count_tokens(mb.targets) / total for mb in mbs))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hint", ["bfw-df", "strict-1f1b"])
 def test_pipeline_gradients_equal_one_stage_reference(digits, hint):
     images, labels = digits
@@ -82,6 +83,7 @@ def test_bad_inputs_are_refused(digits):
         build_multimodal_stage(MULTIMODAL, 5, 0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_rrfp_train_model_multimodal_short_run_loss_falls():
     # The full default run (40 steps, 4 ranks) is measured in BENCHMARKS.md; this short one

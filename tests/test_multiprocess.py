@@ -81,14 +81,24 @@ def _rrfp(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
 
 
 @pytest.mark.timeout(900)
-def test_rrfp_train_runs_under_torchrun_launcher():
-    p = _rrfp("train", "--stages", "2", "--steps", "3", "--batch-size", "4", "--microbatches", "2",
-              "--max-len", "32", "--model", "tiny")
+def test_rrfp_train_runs_under_torchrun_launcher(pp2_run, tmp_path):
+    # torchrun's agent starts each rank as a fresh process (python -u -m rrfp train), where
+    # plain `rrfp train` forks them from its zygote (rrfp/train/zygote.py): the same flags
+    # train the same losses, bit for bit (tests/conftest.py's pp2_run, through the zygote).
+    from runs import SMALL, losses
+
+    flags = [f for f in SMALL if f != "--quiet"]
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "rrfp", "train", *flags, "--stages", "2", "--steps", "6", "--checkpoint-dir",
+                          str(tmp_path / "ck"), "--checkpoint-every", "2", "--loss-file", str(tmp_path / "losses")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")})
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-2000:]
     lines = [l for l in out.splitlines() if l.startswith("step")]
-    assert len(lines) == 3, out
-    assert "done: 3 steps" in out
+    assert len(lines) == 6, out
+    assert "done: 6 steps" in out
+    assert losses(tmp_path / "losses") == pp2_run[0]
 
 
 @pytest.mark.timeout(1500)

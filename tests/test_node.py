@@ -115,6 +115,7 @@ def _get(url: str) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+@pytest.mark.slow
 @needs_loopback
 @pytest.mark.timeout(2400)
 def test_two_daemons_sigterm_exits_143_then_resume_then_rank_killed_mid_checkpoint(tmp_path, reference):
@@ -184,6 +185,7 @@ def test_two_daemons_sigterm_exits_143_then_resume_then_rank_killed_mid_checkpoi
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.slow
 def test_export_loads_with_from_pretrained_with_the_pipelined_logits(tmp_path, reference):
     """``rrfp export`` writes a Hugging Face folder (GPT-2 configured as rrfp's GPT); loaded with
     ``from_pretrained`` it gives the logits of the four trained stage modules chained (loaded
@@ -209,6 +211,7 @@ def test_export_loads_with_from_pretrained_with_the_pipelined_logits(tmp_path, r
         assert torch.equal(model(tokens).logits, x)
 
 
+@pytest.mark.slow
 def test_export_refuses_a_truncated_shard_in_one_line(tmp_path, reference):
     """A damaged checkpoint is one line naming the shard and its size, exit 2, and no file
     written (the check ``--resume`` makes), not DCP's EOFError traceback."""
@@ -330,6 +333,7 @@ if "LOCAL_RANK" in os.environ:  # a rank, not the daemon
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_sigterm_during_a_restart_loop_restarts_nothing(tmp_path):
     """Ranks that fail at start put the daemon in a restart loop (a sitecustomize in the

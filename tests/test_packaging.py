@@ -51,6 +51,7 @@ def installed(tmp_path_factory):
     return env_dir / "bin", tmp, env
 
 
+@pytest.mark.slow
 def test_the_wheel_is_what_runs(installed):
     bin_dir, tmp, env = installed
     p = _run([str(bin_dir / "python"), "-c", "import rrfp; print(rrfp.__file__)"], tmp, env=env)
@@ -81,6 +82,7 @@ def test_simulate_points_to_an_installed_guide_and_runs(installed):
     assert p.returncode == 0 and "bf" in p.stdout, p.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_bench_renders_a_report_from_the_installed_benchmarks(installed):
     bin_dir, tmp, env = installed
     raw = tmp / "results.json"
@@ -102,3 +104,14 @@ def test_train_runs_from_the_wheel(installed):
               "--microbatches", "2", "--max-len", "32", "--quiet"], tmp, timeout=230, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("done: 2 steps")
+
+
+def test_ci_runs_the_readmes_install_and_test_commands():
+    """.ci/run is the README's step 2, one command a line: CI times and checks what a reader runs
+    (``python -m pytest -q``, the whole suite; the README gives its time and the quick subset's)."""
+    readme = (REPO / "README.md").read_text()
+    step = readme.split("# 2. Run the test suite", 1)[1].split("```", 1)[0].strip().splitlines()[-1]
+    ci = {line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()}
+    parts = [p.strip() for p in step.split("&&")]
+    assert parts[-1] == "python -m pytest -q", step
+    assert [p for p in parts if p not in ci] == [], (parts, ".ci/run")

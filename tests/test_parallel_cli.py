@@ -27,10 +27,11 @@ def test_layout_flags_bad_input_is_one_line_and_exit_2(argv, needle, capsys, mon
 
 
 def test_launch_starts_stages_x_dp_x_tp_processes(monkeypatch):
-    import torch.distributed.run as torchrun
+    from rrfp.train.zygote import LocalJob
 
     seen = {}
-    monkeypatch.setattr(torchrun, "run", lambda a: seen.setdefault("n", a.nproc_per_node))
+    monkeypatch.setattr(LocalJob, "start", lambda job: seen.setdefault("n", job.world))
+    monkeypatch.setattr(LocalJob, "wait", lambda job: {})
     monkeypatch.delenv("RANK", raising=False)
     assert main(["train", "--stages", "2", "--dp", "2", "--tp", "2", "--model", "small"]) == 0
-    assert seen["n"] == "8"
+    assert seen["n"] == 8

@@ -12,8 +12,6 @@ two steps without ``zero_grad``; and the refused stages.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from rrfp.model.gpt import GPT, lm_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
 import fsdp_worker as W  # noqa: E402
-from handover import AGENT_STORE, host_store  # noqa: E402
+from handover import AGENT_STORE, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -34,21 +32,9 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    store, port = host_store(4)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **AGENT_STORE}
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "fsdp_worker.py"), str(r), "4", str(port),
-                               str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(4)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0] * 4, "\n".join(logs)[-6000:]
+    # Forks of the session's zygote (tests/handover.py), not 4 fresh interpreters importing torch.
+    codes = run_ranks(W.main, 4, str(out), timeout_s=600, env={"OMP_NUM_THREADS": "1", **AGENT_STORE})
+    assert codes == [0] * 4, codes
     return out
 
 

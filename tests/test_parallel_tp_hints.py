@@ -12,8 +12,7 @@ so on the old code this launch hangs (the timeout below ends it) instead of pass
 
 from __future__ import annotations
 
-import os
-import subprocess
+import signal
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from rrfp.model.tp import tp_slice
 
 sys.path.insert(0, str(Path(__file__).parent))
 import par_worker as W  # noqa: E402
-from handover import AGENT_STORE, host_store  # noqa: E402
+from handover import AGENT_STORE, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -34,27 +33,11 @@ LAUNCH_TIMEOUT_S = 300  # a fixed run takes ~20-60 s on 2 loaded cores; bounds a
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp_hints")
-    store, port = host_store(4)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **AGENT_STORE}
-    worker = str(Path(__file__).parent / "par_worker.py")
-    procs = [subprocess.Popen([sys.executable, worker, str(r), "4", str(port), str(out), "tp-hints"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(4)]
-    logs, hung = [], False
-    try:
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=LAUNCH_TIMEOUT_S)[0])
-            except subprocess.TimeoutExpired:
-                hung = True
-                break
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    # Forks of the session's zygote (tests/handover.py); their output goes to the test's own.
+    codes = run_ranks(W.main, 4, str(out), "tp-hints", timeout_s=LAUNCH_TIMEOUT_S, env={"OMP_NUM_THREADS": "1", **AGENT_STORE})
     done = sorted(f.name.split(".")[0] for f in out.glob("*.rank0.pt"))
-    assert not hung, f"PP2 x TP2 hung (killed after {LAUNCH_TIMEOUT_S} s); scenarios done: {done}"
-    assert [p.returncode for p in procs] == [0] * 4, "\n".join(logs)[-4000:]
+    assert -signal.SIGKILL not in codes, f"PP2 x TP2 hung (killed after {LAUNCH_TIMEOUT_S} s); scenarios done: {done}"
+    assert codes == [0] * 4, codes
     return out
 
 

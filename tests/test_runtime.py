@@ -25,7 +25,7 @@ def _samples(n: int, seed: int = 0) -> list[bytes]:
 
 
 @pytest.mark.parametrize("hint", ["bf", "strict-1f1b", "strict-gpipe"])
-@pytest.mark.parametrize("n_microbatches", [1, 2, 3, 8])
+@pytest.mark.parametrize("n_microbatches", [1, pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("n_stages", [1, 2, 4])
 def test_gpt_gradients_equal_single_process_reference(n_stages, n_microbatches, hint):
     model = GPT(CFG, seed=1)

@@ -46,9 +46,10 @@ def _check(model, samples, stages, loss):
 ONE_STAGE_PER_RANK = ["bf", "bfw", "fb", "b-priority", "f-priority", "gpipe", "1f1b", "zb-h1"]
 
 
-@pytest.mark.parametrize("strict", [False, True], ids=["ready", "strict"])
+@pytest.mark.parametrize("strict", [pytest.param(False, id="ready"), pytest.param(True, id="strict", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("hint", ONE_STAGE_PER_RANK)
-@pytest.mark.parametrize("n_ranks,M", [(2, 3), (4, 2)], ids=["M-not-divisible", "M-fewer-than-stages"])
+@pytest.mark.parametrize("n_ranks,M", [pytest.param(2, 3, id="M-not-divisible"),
+                                       pytest.param(4, 2, id="M-fewer-than-stages", marks=pytest.mark.slow)])
 def test_every_hint_one_stage_per_rank(hint, strict, n_ranks, M):
     if strict and hint == "zb-h1" and M < n_ranks:
         pytest.skip("PyTorch's ZB-H1 order needs at least as many microbatches as ranks")
@@ -58,10 +59,13 @@ def test_every_hint_one_stage_per_rank(hint, strict, n_ranks, M):
 @pytest.mark.parametrize("strict", [False, True], ids=["ready", "strict"])
 @pytest.mark.parametrize(
     "hint,placement,M",
-    [
-        ("bf", "loop", 3), ("bfw", "loop", 3), ("fb", "loop", 2), ("b-priority", "loop", 3), ("f-priority", "loop", 3),
-        ("interleaved-1f1b", "loop", 4), ("looped-bfs", "loop", 3), ("gpipe", "loop", 3),
-        ("bf", "v", 3), ("bfw", "v", 3), ("zb-v", "v", 4), ("zb-v", "v", 3),
+    [  # the quick subset (-m "not slow") keeps bf, bfw and fb on the loop placement and bf on the V
+        ("bf", "loop", 3), ("bfw", "loop", 3), ("fb", "loop", 2),
+        *(pytest.param(*case, marks=pytest.mark.slow) for case in [
+            ("b-priority", "loop", 3), ("f-priority", "loop", 3), ("interleaved-1f1b", "loop", 4), ("looped-bfs", "loop", 3),
+            ("gpipe", "loop", 3)]),
+        ("bf", "v", 3),
+        *(pytest.param(*case, marks=pytest.mark.slow) for case in [("bfw", "v", 3), ("zb-v", "v", 4), ("zb-v", "v", 3)]),
     ],
 )
 def test_two_ranks_two_virtual_stages_each_microbatch_its_own_length(hint, placement, M, strict):
@@ -70,6 +74,7 @@ def test_two_ranks_two_virtual_stages_each_microbatch_its_own_length(hint, place
     _check(*_run(2, 2, placement, ("strict-" if strict else "") + hint, M))
 
 
+@pytest.mark.slow
 def test_custom_order_as_text():
     order = "order:rank0: 0F0 0F1 0B0 0B1 | rank1: 1F0 1B0 1F1 1B1"
     _check(*_run(2, 1, "loop", order, 2))
@@ -121,6 +126,7 @@ def _train(deterministic: bool, order: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hint", ["bf", "bfw"])
 def test_deterministic_mode_is_bitwise_reproducible_under_adversarial_orders(hint):
     a, b = (_train(True, _forced_order(hint, o)) for o in ORDERS[hint])

@@ -20,7 +20,7 @@ def _samples(n: int) -> list[bytes]:
     return [text[i : i + 5 + 4 * i] for i in range(n)]
 
 
-@pytest.mark.parametrize("hint", ["bf", "bfw-df", "bfw-alt-df"])
+@pytest.mark.parametrize("hint", ["bf", pytest.param("bfw-df", marks=pytest.mark.slow), "bfw-alt-df"])
 def test_one_byte_budget_holds_one_microbatch_and_keeps_gradients(hint):
     # A budget below any microbatch's size admits a microbatch only when none is held: every
     # rank then runs one microbatch at a time, and the gradients stay the reference's.
@@ -51,6 +51,7 @@ def _peaks_v2(stages, mbs, budget: int, steps: int = 1):
         return loss, [s.peak_bytes for s in pipe.last_stats]
 
 
+@pytest.mark.slow
 def test_banker_budget_with_virtual_stages_keeps_gradients_and_bytes():
     # 2 ranks x 2 virtual stages under bfw-alt-df: every forward asks the banker's check
     # (rrfp.scheduler.memory). Probes: a budget that admits everything gives each rank's peak
@@ -151,6 +152,7 @@ def _peaks(hint: str, monkeypatch=None) -> list[int]:
         return [s.peak_bytes for s in pipe.last_stats]
 
 
+@pytest.mark.slow
 def test_split_ledger_frees_at_i_all_but_the_weight_store(monkeypatch):
     """Strict ZB-H1 defers W: with W's bytes measured from its store the ledger frees the rest
     at I, so every rank that defers holds less than under the conservative rule (everything

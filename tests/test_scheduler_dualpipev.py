@@ -101,9 +101,11 @@ def test_the_simulator_runs_the_strict_order_exactly(p, m):
 
 # ------------------------------------------------------------- single-process reference
 @pytest.mark.parametrize("strict", [False, True], ids=["ready", "strict"])
-@pytest.mark.parametrize("n_ranks,M,split", [(1, 2, True), (2, 4, True), (2, 3, True), (2, 5, False), (3, 6, True),
-                                             (4, 9, True)],
-                         ids=["p1-M2", "p2-M4", "p2-M3-fewer-than-stages", "p2-M5-full-backward", "p3-M6", "p4-M9"])
+@pytest.mark.parametrize("n_ranks,M,split", [pytest.param(1, 2, True, id="p1-M2"), pytest.param(2, 4, True, id="p2-M4", marks=pytest.mark.slow),
+                                             pytest.param(2, 3, True, id="p2-M3-fewer-than-stages"),
+                                             pytest.param(2, 5, False, id="p2-M5-full-backward"),
+                                             pytest.param(3, 6, True, id="p3-M6", marks=pytest.mark.slow),
+                                             pytest.param(4, 9, True, id="p4-M9", marks=pytest.mark.slow)])
 def test_matches_the_single_process_reference(n_ranks, M, split, strict):
     from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
     from rrfp.runtime.doors.local import LocalPipeline

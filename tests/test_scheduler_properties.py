@@ -178,6 +178,7 @@ def assert_within_bound(place: Placement, backpressure: str, limit: int, acts: i
         assert acts <= limit + v, f"{where}: {acts} activations held, bound {limit + v} (limit {limit})"
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(scenarios())
 def test_any_hint_any_mode_completes_correctly(sc):

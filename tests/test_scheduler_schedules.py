@@ -193,6 +193,7 @@ def _shapes():
                         yield name, Placement(p, v, kind), m
 
 
+@pytest.mark.slow
 def test_every_named_schedule_is_a_valid_strict_schedule():
     checked = 0
     for name, place, m in _shapes():

@@ -169,34 +169,11 @@ def test_a_poisoned_step_stops_the_run_naming_step_and_rank():
     assert "step    2/6" not in p.stdout
 
 
-def _children(pid: int) -> set[int]:
-    kids = set()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.add(int(d.name))
-    return kids
-
-
 def _ranks(launcher: int) -> dict[int, int]:
-    """``{rank: pid}`` of the launcher's children that are ranks: their environment holds
-    torchrun's ``RANK``. Not their command line: a rank runs ``python -m rrfp train`` like its
-    launcher, and so does a child the launcher has forked and not yet exec'ed (a subprocess
-    of torch or ctypes), which then exits: such a pid once made the ranks look like three."""
-    found = {}
-    for pid in _children(launcher):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:  # gone already
-            continue
-        rank = next((e[5:].decode() for e in env if e.startswith(b"RANK=")), None)
-        if rank is not None:
-            found[int(rank)] = pid
-    return found
+    """``{rank: pid}`` of the launcher's ranks (tests/procs.py)."""
+    from procs import rank_pids
+
+    return rank_pids(launcher)
 
 
 def _alive(pid: int) -> bool:
@@ -281,6 +258,9 @@ def test_launcher_names_the_rank_killed_from_outside_not_rank_0(tmp_path, checkp
         assert _first_step_line(launcher).startswith("step"), launcher.stderr.read()[-2000:]
         by_rank = _ranks(launcher.pid)
         assert sorted(by_rank) == [0, 1, 2, 3]
+        # The per-run secret reaches the forked ranks through the zygote's socket, not exec:
+        # /proc/<rank>/environ (the zygote's environment at its start) does not hold it.
+        assert not any(b"RRFP_JOB_SECRET=" in Path(f"/proc/{pid}/environ").read_bytes() for pid in by_rank.values())
         os.kill(by_rank[1], signal.SIGTERM)
         _, err = launcher.communicate(timeout=600)
     finally:

@@ -63,7 +63,8 @@ def measure(hint: str) -> tuple[float, float, list, list]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("hint", ["bf", "bfw", "strict-1f1b"])
+@pytest.mark.parametrize("hint", [pytest.param("bf", marks=pytest.mark.slow), pytest.param("bfw", marks=pytest.mark.slow),
+                                  "strict-1f1b"])
 def test_runtime_never_beats_the_simulated_makespan_and_strict_orders_agree(hint):
     measured, predicted, records, sim_records = measure(hint)
     # Sleeps only stretch under load; 1% for timer granularity.

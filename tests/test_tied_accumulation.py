@@ -38,7 +38,7 @@ def _step(pipe, case: str, k: int) -> None:
 
 
 @pytest.mark.parametrize("placement,n_virtual", [("loop", 1), ("v", 2)])
-@pytest.mark.parametrize("case", C.CASES)
+@pytest.mark.parametrize("case", [c if c == "gpt" else pytest.param(c, marks=pytest.mark.slow) for c in C.CASES])
 def test_two_steps_without_zero_grad_give_tied_copies_g1_plus_g2_in_local_pipeline(case, placement, n_virtual):
     """The field trial's case: GPT-2 was off by 6.25e-2 and Qwen2 by 0.146 on main. With
     ``placement="v"`` both copies sit on rank 0 (stages 0 and 3)."""
@@ -64,6 +64,7 @@ def test_one_step_then_zero_grad_then_one_step_gives_the_second_steps_gradient()
     _check(C.stage_grads(modules), want, _tie_names(modules, tied))
 
 
+@pytest.mark.slow
 def test_eval_between_steps_keeps_the_accumulated_gradient():
     want = C.reference_grads("gpt", steps=2)
     _, modules, tied = C.build("gpt", 2)

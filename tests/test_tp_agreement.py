@@ -154,6 +154,7 @@ def _run_jittered(seed: int, n_pp: int = 3, M: int = 6) -> tuple[list[list[str]]
         loop.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_jitter_on_one_tp_rank_same_collective_order_in_200_seeded_runs():
     n_pp = 3

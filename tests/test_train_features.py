@@ -151,11 +151,10 @@ def _clip_rank(rank: int, port: int, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_clip_grad_norm_is_global_across_stages(tmp_path):
-    import multiprocessing as mp
+    from handover import process
 
     store, port = host_store(2)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_clip_rank, args=(r, port, str(tmp_path))) for r in range(2)]
+    procs = [process(_clip_rank, r, port, str(tmp_path)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import uuid
@@ -16,6 +15,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+from handover import process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed import TCPStore
@@ -787,13 +787,13 @@ def _child_main(port: int, job: str) -> None:
 async def test_zmq_child_sigkill_raises_peer_lost() -> None:
     master = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     job = _job()
-    proc = mp.get_context("spawn").Process(target=_child_main, args=(master.port, job), daemon=True)
+    proc = process(_child_main, master.port, job, daemon=True)  # a fork of the zygote (tests/handover.py)
     proc.start()
     # Heartbeats that would take an hour to give up: the kernel closing the dead process's
     # sockets must be what reveals the death (the 60 s below only bound a hang).
     t = ZmqTransport(0, 2, master, job, heartbeat_timeout=3600.0)
     try:
-        await asyncio.wait_for(t.start(), 45)  # the child imports torch first
+        await asyncio.wait_for(t.start(), 45)  # the zygote imports torch first
         hello = await asyncio.wait_for(t.recv(), 10)
         assert hello.src == 1 and hello.meta == {"pid": proc.pid}
         assert torch.equal(hello.tensors[0], torch.arange(3))

@@ -85,6 +85,7 @@ async def _start_pair(cut: int, auth: JobAuth | None):
     return ts, relays, results, (master, client)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("secret", [None, "curve"])
 async def test_a_handshake_cut_during_start_is_retried_not_a_lost_peer(secret):
@@ -152,3 +153,56 @@ def test_start_up_waits_for_peers_as_long_as_torchruns_rendezvous(monkeypatch):
     with pytest.raises(RuntimeError, match="stopped after the construction check"):
         pipeline.Pipeline([PipelineStage(torch.nn.Identity(), 0, 1)], 2, None, rank=0, n_ranks=1, watchdog=60)
     assert waited == [START_TIMEOUT_S]  # not the step watchdog's 60 s
+
+
+class _StuckOwnEntry:
+    """A store whose ``get`` of rank 0's own entry waits until ``release`` is set, as a store
+    call does behind the rank's blocking store wait (``new_group``'s rendezvous, one client
+    connection: one request at a time). ``stuck`` is set once a reader waits there."""
+
+    def __init__(self, store, own_key: str) -> None:
+        self._store, self._own = store, own_key
+        self.stuck, self.release = threading.Event(), threading.Event()
+
+    def get(self, key):
+        if key == self._own:
+            self.stuck.set()
+            self.release.wait()
+        return self._store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@pytest.mark.timeout(120)
+async def test_a_peer_is_admitted_while_the_ranks_store_is_busy():
+    """Rank 0's guard of its store entry sits in a store call (as it did behind rank 0's
+    ``new_group`` after rank 0 left start()); rank 1 connects only then. Rank 0 still answers
+    rank 1's CURVE handshake: the CI flake 'rank 1 lost: ZMTP handshake failed
+    (HANDSHAKE_FAILED_NO_DETAIL, 4 times in a row)' was rank 0's ZAP thread waiting in that
+    store call, so rank 1 never finished start() to join rank 0's wait."""
+    master = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", master.port, 2, is_master=False)
+    job = f"t-{uuid.uuid4().hex[:8]}"
+    auth = JobAuth(JobAuth.generate())
+    busy = _StuckOwnEntry(master, f"rrfp/{job}/zmq/0")
+    ts = [ZmqTransport(0, 2, busy, job, auth=auth), ZmqTransport(1, 2, client, job, auth=auth)]
+    exchange = ts[1]._rendezvous.exchange
+
+    def after_rank0_is_stuck(endpoint: str) -> dict[int, str]:
+        peers = exchange(endpoint)
+        busy.stuck.wait()
+        return peers
+
+    ts[1]._rendezvous.exchange = after_rank0_is_stuck
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(t.start() for t in ts), return_exceptions=True), 60)
+        assert results == [None, None], results
+        assert busy.stuck.is_set() and not busy.release.is_set()
+        ts[1].send(0, MsgKey(job, 0, 0, 0, Direction.GRAD), [torch.ones(2)])
+        got = await asyncio.wait_for(ts[0].recv(), 30)
+        assert got.src == 1 and got.tensors[0].tolist() == [1.0, 1.0]
+    finally:
+        busy.release.set()
+        for t in ts:
+            t.abort()

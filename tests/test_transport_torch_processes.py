@@ -11,7 +11,6 @@ activation ``x [B, T, d]`` with ``ids`` int64 ``[B, T]``, ``mask`` bool ``[B, T]
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from handover import process
 from reference import reference_run
 from rrfp.model.toy import ToyConfig, ToyModel
 
@@ -131,8 +131,7 @@ def test_torch_data_plane_4_processes_match_single_process_reference(tmp_path):
 
     store = TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
     port = store.port
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(tmp_path))) for r in range(WORLD)]
+    procs = [process(_rank_main, r, port, str(tmp_path)) for r in range(WORLD)]  # forks of the zygote (tests/handover.py)
     for p in procs:
         p.start()
     try:

@@ -1,8 +1,10 @@
-"""``rrfp train``: validate flags, then launch one process per pipeline rank with PyTorch's
-own launcher (torch.distributed.run, i.e. torchrun) unless already inside a launched job.
+"""``rrfp train``: validate flags, then launch one process per rank unless already inside a
+launched job.
 
 The same command is the per-rank entry point: ``torchrun --nproc-per-node 4 -m rrfp train``
-runs each rank directly, and plain ``rrfp train`` calls torchrun's launcher on itself.
+(or ``rrfp node``, through torch's elastic agent) runs each rank directly, and plain
+``rrfp train`` forks its ranks from a zygote that imported torch once (rrfp/train/zygote.py),
+giving each the environment torchrun's agent would.
 """
 
 from __future__ import annotations
@@ -266,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
 
         args = apply_config(args)
     validate(args)
-    from ..parallel.bootstrap import in_launched_worker
+    from .._launch_env import in_launched_worker
 
     if in_launched_worker():
         from .worker import main as worker_main
@@ -298,108 +300,97 @@ def run(args: argparse.Namespace) -> int:
 
 
 def launch(args: argparse.Namespace) -> int:
-    """Start ``args.stages`` local ranks through torch.distributed.run (torchrun)."""
-    import torch.distributed.run as torchrun
-
-    argv = getattr(args, "argv", None) or ["train"]
-    from .._pdeathsig import LAUNCHER_PID_ENV
+    """Start ``stages x dp x tp`` ranks on this machine, forked from a zygote that imported
+    torch once (:mod:`rrfp.train.zygote`); the exit code of ``rrfp train``: 0 when the run
+    finished, :data:`~rrfp.train.stop.PREEMPTED` when a SIGTERM stopped it (the launcher's
+    :class:`~rrfp.train.stop.StopForwarder` asks the ranks to end the step in progress),
+    1 with one line naming the rank that failed first, :data:`PIPE_CLOSED`, or 128 + another
+    signal that stopped the run."""
     from .._secret import private_secret_file
     from ..transport.auth import ENV_SECRET, JobAuth
 
+    world = args.stages * args.dp * args.tp
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # before the zygote loads OpenMP
+    env = dict(os.environ)
+    argv = getattr(args, "argv", None) or ["train"]
     # One secret per run, handed to the ranks as a --job-secret-file only this user can read
     # (rrfp/_secret.py), deleted when the run ends: never in argv, nor in their environment,
     # which /proc/<pid>/environ shows for the process's whole life. A --job-secret-file or a
     # secret already in the environment is kept.
     remove_secret = None
-    if not getattr(args, "job_secret_file", None) and not os.environ.get(ENV_SECRET):
+    if not getattr(args, "job_secret_file", None) and not env.get(ENV_SECRET):
         secret_file, remove_secret = private_secret_file(JobAuth.generate())
         argv = [*argv, "--job-secret-file", secret_file]
-    # SIGTERM stays the launcher's own (StopForwarder, below): torchrun's agent would pass it on
-    # as "die now", and the ranks could not end their step and commit a checkpoint.
-    run_args = torchrun.get_args_parser().parse_args(
-        ["--standalone", "--nproc-per-node", str(args.stages * args.dp * args.tp), "--max-restarts", "0", "--monitor-interval", "0.5",
-         "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT", "-m", "rrfp", *argv]
-    )
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    checkpoint_dir = getattr(args, "checkpoint_dir", None)
+    try:
+        return _launch_local(argv, world, env, args, checkpoint_dir)
+    finally:
+        if remove_secret is not None:
+            remove_secret()
+
+
+def _launch_local(argv: list[str], world: int, env: dict[str, str], args: argparse.Namespace,
+                  checkpoint_dir: str | None) -> int:
+    """:func:`launch` once the secret is settled: ``world`` ranks of ``rrfp ARGV`` forked from
+    the zygote with ``env``, the launcher's signals handled."""
     import tempfile
 
     from .stop import STOP_FILE_ENV, StopForwarder
+    from .zygote import LocalJob, Signalled
 
-    world = args.stages * args.dp * args.tp
-    state = tempfile.TemporaryDirectory(prefix="rrfp-train-")
-    finished = None
-    if getattr(args, "metrics_linger", 0) > 0:
-        finished = os.path.join(state.name, "finished")
-        os.mkdir(finished)
-        os.environ[FINISHED_ENV] = finished
-    then = ", commit a checkpoint" if getattr(args, "checkpoint_dir", None) else ""
-    stop = StopForwarder(os.path.join(state.name, "stop-requested"),
-                         f"rrfp train: SIGTERM: asking the ranks to end the step in progress{then} and exit {PREEMPTED}",
-                         finished=finished and (lambda: all_finished(finished, world)))
-    os.environ[STOP_FILE_ENV] = str(stop.stop_file)
-    old_handler = signal.signal(signal.SIGTERM, stop)
-    try:
-        return _run_launcher(run_args, (args.dp, args.tp), finished and (finished, world), stop,
-                             getattr(args, "checkpoint_dir", None))
-    finally:
-        signal.signal(signal.SIGTERM, old_handler)
-        if remove_secret is not None:
-            remove_secret()
-        for name in (LAUNCHER_PID_ENV, FINISHED_ENV, STOP_FILE_ENV):
-            os.environ.pop(name, None)
-        state.cleanup()
+    with tempfile.TemporaryDirectory(prefix="rrfp-train-") as folder:
+        finished = None
+        if getattr(args, "metrics_linger", 0) > 0:
+            env[FINISHED_ENV] = finished = os.path.join(folder, "finished")
+            os.mkdir(finished)
+        then = ", commit a checkpoint" if checkpoint_dir else ""
+        env[STOP_FILE_ENV] = os.path.join(folder, "stop-requested")
+        with LocalJob(argv, world, env, folder) as job:
+            stop = StopForwarder(env[STOP_FILE_ENV], f"rrfp train: SIGTERM: asking the ranks to end the step in "
+                                 f"progress{then} and exit {PREEMPTED}", children=job.running,
+                                 finished=finished and (lambda: all_finished(finished, world)), raises=Signalled)
+            signal.signal(signal.SIGTERM, stop)  # LocalJob puts the launcher's own back
+            try:
+                try:
+                    job.start()
+                    failures = job.wait()
+                finally:
+                    stop.ended = True
+            except Signalled as e:
+                job.stop(e.sigval)
+                name = signal.Signals(e.sigval).name
+                if finished is not None and all_finished(finished, world):
+                    say(f"rrfp train: {name} ended --metrics-linger; training had finished")
+                    return 0
+                say(f"rrfp train: stopped by {name}; the ranks were stopped too", sys.stderr)
+                return 128 + int(e.sigval)
+            except RuntimeError as e:  # the store's process could not start
+                say(f"rrfp train: error: {e}", sys.stderr)
+                return 1
+    return _outcome(failures, job.signalled, (args.dp, args.tp), stop.requested, checkpoint_dir)
 
 
-def _run_launcher(run_args, degrees: tuple[int, int] | None = None, finished: tuple[str, int] | None = None,
-                  stop=None, checkpoint_dir: str | None = None) -> int:
-    """torchrun's ``run`` on the prepared arguments; the exit code of ``rrfp train``: 0 when
-    the run finished, :data:`~rrfp.train.stop.PREEMPTED` when ``stop`` (the launcher's
-    :class:`~rrfp.train.stop.StopForwarder`) was asked, 1 on a failure.
-    ``finished``: the folder where the ranks mark their training over and the world size
-    (rrfp/train/linger.py): a signal after every rank marked it ends the linger, exit 0."""
-    import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    import logging
-
-    from .guard import LauncherSignals
-
-    signalled = LauncherSignals()
-    _quiet_launcher_logs(signalled)
+def _outcome(failures: dict, signalled: set[int], degrees: tuple[int, int], stopped: bool,
+             checkpoint_dir: str | None) -> int:
+    """The launcher's last line and exit code from its ranks' ends (``failures``: the ranks
+    that exited non-zero, :class:`~rrfp.train.zygote.Failure`); ``stopped``: a SIGTERM asked
+    the ranks to stop."""
     from .stop import saved, stopped_cleanly
 
-    try:
-        try:
-            torchrun.run(run_args)
-        finally:
-            if stop is not None:
-                stop.ended = True
-    except ChildFailedError as e:
-        if any(f.exitcode == PIPE_CLOSED for f in e.failures.values()):
-            return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
-        if stop is not None and stop.requested:
-            if stopped_cleanly(e.failures):
-                say(f"rrfp train: stopped on SIGTERM: every rank ended the step in progress and exited {PREEMPTED}; "
-                    f"{saved(checkpoint_dir)}")
-            else:
-                say(f"rrfp train: stopped on SIGTERM before every rank could finish a step; {saved(checkpoint_dir)}",
-                    sys.stderr)
-            return PREEMPTED
-        say(f"rrfp train: error: {describe_failures(e.failures, signalled.pids, degrees)}", sys.stderr)
+    if any(f.exitcode == PIPE_CLOSED for f in failures.values()):
+        return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
+    if stopped and failures:
+        if stopped_cleanly(failures):
+            say(f"rrfp train: stopped on SIGTERM: every rank ended the step in progress and exited {PREEMPTED}; "
+                f"{saved(checkpoint_dir)}")
+        else:
+            say(f"rrfp train: stopped on SIGTERM before every rank could finish a step; {saved(checkpoint_dir)}",
+                sys.stderr)
+        return PREEMPTED
+    if failures:
+        say(f"rrfp train: error: {describe_failures(failures, signalled, degrees)}", sys.stderr)
         return 1
-    except (KeyboardInterrupt, SignalException) as e:
-        sig = getattr(e, "sigval", signal.SIGINT)
-        if finished is not None and all_finished(*finished):
-            say(f"rrfp train: {signal.Signals(sig).name} ended --metrics-linger; training had finished")
-            return 0
-        say(f"rrfp train: stopped by {signal.Signals(sig).name}; the ranks were stopped too", sys.stderr)
-        return 128 + int(sig)
-    finally:
-        logging.getLogger(LauncherSignals.LOGGER).removeFilter(signalled)
-    if stop is not None and stop.requested:
+    if stopped:
         say(f"rrfp train: SIGTERM came after the last step: training finished; {saved(checkpoint_dir)}")
     return 0
 

@@ -254,15 +254,20 @@ class StopForwarder:
         children: this process's child pids, the ranks (:func:`child_pids`).
         finished: whether training is over already (None: never).
         on_request: called once, first, on SIGTERM (e.g. ``/readyz`` starts answering 503).
+        raises: the exception class raised instead of torch's ``SignalException`` (built with
+            a message and ``sigval=``): ``rrfp train``'s own launcher, which imports no torch,
+            passes :class:`rrfp.train.zygote.Signalled`.
     """
 
     def __init__(self, stop_file: Path, line: str, children: Callable[[], list[int]] | None = None,
-                 finished: Callable[[], bool] | None = None, on_request: Callable[[], None] | None = None) -> None:
+                 finished: Callable[[], bool] | None = None, on_request: Callable[[], None] | None = None,
+                 raises: type | None = None) -> None:
         self.stop_file = Path(stop_file)
         self.line = line
         self.children = children or child_pids
         self.finished = finished
         self.on_request = on_request
+        self.raises = raises
         self.requested = False
         self.after_training = False
         self.ended = False
@@ -270,8 +275,10 @@ class StopForwarder:
         exception would surface wherever the launcher is, e.g. writing its last line)."""
 
     def __call__(self, signum, frame) -> None:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
+        if self.raises is None:
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+        else:
+            SignalException = self.raises  # noqa: N806 - the class torch's agent would catch
         if self.requested:
             return
         self.requested = True

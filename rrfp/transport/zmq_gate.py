@@ -12,8 +12,12 @@ ZAP is on); such a connection is told from the others by matching handshake outc
 to connections (:class:`OutcomeMatcher`) and counted when it closes. The thread runs outside the event loop, so handshakes proceed
 while a rank's loop is idle between steps.
 
-The same thread keeps the rank's own signed store entry in place (``guard``) until every
-peer has authenticated, so an entry overwritten after publishing is written back.
+A second thread keeps the rank's own signed store entry in place (``guard``) until every
+peer has authenticated, so an entry overwritten after publishing is written back. It is not
+the ZAP thread: a store call can wait behind the rank's other store users (one client
+connection, one request at a time), and a rank that left start() for a blocking store wait
+(``new_group``'s rendezvous) while a peer's handshake to it was still pending would otherwise
+leave that handshake unanswered: the peer never finished start() and never joined the wait.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ class Gatekeeper:
         self._stats = stats
         self._world = world_size
         self._guard = guard
-        self._guard_ms = max(1, int(guard_s * 1000))
+        self._guard_s = guard_s
         self.authenticated: set[int] = set()
         self.all_in = threading.Event()
         self._ctx = ctx
@@ -125,6 +129,8 @@ class Gatekeeper:
         self._mon: zmq.Socket | None = None
         self._matcher = OutcomeMatcher()
         self._thread: threading.Thread | None = None
+        self._guard_thread: threading.Thread | None = None
+        self._stopped = threading.Event()
 
     def watch(self, router: zmq.Socket) -> None:
         """Count the ROUTER's failed handshakes; then start the thread."""
@@ -135,9 +141,16 @@ class Gatekeeper:
         self._mon.connect(addr)
         self._thread = threading.Thread(target=self._run, name=f"rrfp-gate-{self.rank}", daemon=True)
         self._thread.start()
+        if self._guard is not None:
+            self._guard_thread = threading.Thread(target=self._keep_guarding, name=f"rrfp-guard-{self.rank}",
+                                                  daemon=True)
+            self._guard_thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and close its sockets (call before the context terminates)."""
+        """Stop the thread and close its sockets (call before the context terminates). The guard
+        thread is told to stop and not waited for: it may sit in a store call, and it touches
+        no socket."""
+        self._stopped.set()
         if self._thread is not None and self._thread.is_alive():
             self._stop_tx.send(b"")
             self._thread.join()
@@ -150,10 +163,9 @@ class Gatekeeper:
         poller.register(self._zap, zmq.POLLIN)
         poller.register(self._stop_rx, zmq.POLLIN)
         poller.register(self._mon, zmq.POLLIN)
-        guarding = self._guard is not None
         try:
             while True:
-                ready = dict(poller.poll(self._guard_ms if guarding else None))
+                ready = dict(poller.poll())
                 if self._stop_rx in ready:
                     while self._mon.poll(0):  # what the monitor already reported still counts
                         self._on_event(parse_monitor_message(self._mon.recv_multipart()))
@@ -162,12 +174,18 @@ class Gatekeeper:
                     self._answer(self._zap.recv_multipart())
                 if self._mon in ready:
                     self._on_event(parse_monitor_message(self._mon.recv_multipart()))
-                if guarding:
-                    guarding = not self.all_in.is_set() and bool(self._guard())
         except zmq.ContextTerminated:
             return
         except Exception:  # never silently: a dead gate would stall every handshake
             log.exception("rank %d: gatekeeper failed", self.rank)
+
+    def _keep_guarding(self) -> None:
+        try:
+            while not self._stopped.is_set() and not self.all_in.wait(self._guard_s):
+                if self._stopped.is_set() or not self._guard():
+                    return
+        except Exception:
+            log.exception("rank %d: store entry guard failed", self.rank)
 
     def _on_event(self, ev: dict) -> None:
         what = ev["event"]
