@@ -163,3 +163,14 @@ def test_bytes_bound_and_completion(hint, layout, p, mult, budget_frac, steps, s
         held = replay_bytes(res.records, size, p, steps)
         for r in range(p):
             assert held[r] <= max(budgets[r], own[r]), (r, held[r], budgets[r], own[r])
+
+
+def test_rrfp_simulate_names_the_refused_hint_once(capsys):
+    """`rrfp simulate --hint wfloat` below its order's limits: one line, the hint named once
+    (the comparison's wrapper used to prefix the check's own "hint 'wfloat':" again)."""
+    from rrfp.cli import main
+
+    assert main(["simulate", "--pp", "4", "-m", "8", "--hint", "wfloat", "--inflight-limit", "2"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("rrfp simulate: error: hint 'wfloat': in-flight limit 2 on rank 0 is below its order's own 4")
+    assert err.count("hint 'wfloat'") == 1

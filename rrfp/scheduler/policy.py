@@ -175,47 +175,50 @@ class KindPolicy(Policy):
         task of each kind is its heap's top, so taking it pops that top. Verdicts other than
         any forward, none, or later forwards (a byte budget's, the completion order's) take
         the plain path."""
+        rb, rf, rw = ready.b, ready.f, ready.w
+        if not rb and not rf and not rw:
+            # Nothing ready (the heaps hold exactly the ready tasks): no verdict can name a
+            # task. About half the simulator's decisions end here; guards keep no state
+            # but caches, so skipping their verdict changes nothing.
+            return None
         f = state.guard.forward(ready, state)
         if f is ANY:
-            rf = ready.f
             f = rf[0] if rf else None
         elif f is LATER:
             f = ready.later_forward()
         elif f is not None:
             return Policy.next_taken(self, ready, state)
-        rb = ready.b
+        # Each branch takes its kind's best task (a heap's top: popped, its flag cleared) and
+        # moves an alternating round unless the guard decides.
         if f is not None and (not rb or self.phase == F):
-            heap = ready.f
-            code = F_CODE
-            m = f[1]
-            s = f[2]
-            i = f[0] * ready.fsign * ready.n_mb + m
-            kind = F
-            if heap[0] is not f and heap[0] != f:  # a later forward below first-stage ones
-                ready.stale[code].add(f)
+            v, m, s = f
+            i = v * ready.fsign * ready.n_mb + m
+            if rf[0] is f or rf[0] == f:
+                heappop(rf)
+                if ready.n_stale:
+                    ready.drop_stale(rf, F_CODE)
+            else:  # a later forward below first-stage ones: dropped lazily
+                ready.stale[F_CODE].add(f)
                 ready.n_stale += 1
-                ready.ready[code][i] = 0
-                heap = None
-        elif rb:
-            heap, code = rb, B_CODE
-            v, m, s = rb[0]
-            i = -v * ready.n_mb + m
-            kind = state.backward_kind
-        elif ready.w:
-            heap, code = ready.w, W_CODE
-            m, v, s = ready.w[0]
-            i = -v * ready.n_mb + m
-            kind = W
-        else:
-            return None
-        if heap is not None:
-            heappop(heap)
+            ready.ready[F_CODE][i] = 0
+            if self.alternate and not (self.guard_binds and state.guard.binding(state)):
+                self.phase = B
+            return _new(Task, (s, F, m))
+        if rb:
+            v, m, s = heappop(rb)
             if ready.n_stale:
-                ready.drop_stale(heap, code)
-            ready.ready[code][i] = 0
-        if self.alternate and kind != W and not (self.guard_binds and state.guard.binding(state)):
-            self.phase = B if kind == F else F
-        return _new(Task, (s, kind, m))
+                ready.drop_stale(rb, B_CODE)
+            ready.ready[B_CODE][-v * ready.n_mb + m] = 0
+            if self.alternate and not (self.guard_binds and state.guard.binding(state)):
+                self.phase = F
+            return _new(Task, (s, state.backward_kind, m))
+        if rw:
+            m, v, s = heappop(rw)
+            if ready.n_stale:
+                ready.drop_stale(rw, W_CODE)
+            ready.ready[W_CODE][-v * ready.n_mb + m] = 0
+            return _new(Task, (s, W, m))
+        return None
 
 
 def kind_policy(name: str, first: str, alternate: bool, *, depth_first: bool = False,

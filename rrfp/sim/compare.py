@@ -248,8 +248,8 @@ def compare(
     for name in names:
         try:
             summary, res = run_one(cfg, name)
-        except ValueError as e:
-            raise ValueError(f"hint {name!r}: {e}") from None
+        except ValueError as e:  # said once: the hint's own check may have named it already
+            raise ValueError(str(e) if str(e).startswith(f"hint {name!r}") else f"hint {name!r}: {e}") from None
         if on_result:
             on_result(name, summary, res)
         rows.append(summary)

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import gc
 import heapq
-import itertools
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
 from ..scheduler.arbiter import Arbiter
 from ..scheduler.backfill import Backfill, CostAverages
 from ..scheduler.hints import Hint
-from ..scheduler.tasks import F, W, PipelineSpec, Task, TaskRecord
+from ..scheduler.tasks import BACKWARD_INPUT, F, W, PipelineSpec, Task, TaskRecord
 
 DurationFn = Callable[[int, int, Task], float]  # (step, rank, task) -> seconds
 DelayFn = Callable[[int, int, int, Task], float]  # (step, src rank, dst rank, producing task) -> seconds
@@ -54,11 +53,14 @@ class SimResult:
         return [1.0 - b / self.makespan if self.makespan > 0 else 0.0 for b in self.busy]
 
 
-_new = tuple.__new__  # a NamedTuple's own __new__ is a Python function: this builds the same tuple faster
 INLINE_DECISIONS = True
 """The run loop takes each decision through the rank's policy (``policy.next_taken``) and sets
 the arbiter's running task itself, saving :meth:`Arbiter.next`'s call (about a tenth of a run);
 False: through ``Arbiter.next`` (``tests/test_sim_engine.py`` checks both give the same run)."""
+
+
+_OFF = ("off",)
+"""A rank's running task while it cannot decide (its steps are done, or its optimizer step runs)."""
 
 
 def _zero_delay(step: int, src: int, dst: int, task: Task) -> float:
@@ -137,28 +139,17 @@ def simulate(
             gc.enable()
 
 
-class _Finish(NamedTuple):
-    """Event: rank ``rank``'s running task finishes at ``time``."""
-
-    time: float
-    seq: int  # unique, so the heap never compares past it
-    rank: int
-
-
 class _Resume(NamedTuple):
-    """Event: rank ``rank``'s optimizer step ends at ``time`` (it may start its next step)."""
+    """Event: rank ``rank``'s optimizer step ends (it may start its next step). A task's
+    finish is the bare rank number (an ``int``): the per-task event builds no object."""
 
-    time: float
-    seq: int
     rank: int
 
 
 class _Arrival(NamedTuple):
-    """Event: an input reaches rank ``rank`` at ``time``: the activation (``grad`` False) or
-    the gradient for ``stage``'s microbatch ``mb`` in step ``step``."""
+    """Event: an input reaches rank ``rank``: the activation (``grad`` False) or the gradient
+    for ``stage``'s microbatch ``mb`` in step ``step``."""
 
-    time: float
-    seq: int
     rank: int
     step: int
     stage: int
@@ -195,9 +186,12 @@ class _Sim:
         self.budgets = _per_rank(memory_budget, P, "memory budgets", not isinstance(memory_budget, (list, tuple)))
         self.act_bytes, self.w_bytes, self.cost_estimate = act_bytes, w_bytes, cost_estimate
         self.rank_of = [place.rank_of(s) for s in range(S)]
-        # Where each stage's outputs go (the placement's chain): (rank, stage), or (-1, -1).
-        self.after = [self._where(place.next_stage(s)) for s in range(S)]
-        self.before = [self._where(place.prev_stage(s)) for s in range(S)]
+        # Per stage and kind, what a finished task does: where its output goes (the placement's
+        # chain: rank and stage, or -1, -1), the change in the stage's held activations (F's
+        # output held until its input backward) and whether the output is a gradient.
+        self.route = [{F: (*self._where(place.next_stage(s)), 1, False), W: (-1, -1, 0, False),
+                       **{k: (*self._where(place.prev_stage(s)), -1, True) for k in BACKWARD_INPUT}}
+                      for s in range(S)]
         self.backfilling = hint.backfill and strict
         self.averages = CostAverages() if self.backfilling and cost_estimate is None else None
         self.boards: dict[int, dict[Task, float]] = {}  # step -> started task -> estimated end
@@ -206,8 +200,8 @@ class _Sim:
         self.cur: list[Arbiter | None] = [self.new_arbiter(r) if steps >= 1 else None for r in range(P)]
         self.ahead: list[dict[int, Arbiter]] = [{} for _ in range(P)]
         self.cur_step = [0] * P
-        self.running: list[Task | None] = [None] * P
-        self.busy_until = [0.0] * P
+        # Per rank its running task, None when idle, or _OFF: finished, or in its optimizer step.
+        self.running: list = [None if steps >= 1 else _OFF] * P
         self.busy = [0.0] * P
         self.peak = [0] * P
         self.peak_bytes = [0] * P
@@ -216,8 +210,12 @@ class _Sim:
         self.step_end = [0.0] * max(steps, 0)
         self.run_d = [0.0] * P  # seconds of each rank's running task (backfilling's averages)
         self.records: list[TaskRecord] = []
-        self.events: list[tuple] = []
-        self.seq = itertools.count(1)  # event sequence numbers
+        # Pending events: a heap of their distinct times, and per time its events in the order
+        # posted (a time leaves both once its events are applied). Equal times are common
+        # (fixed costs), and a heap of floats compares faster than one of (time, seq, ...)
+        # tuples, which it replaces with the same order: by time, then as posted.
+        self.times: list[float] = []
+        self.at: dict[float, list] = {}
 
     def _where(self, stage: int | None) -> tuple[int, int]:
         return (-1, -1) if stage is None else (self.rank_of[stage], stage)
@@ -248,86 +246,105 @@ class _Sim:
         return a
 
     # ------------------------------------------------------------ the run
+    # The per-task path stays in run, state in locals (bench_sim.py times it). Each pass of its
+    # loop is one instant: decisions, then the events of the next time. Decisions: every idle
+    # rank touched at the instant, in rank order (running[r] is not None: a task runs, or the
+    # rank is off: finished, or in its optimizer step). ``fixed`` (stage -> kind -> seconds):
+    # every task takes its stage and kind's time, a lookup. Events: every one posted for the
+    # instant's time, as posted, including any posted meanwhile (a delay below the clock's
+    # resolution), before any rank decides.
     def run(self, duration: DurationFn, delay: DelayFn, step_overhead: float, record: bool) -> SimResult:
-        # The per-task path stays in this one function, state in locals: bench_sim.py times it.
-        events, pop, push, seq = self.events, heapq.heappop, heapq.heappush, self.seq
-        running, cur, cur_step, busy_until, busy = self.running, self.cur, self.cur_step, self.busy_until, self.busy
-        records, backfilling, averages, run_d = self.records, self.backfilling, self.averages, self.run_d
-        held, peak_held, after, before = self.held, self.peak_held, self.after, self.before
+        times, at, pop, push = self.times, self.at, heapq.heappop, heapq.heappush
+        running, cur, cur_step, busy, records = self.running, self.cur, self.cur_step, self.busy, self.records
+        backfilling, averages, run_d = self.backfilling, self.averages, self.run_d
+        held, peak_held, route = self.held, self.peak_held, self.route
         instant = delay is _zero_delay
-        # ``fixed`` (stage -> kind -> seconds): every task takes its stage and kind's time; a lookup.
+        one_step = instant and self.steps == 1  # every message then goes to its consumer's current step
         fixed = getattr(duration, "fixed", None)
-        new, Finish, inline = _new, _Finish, INLINE_DECISIONS
+        fast = INLINE_DECISIONS and not backfilling
         now, touched = 0.0, list(range(self.P))
         while True:
-            # Decisions: every idle rank touched at this instant, in rank order.
             if len(touched) > 1:
                 touched = _in_rank_order(touched)
             for r in touched:
-                a = cur[r]
-                if running[r] is not None or a is None or now < busy_until[r]:
+                if running[r] is not None:
                     continue
+                a = cur[r]
+                # Fast: Arbiter.next without its check that nothing runs (nothing does here).
+                t = a.policy.next_taken(a.ready, a.state) if fast else self.decide(a, now)  # type: ignore[union-attr]
+                if t is None:
+                    continue
+                a.running = t  # type: ignore[union-attr]
+                d = duration(cur_step[r], r, t) if fixed is None else fixed[t[0]][t[1]]
                 if backfilling:
-                    a.backfill.now = now  # type: ignore[union-attr]
-                if inline:  # Arbiter.next without its check that nothing runs: running[r] is None here
-                    t = a.policy.next_taken(a.ready, a.state)
-                    if t is None:
-                        continue
-                    a.running = t
-                else:
-                    t = a.next()
-                    if t is None:
-                        continue
-                step = cur_step[r]
-                d = duration(step, r, t) if fixed is None else fixed[t[0]][t[1]]
-                if backfilling:
-                    self.notice(r, step, t, now, d)
+                    self.notice(r, cur_step[r], t, now, d)
                 running[r] = t
                 busy[r] += d
-                push(events, new(Finish, (now + d, next(seq), r)))
+                e = now + d
+                evs = at.get(e)
+                if evs is None:
+                    at[e] = [r]
+                    push(times, e)
+                else:
+                    evs.append(r)
                 if record:
-                    records.append(TaskRecord(r, step, t, now, now + d))
-            if not events:
+                    records.append(TaskRecord(r, cur_step[r], t, now, e))
+            if not times:
                 break
             touched = []
-            now = events[0][0]
-            while events and events[0][0] == now:
-                ev = pop(events)
-                r = ev[2]
-                touched.append(r)
-                if type(ev) is not _Finish:
-                    if type(ev) is _Arrival:
-                        self.arbiter_for(r, ev.step).mark_input(ev.stage, ev.mb, ev.grad)
-                    continue
-                # Rank r's task finished: complete it and send its output on.
-                t = running[r]
-                running[r] = None
-                a = cur[r]
-                a.complete(t)  # type: ignore[union-attr]
-                if averages is not None:
-                    averages.observe(t, run_d[r])  # type: ignore[arg-type]
-                s, k, m = t  # type: ignore[misc]
-                if k == F:
-                    held[s] += 1
+            now = pop(times)
+            evs = at.pop(now)
+            while evs:
+                for r in evs:
+                    if r.__class__ is not int:  # an arrival or a resume
+                        touched.append(self.apply(r))
+                        continue
+                    touched.append(r)
+                    # Rank r's task finished: complete it and send its output on.
+                    t = running[r]
+                    running[r] = None
+                    a = cur[r]
+                    a.complete(t)  # type: ignore[union-attr]
+                    if averages is not None:
+                        averages.observe(t, run_d[r])  # type: ignore[arg-type]
+                    s, k, m = t  # type: ignore[misc]
+                    dst, cs, dh, grad = route[s][k]
+                    held[s] += dh
                     if held[s] > peak_held[s]:
                         peak_held[s] = held[s]
-                    dst, cs = after[s]
-                elif k == W:
-                    dst = -1
-                else:
-                    held[s] -= 1
-                    dst, cs = before[s]
-                if dst == r:
-                    a.mark_input(cs, m, k != F)  # type: ignore[union-attr]
-                elif dst >= 0 and instant and cur_step[dst] == cur_step[r]:
-                    cur[dst].mark_input(cs, m, k != F)  # type: ignore[union-attr]
-                    touched.append(dst)
-                elif dst >= 0:
-                    self.send(r, dst, cs, t, now, delay, touched)
-                if a.n_done == a.n_tasks:  # type: ignore[union-attr]  # a.finished, without the call
-                    self.end_step(r, a, now, step_overhead)  # type: ignore[arg-type]
+                    if dst == r:
+                        a.mark_input(cs, m, grad)  # type: ignore[union-attr]
+                    elif dst < 0:
+                        pass
+                    elif one_step or (instant and cur_step[dst] == cur_step[r]):
+                        cur[dst].mark_input(cs, m, grad)  # type: ignore[union-attr]
+                        if running[dst] is None:  # a busy or off rank decides when that ends
+                            touched.append(dst)
+                    else:
+                        self.send(r, dst, cs, t, now, delay, touched)
+                    if a.n_done == a.n_tasks:  # type: ignore[union-attr]  # a.finished, without the call
+                        self.end_step(r, a, now, step_overhead)  # type: ignore[arg-type]
+                evs = None
+                if times and times[0] == now:  # posted for this instant meanwhile
+                    pop(times)
+                    evs = at.pop(now)
         self.check_finished()
         return SimResult(now, records, busy, self.peak, self.step_end, peak_held, self.peak_bytes)
+
+    def decide(self, a: Arbiter, now: float) -> Task | None:
+        """A decision by ``a`` at ``now``: backfilling's clock set, then inline or through
+        :meth:`Arbiter.next` (:data:`INLINE_DECISIONS`)."""
+        if self.backfilling:
+            a.backfill.now = now  # type: ignore[union-attr]
+        return a.policy.next_taken(a.ready, a.state) if INLINE_DECISIONS else a.next()
+
+    def apply(self, ev: tuple) -> int:
+        """Apply an arrival or a resume event; return its rank."""
+        if ev.__class__ is _Arrival:
+            self.arbiter_for(ev.rank, ev.step).mark_input(ev.stage, ev.mb, ev.grad)  # type: ignore[attr-defined]
+        else:
+            self.running[ev.rank] = None  # its optimizer step is over: it may decide
+        return ev.rank  # type: ignore[attr-defined]
 
     def notice(self, r: int, step: int, t: Task, now: float, d: float) -> None:
         """Backfilling: rank ``r`` started ``t`` at ``now`` for ``d`` seconds; post its
@@ -346,7 +363,7 @@ class _Sim:
             self.arbiter_for(dst, step).mark_input(cs, t[2], grad)
             touched.append(dst)
         else:
-            heapq.heappush(self.events, _Arrival(now + dd, next(self.seq), dst, step, cs, t[2], grad))
+            self.post(now + dd, _Arrival(dst, step, cs, t[2], grad))
 
     def end_step(self, r: int, a: Arbiter, now: float, step_overhead: float) -> None:
         """Rank ``r`` finished its current step at ``now``: keep its peaks, start the next."""
@@ -360,11 +377,21 @@ class _Sim:
         nxt = self.cur_step[r] = step + 1
         if nxt >= self.steps:
             self.cur[r] = None
+            self.running[r] = _OFF
             return
         self.cur[r] = self.ahead[r].pop(nxt, None) or self.new_arbiter(r, nxt)
         if step_overhead > 0:
-            self.busy_until[r] = now + step_overhead
-            heapq.heappush(self.events, _Resume(now + step_overhead, next(self.seq), r))
+            self.running[r] = _OFF  # until its _Resume
+            self.post(now + step_overhead, _Resume(r))
+
+    def post(self, time: float, ev: tuple) -> None:
+        """Queue the event ``ev`` at ``time`` (after those already queued at that time)."""
+        evs = self.at.get(time)
+        if evs is None:
+            self.at[time] = [ev]
+            heapq.heappush(self.times, time)
+        else:
+            evs.append(ev)
 
     def check_finished(self) -> None:
         """Raise :class:`DeadlockError` when a rank has steps left but no event is pending."""
