@@ -332,14 +332,17 @@ class Transport(abc.ABC):
         if not isinstance(dst, int) or not 0 <= dst < self.world_size:
             raise ValueError(f"dst {dst!r} out of range for world_size {self.world_size}")
 
-    def deliver_frames(self, src: int, frames: Sequence[Any]) -> None:
+    def deliver_frames(self, src: int, frames: Sequence[Any], nbytes: int | None = None) -> None:
         """Decode wire frames (:func:`~rrfp.transport.codec.encode`'s) from ``src`` and deliver
         the message; a message that fails the codec's checks (sizes against ``max_bytes``
         before any allocation, dtypes, the header's shape) or names another job is refused
-        (:meth:`reject`) and receiving continues. Dropped once ``closed``."""
+        (:meth:`reject`) and receiving continues. Dropped once ``closed``. ``nbytes``: the
+        frames' total size (:func:`~rrfp.transport.codec.frames_nbytes`) where the caller
+        has it already, for the statistics; None: measured here."""
         if self.closed:
             return
-        nbytes = frames_nbytes(frames)
+        if nbytes is None:
+            nbytes = frames_nbytes(frames)
         try:
             key, tensors, meta = decode(frames, max_bytes=self.max_bytes)
             if self.job is not None and key.job != self.job:

@@ -158,13 +158,16 @@ def encode(
         direction = None
     if direction is None:
         raise CodecError(f"key.direction: unknown direction {key.direction!r}")
+    # _pack_int's cache read here (three calls a message saved); the call packs the rest
+    # (a bool is no int here: the cache would take it for 0 or 1). Packed ints are never b"".
+    step, mb, stage = key.step, key.microbatch, key.stage
     parts = [
         prefix,
-        _pack_int(key.step, "step"),
+        (type(step) is int and _SMALL_INTS.get(step)) or _pack_int(step, "step"),
         _H_MICROBATCH,
-        _pack_int(key.microbatch, "microbatch"),
+        (type(mb) is int and _SMALL_INTS.get(mb)) or _pack_int(mb, "microbatch"),
         _H_STAGE,
-        _pack_int(key.stage, "stage"),
+        (type(stage) is int and _SMALL_INTS.get(stage)) or _pack_int(stage, "stage"),
         _H_DIRECTION,
         direction,
         _H_TENSORS,
@@ -324,7 +327,7 @@ def decode(
         buf = frames[fi]
         fi += 1
         if type(buf) not in _LEN_IS_NBYTES:
-            buf = _byte_view(buf, f"tensor {i}")
+            buf = _byte_view(buf, i)
         if len(buf) != nbytes:
             raise CodecError(
                 f"tensor {i}: frame has {len(buf)} bytes, expected {nbytes} "
@@ -377,16 +380,21 @@ def frames_nbytes(frames: Sequence[Any]) -> int:
 _LEN_IS_NBYTES = {bytes, bytearray, zmq.Frame}
 
 
-def _byte_view(f: Any, what: str) -> memoryview:
+def _byte_view(f: Any, what: str | int) -> memoryview:
+    # ``what``: "header", or a tensor's index (named only in an error: once per frame).
     try:
         mv = memoryview(f)
     except TypeError as e:
-        raise CodecError(f"{what}: frame of type {type(f).__name__} has no buffer") from e
+        raise CodecError(f"{_frame_name(what)}: frame of type {type(f).__name__} has no buffer") from e
     if mv.ndim != 1 or mv.format != "B":
         try:
             mv = mv.cast("B")
         except TypeError as e:
-            raise CodecError(f"{what}: frame buffer is not contiguous") from e
+            raise CodecError(f"{_frame_name(what)}: frame buffer is not contiguous") from e
     elif not mv.c_contiguous:  # a stepped slice: numpy and msgpack would refuse it later
-        raise CodecError(f"{what}: frame buffer is not contiguous")
+        raise CodecError(f"{_frame_name(what)}: frame buffer is not contiguous")
     return mv
+
+
+def _frame_name(what: str | int) -> str:
+    return what if isinstance(what, str) else f"tensor {what}"

@@ -194,7 +194,7 @@ class FakeNetwork:
         if item is _BYE:
             t.on_bye(src)
         elif self.encode:
-            t.deliver_frames(src, item)
+            t.deliver_frames(src, *item)
         else:
             msg, nbytes = item
             t.deliver_message(msg, nbytes)
@@ -235,7 +235,7 @@ class FakeTransport(Transport):
         if self._net.encode:
             frames = encode(key, tensors, meta)
             nbytes = frames_nbytes(frames)
-            item: Any = frames
+            item: Any = (frames, nbytes)  # the receiver's statistics count the same bytes
         else:
             if meta is None:
                 meta = {}

@@ -27,6 +27,9 @@ from .stage import PipelineStage, as_tuple, detach_for_next
 
 __all__ = ["TaskCompute", "run_backward", "LossFn"]
 
+# Read per task: a module global costs a tenth of an enum class's attribute lookup.
+_ACT, _GRAD = Direction.ACT, Direction.GRAD
+
 try:  # the C++ engine call that torch.autograd.backward ends in (torch >= 2.4)
     from torch.autograd.graph import _engine_run_backward
 except ImportError:  # pragma: no cover - older or newer torch without it: the public path
@@ -179,10 +182,10 @@ class TaskCompute:
         if self.forward_only:
             # No backward follows: no graph, and the inputs go at once.
             with torch.no_grad():
-                out = self._forward_graph(stage, s, m, self._take(s, m, Direction.ACT))
+                out = self._forward_graph(stage, s, m, self._take(s, m, _ACT))
             dst = self._next[s]
-            return [] if out is None or dst is None else [(dst, m, Direction.ACT, list(as_tuple(out)))]
-        inputs = self._inputs[(s, m)] = self._take(s, m, Direction.ACT)
+            return [] if out is None or dst is None else [(dst, m, _ACT, list(as_tuple(out)))]
+        inputs = self._inputs[(s, m)] = self._take(s, m, _ACT)
         if self.sizer is not None:
             with self.sizer.measure(s, m, inputs), torch.enable_grad():
                 out = self._forward_graph(stage, s, m, inputs)
@@ -195,7 +198,7 @@ class TaskCompute:
             return []
         outs = out if type(out) is tuple else as_tuple(out)
         self._out[(s, m)] = outs
-        return [(self._next[s], m, Direction.ACT, [detach_for_next(o) for o in outs])]
+        return [(self._next[s], m, _ACT, [detach_for_next(o) for o in outs])]
 
     def _forward_graph(self, stage, s: int, m: int, inputs):
         kw = self.kwargs
@@ -222,13 +225,18 @@ class TaskCompute:
         outs = self._out.pop((s, m))
         if s == self.last_stage:
             return list(outs), [torch.full_like(outs[0], self._seed.pop(m))]
-        grads = self._take(s, m, Direction.GRAD)
+        grads = self._take(s, m, _GRAD)
         if len(grads) != len(outs):
             raise PipelineError(
                 f"rank {self.rank}: stage {s} microbatch {m} got {len(grads)} gradients for {len(outs)} outputs"
             )
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs]
+        # One loop, not three comprehensions (each a call in this Python): once per backward.
+        outs_, grads_ = [], []
+        for o, g in zip(outs, grads):
+            if g is not None and o.requires_grad:
+                outs_.append(o)
+                grads_.append(g)
+        return outs_, grads_
 
     def _backward(self, s: int, m: int, split: bool) -> list:
         inputs = self._inputs.pop((s, m))
@@ -268,7 +276,7 @@ class TaskCompute:
         if dst is None:
             return []
         in_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-        return [(dst, m, Direction.GRAD, in_grads)]
+        return [(dst, m, _GRAD, in_grads)]
 
     def _weight(self, s: int, m: int) -> None:
         state = self._wstate.pop((s, m))

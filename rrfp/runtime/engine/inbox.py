@@ -31,6 +31,9 @@ from .timer import DeadlineTimers
 
 log = logging.getLogger("rrfp.runtime")
 
+# Read per message: a module global costs a tenth of an enum class's attribute lookup.
+_ACT, _GRAD = Direction.ACT, Direction.GRAD
+
 MAX_CONTROL_BACKLOG = 4096
 """Control messages a rank keeps unread before refusing more (per :class:`ControlQueue`)."""
 
@@ -87,6 +90,8 @@ class Inbox:
         # before the arbiter learns of it, as if the wire had delivered it that much later.
         self.hold: Callable[[Message], float] | None = None
         self._timers: DeadlineTimers | None = None  # the holds' release times (made on first use)
+        self._senders = (router.senders(Direction.ACT), router.senders(Direction.GRAD))  # for handle()
+        self._n_stages = router.n_stages
 
     def on_control(self, kind: str, handler: ControlHandler) -> None:
         """Hand every control message whose meta's ``kind`` is ``kind`` to ``handler`` (see
@@ -104,8 +109,25 @@ class Inbox:
 
     # ------------------------------------------------------------ transport callbacks
     def handle(self, msg: Message) -> None:
-        """The transport's delivery callback (``Transport.set_handler``); never raises."""
-        self._safely(self.on_message, msg)
+        """The transport's delivery callback (``Transport.set_handler``); never raises.
+
+        An input of the running step, sent by the rank :meth:`on_message` accepts it from, with
+        no hold set, goes straight to :meth:`_admit`: the same checks as
+        :meth:`on_message`'s, in one call instead of five (once per message); anything else
+        takes :meth:`on_message`."""
+        if self.closed:
+            return
+        try:
+            key = msg.key
+            step, d = self.step, key.direction
+            if (step is not None and key.step == step and (d == _ACT or d == _GRAD) and key.job == self.job
+                    and self.hold is None and 0 <= key.stage < self._n_stages
+                    and self._senders[d][key.stage] == msg.src):
+                self._admit(msg)
+            else:
+                self.on_message(msg)
+        except Exception as e:  # noqa: BLE001 - handed to the scheduler loop
+            self.fail(e)
 
     def _safely(self, fn: Callable[[Message], None], msg: Message) -> None:
         # Callbacks from outside the scheduler loop (the transport, the hold's timer): an
@@ -205,7 +227,7 @@ class Inbox:
     def _admit(self, msg: Message) -> None:
         key = msg.key
         stage = self.stages.get(key.stage)
-        grad = key.direction == Direction.GRAD
+        grad = key.direction == _GRAD
         if stage is None or not 0 <= key.microbatch < self.n_microbatches:
             return self.reject(msg, f"no task here for stage {key.stage} microbatch {key.microbatch}")
         try:
@@ -223,11 +245,11 @@ class Inbox:
     def deliver_local(self, dst_stage: int, m: int, direction: Direction, tensors: list) -> None:
         """A same-rank handover between virtual stages: no serialization, no admission checks
         (this rank produced it). Called on the loop thread."""
-        if direction == Direction.ACT:
+        if direction == _ACT:
             self.router.put(dst_stage, m, direction, tuple(tensors))
         else:
             self.router.put(dst_stage, m, direction, [None if t is None else t.detach() for t in tensors])
-        self.arb.mark_input(dst_stage, m, direction == Direction.GRAD)
+        self.arb.mark_input(dst_stage, m, direction == _GRAD)
 
     # ------------------------------------------------------------ steps
     def begin_step(self, step: int, arb: Arbiter) -> None:

@@ -28,17 +28,25 @@ from __future__ import annotations
 
 import asyncio
 import time
+import types
 from collections import deque
 from typing import Awaitable, Callable
 
 from ...scheduler.arbiter import Arbiter
 from ...scheduler.tasks import Task, TaskRecord
 from ...errors import WatchdogTimeout
-from .executor import Executor, Pending, RunFn
+from .executor import Executor, InlineExecutor, Pending, RunFn
 from .hooks import HookRunner
 from .inbox import Inbox
 from .observer import StepObserver
 from .watchdog import TaskWatch, loop_busy
+
+@types.coroutine
+def _yield():
+    """What ``await asyncio.sleep(0)`` does (one bare yield: the task runs again on the loop's
+    next turn), without sleep's own call and its generator."""
+    yield
+
 
 AGAIN = object()
 """What a decider returns when no task may run yet but the loop should look at arrivals and
@@ -111,18 +119,12 @@ class SchedulerLoop:
             the inbox's error (lost peer, closed rank, bad arrival), a task's exception,
             WatchdogTimeout.
         """
-        self._arb, self._step = arb, step
-        self._clock = asyncio.get_running_loop().time
-        self._progress = self._clock()
-        self._last_end = 0.0
-        self._timed_out = None
-        self.task_watch.period = self.watchdog
-        run_fn = self.task_watch.watched(run_fn, step)
+        run_fn = self._begin(arb, step, run_fn)
         running = self._running
-        running.clear()
         inbox, ex = self.inbox, self.executor
         wake = inbox.wake
         decide = self.decide
+        inline = ex.__class__ is InlineExecutor  # run here, not through launch (the CPU default)
         watching = self._watching = tuple(o for o in self.observers if o.step_begins(step, arb) is not False)
         try:
             while True:
@@ -143,7 +145,7 @@ class SchedulerLoop:
                         break
                     running.popleft()
                     self._finish(p, step, stats, hooks)
-                if arb.finished:
+                if arb.n_done == arb.n_tasks:  # arb.finished, without the property's call
                     if not running:
                         break
                 elif arb.running is None and len(running) < ex.window:
@@ -152,28 +154,52 @@ class SchedulerLoop:
                             o.before_decision()
                     task = arb.next() if decide is None else await decide(arb)
                     if task is AGAIN:  # e.g. the TP group disagreed: look at arrivals, decide again
-                        await asyncio.sleep(0)
+                        await _yield()
                         continue
                     if task is not None:
                         if watching:  # before the task: an inline one runs inside launch
                             for o in watching:
                                 o.task_started(step, task)
-                        p = ex.launch(task, run_fn)
-                        if p.done and p.error is None:  # inline: finished inside launch
+                        if inline:
+                            # InlineExecutor.launch, _hand_on and _finish in one place: the
+                            # same calls in the same order, without a Pending per task.
+                            t0 = time.perf_counter()
+                            outputs = run_fn(task)
                             if self.task_delay is not None:
                                 await self._delay(step, task)
-                            self._hand_on(p, arb, emit)
-                            self._finish(p, step, stats, hooks)
+                            if outputs:
+                                emit(outputs)
+                            arb.complete(task)
+                            self._finished(task, t0, step, stats, hooks)
                         else:
-                            running.append(p)
-                        # Let the transport deliver arrivals so the next decision sees them.
-                        await asyncio.sleep(0)
+                            p = ex.launch(task, run_fn)
+                            if p.done and p.error is None:  # inline: finished inside launch
+                                if self.task_delay is not None:
+                                    await self._delay(step, task)
+                                self._hand_on(p, arb, emit)
+                                self._finish(p, step, stats, hooks)
+                            else:
+                                running.append(p)
+                        # Let the transport deliver arrivals so the next decision sees them
+                        # (asyncio.sleep(0)'s one bare yield, without its two calls).
+                        await _yield()
                         continue
                 await self._wait_for_event()
         finally:
             self._disarm_watchdog()
         for o in self.observers:
             o.step_ends(step, stats)
+
+    def _begin(self, arb: Arbiter, step: int, run_fn: RunFn) -> RunFn:
+        # A step's start: its state reset, and run_fn as the task watchdog times it.
+        self._arb, self._step = arb, step
+        self._clock = asyncio.get_running_loop().time
+        self._progress = self._clock()
+        self._last_end = 0.0
+        self._timed_out = None
+        self._running.clear()
+        self.task_watch.period = self.watchdog
+        return self.task_watch.watched(run_fn, step)
 
     async def _delay(self, step: int, task: Task) -> None:
         # Injected delays stand for device time: the rank stays busy but its loop keeps
@@ -191,20 +217,26 @@ class SchedulerLoop:
         p.completed = True
 
     def _finish(self, p: Pending, step: int, stats, hooks: HookRunner | None) -> None:
+        self._finished(p.task, p.t0, step, stats, hooks, p)
+
+    def _finished(self, task: Task, t0: float, step: int, stats, hooks: HookRunner | None,
+                  p: Pending | None = None) -> None:
+        # ``p``: the executor's Pending, released here (None: the inline path made none).
         t1 = time.perf_counter()
         # Tasks launched ahead overlap on the device: count each instant once.
-        stats.busy += t1 - (p.t0 if p.t0 > self._last_end else self._last_end)
+        stats.busy += t1 - (t0 if t0 > self._last_end else self._last_end)
         stats.n_tasks += 1
         if self.record:
-            stats.records.append(TaskRecord(self.rank, step, p.task, p.t0, t1))
+            stats.records.append(TaskRecord(self.rank, step, task, t0, t1))
         self._last_end = t1
         self._progress = self._clock()
         if self._watching:
             for o in self._watching:
-                o.task_finished(step, p.task, p.t0, t1)
-        self.executor.release(p)
+                o.task_finished(step, task, t0, t1)
+        if p is not None:
+            self.executor.release(p)
         if hooks is not None:
-            hooks.task_done(p.task)
+            hooks.task_done(task)
 
     # ------------------------------------------------------------ watchdog
     async def _wait_for_event(self) -> None:

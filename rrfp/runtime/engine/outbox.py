@@ -60,10 +60,16 @@ class Outbox:
         Device tensors are copied to host memory first (see the module docstring).
         """
         key = MsgKey(self.job, step, m, dst_stage, direction)
-        if self._copying or not _on_host(tensors):
-            self._send_from_device(dst_rank, key, tensors)
-            return
-        self._keep(self.transport.send(dst_rank, key, tensors))
+        if not self._copying:
+            for t in tensors:  # all on the host? (inline: once per message)
+                if t is not None and not t.is_cpu:  # is_cpu: a bool; device.type builds a device (5x the time)
+                    break
+            else:
+                handle = self.transport.send(dst_rank, key, tensors)
+                if handle is not None:  # None: the transport copied or owns what it needs
+                    self._keep(handle)
+                return
+        self._send_from_device(dst_rank, key, tensors)
 
     def _send_from_device(self, dst: int, key: MsgKey, tensors: Sequence[torch.Tensor | None]) -> None:
         if self.device_tensors:
@@ -123,13 +129,6 @@ class Outbox:
         await self.transport.flush()
         if self.in_flight:
             self.in_flight = [h for h in self.in_flight if not h.done()]
-
-
-def _on_host(tensors: Sequence[torch.Tensor | None]) -> bool:
-    for t in tensors:
-        if t is not None and not t.is_cpu:  # is_cpu: a bool; device.type builds a device (5x the time)
-            return False
-    return True
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

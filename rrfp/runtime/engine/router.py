@@ -54,6 +54,9 @@ class Router:
         before = tuple(placement.prev_stage(s) for s in range(self.n_stages))
         self._consumer = (after, before)
         self._producer = (before, after)
+        # By direction, then stage: the one rank that may send the stage that input.
+        self._senders = tuple(tuple(None if p is None else self.rank_of[p] for p in producers)
+                              for producers in self._producer)
         self._slots: tuple[dict, dict] = ({}, {})  # by Direction.ACT, Direction.GRAD: (stage, mb) -> tensors
         self._local: LocalFn | None = None
         self._remote: RemoteFn | None = None
@@ -73,13 +76,19 @@ class Router:
         loss)."""
         return self._producer[direction][stage]
 
+    def senders(self, direction: Direction) -> tuple[int | None, ...]:
+        """By stage, the rank that may send it its input in ``direction`` (the rank holding
+        the producing stage; None: no stage produces it), as a table for the inbox's hot path;
+        :meth:`sender_problem` says why another may not."""
+        return self._senders[direction]
+
     def sender_problem(self, src: int, stage: int, direction: Direction) -> str | None:
         """Why rank ``src`` may not send ``stage`` its input in ``direction`` (None: it may):
         only the rank holding the producing stage may."""
         producer = self._producer[direction][stage] if 0 <= stage < self.n_stages else None
         if producer is None:
             return f"stage {stage} takes no {direction.name} input from another stage"
-        owner = self.rank_of[producer]
+        owner = self._senders[direction][stage]
         return None if owner == src else f"stage {producer} belongs to rank {owner}"
 
     # ------------------------------------------------------------ receive buffers
