@@ -135,7 +135,10 @@ def _sim_speedups(setting: dict, level: str, extra: list[str], hints: str,
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         data = json.loads(out.read_text())
-        return {r["hint"]: r["speedup"] for r in data["runs"]}
+        # auto's row is labelled with the hint it kept ("auto (strict-split)"): keyed "auto" too.
+        speedups = {r["hint"]: r["speedup"] for r in data["runs"]}
+        speedups.update({h.split(" (", 1)[0]: v for h, v in speedups.items() if h.startswith("auto (")})
+        return speedups
     except Exception:  # noqa: BLE001 - the simulator is context, not a benchmark
         return None
     finally:
