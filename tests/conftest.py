@@ -38,3 +38,14 @@ def pp2_run(tmp_path_factory):
     train("--stages", "2", "--steps", "6", "--checkpoint-dir", str(d / "ck"), "--checkpoint-every", "2",
           "--loss-file", str(d / "losses"))
     return losses(d / "losses"), d / "ck"
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if a command would start a process (``rrfp train``'s launcher, or torch's
+    elastic agent under ``rrfp node``)."""
+    def refuse(*a, **k):
+        raise AssertionError("a process was launched")
+
+    monkeypatch.setattr("rrfp.train.cli.launch", refuse)
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", refuse)

@@ -40,15 +40,6 @@ def written(tmp_path_factory):
     return d
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a process was launched")
-
-    monkeypatch.setattr("rrfp.train.cli.launch", refuse)
-    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", refuse)
-
-
 def _resume(written, model: str, *extra: str) -> int:
     return main(["train", "--model", model, *FLAGS, "--steps", "2", "--checkpoint-dir", str(written / "ck"),
                  "--resume", "auto", *extra])

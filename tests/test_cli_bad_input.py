@@ -8,6 +8,8 @@ import json
 import pytest
 
 from rrfp.cli import main
+
+from cli_lines import error_line
 from rrfp.errors import UsageError
 
 NODE_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
@@ -15,21 +17,15 @@ NODE_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADD
 
 
 @pytest.fixture
-def no_launch(monkeypatch):
-    """Fail the test if anything would start a process."""
-    def refuse(*a, **k):
-        raise AssertionError("a process was launched")
-
-    monkeypatch.setattr("rrfp.train.cli.launch", refuse)
-    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", refuse)
+def no_launch(no_launch, monkeypatch):
+    """conftest's: fail the test if anything would start a process; and no job or node
+    variables inherited from the environment."""
     for k in NODE_ENV:
         monkeypatch.delenv(k, raising=False)
 
 
 def _one_line(capsys, cmd: str) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"rrfp {cmd}: error: "), err
-    return err[0]
+    return f"rrfp {cmd}: error: {error_line(capsys, cmd)}"
 
 
 @pytest.mark.parametrize("addr", ["bad host", "", "a/b", "[::1"])

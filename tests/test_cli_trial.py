@@ -7,19 +7,7 @@ import pytest
 
 from rrfp.cli import main
 
-
-@pytest.fixture
-def no_launch(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a process was launched")
-
-    monkeypatch.setattr("rrfp.train.cli.launch", refuse)
-
-
-def _line(capsys, cmd: str) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"rrfp {cmd}: error: "), err
-    return err[0][len(f"rrfp {cmd}: error: "):]
+from cli_lines import error_line as _line
 
 
 @pytest.mark.parametrize("form", ["{}", "strict-{}", "csv:{}"])

@@ -24,35 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from node_hosts import ADDRS, needs_loopback, node_env
 from procs import Proc
 
 from rrfp.train import checkpoint as ck
 from rrfp.train.stop import PREEMPTED
 
-ADDRS = ("127.0.0.2", "127.0.0.3")
 TRAIN = ["--steps", "6", "--batch-size", "8", "--microbatches", "4", "--deterministic", "--threads", "1",
          "--max-len", "64"]
-
-
-def _bindable(addr: str) -> bool:
-    try:
-        with socket.socket() as s:
-            s.bind((addr, 0))
-        return True
-    except OSError:
-        return False
-
-
-needs_loopback = pytest.mark.skipif(not all(_bindable(a) for a in ADDRS), reason="127.0.0.2/3 not bindable here")
-
-
-def _env(**extra: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "PET_NNODES", "PET_NODE_RANK",
-              ck.CRASH_ENV, "RRFP_TEST_HOLD_AFTER_STEP", "JOB_COMPLETION_INDEX"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
 
 
 def _daemons(ckdir: Path, extra_train: list[str] = (), linger: bool = False, **env: str) -> list[Proc]:
@@ -70,7 +49,7 @@ def _daemons(ckdir: Path, extra_train: list[str] = (), linger: bool = False, **e
         # and node 1 passes the train flags without "--".
         if node == 0:
             argv += ["--metrics-linger", "120"] if linger else []
-            procs.append(Proc(argv + ["--", *train], _env(PET_NODE_RANK="0", **env)))
+            procs.append(Proc(argv + ["--", *train], node_env(PET_NODE_RANK="0", **env)))
             try:
                 line = procs[0].wait_for(", rendezvous ", 600)
             except BaseException:
@@ -79,7 +58,7 @@ def _daemons(ckdir: Path, extra_train: list[str] = (), linger: bool = False, **e
             port = int(line.split(", rendezvous ")[1].split(" ")[0].rsplit(":", 1)[1])
             assert port > 0, line
         else:
-            procs.append(Proc(argv + ["--node-rank", "1", *train], _env(**env)))
+            procs.append(Proc(argv + ["--node-rank", "1", *train], node_env(**env)))
     return procs
 
 
@@ -101,7 +80,7 @@ def _model_state(path: Path) -> dict[str, torch.Tensor]:
 def reference(tmp_path_factory) -> Path:
     """One uninterrupted run: its final checkpoint (step 6)."""
     d = tmp_path_factory.mktemp("reference")
-    proc = Proc([sys.executable, "-m", "rrfp", "train", *TRAIN, "--checkpoint-dir", str(d), "--quiet"], _env())
+    proc = Proc([sys.executable, "-m", "rrfp", "train", *TRAIN, "--checkpoint-dir", str(d), "--quiet"], node_env())
     assert proc.finish(900) == 0, proc.output()
     assert ck.latest(d) == ck.step_dir(d, 6)
     return ck.step_dir(d, 6)
@@ -195,7 +174,7 @@ def test_export_loads_with_from_pretrained_with_the_pipelined_logits(tmp_path, r
     from rrfp.model.names import full_names
 
     out = tmp_path / "hf"
-    proc = Proc([sys.executable, "-m", "rrfp", "export", str(reference), "--out", str(out)], _env())
+    proc = Proc([sys.executable, "-m", "rrfp", "export", str(reference), "--out", str(out)], node_env())
     assert proc.finish(600) == 0, proc.output()
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     cfg = dataclasses.replace(GPT_PRESETS["tiny"], max_len=64)
@@ -223,7 +202,7 @@ def test_export_refuses_a_truncated_shard_in_one_line(tmp_path, reference):
     with open(shard, "r+b") as f:
         f.truncate(100)
     out = tmp_path / "hf"
-    proc = Proc([sys.executable, "-m", "rrfp", "export", str(damaged), "--out", str(out)], _env())
+    proc = Proc([sys.executable, "-m", "rrfp", "export", str(damaged), "--out", str(out)], node_env())
     assert proc.finish(600) == 2, proc.output()
     err = proc.output().strip().splitlines()
     assert len(err) == 1 and f"shard {shard.name} has 100 bytes, expected" in err[0], err
@@ -251,7 +230,7 @@ def test_latest_skips_uncommitted_and_half_written(tmp_path):
 def test_unwritable_checkpoint_dir_is_one_line_exit_2(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    proc = Proc([sys.executable, "-m", "rrfp", "train", "--checkpoint-dir", str(blocker / "ck")], _env())
+    proc = Proc([sys.executable, "-m", "rrfp", "train", "--checkpoint-dir", str(blocker / "ck")], node_env())
     assert proc.finish(300) == 2
     lines = proc.output().splitlines()
     assert len(lines) == 1 and "--checkpoint-dir=" in lines[0] and "not a writable folder" in lines[0], lines
@@ -343,7 +322,7 @@ def test_sigterm_during_a_restart_loop_restarts_nothing(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(FAULT)
     argv = [sys.executable, "-m", "rrfp", "node", "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", "0",
             "--max-restarts", "50", "--metrics-port", "0", "--", "--stages", "2", "--steps", "2"]
-    d = Proc(argv, _env(PYTHONPATH=str(tmp_path)))
+    d = Proc(argv, node_env(PYTHONPATH=str(tmp_path)))
     try:
         d.wait_for("fault: rank 0 attempt 1 starting", 600)
         d.wait_for("fault: rank 1 attempt 1 starting", 300)

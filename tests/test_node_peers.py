@@ -8,30 +8,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import sys
 
 import pytest
 
+from node_hosts import ADDRS, needs_loopback, node_env
 from procs import Proc
-
-ADDRS = ("127.0.0.2", "127.0.0.3")
-
-
-def _bindable(addr: str) -> bool:
-    try:
-        with socket.socket() as s:
-            s.bind((addr, 0))
-        return True
-    except OSError:
-        return False
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "PET_NNODES", "PET_NODE_RANK", "JOB_COMPLETION_INDEX"):
-        env.pop(k, None)
-    return env
 
 
 def test_the_wait_line_says_what_for_how_long_and_when_it_gives_up():
@@ -45,7 +27,7 @@ def test_the_wait_line_says_what_for_how_long_and_when_it_gives_up():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(not all(_bindable(a) for a in ADDRS), reason="127.0.0.2/3 not bindable here")
+@needs_loopback
 def test_a_daemon_whose_peer_host_was_sigkilled_says_what_it_waits_for_and_gives_up():
     """Two daemons, one rank each, train; node 1's daemon is SIGKILLed (its rank dies with
     it). Node 0's rank loses its peer, its agent restarts it and waits in the rendezvous:
@@ -60,7 +42,7 @@ def test_a_daemon_whose_peer_host_was_sigkilled_says_what_it_waits_for_and_gives
                     "--metrics-port", "0", "--job-id", f"peers{os.getpid()}", "--node-rank", str(node),
                     "--join-timeout", "20", "--", "--pp", "2", "--steps", "100000", "--batch-size", "4",
                     "--microbatches", "2", "--max-len", "32", "--threads", "1"]
-            procs.append(Proc(argv, _env()))
+            procs.append(Proc(argv, node_env()))
             if node == 0:
                 line = procs[0].wait_for(", rendezvous ", 600)
                 port = int(line.split(", rendezvous ")[1].split(" ")[0].rsplit(":", 1)[1])
