@@ -156,6 +156,10 @@ class RankMetrics:
         self.registry = r
         self.lock = threading.Lock()
         self._idle_stage = ",".join(self.stages)
+
+        def gauge(name: str, doc: str, labels: list[str]) -> Gauge:  # its multiprocess mode by its name
+            return Gauge(name, doc, labels, registry=r, multiprocess_mode=GAUGE_MODES[name])
+
         self.busy = Counter("rrfp_busy_seconds", "seconds the rank spent running tasks, by the task's stage",
                             ["rank", "stage"], registry=r)
         self.idle = Counter("rrfp_idle_seconds", "seconds of the rank's steps not spent running tasks (its bubble); "
@@ -172,38 +176,28 @@ class RankMetrics:
                               "holding stage 0)", ["rank"], registry=r)
         self.step_seconds = Histogram("rrfp_step_duration_seconds", "wall time of one training step on the rank "
                                       "(data, pipeline and optimizer)", ["rank"], buckets=STEP_BUCKETS, registry=r)
-        self.inflight = Gauge("rrfp_peak_inflight_microbatches", "most microbatches in flight at once on the rank "
-                              "during its last step", ["rank"], registry=r,
-                              multiprocess_mode=GAUGE_MODES["rrfp_peak_inflight_microbatches"])
-        self.loss = Gauge("rrfp_loss", "loss of the last step (on the rank holding the last stage)", ["rank"],
-                          registry=r, multiprocess_mode=GAUGE_MODES["rrfp_loss"])
-        self.heartbeat = Gauge("rrfp_last_heartbeat_timestamp_seconds", "unix time of the rank's last event-loop "
-                               "heartbeat", ["rank"], registry=r,
-                               multiprocess_mode=GAUGE_MODES["rrfp_last_heartbeat_timestamp_seconds"])
+        self.inflight = gauge("rrfp_peak_inflight_microbatches", "most microbatches in flight at once on the rank "
+                              "during its last step", ["rank"])
+        self.loss = gauge("rrfp_loss", "loss of the last step (on the rank holding the last stage)", ["rank"])
+        self.heartbeat = gauge("rrfp_last_heartbeat_timestamp_seconds", "unix time of the rank's last event-loop "
+                               "heartbeat", ["rank"])
         # The step line's rates (rrfp/train/stepline.py, flops.py).
-        self.lr = Gauge("rrfp_learning_rate", "learning rate of the rank's last optimizer step", ["rank"],
-                        registry=r, multiprocess_mode=GAUGE_MODES["rrfp_learning_rate"])
-        self.grad_norm = Gauge("rrfp_grad_norm", "global gradient norm of the last step printed (set on rank 0)",
-                               ["rank"], registry=r, multiprocess_mode=GAUGE_MODES["rrfp_grad_norm"])
-        self.tflops = Gauge("rrfp_model_tflops", "model TFLOP/s of the rank's last step (6N + 12LdT per position, "
-                            "rrfp/train/flops.py)", ["rank"], registry=r,
-                            multiprocess_mode=GAUGE_MODES["rrfp_model_tflops"])
-        self.mfu = Gauge("rrfp_mfu", "model FLOPs utilisation of the rank's last step (0..1, against --peak-tflops "
-                         "or the GPU's table entry; absent without a peak)", ["rank"], registry=r,
-                         multiprocess_mode=GAUGE_MODES["rrfp_mfu"])
-        self.memory = Gauge("rrfp_memory_bytes", "bytes the rank held at its last step, by kind: params, grads, "
+        self.lr = gauge("rrfp_learning_rate", "learning rate of the rank's last optimizer step", ["rank"])
+        self.grad_norm = gauge("rrfp_grad_norm", "global gradient norm of the last step printed (set on rank 0)",
+                               ["rank"])
+        self.tflops = gauge("rrfp_model_tflops", "model TFLOP/s of the rank's last step (6N + 12LdT per position, "
+                            "rrfp/train/flops.py)", ["rank"])
+        self.mfu = gauge("rrfp_mfu", "model FLOPs utilisation of the rank's last step (0..1, against --peak-tflops "
+                         "or the GPU's table entry; absent without a peak)", ["rank"])
+        self.memory = gauge("rrfp_memory_bytes", "bytes the rank held at its last step, by kind: params, grads, "
                             "optimizer (states), activations (most held at once), gathered (FSDP2's unsharded "
-                            "parameters and gradients within the step)", ["rank", "kind"], registry=r,
-                            multiprocess_mode=GAUGE_MODES["rrfp_memory_bytes"])
-        self.memory_peak = Gauge("rrfp_memory_peak_bytes", "the rank process's peak bytes in its last step: rss "
-                                 "(VmHWM reset per step), cuda_allocated, cuda_reserved", ["rank", "what"], registry=r,
-                                 multiprocess_mode=GAUGE_MODES["rrfp_memory_peak_bytes"])
-        self.memory_limit = Gauge("rrfp_memory_limit_bytes", "the memory limit the headroom is taken against (GPU "
-                                  "memory, cgroup memory.max, or host MemTotal)", ["rank"], registry=r,
-                                  multiprocess_mode=GAUGE_MODES["rrfp_memory_limit_bytes"])
-        self.memory_headroom = Gauge("rrfp_memory_headroom_bytes", "bytes left under the limit at the rank's last "
-                                     "step's peak (negative: past it)", ["rank"], registry=r,
-                                     multiprocess_mode=GAUGE_MODES["rrfp_memory_headroom_bytes"])
+                            "parameters and gradients within the step)", ["rank", "kind"])
+        self.memory_peak = gauge("rrfp_memory_peak_bytes", "the rank process's peak bytes in its last step: rss "
+                                 "(VmHWM reset per step), cuda_allocated, cuda_reserved", ["rank", "what"])
+        self.memory_limit = gauge("rrfp_memory_limit_bytes", "the memory limit the headroom is taken against (GPU "
+                                  "memory, cgroup memory.max, or host MemTotal)", ["rank"])
+        self.memory_headroom = gauge("rrfp_memory_headroom_bytes", "bytes left under the limit at the rank's last "
+                                     "step's peak (negative: past it)", ["rank"])
         # Every series exists from the start at 0, so a scrape before the first step is a
         # baseline and rate() sees the first increments.
         for s in self.stages:

@@ -46,7 +46,6 @@ Pure module: no torch (it drives :mod:`rrfp.sim.engine`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -55,7 +54,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..scheduler.hints import Hint
 from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task, TaskRecord
-from .costs import MAX_SECONDS, CostModel, StageCost
+from .costs import MAX_SECONDS, CostModel, StageCost, read_json
 from .engine import DelayFn, DurationFn, SimResult, simulate
 
 _SECONDS = ("task", "recv", "hop", "step")
@@ -215,12 +214,7 @@ class Calibration:
         Raises:
             OSError: unreadable; ValueError: not JSON, or a bad field (naming the file).
         """
-        with open(path, encoding="utf-8") as f:
-            try:
-                obj = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON: {e}") from None
-        return cls.from_mapping(obj, str(path))
+        return cls.from_mapping(read_json(path), str(path))
 
     def describe(self) -> str:
         """One line: the figures in milliseconds."""

@@ -229,12 +229,21 @@ def load_profile(path: str | os.PathLike) -> CostModel:
         OSError: the file cannot be read.
         ValueError: invalid JSON or an invalid entry, naming the file.
     """
+    return CostModel.from_profile(read_json(path), str(path))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON value in the file ``path`` (a profile, a calibration).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: not valid JSON, naming the file.
+    """
     with open(path, encoding="utf-8") as f:
         try:
-            obj = json.load(f)
+            return json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON: {e}") from None
-    return CostModel.from_profile(obj, str(path))
 
 
 def save_profile(costs: CostModel, path: str | os.PathLike, meta: Mapping[str, Any] | None = None) -> None:
