@@ -26,6 +26,7 @@ Pure simulation (seconds at 4 ranks, minutes at 16): no OR-Tools, no torch.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -140,7 +141,7 @@ def summary(points: Sequence[Point]) -> dict[str, float]:
         return p.makespan[base] / p.makespan[p.run.chosen]
 
     eq = [p for p in points if p.memory == "1f1b"]
-    var = sorted(speedup(p) for p in eq if p.scenario in suite.VARIABLE)
+    var = [speedup(p) for p in eq if p.scenario in suite.VARIABLE]
     hits = sum(1 for p in points if not p.missed)
     causes: dict[str, int] = {}
     for p in points:
@@ -148,7 +149,7 @@ def summary(points: Sequence[Point]) -> dict[str, float]:
             c = p.cause().split(" ")[0]
             causes[c] = causes.get(c, 0) + 1
     return {"within": hits, "points": len(points), "min_1f1b": min(map(speedup, eq), default=float("nan")),
-            "median_var_1f1b": var[len(var) // 2] if len(var) % 2 else (sum(var[len(var) // 2 - 1:len(var) // 2 + 1]) / 2 if var else float("nan")),
+            "median_var_1f1b": statistics.median(var) if var else float("nan"),
             "below_strict": sum(1 for p in eq if speedup(p) < 1.0), **{f"cause_{k}": v for k, v in causes.items()}}
 
 
