@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -495,6 +494,22 @@ def parse_layouts(text: str) -> list[tuple[int, str]]:
     return out
 
 
+def shown_command(argv: Sequence[str]) -> str:
+    """The command the section names: ``argv`` without ``--markdown FILE`` (where it was written
+    changes no figure), an argument with a space or a quote in double quotes."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a.startswith("--markdown="):
+            skip = False
+            continue
+        if a == "--markdown":
+            skip = True
+            continue
+        plain = a and not any(c in a for c in " '\"$`\\")
+        out.append(a if plain else '"' + "".join("\\" + c if c in '"$`\\' else c for c in a) + '"')
+    return " ".join(["python -m benchmarks.oracle", *out])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.oracle", description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", default="1,2loop,2v", help="virtual stages and placement: 1, 2loop, 2v (default all)")
@@ -530,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     points = run_points(layouts=layouts, scenarios=scen, seeds=seeds, time_limit=args.time_limit,
                         workers=args.workers, progress=progress)
-    command = "python -m benchmarks.oracle " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = shown_command(argv if argv is not None else sys.argv[1:])
     when = time.strftime("%Y-%m-%d, %H:%M UTC", time.gmtime())
     text = markdown(points, command.strip(), time.perf_counter() - t0, title=args.title,
                     measured=measured_line(load, when))

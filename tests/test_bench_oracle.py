@@ -135,3 +135,9 @@ def test_the_section_names_its_heading_load_and_date():
     assert "| J1 | 1 | 0 | 0.5700 | split | 0.6200 | 0.5700 | optimal | 1.123x | 0.950 | 0.891 | 0.950 |" in text
     plain = oracle.markdown([pt], "c", 2.0).splitlines()
     assert plain[:2] == [f"## {oracle.TITLE}", ""] and plain[2].startswith("`c` (2 s of wall time")
+
+
+def test_the_shown_command_leaves_out_where_it_was_written():
+    argv = ["--layouts", "2", "--title", "The x's 4-rank points", "--markdown", "/tmp/out.md", "--seeds", "0"]
+    assert oracle.shown_command(argv) == 'python -m benchmarks.oracle --layouts 2 --title "The x\'s 4-rank points" --seeds 0'
+    assert oracle.shown_command(["--markdown=o.md", "--title", 'a "b" $c']) == 'python -m benchmarks.oracle --title "a \\"b\\" \\$c"'
