@@ -36,7 +36,7 @@ import numpy as np
 from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.schedules import one_f_one_b_limits
 from rrfp.scheduler.tasks import B, F, I, W, Placement, PipelineSpec, Task, TaskRecord
-from rrfp.sim.calibration import Calibration, RankStep, busy_share, fit, stage_costs
+from rrfp.sim.calibration import Calibration, RankStep, busy_share, fit, stage_costs, step_factors
 from rrfp.sim.engine import simulate
 from rrfp.sim.jitter import LEVELS, STREAM_COMM_HIT, STREAM_COMM_SIZE, injected_delay
 
@@ -52,25 +52,42 @@ def timed_step_ids(phase_index: int, phase: dict) -> list[int]:
 
 @dataclass
 class RuntimeModel:
-    """The calibrated model of a setting's rrfp rows (:func:`fit_model`).
+    """The calibrated model of a setting's rrfp rows on one placement (:func:`fit_model`).
 
     Attributes:
         calibration: what the runtime pays around tasks, how its ranks share cores.
-        costs: per rank (its one stage), the task's own seconds by kind (``F``, ``B``, ``I``,
-            ``W``), less what the harness slept in it.
+        costs: per stage of the placement it was read from (with one stage per rank, per
+            rank), the task's own seconds by kind (``F``, ``B``, ``I``, ``W``), less what the
+            harness slept in it.
         source: which rows and rounds it was read from.
+        n_virtual, placement: the placement it was read from (virtual stages per rank, and
+            ``"loop"`` or ``"v"``).
+        factors: per recorded step, each task's own cost over its mean
+            (:func:`rrfp.sim.calibration.step_factors`): a prediction runs one simulation per
+            recorded step and takes the median makespan (empty: one on the means).
     """
 
     calibration: Calibration
     costs: list[dict[str, float]]
     source: str = ""
+    n_virtual: int = 1
+    placement: str = "loop"
+    factors: list[dict[tuple[int, int, str], float]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"calibration": self.calibration.to_mapping(), "costs": self.costs, "source": self.source}
+        """The figures for the report (the per-step factors as their count)."""
+        return {"calibration": self.calibration.to_mapping(), "costs": self.costs, "source": self.source,
+                "n_virtual": self.n_virtual, "placement": self.placement, "draws": len(self.factors)}
 
     @classmethod
     def from_json(cls, d: dict) -> "RuntimeModel":
-        return cls(Calibration.from_mapping(d["calibration"]), [dict(c) for c in d["costs"]], d.get("source", ""))
+        return cls(Calibration.from_mapping(d["calibration"]), [dict(c) for c in d["costs"]], d.get("source", ""),
+                   int(d.get("n_virtual", 1)), d.get("placement", "loop"))
+
+    def fits(self, n_virtual: int, placement: str) -> bool:
+        """Whether it was read off rows of this placement (else a prediction halves a rank's
+        cost per virtual stage)."""
+        return self.n_virtual == n_virtual and (n_virtual == 1 or self.placement == placement)
 
 
 def harness_sleep(cfg: dict, calibration: Sequence[dict], phase: dict, n_virtual: int = 1,
@@ -157,8 +174,8 @@ def predict(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dic
     Raises:
         ValueError: a hint that does not fit the placement (from the scheduler).
     """
-    return [res.makespan for res, _ in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement,
-                                               limit, budgets, stage_bytes, None, model)]
+    return [span for span, _ in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement,
+                                        limit, budgets, stage_bytes, None, model)]
 
 
 def predict_bounded(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, hint: str, *,
@@ -175,29 +192,34 @@ def predict_bounded(cfg: dict, calibration: Sequence[dict], phase_index: int, ph
         ValueError: a hint that does not fit the placement (from the scheduler).
     """
     steps, bounds = [], []
-    for res, bound in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, limit, budgets,
-                              stage_bytes, bound_budgets, model):
-        steps.append(res.makespan)
+    for span, bound in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, limit, budgets,
+                               stage_bytes, bound_budgets, model):
+        steps.append(span)
         bounds.append(bound)
     return steps, bounds
 
 
 def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, limit, budgets, stage_bytes,
             bound_budgets, model=None):
-    """Per timed round: (the simulation's result, its memory-aware bound at ``bound_budgets`` or
-    None without them)."""
+    """Per timed round: (the simulated step time: the median over the model's recorded steps'
+    factors, or the one on the means; its memory-aware bound at ``bound_budgets`` on the means,
+    or None without them)."""
     from rrfp.sim.metrics import lower_bound, memory_bound
 
     from .systems import torch_order_hint
 
-    P, M, seed = cfg["n_ranks"], cfg["n_microbatches"], cfg["seed"]
+    P, M = cfg["n_ranks"], cfg["n_microbatches"]
     place = Placement(P, n_virtual, placement)
     limits = one_f_one_b_limits(P) if limit == "1f1b" else [int(limit)] * P
     spec, h, strict = resolve_hint(torch_order_hint(hint, P, M), place, M, inflight_limit=limits)
     sleep = harness_sleep(cfg, calibration, phase, n_virtual, placement)
+    draws: list = [None]
     if model is None:
         cost = compute_cost(calibration, n_virtual)
-    else:
+    elif model.fits(n_virtual, placement):  # costs per stage, read off this placement's rows
+        cost = lambda rank, t: model.costs[t.stage][t.kind]  # noqa: E731
+        draws = list(model.factors) or draws
+    else:  # read off one stage per rank: a virtual stage is its share of the rank's layers
         share = 1.0 / n_virtual
         cost = lambda rank, t: model.costs[rank][t.kind] * share  # noqa: E731
     act = None
@@ -207,24 +229,29 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
 
     held = message_delay(cfg)
     for step_id in timed_step_ids(phase_index, phase):
-        def duration(step: int, rank: int, t, sid=step_id) -> float:
-            return sleep(sid, rank, t) + cost(rank, t)
-
         def delay(step: int, src: int, dst: int, t, sid=step_id) -> float:
             return 0.0 if held is None else held(sid, src, dst, t)
 
-        kw = dict(strict=strict, inflight_limit=limits, delay=delay, record=bound_budgets is not None,
-                  memory_budget=list(budgets) if budgets is not None else None,
-                  act_bytes=act if budgets is not None else None)
-        if model is None:
-            res = simulate(spec, h, duration, **kw)
-        else:
-            res = model.calibration.simulate(spec, h, duration, cpu=lambda k, r, t: cost(r, t), **kw)
+        def run(own, record=False, sid=step_id):
+            duration = lambda step, rank, t: sleep(sid, rank, t) + own(rank, t)  # noqa: E731
+            kw = dict(strict=strict, inflight_limit=limits, delay=delay, record=record,
+                      memory_budget=list(budgets) if budgets is not None else None,
+                      act_bytes=act if budgets is not None else None)
+            if model is None:
+                return simulate(spec, h, duration, **kw)
+            return model.calibration.simulate(spec, h, duration, cpu=lambda k, r, t: own(r, t), **kw)
+
+        spans = []
+        for fac in draws:
+            own = cost if fac is None else (
+                lambda rank, t, fac=fac: cost(rank, t) * fac.get((t.stage, t.mb, F if t.kind == F else B), 1.0))
+            spans.append(run(own).makespan)
         bound = None
         if bound_budgets is not None:
+            res = run(cost, record=True)
             bound = max(lower_bound(spec, res.records, delay=delay),
                         memory_bound(spec, res.records, list(bound_budgets), act, delay=delay))
-        yield res, bound
+        yield statistics.median(spans), bound
 
 
 def machine_background(seconds: float = 0.5) -> tuple[int, float]:
@@ -248,15 +275,28 @@ PROFILE_ROWS = ("rrfp strict-1f1b", "rrfp strict-split")
 """The rows a setting's calibrated model is read from when they ran (:func:`fit_model`): the
 strict schedule (``F``, ``B``) and its split (``I``, ``W``), as ``auto`` measures a job."""
 
+PLACEMENT_ROWS = {
+    (1, "loop"): PROFILE_ROWS,
+    (2, "loop"): ("rrfp strict Int1F1B order", "rrfp strict IntZB order"),
+    (2, "v"): ("rrfp strict ZBV order", "rrfp strict DualPipeV order"),
+}
+"""Per placement (virtual stages per rank, ``"loop"`` or ``"v"``), the strict rows its model is
+read from (:func:`fit_model`): a virtual stage's own cost is measured on that placement, not
+taken as half of its rank's (the fixed costs of a task, autograd's set-up, the stage wrapper,
+the outputs' encoding, do not halve with its layers)."""
+
 
 def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, recorded: dict,
-              rows: Sequence[str] = PROFILE_ROWS, cores: int | None = None, background: float = 0.0) -> RuntimeModel:
-    """The calibrated model of a setting's phase, read off the recorded steps of ``rows`` (those
-    that ran; one stage per rank): each task's own cost (its recorded duration less what the
-    harness slept in it, :func:`harness_sleep`; a kind no row ran is derived, ``I = W = B / 2``,
-    stage 0's ``I`` none), the runtime's time per task, per message (beyond the message delays
-    the harness injected, :func:`message_delay`) and per step
-    (:func:`rrfp.sim.calibration.fit`), and, with ``cores``, the duty the costs were measured at.
+              rows: Sequence[str] | None = None, cores: int | None = None, background: float = 0.0,
+              n_virtual: int = 1, placement: str = "loop", draws: bool = True) -> RuntimeModel:
+    """The calibrated model of a setting's phase on one placement, read off the recorded steps
+    of ``rows`` (those that ran; default the placement's :data:`PLACEMENT_ROWS`): each task's own
+    cost per stage (its recorded duration less what the harness slept in it,
+    :func:`harness_sleep`; a kind no row ran is derived, ``I = W = B / 2``, stage 0's ``I``
+    none), the runtime's time per task, per message (beyond the message delays the harness
+    injected, :func:`message_delay`) and per step (:func:`rrfp.sim.calibration.fit`), with
+    ``draws`` each recorded step's factors (:func:`rrfp.sim.calibration.step_factors`), and,
+    with ``cores``, the duty the costs were measured at.
 
     Args:
         recorded: row -> step id -> per rank ``{"rank", "t0", "t1", "tasks": [[stage, kind, mb,
@@ -264,21 +304,25 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
             with ``record_tasks``, ``benchmarks/bench_sim_vs_runtime.py``).
         cores, background: the machine's cores and its other load as the ranks see it
             (:class:`~rrfp.sim.calibration.Calibration`).
+        n_virtual, placement: the placement of ``rows``.
 
     Raises:
         ValueError: none of ``rows`` was recorded in the phase's timed rounds, or a figure
             without a sample.
     """
     P, M = cfg["n_ranks"], cfg["n_microbatches"]
-    place = Placement(P)
-    sleep = harness_sleep(cfg, calibration, phase)
+    if rows is None:
+        rows = PLACEMENT_ROWS.get((n_virtual, placement if n_virtual > 1 else "loop"), ())
+    place = Placement(P, n_virtual, placement)
+    sleep = harness_sleep(cfg, calibration, phase, n_virtual, placement)
     ids = set(timed_step_ids(phase_index, phase))
     used = [r for r in rows if r in recorded and ids & {int(k) for k in recorded[r]}]
     if not used:
-        raise ValueError(f"no recorded step of {', '.join(rows)} in phase {phase.get('name', phase_index)}")
+        raise ValueError(f"no recorded step of {', '.join(rows) or 'a strict row'} in phase "
+                         f"{phase.get('name', phase_index)}")
     records: list[TaskRecord] = []
     steps = []
-    for row in used:
+    for n, row in enumerate(used):
         split = any(t[1] in (I, W) for ranks in recorded[row].values() for rs in ranks for t in rs["tasks"])
         spec = PipelineSpec(place, M, split)
         for sid, ranks in sorted(recorded[row].items(), key=lambda kv: int(kv[0])):
@@ -286,25 +330,29 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
                 continue
             step = []
             for rs in ranks:
+                # The rows' steps apart (a row's own step ids: n * 10**6 on), the records per step.
                 recs = [TaskRecord(rs["rank"], int(sid), Task(int(a), str(k), int(m)), t0, t1)
                         for a, k, m, t0, t1 in rs["tasks"]]
-                records += recs
+                records += [dataclasses.replace(r, step=r.step + n * 10**6) for r in recs]
                 step.append(RankStep(rs["rank"], recs, rs.get("t0"), rs.get("t1")))
             steps.append((spec, step))
     held = message_delay(cfg)  # an input held by the harness arrived that much later
     fits = [fit([step], spec, delay=held) for spec, step in steps]
     med = lambda xs: statistics.median(xs)  # noqa: E731
     cal = Calibration(**{k: med([getattr(f.calibration, k) for f in fits]) for k in ("task", "recv", "hop", "step")})
-    costs = stage_costs(records, P, wait=sleep)
+    wait = lambda sid, rank, t: sleep(sid % 10**6, rank, t)  # noqa: E731
+    measured = stage_costs(records, place.n_stages, wait=wait)
     # stage 0's I is the runtime's no-op (its whole backward runs in W) when no split row ran.
-    per = [{k: c.cost(k) for k in (F, B, I, W)} for c in costs.stages]
+    per = [{k: c.cost(k) for k in (F, B, I, W)} for c in measured.stages]
     if not any(r.task.kind == W for r in records):
         per[0][I], per[0][W] = 0.0, per[0][B]
     if cores is not None:
-        cpu = lambda k, r, t: per[r][t.kind]  # noqa: E731
+        cpu = lambda k, r, t: per[t.stage][t.kind]  # noqa: E731
         cal = dataclasses.replace(cal, cores=cores, background=background, duty=busy_share(records, P, cpu))
     n = sum(len(s) for _, s in steps) // P
-    return RuntimeModel(cal, per, f"{', '.join(used)}: {n} timed step{'s' if n != 1 else ''}")
+    factors = step_factors(records, measured, wait=wait) if draws else []
+    return RuntimeModel(cal, per, f"{', '.join(used)}: {n} timed step{'s' if n != 1 else ''}", n_virtual,
+                        placement if n_virtual > 1 else "loop", factors)
 
 
 def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict:

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import sim_pred  # noqa: E402
 from rrfp.scheduler import Placement, PipelineSpec, resolve_hint  # noqa: E402
 from rrfp.scheduler.tasks import Task, TaskRecord  # noqa: E402
-from rrfp.sim.calibration import Calibration, RankStep, busy_share, fit, stage_costs  # noqa: E402
+from rrfp.sim.calibration import Calibration, RankStep, busy_share, fit, stage_costs, step_factors  # noqa: E402
 from rrfp.sim.compare import SimConfig, run_one  # noqa: E402
 from rrfp.sim.costs import CostModel  # noqa: E402
 from rrfp.sim.engine import simulate  # noqa: E402
@@ -231,3 +231,73 @@ def test_every_one_stage_row_of_a_recorded_setting_is_predicted_on_the_calibrate
     # Without budgets a budget row cannot be predicted: it is left out, not guessed.
     del res["budgets"]
     assert set(report_peers.predictions(res)[phase["name"]]) == {"rrfp strict-1f1b", "torch 1F1B", "torch GPipe"}
+
+
+def test_step_factors_by_hand():
+    # Stage 0's forward of microbatch 0 took 1 s and 3 s in two steps (mean 2); stage 1's split
+    # backward I + W took 1 + 1 and 3 + 1 (means 2 and 1): factors 1/2, 3/2 and 2/3, 4/3.
+    rec = lambda step, stage, kind, a, b: TaskRecord(stage, step, Task(stage, kind, 0), a, b)  # noqa: E731
+    records = [rec(1, 0, "F", 0.0, 1.0), rec(1, 1, "I", 2.0, 3.0), rec(1, 1, "W", 3.0, 4.0),
+               rec(1, 1, "F", 1.5, 2.0), rec(1, 0, "I", 4.5, 4.5), rec(1, 0, "W", 4.5, 5.0),
+               rec(2, 0, "F", 0.0, 3.0), rec(2, 1, "I", 4.0, 7.0), rec(2, 1, "W", 7.0, 8.0),
+               rec(2, 1, "F", 3.5, 4.0), rec(2, 0, "I", 8.5, 8.5), rec(2, 0, "W", 8.5, 9.0)]
+    costs = stage_costs(records, 2)
+    got = step_factors(records, costs)
+    assert got[0][(0, 0, "F")] == pytest.approx(0.5) and got[1][(0, 0, "F")] == pytest.approx(1.5)
+    assert got[0][(1, 0, "B")] == pytest.approx(2 / 3) and got[1][(1, 0, "B")] == pytest.approx(4 / 3)
+    assert got[0][(1, 0, "F")] == got[1][(0, 0, "B")] == pytest.approx(1.0)
+    # Less what each forward waited for (0.5 s): own 0.5 and 2.5, mean 1.5.
+    wait = lambda k, r, t: 0.5 if t.kind == "F" and t.stage == 0 else 0.0  # noqa: E731
+    own = step_factors(records, stage_costs(records, 2, wait=wait), wait=wait)
+    assert [own[0][(0, 0, "F")], own[1][(0, 0, "F")]] == pytest.approx([1 / 3, 5 / 3])
+    with pytest.raises(ValueError, match="a record of stage 1, the costs have 1 stages"):
+        step_factors(records, CostModel.uniform(1, F=1.0, B=2.0))
+
+
+def _as_recorded(res, rank_of) -> list[dict]:
+    """A simulated step's records in the bench JSON's per-rank form (benchmarks/compare.py)."""
+    ranks = {}
+    for r in res.records:
+        ranks.setdefault(rank_of(r.task.stage), []).append([r.task.stage, r.task.kind, r.task.mb, r.start, r.end])
+    return [{"rank": k, "t0": 0.0, "t1": res.makespan, "tasks": v} for k, v in sorted(ranks.items())]
+
+
+def test_a_virtual_stage_placement_is_read_off_its_own_strict_rows_not_halved():
+    """A V placement whose virtual stages cost what they cost (a stage's fixed cost does not
+    halve with its layers): fit_model reads each virtual stage's own F, I, W off the recorded
+    strict ZBV row, and the prediction of that row, and of another hint on the same placement,
+    is the engine's makespan on the true costs; the one-stage model, halved per virtual stage,
+    misses it."""
+    P, M = 2, 4
+    true = {s: {"F": 0.010 + 0.002 * s, "I": 0.008, "W": 0.004 + 0.001 * s} for s in range(2 * P)}
+    one = {s: {"F": 0.012, "B": 0.014} for s in range(P)}  # the one-stage rows: not twice a half
+    cfg = {"n_ranks": P, "n_microbatches": M, "seed": 0}
+    cal = [{"F": 0.001, "B": 0.002}] * P
+    phase = {"name": "J0", "level": "J0", "rounds": 2}
+    ids = sim_pred.timed_step_ids(0, phase)
+    place_v = Placement(P, 2, "v")
+
+    def run(costs, hint, place):
+        spec, h, strict = resolve_hint(hint, place, M)
+        return simulate(spec, h, lambda k, r, t: costs[t.stage][t.kind], strict=strict, record=True)
+
+    recorded = {"rrfp strict ZBV order": {k: _as_recorded(run(true, "strict-zb-v", place_v), place_v.rank_of)
+                                          for k in ids},
+                "rrfp strict-1f1b": {k: _as_recorded(run(one, "strict-1f1b", Placement(P)), Placement(P).rank_of)
+                                     for k in ids}}
+    model = sim_pred.fit_model(cfg, cal, 0, phase, recorded, n_virtual=2, placement="v")
+    assert model.fits(2, "v") and not model.fits(1, "loop") and not model.fits(2, "loop")
+    # Recorded back to back (the engine's records): the runtime paid nothing around the tasks.
+    c = model.calibration
+    assert (c.task, c.recv, c.hop, c.step) == pytest.approx((0.0, 0.0, 0.0, 0.0), abs=1e-12)
+    for s in range(2 * P):
+        assert (model.costs[s]["F"], model.costs[s]["I"], model.costs[s]["W"]) == pytest.approx(
+            (true[s]["F"], true[s]["I"], true[s]["W"]))
+    assert len(model.factors) == len(ids) and all(f == pytest.approx(1.0) for d in model.factors for f in d.values())
+    for hint in ("strict-zb-v", "bfw"):
+        want = run(true, hint, place_v).makespan
+        got = sim_pred.predict(cfg, cal, 0, phase, hint, n_virtual=2, placement="v", model=model)
+        assert got == pytest.approx([want] * len(ids), rel=1e-9)
+    flat = sim_pred.fit_model(cfg, cal, 0, phase, recorded)
+    halved = sim_pred.predict(cfg, cal, 0, phase, "strict-zb-v", n_virtual=2, placement="v", model=flat)
+    assert abs(halved[0] / run(true, "strict-zb-v", place_v).makespan - 1) > 0.2

@@ -331,6 +331,34 @@ def stage_costs(records: Sequence[TaskRecord], n_stages: int, wait: WaitFn | Non
     return CostModel(tuple(stages))
 
 
+def step_factors(records: Sequence[TaskRecord], costs: CostModel, wait: WaitFn | None = None,
+                 ) -> list[dict[tuple[int, int, str], float]]:
+    """Per recorded step (in step order), how much each task's own cost (its duration less
+    ``wait``, as :func:`stage_costs`) stood from the mean ``costs``: per ``(stage, microbatch,
+    direction)``, ``F`` the forward's own seconds over the stage's mean forward, ``B`` the
+    backward's (``B``, or ``I`` plus ``W``: whichever kinds ran) over the mean of the same kinds
+    (1 where that mean is 0). A simulation that runs one step on each step's factors (each
+    task's mean cost times its factor) replays the recorded durations, task for task, and
+    carries their spread, and how they moved together in a step, to any other schedule of the
+    same tasks: its makespans' spread, not the makespan of the means (a step's slowest path is
+    longer than the mean's, ``E[max] >= max E``).
+
+    Raises:
+        ValueError: a record of a stage ``costs`` has not.
+    """
+    own: dict[int, dict[tuple[int, int, str], list[float]]] = {}
+    for r in records:
+        t = r.task
+        if t.stage >= costs.n_stages:
+            raise ValueError(f"calibration: a record of stage {t.stage}, the costs have {costs.n_stages} stages")
+        mean = costs.stages[t.stage].cost(t.kind)
+        d = "F" if t.kind == F else "B"
+        acc = own.setdefault(r.step, {}).setdefault((t.stage, t.mb, d), [0.0, 0.0])
+        acc[0] += max(0.0, r.end - r.start - (wait(r.step, r.rank, t) if wait else 0.0))
+        acc[1] += mean
+    return [{k: (a / m if m > 0 else 1.0) for k, (a, m) in own[sid].items()} for sid in sorted(own)]
+
+
 def busy_share(records: Sequence[TaskRecord], n_ranks: int, cpu: WaitFn | None = None) -> float:
     """The ranks' CPU duty over recorded steps: their CPU seconds (``cpu(step, rank, task)``,
     default each task's whole duration) over ``n_ranks`` times the summed step spans (first
