@@ -61,6 +61,18 @@ def row_lines(s: dict) -> list[str]:
     return lines
 
 
+def same_schedule(s: dict) -> dict[str, float]:
+    """Per rrfp row that ran strict 1F1B's very schedule (``auto`` kept ``strict-1f1b``), the
+    median over the rounds of its real step over the ``rrfp strict-1f1b`` row's, paired: what
+    no model of the schedule can tell apart (the run's noise, and what those rows' runtime pays
+    that the strict row's does not: auto's and a memory budget's forward metering)."""
+    base = "rrfp strict-1f1b"
+    if base not in s["steps"]:
+        return {}
+    return {n: float(np.median(np.asarray(s["steps"][n]) / np.asarray(s["steps"][base])))
+            for n, k in s["kept"].items() if k == "strict-1f1b" and n in s["steps"]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from rrfp import _json as strict_json
 
@@ -90,8 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         phases = check(compare[name])
         for target, measured, verdict, _ in calibration_targets({name: phases}):
             print(f"{target}: {measured} [{verdict.strip('*')}]")
-        if args.rows:
-            for ph, s in phases.items():
+        for ph, s in phases.items():
+            same = same_schedule(s)
+            if same:
+                print(f"{name}, {ph}: rows that ran strict 1F1B's schedule, real / strict-1f1b's real: "
+                      + ", ".join(f"{n} {v:.3f}" for n, v in same.items()))
+            if args.rows:
                 print(f"{name}, {ph}:")
                 print("\n".join(row_lines(s)))
     return 0

@@ -19,9 +19,20 @@ Either way a split backward runs as the real runtime runs it: on stage 0 (no inp
 injected delay and sleep (:attr:`benchmarks.harness.Injector.w_share`), as the harness sleeps
 them, and their own measured costs (uncalibrated: half of the backward's compute each).
 
-Costs per stage: with one stage per rank, the rank's; with two virtual stages, half of the
-rank's each (the layers split evenly), and half of the rank's injected delay, as the harness
-injects it. The jitter's ``e`` is the stage's mean of forward and backward, as the harness's.
+Costs per stage: with one stage per rank, the rank's; with two virtual stages, calibrated: each
+virtual stage's own, read off the strict rows of the same placement (:data:`PLACEMENT_ROWS`; a
+1-layer stage keeps the fixed costs of a task, so it costs more than half of its rank's 2-layer
+one), uncalibrated or where the placement's strict rows were not recorded: half of the rank's
+each (the layers split evenly). The injected delay of a virtual stage is half of the rank's, as
+the harness injects it. The jitter's ``e`` is the stage's mean of forward and backward, as the
+harness's.
+
+Calibrated, a round's prediction is the median over one simulation per recorded step of the
+model's rows: each task's mean cost times its factor in that step, each message its consumer
+waited for at its own hop in that step (:attr:`RuntimeModel.factors`, :attr:`RuntimeModel.hops`):
+the spread of the recorded steps, and how their tasks and messages moved together, carried to
+the row's schedule (a step's slowest path is longer than the means' one). Check a model against
+a recorded run offline: ``python -m benchmarks.report_fit --from-json results.json``.
 """
 
 from __future__ import annotations
@@ -65,6 +76,9 @@ class RuntimeModel:
         factors: per recorded step, each task's own cost over its mean
             (:func:`rrfp.sim.calibration.step_factors`): a prediction runs one simulation per
             recorded step and takes the median makespan (empty: one on the means).
+        hops: per recorded step (as ``factors``), the own hop of each message its consumer
+            waited for (:attr:`rrfp.sim.calibration.Fit.hops`), in place of
+            :attr:`Calibration.hop` in that step's simulation (empty: the mean everywhere).
     """
 
     calibration: Calibration
@@ -73,6 +87,7 @@ class RuntimeModel:
     n_virtual: int = 1
     placement: str = "loop"
     factors: list[dict[tuple[int, int, str], float]] = dataclasses.field(default_factory=list)
+    hops: list[dict[tuple[int, int, str], float]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         """The figures for the report (the per-step factors as their count)."""
@@ -218,7 +233,7 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
         cost = compute_cost(calibration, n_virtual)
     elif model.fits(n_virtual, placement):  # costs per stage, read off this placement's rows
         cost = lambda rank, t: model.costs[t.stage][t.kind]  # noqa: E731
-        draws = list(model.factors) or draws
+        draws = list(zip(model.factors, model.hops or [{}] * len(model.factors))) or draws
     else:  # read off one stage per rank: a virtual stage is its share of the rank's layers
         share = 1.0 / n_virtual
         cost = lambda rank, t: model.costs[rank][t.kind] * share  # noqa: E731
@@ -228,13 +243,25 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
         act = lambda step, stage, mb: int(stage_bytes[pos[stage][0]][pos[stage][1]])  # noqa: E731
 
     held = message_delay(cfg)
+    # Without injected jitter or message delays every round simulates the same: once.
+    same = LEVELS[phase["level"]].p <= 0 and (not cfg.get("comm") or LEVELS[cfg["comm"]].p <= 0)
+    first = None
     for step_id in timed_step_ids(phase_index, phase):
+        if same and first is not None:
+            yield first
+            continue
+
         def delay(step: int, src: int, dst: int, t, sid=step_id) -> float:
             return 0.0 if held is None else held(sid, src, dst, t)
 
-        def run(own, record=False, sid=step_id):
+        def run(own, record=False, sid=step_id, hops=None):
+            wire = delay
+            if hops:  # this message's own hop in place of the mean the calibration adds
+                mean = model.calibration.hop
+                wire = lambda step, src, dst, t: delay(step, src, dst, t) - mean + hops.get(  # noqa: E731
+                    (t.stage, t.mb, F if t.kind == F else B), mean)
             duration = lambda step, rank, t: sleep(sid, rank, t) + own(rank, t)  # noqa: E731
-            kw = dict(strict=strict, inflight_limit=limits, delay=delay, record=record,
+            kw = dict(strict=strict, inflight_limit=limits, delay=wire, record=record,
                       memory_budget=list(budgets) if budgets is not None else None,
                       act_bytes=act if budgets is not None else None)
             if model is None:
@@ -242,16 +269,20 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
             return model.calibration.simulate(spec, h, duration, cpu=lambda k, r, t: own(r, t), **kw)
 
         spans = []
-        for fac in draws:
-            own = cost if fac is None else (
-                lambda rank, t, fac=fac: cost(rank, t) * fac.get((t.stage, t.mb, F if t.kind == F else B), 1.0))
-            spans.append(run(own).makespan)
+        for draw in draws:
+            if draw is None:
+                spans.append(run(cost).makespan)
+                continue
+            fac, hops = draw
+            own = lambda rank, t, fac=fac: cost(rank, t) * fac.get((t.stage, t.mb, F if t.kind == F else B), 1.0)  # noqa: E731
+            spans.append(run(own, hops=hops).makespan)
         bound = None
         if bound_budgets is not None:
             res = run(cost, record=True)
             bound = max(lower_bound(spec, res.records, delay=delay),
                         memory_bound(spec, res.records, list(bound_budgets), act, delay=delay))
-        yield statistics.median(spans), bound
+        first = (statistics.median(spans), bound)
+        yield first
 
 
 def machine_background(seconds: float = 0.5) -> tuple[int, float]:
@@ -351,8 +382,9 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
         cal = dataclasses.replace(cal, cores=cores, background=background, duty=busy_share(records, P, cpu))
     n = sum(len(s) for _, s in steps) // P
     factors = step_factors(records, measured, wait=wait) if draws else []
+    hops = [f.hops for f in fits] if draws else []
     return RuntimeModel(cal, per, f"{', '.join(used)}: {n} timed step{'s' if n != 1 else ''}", n_virtual,
-                        placement if n_virtual > 1 else "loop", factors)
+                        placement if n_virtual > 1 else "loop", factors, hops)
 
 
 def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict:

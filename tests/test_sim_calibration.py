@@ -301,3 +301,30 @@ def test_a_virtual_stage_placement_is_read_off_its_own_strict_rows_not_halved():
     flat = sim_pred.fit_model(cfg, cal, 0, phase, recorded)
     halved = sim_pred.predict(cfg, cal, 0, phase, "strict-zb-v", n_virtual=2, placement="v", model=flat)
     assert abs(halved[0] / run(true, "strict-zb-v", place_v).makespan - 1) > 0.2
+
+
+def test_a_recorded_steps_slow_message_is_replayed_in_its_place():
+    """Each message its consumer waited for keeps its own hop (Fit.hops, a rank's first input
+    too): a recorded step whose forward of stage 1, microbatch 3 took 1 s more than every
+    other message's 0.2 s is predicted exactly from its records, that message at 1.2 s, the
+    others at 0.2 s; the mean hop on every message (no draws) misses it."""
+    slow = lambda k, a, b, t: 1.0 if (t.stage, t.mb, t.kind) == (1, 3, "F") else 0.0  # noqa: E731
+    spec, ranks = _recorded_chain(task=0.0, hop=0.2, begin=0.0, end=0.0, held=slow)
+    got = fit([ranks], spec)
+    assert got.hops[(1, 3, "F")] == pytest.approx(1.2)
+    # Waited for: the 12 messages between two tasks (the mean's samples), and each of ranks
+    # 1-3's first input (forward 0 of stages 0-2).
+    assert got.samples["hop"] == 12 and len(got.hops) == 12 + 3 and (2, 0, "F") in got.hops
+    assert [v for k, v in got.hops.items() if k != (1, 3, "F")] == pytest.approx([0.2] * 14)
+    cfg, cal = {"n_ranks": 4, "n_microbatches": 4, "seed": 0}, [{"F": 1.0, "B": 2.0}] * 4
+    phase = {"name": "J0", "level": "J0", "rounds": 1}
+    (k,) = sim_pred.timed_step_ids(0, phase)
+    recorded = {"rrfp strict-1f1b": {k: [
+        {"rank": rs.rank, "t0": rs.begin, "t1": rs.end,
+         "tasks": [[r.task.stage, r.task.kind, r.task.mb, r.start, r.end] for r in rs.records]} for rs in ranks]}}
+    real = max(rs.end for rs in ranks) - min(rs.begin for rs in ranks)
+    model = sim_pred.fit_model(cfg, cal, 0, phase, recorded)
+    assert model.hops == [got.hops]
+    assert sim_pred.predict(cfg, cal, 0, phase, "strict-1f1b", model=model) == pytest.approx([real])
+    means = sim_pred.fit_model(cfg, cal, 0, phase, recorded, draws=False)
+    assert abs(sim_pred.predict(cfg, cal, 0, phase, "strict-1f1b", model=means)[0] - real) > 0.1

@@ -241,11 +241,14 @@ class RankStep:
 @dataclass
 class Fit:
     """What :func:`fit` read off the steps: the calibration, per link (stage ``s`` to its
-    next) the mean hop, and how many samples each figure had."""
+    next) the mean hop, how many samples each figure had, and per message its consumer waited
+    for, keyed ``(sending stage, microbatch, "F" or "B")``, its own hop (seconds beyond
+    ``task``; of the last step that had it)."""
 
     calibration: Calibration
     links: dict[int, float]
     samples: dict[str, int]
+    hops: dict[tuple[int, int, str], float] = dataclasses.field(default_factory=dict)
 
 
 def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn | None = None,
@@ -269,6 +272,7 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn 
     gaps: list[float] = []
     received: list[float] = []
     waits: dict[int, list[float]] = {}
+    waited: dict[tuple[int, int, str], float] = {}
     outside: list[float] = []
     for ranks in steps:
         ended = {r.task: (r.rank, r.end, r.step) for rs in ranks for r in rs.records}
@@ -279,6 +283,11 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn 
             outside.append(max(rs.end - rs.begin for rs in timed) - span)
         for rs in ranks:
             recs = sorted(rs.records, key=lambda r: r.start)
+            src = spec.producer(recs[0].task) if recs else None
+            made = ended.get(src) if src is not None else None
+            if made is not None and made[0] != rs.rank:  # the rank's first task waited for its input
+                arrived = made[1] + (delay(made[2], made[0], rs.rank, src) if delay else 0.0)
+                waited[(src.stage, src.mb, "F" if src.kind == F else "B")] = recs[0].start - arrived
             for prev, nxt in zip(recs, recs[1:]):
                 src = spec.producer(nxt.task)
                 made = ended.get(src) if src is not None else None
@@ -291,6 +300,7 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn 
                 else:
                     link = min(src.stage, nxt.task.stage)
                     waits.setdefault(link, []).append(nxt.start - arrived)
+                    waited[(src.stage, src.mb, "F" if src.kind == F else "B")] = nxt.start - arrived
     if not gaps:
         raise ValueError("calibration: no gap between two tasks whose input was there: record more tasks")
     task = max(0.0, statistics.fmean(gaps))
@@ -300,7 +310,8 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn 
     links = {s: max(0.0, statistics.fmean(ws) - task) for s, ws in sorted(waits.items())}
     step = max(0.0, statistics.median(outside)) if outside else 0.0
     cal = Calibration(task=task, recv=recv, hop=hop, step=step, **fields)
-    return Fit(cal, links, {"task": len(gaps), "recv": len(received), "hop": len(every), "step": len(outside)})
+    return Fit(cal, links, {"task": len(gaps), "recv": len(received), "hop": len(every), "step": len(outside)},
+               {k: max(0.0, w - task) for k, w in waited.items()})
 
 
 WaitFn = Callable[[int, int, Task], float]  # (step, rank, task) -> seconds the task waited (not CPU)
