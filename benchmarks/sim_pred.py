@@ -256,10 +256,19 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
 
         def run(own, record=False, sid=step_id, hops=None):
             wire = delay
-            if hops:  # this message's own hop in place of the mean the calibration adds
-                mean = model.calibration.hop
-                wire = lambda step, src, dst, t: delay(step, src, dst, t) - mean + hops.get(  # noqa: E731
-                    (t.stage, t.mb, F if t.kind == F else B), mean)
+            if hops:  # each message's own hop in place of the mean the calibration adds
+                mean, on = model.calibration.hop, model.calibration.hop_on_rank
+                key = lambda t: (t.stage, t.mb, F if t.kind == F else B)  # noqa: E731
+                wire = lambda step, src, dst, t: delay(step, src, dst, t) + (1 - on) * (  # noqa: E731
+                    hops.get(key(t), mean) - mean)
+                if on:  # the receiving task's share of its input's own hop
+                    mine = own
+
+                    def own(rank: int, t: Task) -> float:
+                        src = spec.producer(t)
+                        if src is None or place.rank_of(src.stage) == rank:
+                            return mine(rank, t)
+                        return mine(rank, t) + on * (hops.get(key(src), mean) - mean)
             duration = lambda step, rank, t: sleep(sid, rank, t) + own(rank, t)  # noqa: E731
             kw = dict(strict=strict, inflight_limit=limits, delay=wire, record=record,
                       memory_budget=list(budgets) if budgets is not None else None,
@@ -302,6 +311,13 @@ def machine_background(seconds: float = 0.5) -> tuple[int, float]:
     return cores, (max(0.0, cores / max(share, 1e-3) - 1.0) if share < 0.98 else 0.0)
 
 
+HOP_ON_RANK = 0.5
+"""The share of a message's hop its receiving rank spends (:attr:`Calibration.hop_on_rank`)
+in the calibrated model of ``rrfp bench``'s rows: 4 rank processes on 2 cores wake, decode and
+hand on their messages on the cores their tasks need, so a message's time does not all overlap
+the receiver's tasks. Chosen on one recorded run (``python -m benchmarks.report_fit``, rows
+within 5%: 0 -> 24 of 48, 0.5 -> 30, 1 -> 22), reported on another (docs/simulator.md)."""
+
 PROFILE_ROWS = ("rrfp strict-1f1b", "rrfp strict-split")
 """The rows a setting's calibrated model is read from when they ran (:func:`fit_model`): the
 strict schedule (``F``, ``B``) and its split (``I``, ``W``), as ``auto`` measures a job."""
@@ -319,7 +335,8 @@ the outputs' encoding, do not halve with its layers)."""
 
 def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, recorded: dict,
               rows: Sequence[str] | None = None, cores: int | None = None, background: float = 0.0,
-              n_virtual: int = 1, placement: str = "loop", draws: bool = True) -> RuntimeModel:
+              n_virtual: int = 1, placement: str = "loop", draws: bool = True,
+              hop_on_rank: float = HOP_ON_RANK) -> RuntimeModel:
     """The calibrated model of a setting's phase on one placement, read off the recorded steps
     of ``rows`` (those that ran; default the placement's :data:`PLACEMENT_ROWS`): each task's own
     cost per stage (its recorded duration less what the harness slept in it,
@@ -336,6 +353,8 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
         cores, background: the machine's cores and its other load as the ranks see it
             (:class:`~rrfp.sim.calibration.Calibration`).
         n_virtual, placement: the placement of ``rows``.
+        draws: keep each recorded step's factors and hops (:class:`RuntimeModel`).
+        hop_on_rank: :attr:`~rrfp.sim.calibration.Calibration.hop_on_rank`.
 
     Raises:
         ValueError: none of ``rows`` was recorded in the phase's timed rounds, or a figure
@@ -370,7 +389,8 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
     held = message_delay(cfg)  # an input held by the harness arrived that much later
     fits = [fit([step], spec, delay=held) for spec, step in steps]
     med = lambda xs: statistics.median(xs)  # noqa: E731
-    cal = Calibration(**{k: med([getattr(f.calibration, k) for f in fits]) for k in ("task", "recv", "hop", "step")})
+    cal = Calibration(**{k: med([getattr(f.calibration, k) for f in fits]) for k in ("task", "recv", "hop", "step")},
+                      hop_on_rank=hop_on_rank)
     wait = lambda sid, rank, t: sleep(sid % 10**6, rank, t)  # noqa: E731
     measured = stage_costs(records, place.n_stages, wait=wait)
     # stage 0's I is the runtime's no-op (its whole backward runs in W) when no split row ran.

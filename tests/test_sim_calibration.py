@@ -323,8 +323,22 @@ def test_a_recorded_steps_slow_message_is_replayed_in_its_place():
         {"rank": rs.rank, "t0": rs.begin, "t1": rs.end,
          "tasks": [[r.task.stage, r.task.kind, r.task.mb, r.start, r.end] for r in rs.records]} for rs in ranks]}}
     real = max(rs.end for rs in ranks) - min(rs.begin for rs in ranks)
-    model = sim_pred.fit_model(cfg, cal, 0, phase, recorded)
+    model = sim_pred.fit_model(cfg, cal, 0, phase, recorded, hop_on_rank=0.0)
     assert model.hops == [got.hops]
     assert sim_pred.predict(cfg, cal, 0, phase, "strict-1f1b", model=model) == pytest.approx([real])
-    means = sim_pred.fit_model(cfg, cal, 0, phase, recorded, draws=False)
+    means = sim_pred.fit_model(cfg, cal, 0, phase, recorded, draws=False, hop_on_rank=0.0)
     assert abs(sim_pred.predict(cfg, cal, 0, phase, "strict-1f1b", model=means)[0] - real) > 0.1
+
+
+def test_the_share_of_a_hop_its_receiving_rank_spends_by_hand():
+    # 2 ranks, strict 1F1B, 2 microbatches, F 1 s, B 2 s, hop 0.4 s. All of it flying: rank 1
+    # runs F0 1.4-2.4, B0 -4.4, F1 (arrived at 2.4, while busy) -5.4, B1 -7.4; rank 0 B0
+    # 4.8-6.8, B1 7.8-9.8. Half on the receiving rank (0.2 s flies, 0.2 s more per remote
+    # input): F0 1.2-2.4, B0 -4.4, F1 -5.6, B1 -7.6; rank 0 B0 4.6-6.8, B1 7.8-10.0: the
+    # input that came while rank 1 was busy costs it 0.2 s. All of it: 10.2.
+    spec, h, strict = _strict(2, 2)
+    got = {on: Calibration(hop=0.4, hop_on_rank=on).simulate(spec, h, lambda k, r, t: COST[t.kind],
+                                                             strict=strict).makespan for on in (0.0, 0.5, 1.0)}
+    assert got == pytest.approx({0.0: 9.8, 0.5: 10.0, 1.0: 10.2})
+    with pytest.raises(ValueError, match="calibration hop_on_rank=1.5: expected a share, 0 to 1"):
+        Calibration(hop_on_rank=1.5)

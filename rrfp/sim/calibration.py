@@ -23,7 +23,12 @@ a small transformer stage costs most of a ``B``, not half). Around the tasks the
   wait for costs nothing, so the model adds it to every message and lets the schedule hide it);
 - ``step``: per step, the slowest rank's step time beyond the span of all tasks (first start
   to last end): the runtime's set-up before the first task and its end after the last, and the
-  ranks leaving the step's start at different moments (the median over steps).
+  ranks leaving the step's start at different moments (the median over steps);
+- ``hop_on_rank``: the share of ``hop`` the receiving rank spends rather than waits (not read
+  off the steps: ``rrfp bench``'s predictions set it, ``benchmarks/sim_pred.py``
+  ``HOP_ON_RANK``): with rank processes sharing few cores a message's flight is partly CPU
+  (the receiver's and sender's, waking them), which does not overlap their tasks as a pure
+  latency would; the rest of ``hop`` flies.
 
 Ranks sharing cores: ``N`` rank processes on ``cores`` cores, beside other work. Linux shares
 the cores fairly between groups of processes (autogroup, cgroups), then within a group: the
@@ -68,6 +73,10 @@ class Calibration:
         task: seconds per task on its rank, beside the task's own cost.
         recv: seconds more per task whose input came from another rank (receiving it).
         hop: seconds per cross-rank message, beside ``task``.
+        hop_on_rank: the share of ``hop`` (``0..1``) the receiving rank spends, not its tasks:
+            a task whose input came from another rank takes that much longer, and the message
+            flies the rest (0: all of it flies, overlapping the receiver's tasks; module
+            docstring).
         step: seconds per step outside tasks.
         cores: cores the ranks share (None: each rank has its own; nothing is rescaled).
         background: the machine's other load, as the ranks' group sees it: a busy loop of
@@ -86,6 +95,7 @@ class Calibration:
     recv: float = 0.0
     hop: float = 0.0
     step: float = 0.0
+    hop_on_rank: float = 0.0
     cores: int | None = None
     background: float = 0.0
     duty: float | None = None
@@ -96,6 +106,9 @@ class Calibration:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_SECONDS:
                 raise ValueError(f"calibration {k}={v!r}: expected seconds, 0 to {MAX_SECONDS:g}")
+        h = self.hop_on_rank
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h <= 1:
+            raise ValueError(f"calibration hop_on_rank={h!r}: expected a share, 0 to 1")
         c = self.cores
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"calibration cores={c!r}: expected an integer >= 1, or None")
@@ -144,7 +157,10 @@ class Calibration:
         Raises:
             as :func:`~rrfp.sim.engine.simulate`.
         """
-        hop, task, recv = self.hop, self.task, self.recv
+        task = self.task
+        # A message's hop: the share the receiving rank spends goes with the receiving task
+        # (beside recv), the rest flies.
+        recv, hop = self.recv + self.hop_on_rank * self.hop, (1.0 - self.hop_on_rank) * self.hop
         rank_of = spec.placement.rank_of
         remote = set()  # (stage, kind) of the tasks whose input comes from another rank
         for t in spec.all_tasks():
@@ -220,7 +236,8 @@ class Calibration:
         """One line: the figures in milliseconds."""
         cores = "" if self.cores is None else (f", {self.cores} cores, background {self.background:.1f}"
                                                f"{'' if self.duty is None else f', measured at duty {self.duty:.2f}'}")
-        return (f"task {1e3 * self.task:.3f} ms, recv {1e3 * self.recv:.3f} ms, hop {1e3 * self.hop:.3f} ms, "
+        on = f" ({self.hop_on_rank:.0%} of it on the receiving rank)" if self.hop_on_rank else ""
+        return (f"task {1e3 * self.task:.3f} ms, recv {1e3 * self.recv:.3f} ms, hop {1e3 * self.hop:.3f} ms{on}, "
                 f"step {1e3 * self.step:.2f} ms{cores}")
 
 
