@@ -150,9 +150,11 @@ def model_line(model: dict | None) -> str:
 
     costs = "; ".join(f"rank {r}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in c.items())
                       for r, c in enumerate(model["costs"]))
+    virtual = "".join(f" {pl} rows' model read off {m['source']}." for pl, m in (model.get("virtual") or {}).items())
     return (f"Simulated column: the calibrated model (`benchmarks/sim_pred.py`'s `fit_model`) read off "
             f"{model['source']}: {Calibration.from_mapping(model['calibration']).describe()}; each task's own "
-            f"cost in place, ms ({costs}); PyTorch's 1F1B and GPipe rows are their orders run strictly on it.")
+            f"cost in place, ms ({costs}); each round the median over one simulation per recorded step; "
+            f"PyTorch's 1F1B and GPipe rows are their orders run strictly on it.{virtual}")
 
 
 # --------------------------------------------------------------------------- peers
