@@ -442,7 +442,8 @@ TARGETS_NOTE = """\
 How to read the targets:
 
 - They are rrfp's goals for the real runtime, not figures PyTorch claims. Each compares rrfp's
-  default hint (`bf`, the scheduler's default policy; `--hint` names another) with a PyTorch schedule **at equal memory**:
+  default hint (`auto`, the default of `rrfp.Pipeline`, `LocalPipeline` and `rrfp train`: the hint it kept
+  is named in each row; `--hint` names another) with a PyTorch schedule **at equal memory**:
   rrfp gets `memory_budget` = the bytes that schedule's order holds on each rank for the setting's
   microbatches (per-microbatch activation bytes measured on the rank's stage, as rrfp's own budget
   measures them; `rrfp.scheduler.memory.order_peak_bytes` over the schedule's order). The peak
