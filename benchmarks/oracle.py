@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -438,12 +439,28 @@ def summary_cells(points: Sequence[OraclePoint]) -> list[list[str]]:
     return out
 
 
-def markdown(points: Sequence[OraclePoint], command: str, wall_s: float) -> str:
-    """The oracle's section: how it was made, the targets, the per-hint summary, every point."""
+TITLE = "The exact optimiser (CP-SAT) on the suite's 4-rank points"
+"""The section's heading (``--title`` names another: BENCHMARKS.md keeps one section per layout)."""
+
+
+def measured_line(load: Sequence[float], when: str) -> str:
+    """Where and when the section was measured: the machine's cores, the range of its 1-minute
+    load average (``load``: sampled at the start and after each point), the date. The solver's
+    limit is wall time, so a busy machine can leave a gap the same solve on a quiet one closes."""
+    lo, hi = min(load), max(load)
+    return (f"Measured on a {os.cpu_count()}-core machine at load {lo:.1f}-{hi:.1f} ({when}): the solver's time "
+            "limit is wall time, so where a point says `gap` its optimum is the best schedule found and the "
+            "hints' fractions there are upper bounds on their fractions of the true optimum.")
+
+
+def markdown(points: Sequence[OraclePoint], command: str, wall_s: float, *, title: str = TITLE,
+             measured: str | None = None) -> str:
+    """The oracle's section: heading, where it was measured (``measured``, :func:`measured_line`;
+    None: not said), how it was made, the targets, the per-hint summary, every point."""
     from rrfp.sim.metrics import format_markdown
 
     solved = sum(p.full.wall_s + p.split.wall_s for p in points)
-    lines = ["## The exact optimiser (CP-SAT) on the suite's 4-rank points", "",
+    lines = [f"## {title}", "", *([measured, ""] if measured else []),
              f"`{command}` ({wall_s:.0f} s of wall time, {solved:.0f} s in the solver). The optimum is the shortest",
              "schedule of the point's tasks at its 1F1B budget, full or split backward, with every task's",
              "realised duration and every message's realised delay known in advance (clairvoyant:",
@@ -477,6 +494,22 @@ def parse_layouts(text: str) -> list[tuple[int, str]]:
     return out
 
 
+def shown_command(argv: Sequence[str]) -> str:
+    """The command the section names: ``argv`` without ``--markdown FILE`` (where it was written
+    changes no figure), an argument with a space or a quote in double quotes."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a.startswith("--markdown="):
+            skip = False
+            continue
+        if a == "--markdown":
+            skip = True
+            continue
+        plain = a and not any(c in a for c in " '\"$`\\")
+        out.append(a if plain else '"' + "".join("\\" + c if c in '"$`\\' else c for c in a) + '"')
+    return " ".join(["python -m benchmarks.oracle", *out])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.oracle", description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", default="1,2loop,2v", help="virtual stages and placement: 1, 2loop, 2v (default all)")
@@ -485,6 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds per solve (default %(default)s)")
     p.add_argument("--workers", type=int, default=WORKERS, help="CP-SAT workers (default %(default)s)")
     p.add_argument("--markdown", help="write the section to this file")
+    p.add_argument("--title", default=TITLE, help="the section's heading (default: %(default)s)")
     args = p.parse_args(argv)
     try:
         layouts = parse_layouts(args.layouts)
@@ -503,11 +537,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not have_ortools():
         print(f"error: the optimiser needs OR-Tools: {INSTALL}", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
+    t0, load = time.perf_counter(), [os.getloadavg()[0]]
+
+    def progress(line: str) -> None:  # the load after each point: the section gives its range
+        load.append(os.getloadavg()[0])
+        print(line, file=sys.stderr, flush=True)
+
     points = run_points(layouts=layouts, scenarios=scen, seeds=seeds, time_limit=args.time_limit,
-                        workers=args.workers, progress=lambda s: print(s, file=sys.stderr, flush=True))
-    command = "python -m benchmarks.oracle " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = markdown(points, command.strip(), time.perf_counter() - t0)
+                        workers=args.workers, progress=progress)
+    command = shown_command(argv if argv is not None else sys.argv[1:])
+    when = time.strftime("%Y-%m-%d, %H:%M UTC", time.gmtime())
+    text = markdown(points, command.strip(), time.perf_counter() - t0, title=args.title,
+                    measured=measured_line(load, when))
     print(text)
     if args.markdown:
         Path(args.markdown).write_text(text, encoding="utf-8")

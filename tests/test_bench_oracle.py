@@ -116,3 +116,28 @@ def test_bad_options_are_one_line_errors(capsys):
     assert oracle.main(["--scenarios", "J9"]) == 2
     assert "--scenarios 'J9': expected some of J0" in capsys.readouterr().err
     assert oracle.parse_layouts("2") == [(2, "loop"), (2, "v")]
+
+
+def test_the_section_names_its_heading_load_and_date():
+    from rrfp.sim import suite
+
+    row = suite.SuiteRow("J1", 4, 1, "1f1b", "strict-1f1b", seed=0, auto_choice="strict-split",
+                         candidates=("strict-split", "strict-1f1b"),
+                         makespan={"strict-1f1b": 0.64, "strict-split": 0.60, "auto": 0.60})
+    plan = oracle.Plan(True, 0.57, 0.57, True, [], 1.0)
+    pt = oracle.OraclePoint(row, oracle.Plan(False, 0.62, 0.62, True, [], 1.0), plan)
+    text = oracle.markdown([pt], "python -m benchmarks.oracle --layouts 1", 2.0, title="one stage per rank",
+                           measured=oracle.measured_line([3.0, 1.5, 2.25], "2026-12-05, 13:40 UTC"))
+    lines = text.splitlines()
+    assert lines[0] == "## one stage per rank"
+    assert lines[2].startswith("Measured on a ") and "at load 1.5-3.0 (2026-12-05, 13:40 UTC)" in lines[2]
+    # auto's fraction of the optimum: 0.57 / 0.60; strict-1f1b's 0.57 / 0.64.
+    assert "| J1 | 1 | 0 | 0.5700 | split | 0.6200 | 0.5700 | optimal | 1.123x | 0.950 | 0.891 | 0.950 |" in text
+    plain = oracle.markdown([pt], "c", 2.0).splitlines()
+    assert plain[:2] == [f"## {oracle.TITLE}", ""] and plain[2].startswith("`c` (2 s of wall time")
+
+
+def test_the_shown_command_leaves_out_where_it_was_written():
+    argv = ["--layouts", "2", "--title", "The x's 4-rank points", "--markdown", "/tmp/out.md", "--seeds", "0"]
+    assert oracle.shown_command(argv) == 'python -m benchmarks.oracle --layouts 2 --title "The x\'s 4-rank points" --seeds 0'
+    assert oracle.shown_command(["--markdown=o.md", "--title", 'a "b" $c']) == 'python -m benchmarks.oracle --title "a \\"b\\" \\$c"'
