@@ -292,7 +292,7 @@ _BOOL_SCAN_MAX = 1024
 # same entries, and the limits bound each entry alone. Its key and descriptors are then the
 # ones checked before (the declared bytes against this caller's limit); any other header (a
 # control message's meta, another layout, an unknown prefix or tail) takes the full parse,
-# whose success teaches this one.
+# whose success teaches this one (decode reads them; _learn_header keeps them).
 _known_prefix: dict[bytes, tuple[str, int]] = {}  # prefix bytes -> (job, step)
 _known_tail: dict[bytes, tuple] = {}  # tail bytes -> (microbatch, stage, direction, descs, n_frames, declared bytes)
 _TAILS_MAX = 1 << 14  # the tails of a step: microbatches x stages x directions (x shapes)
@@ -310,21 +310,6 @@ def _step_at(head: bytes) -> int:
     if b == 0xD9:
         return head[6] + 12  # str8, then "step"
     return 0
-
-
-def _known_header(head: bytes, max_bytes: int) -> tuple[MsgKey, list, int] | None:
-    """``(key, descriptors, tensor frame count)`` of a header whose prefix and tail were
-    accepted before (see above), or None: parse it in full."""
-    try:
-        k = _step_at(head)
-        i = k + _INT_LEN[head[k]]
-    except IndexError:  # cut short: the full parse says how
-        return None
-    js = _known_prefix.get(head[:i]) if i > k else None
-    t = _known_tail.get(head[i:]) if js is not None else None
-    if t is None or t[5] > max_bytes:  # over this caller's limit: the full parse raises
-        return None
-    return MsgKey(js[0], js[1], t[0], t[1], t[2]), t[3], t[4]
 
 
 def _learn_header(head: bytes, key: MsgKey, descs: list, n_frames: int) -> None:
@@ -378,10 +363,23 @@ def decode(
         head = _byte_view(head, "header")
     if len(head) > MAX_HEADER_BYTES:
         raise CodecError(f"header too big: {len(head)} bytes > {MAX_HEADER_BYTES}")
-    known = _known_header(head, max_bytes) if type(head) is bytes else None
-    if known is not None:
-        key, descs, n_frames = known
-        meta = {}
+    # A header whose prefix and tail were accepted before (see _known_prefix) parses as they
+    # did, its declared bytes checked against this caller's limit; any other is parsed in full.
+    tail = None
+    if type(head) is bytes:
+        try:
+            k = _step_at(head)
+            i = k + _INT_LEN[head[k]]
+        except IndexError:  # cut short: the full parse says how
+            i = k = 0
+        js = _known_prefix.get(head[:i]) if i > k else None
+        if js is not None:
+            tail = _known_tail.get(head[i:])
+            if tail is not None and tail[5] > max_bytes:
+                tail = None
+    if tail is not None:
+        key = MsgKey(js[0], js[1], tail[0], tail[1], tail[2])
+        descs, n_frames, meta = tail[3], tail[4], {}
     else:
         key, descs, n_frames, meta = parse_header(unpack_header(head), max_bytes)
         if not meta and type(head) is bytes:

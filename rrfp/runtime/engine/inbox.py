@@ -277,7 +277,7 @@ class Inbox:
         self.arb, self.step = arb, step
         self._host = frozenset() if self.place is not None else frozenset(
             s for s, st in self.stages.items()
-            if type(st).to_device is PipelineStage.to_device and st.device.type == "cpu")
+            if getattr(st.to_device, "__func__", None) is PipelineStage.to_device and st.device.type == "cpu")
         self.router.clear()
         for msg in self.pending.pop(step, []):
             self.accept(msg)
