@@ -38,7 +38,6 @@ from rrfp.sim.jitter import LEVELS
 
 from .batches import Batch, TokenMeanLoss, make_batch  # noqa: F401 - importable from here
 from .harness import ActivationMeter, BenchError, ComputeTimer, Injector, JitterStage, calibrate, round_order
-from .sim_pred import PROFILE_ROWS
 from .workloads import MultimodalWorkload, TextWorkload, budgets_for, virtual_stage_bytes
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -307,7 +306,7 @@ def rank_main(cfg: dict) -> dict | None:
                                         budgets=budgets.get(spec.get("budget")),
                                         hold=rrfp_hold(delays) if delays is not None else None,
                                         chosen_hint=cfg.get("hint"), loss_fn=meter.metered(lm_loss),
-                                        record=bool(cfg.get("record_tasks")) and name in PROFILE_ROWS)
+                                        record=bool(cfg.get("record_tasks")))
         else:
             wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1, stage=s, delays=delays,
                                     pack=work.pack if s == 0 else None) for m, s in zip(inner, stage_ids)]
@@ -427,8 +426,9 @@ def _run_phase(pi: int, ph: dict, cfg: dict, systems: list[System], work: TextWo
             if abs(a - b) > 1e-9:
                 raise BenchError(f"phase {ph['name']}: rank {rank} injected {a:.6f} s into {s.name} but {b:.6f} s into {first} (round {k + 1})")
     kept = {s.name: s.kept() for s in systems if isinstance(s, RrfpSystem) and s.kept()}
-    # The timed rounds' task records of the rows that keep them (cfg "record_tasks"): the
-    # calibrated model of the predictions is read off them (benchmarks.sim_pred.fit_model).
+    # The timed rounds' task records of every rrfp row (cfg "record_tasks"): the calibrated model
+    # of the predictions is read off the strict rows' (benchmarks.sim_pred.fit_model), and every
+    # row's lets a model be refit and checked offline (python -m benchmarks.sim_pred --from-json).
     timed = {1000 * pi + k for k in range(2, n_rounds)}
     mine = {s.name: {sid: r for sid, r in s.recorded.items() if sid in timed}
             for s in systems if getattr(s, "recorded", None) is not None}

@@ -65,10 +65,11 @@ def predictions(res: dict) -> dict[str, dict[str, list[float]]]:
                 continue
             sb = [b[p["placement"]] for b in res["virtual_stage_bytes"]]
             budgets = [int(x) for x in peak]
-            kw = dict(n_virtual=2, placement=p["placement"], bound_budgets=budgets, stage_bytes=sb)
-            rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"], model=model, **kw)
+            kw = dict(n_virtual=2, placement=p["placement"], bound_budgets=budgets, stage_bytes=sb,
+                      model=calibrated(res, pi, ph, 2, p["placement"]) or model)
+            rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"], **kw)
             rows[peer_default(label)], b_default = predict_bounded(
-                cfg, cal, pi, ph, kept_hint(ph, peer_default(label), default), budgets=budgets, model=model, **kw)
+                cfg, cal, pi, ph, kept_hint(ph, peer_default(label), default), budgets=budgets, **kw)
             rows[BOUND + label] = [min(a, b) for a, b in zip(b_strict, b_default)]
         if cfg.get("sleep") or model is not None:
             rows.update(flat_rows(res, pi, ph, names, default, model))
@@ -110,26 +111,33 @@ def flat_rows(res: dict, pi: int, ph: dict, names, default: str, model) -> dict[
     return rows
 
 
-def calibrated(res: dict, pi: int, ph: dict):
-    """The calibrated model of phase ``ph`` (:func:`benchmarks.sim_pred.fit_model`), read off
-    the strict rows' task records where the setting kept them (``record_tasks``); None without
-    them (the predictions are then uncalibrated: no runtime cost, a core per rank)."""
+def calibrated(res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str = "loop"):
+    """The calibrated model of phase ``ph`` on a placement (:func:`benchmarks.sim_pred.fit_model`),
+    read off that placement's strict rows' task records where the setting kept them
+    (``record_tasks``); None without them (with one stage per rank the predictions are then
+    uncalibrated: no runtime cost, a core per rank; a virtual-stage row falls back to the
+    one-stage model, halved per virtual stage)."""
     if not ph.get("recorded"):
         return None
     recorded = {row: {int(k): v for k, v in steps.items()} for row, steps in ph["recorded"].items()}
     try:  # costs in place, as the rows shared the cores (docs/simulator.md: no rescale)
-        return fit_model(res["config"], res["calibration"], pi, ph, recorded)
-    except ValueError:  # no strict row recorded in this phase
+        return fit_model(res["config"], res["calibration"], pi, ph, recorded, n_virtual=n_virtual,
+                         placement=placement)
+    except ValueError:  # no strict row of the placement recorded in this phase
         return None
 
 
 def models(res: dict) -> dict[str, dict | None]:
-    """Per phase, the calibrated model its predictions ran on (:meth:`RuntimeModel.to_json`),
-    None where they ran uncalibrated: for the report's lines on each setting."""
+    """Per phase, the calibrated model its one-stage predictions ran on (:meth:`RuntimeModel.to_json`),
+    with, under ``virtual``, its virtual-stage placements' (``loop``, ``v``) where their strict rows
+    were recorded; None where they ran uncalibrated: for the report's lines on each setting."""
     out = {}
     for pi, ph in enumerate(res["phases"]):
         m = calibrated(res, pi, ph)
         out[ph["name"]] = m.to_json() if m is not None else None
+        virtual = {pl: calibrated(res, pi, ph, 2, pl) for pl in ("loop", "v")}
+        if m is not None and any(virtual.values()):
+            out[ph["name"]]["virtual"] = {pl: v.to_json() for pl, v in virtual.items() if v is not None}
     return out
 
 
@@ -142,9 +150,11 @@ def model_line(model: dict | None) -> str:
 
     costs = "; ".join(f"rank {r}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in c.items())
                       for r, c in enumerate(model["costs"]))
+    virtual = "".join(f" {pl} rows' model read off {m['source']}." for pl, m in (model.get("virtual") or {}).items())
     return (f"Simulated column: the calibrated model (`benchmarks/sim_pred.py`'s `fit_model`) read off "
             f"{model['source']}: {Calibration.from_mapping(model['calibration']).describe()}; each task's own "
-            f"cost in place, ms ({costs}); PyTorch's 1F1B and GPipe rows are their orders run strictly on it.")
+            f"cost in place, ms ({costs}); each round the median over one simulation per recorded step; "
+            f"PyTorch's 1F1B and GPipe rows are their orders run strictly on it.{virtual}")
 
 
 # --------------------------------------------------------------------------- peers

@@ -442,7 +442,8 @@ TARGETS_NOTE = """\
 How to read the targets:
 
 - They are rrfp's goals for the real runtime, not figures PyTorch claims. Each compares rrfp's
-  default hint (`bf`, the scheduler's default policy; `--hint` names another) with a PyTorch schedule **at equal memory**:
+  default hint (`auto`, the default of `rrfp.Pipeline`, `LocalPipeline` and `rrfp train`: the hint it kept
+  is named in each row; `--hint` names another) with a PyTorch schedule **at equal memory**:
   rrfp gets `memory_budget` = the bytes that schedule's order holds on each rank for the setting's
   microbatches (per-microbatch activation bytes measured on the rank's stage, as rrfp's own budget
   measures them; `rrfp.scheduler.memory.order_peak_bytes` over the schedule's order). The peak
@@ -452,9 +453,13 @@ How to read the targets:
   on 2 shared cores, so a task's time depends on what the other ranks run; the ideal is the
   reference for the setting, not an upper bound here.
 - The calibrated figure beside it is the simulator on the model of what this run's runtime paid
-  (`rrfp.sim.calibration`, read off the strict 1F1B row's task records in the same timed rounds:
-  each task's own cost in place, the runtime's time per task, per received input, per message
-  and per step; docs/simulator.md), with the very delays the run injected, round by round; a
+  (`rrfp.sim.calibration`, read off the strict rows' task records in the same timed rounds, per
+  placement: strict 1F1B's for one stage per rank, the strict Int1F1B and IntZB orders' for
+  interleaved rows, the strict ZBV and DualPipeV orders' for V rows: each task's own cost in
+  place, the runtime's time per task, per received input, per message and per step, half of a
+  message's time on its receiving rank; each round the median over one simulation per recorded
+  step, at that step's own task costs and message times; docs/simulator.md), with the very
+  delays the run injected, round by round; a
   PyTorch schedule is predicted as its order run strictly on that model (PyTorch's own runtime
   costs are not modelled, so the runtime's share of a gain over PyTorch is not in it). The
   settings' tables give each row's simulated step time and real / simulated.

@@ -130,8 +130,8 @@ def setting_config(name: str, quick: bool = False, systems: Sequence[str] | None
         for ph in cfg["phases"]:
             ph["rounds"] = rounds
     cfg["systems"] = list(systems or cfg.get("systems") or LEGACY_SYSTEMS) + list(candidate_systems(candidates))
-    # Every setting keeps its strict rows' task records: the calibrated model of the report's
-    # predictions is read off them (benchmarks/sim_pred.py, fit_model; issue 33).
+    # Every setting keeps its rrfp rows' task records: the calibrated model of the report's
+    # predictions is read off the strict rows' (benchmarks/sim_pred.py, fit_model; issue 33).
     cfg.setdefault("record_tasks", True)
     cfg["seed"] = seed
     cfg["setting"] = name

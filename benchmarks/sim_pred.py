@@ -19,9 +19,20 @@ Either way a split backward runs as the real runtime runs it: on stage 0 (no inp
 injected delay and sleep (:attr:`benchmarks.harness.Injector.w_share`), as the harness sleeps
 them, and their own measured costs (uncalibrated: half of the backward's compute each).
 
-Costs per stage: with one stage per rank, the rank's; with two virtual stages, half of the
-rank's each (the layers split evenly), and half of the rank's injected delay, as the harness
-injects it. The jitter's ``e`` is the stage's mean of forward and backward, as the harness's.
+Costs per stage: with one stage per rank, the rank's; with two virtual stages, calibrated: each
+virtual stage's own, read off the strict rows of the same placement (:data:`PLACEMENT_ROWS`; a
+1-layer stage keeps the fixed costs of a task, so it costs more than half of its rank's 2-layer
+one), uncalibrated or where the placement's strict rows were not recorded: half of the rank's
+each (the layers split evenly). The injected delay of a virtual stage is half of the rank's, as
+the harness injects it. The jitter's ``e`` is the stage's mean of forward and backward, as the
+harness's.
+
+Calibrated, a round's prediction is the median over one simulation per recorded step of the
+model's rows: each task's mean cost times its factor in that step, each message its consumer
+waited for at its own hop in that step (:attr:`RuntimeModel.factors`, :attr:`RuntimeModel.hops`):
+the spread of the recorded steps, and how their tasks and messages moved together, carried to
+the row's schedule (a step's slowest path is longer than the means' one). Check a model against
+a recorded run offline: ``python -m benchmarks.report_fit --from-json results.json``.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ import numpy as np
 from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.schedules import one_f_one_b_limits
 from rrfp.scheduler.tasks import B, F, I, W, Placement, PipelineSpec, Task, TaskRecord
-from rrfp.sim.calibration import Calibration, RankStep, busy_share, fit, stage_costs
+from rrfp.sim.calibration import Calibration, RankStep, busy_share, fit, stage_costs, step_factors
 from rrfp.sim.engine import simulate
 from rrfp.sim.jitter import LEVELS, STREAM_COMM_HIT, STREAM_COMM_SIZE, injected_delay
 
@@ -52,25 +63,46 @@ def timed_step_ids(phase_index: int, phase: dict) -> list[int]:
 
 @dataclass
 class RuntimeModel:
-    """The calibrated model of a setting's rrfp rows (:func:`fit_model`).
+    """The calibrated model of a setting's rrfp rows on one placement (:func:`fit_model`).
 
     Attributes:
         calibration: what the runtime pays around tasks, how its ranks share cores.
-        costs: per rank (its one stage), the task's own seconds by kind (``F``, ``B``, ``I``,
-            ``W``), less what the harness slept in it.
+        costs: per stage of the placement it was read from (with one stage per rank, per
+            rank), the task's own seconds by kind (``F``, ``B``, ``I``, ``W``), less what the
+            harness slept in it.
         source: which rows and rounds it was read from.
+        n_virtual, placement: the placement it was read from (virtual stages per rank, and
+            ``"loop"`` or ``"v"``).
+        factors: per recorded step, each task's own cost over its mean
+            (:func:`rrfp.sim.calibration.step_factors`): a prediction runs one simulation per
+            recorded step and takes the median makespan (empty: one on the means).
+        hops: per recorded step (as ``factors``), the own hop of each message its consumer
+            waited for (:attr:`rrfp.sim.calibration.Fit.hops`), in place of
+            :attr:`Calibration.hop` in that step's simulation (empty: the mean everywhere).
     """
 
     calibration: Calibration
     costs: list[dict[str, float]]
     source: str = ""
+    n_virtual: int = 1
+    placement: str = "loop"
+    factors: list[dict[tuple[int, int, str], float]] = dataclasses.field(default_factory=list)
+    hops: list[dict[tuple[int, int, str], float]] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"calibration": self.calibration.to_mapping(), "costs": self.costs, "source": self.source}
+        """The figures for the report (the per-step factors as their count)."""
+        return {"calibration": self.calibration.to_mapping(), "costs": self.costs, "source": self.source,
+                "n_virtual": self.n_virtual, "placement": self.placement, "draws": len(self.factors)}
 
     @classmethod
     def from_json(cls, d: dict) -> "RuntimeModel":
-        return cls(Calibration.from_mapping(d["calibration"]), [dict(c) for c in d["costs"]], d.get("source", ""))
+        return cls(Calibration.from_mapping(d["calibration"]), [dict(c) for c in d["costs"]], d.get("source", ""),
+                   int(d.get("n_virtual", 1)), d.get("placement", "loop"))
+
+    def fits(self, n_virtual: int, placement: str) -> bool:
+        """Whether it was read off rows of this placement (else a prediction halves a rank's
+        cost per virtual stage)."""
+        return self.n_virtual == n_virtual and (n_virtual == 1 or self.placement == placement)
 
 
 def harness_sleep(cfg: dict, calibration: Sequence[dict], phase: dict, n_virtual: int = 1,
@@ -157,8 +189,8 @@ def predict(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dic
     Raises:
         ValueError: a hint that does not fit the placement (from the scheduler).
     """
-    return [res.makespan for res, _ in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement,
-                                               limit, budgets, stage_bytes, None, model)]
+    return [span for span, _ in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement,
+                                        limit, budgets, stage_bytes, None, model)]
 
 
 def predict_bounded(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, hint: str, *,
@@ -175,29 +207,34 @@ def predict_bounded(cfg: dict, calibration: Sequence[dict], phase_index: int, ph
         ValueError: a hint that does not fit the placement (from the scheduler).
     """
     steps, bounds = [], []
-    for res, bound in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, limit, budgets,
-                              stage_bytes, bound_budgets, model):
-        steps.append(res.makespan)
+    for span, bound in _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, limit, budgets,
+                               stage_bytes, bound_budgets, model):
+        steps.append(span)
         bounds.append(bound)
     return steps, bounds
 
 
 def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, limit, budgets, stage_bytes,
             bound_budgets, model=None):
-    """Per timed round: (the simulation's result, its memory-aware bound at ``bound_budgets`` or
-    None without them)."""
+    """Per timed round: (the simulated step time: the median over the model's recorded steps'
+    factors, or the one on the means; its memory-aware bound at ``bound_budgets`` on the means,
+    or None without them)."""
     from rrfp.sim.metrics import lower_bound, memory_bound
 
     from .systems import torch_order_hint
 
-    P, M, seed = cfg["n_ranks"], cfg["n_microbatches"], cfg["seed"]
+    P, M = cfg["n_ranks"], cfg["n_microbatches"]
     place = Placement(P, n_virtual, placement)
     limits = one_f_one_b_limits(P) if limit == "1f1b" else [int(limit)] * P
     spec, h, strict = resolve_hint(torch_order_hint(hint, P, M), place, M, inflight_limit=limits)
     sleep = harness_sleep(cfg, calibration, phase, n_virtual, placement)
+    draws: list = [None]
     if model is None:
         cost = compute_cost(calibration, n_virtual)
-    else:
+    elif model.fits(n_virtual, placement):  # costs per stage, read off this placement's rows
+        cost = lambda rank, t: model.costs[t.stage][t.kind]  # noqa: E731
+        draws = list(zip(model.factors, model.hops or [{}] * len(model.factors))) or draws
+    else:  # read off one stage per rank: a virtual stage is its share of the rank's layers
         share = 1.0 / n_virtual
         cost = lambda rank, t: model.costs[rank][t.kind] * share  # noqa: E731
     act = None
@@ -206,25 +243,55 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
         act = lambda step, stage, mb: int(stage_bytes[pos[stage][0]][pos[stage][1]])  # noqa: E731
 
     held = message_delay(cfg)
+    # Without injected jitter or message delays every round simulates the same: once.
+    same = LEVELS[phase["level"]].p <= 0 and (not cfg.get("comm") or LEVELS[cfg["comm"]].p <= 0)
+    first = None
     for step_id in timed_step_ids(phase_index, phase):
-        def duration(step: int, rank: int, t, sid=step_id) -> float:
-            return sleep(sid, rank, t) + cost(rank, t)
+        if same and first is not None:
+            yield first
+            continue
 
         def delay(step: int, src: int, dst: int, t, sid=step_id) -> float:
             return 0.0 if held is None else held(sid, src, dst, t)
 
-        kw = dict(strict=strict, inflight_limit=limits, delay=delay, record=bound_budgets is not None,
-                  memory_budget=list(budgets) if budgets is not None else None,
-                  act_bytes=act if budgets is not None else None)
-        if model is None:
-            res = simulate(spec, h, duration, **kw)
-        else:
-            res = model.calibration.simulate(spec, h, duration, cpu=lambda k, r, t: cost(r, t), **kw)
+        def run(own, record=False, sid=step_id, hops=None):
+            wire = delay
+            if hops:  # each message's own hop in place of the mean the calibration adds
+                mean, on = model.calibration.hop, model.calibration.hop_on_rank
+                key = lambda t: (t.stage, t.mb, F if t.kind == F else B)  # noqa: E731
+                wire = lambda step, src, dst, t: delay(step, src, dst, t) + (1 - on) * (  # noqa: E731
+                    hops.get(key(t), mean) - mean)
+                if on:  # the receiving task's share of its input's own hop
+                    mine = own
+
+                    def own(rank: int, t: Task) -> float:
+                        src = spec.producer(t)
+                        if src is None or place.rank_of(src.stage) == rank:
+                            return mine(rank, t)
+                        return mine(rank, t) + on * (hops.get(key(src), mean) - mean)
+            duration = lambda step, rank, t: sleep(sid, rank, t) + own(rank, t)  # noqa: E731
+            kw = dict(strict=strict, inflight_limit=limits, delay=wire, record=record,
+                      memory_budget=list(budgets) if budgets is not None else None,
+                      act_bytes=act if budgets is not None else None)
+            if model is None:
+                return simulate(spec, h, duration, **kw)
+            return model.calibration.simulate(spec, h, duration, cpu=lambda k, r, t: own(r, t), **kw)
+
+        spans = []
+        for draw in draws:
+            if draw is None:
+                spans.append(run(cost).makespan)
+                continue
+            fac, hops = draw
+            own = lambda rank, t, fac=fac: cost(rank, t) * fac.get((t.stage, t.mb, F if t.kind == F else B), 1.0)  # noqa: E731
+            spans.append(run(own, hops=hops).makespan)
         bound = None
         if bound_budgets is not None:
+            res = run(cost, record=True)
             bound = max(lower_bound(spec, res.records, delay=delay),
                         memory_bound(spec, res.records, list(bound_budgets), act, delay=delay))
-        yield res, bound
+        first = (statistics.median(spans), bound)
+        yield first
 
 
 def machine_background(seconds: float = 0.5) -> tuple[int, float]:
@@ -244,19 +311,40 @@ def machine_background(seconds: float = 0.5) -> tuple[int, float]:
     return cores, (max(0.0, cores / max(share, 1e-3) - 1.0) if share < 0.98 else 0.0)
 
 
+HOP_ON_RANK = 0.5
+"""The share of a message's hop its receiving rank spends (:attr:`Calibration.hop_on_rank`)
+in the calibrated model of ``rrfp bench``'s rows: 4 rank processes on 2 cores wake, decode and
+hand on their messages on the cores their tasks need, so a message's time does not all overlap
+the receiver's tasks. Chosen on one recorded run (``python -m benchmarks.report_fit``, rows
+within 5%: 0 -> 24 of 48, 0.5 -> 30, 1 -> 22), reported on another (docs/simulator.md)."""
+
 PROFILE_ROWS = ("rrfp strict-1f1b", "rrfp strict-split")
 """The rows a setting's calibrated model is read from when they ran (:func:`fit_model`): the
 strict schedule (``F``, ``B``) and its split (``I``, ``W``), as ``auto`` measures a job."""
 
+PLACEMENT_ROWS = {
+    (1, "loop"): PROFILE_ROWS,
+    (2, "loop"): ("rrfp strict Int1F1B order", "rrfp strict IntZB order"),
+    (2, "v"): ("rrfp strict ZBV order", "rrfp strict DualPipeV order"),
+}
+"""Per placement (virtual stages per rank, ``"loop"`` or ``"v"``), the strict rows its model is
+read from (:func:`fit_model`): a virtual stage's own cost is measured on that placement, not
+taken as half of its rank's (the fixed costs of a task, autograd's set-up, the stage wrapper,
+the outputs' encoding, do not halve with its layers)."""
+
 
 def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, recorded: dict,
-              rows: Sequence[str] = PROFILE_ROWS, cores: int | None = None, background: float = 0.0) -> RuntimeModel:
-    """The calibrated model of a setting's phase, read off the recorded steps of ``rows`` (those
-    that ran; one stage per rank): each task's own cost (its recorded duration less what the
-    harness slept in it, :func:`harness_sleep`; a kind no row ran is derived, ``I = W = B / 2``,
-    stage 0's ``I`` none), the runtime's time per task, per message (beyond the message delays
-    the harness injected, :func:`message_delay`) and per step
-    (:func:`rrfp.sim.calibration.fit`), and, with ``cores``, the duty the costs were measured at.
+              rows: Sequence[str] | None = None, cores: int | None = None, background: float = 0.0,
+              n_virtual: int = 1, placement: str = "loop", draws: bool = True,
+              hop_on_rank: float = HOP_ON_RANK) -> RuntimeModel:
+    """The calibrated model of a setting's phase on one placement, read off the recorded steps
+    of ``rows`` (those that ran; default the placement's :data:`PLACEMENT_ROWS`): each task's own
+    cost per stage (its recorded duration less what the harness slept in it,
+    :func:`harness_sleep`; a kind no row ran is derived, ``I = W = B / 2``, stage 0's ``I``
+    none), the runtime's time per task, per message (beyond the message delays the harness
+    injected, :func:`message_delay`) and per step (:func:`rrfp.sim.calibration.fit`), with
+    ``draws`` each recorded step's factors (:func:`rrfp.sim.calibration.step_factors`), and,
+    with ``cores``, the duty the costs were measured at.
 
     Args:
         recorded: row -> step id -> per rank ``{"rank", "t0", "t1", "tasks": [[stage, kind, mb,
@@ -264,21 +352,27 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
             with ``record_tasks``, ``benchmarks/bench_sim_vs_runtime.py``).
         cores, background: the machine's cores and its other load as the ranks see it
             (:class:`~rrfp.sim.calibration.Calibration`).
+        n_virtual, placement: the placement of ``rows``.
+        draws: keep each recorded step's factors and hops (:class:`RuntimeModel`).
+        hop_on_rank: :attr:`~rrfp.sim.calibration.Calibration.hop_on_rank`.
 
     Raises:
         ValueError: none of ``rows`` was recorded in the phase's timed rounds, or a figure
             without a sample.
     """
     P, M = cfg["n_ranks"], cfg["n_microbatches"]
-    place = Placement(P)
-    sleep = harness_sleep(cfg, calibration, phase)
+    if rows is None:
+        rows = PLACEMENT_ROWS.get((n_virtual, placement if n_virtual > 1 else "loop"), ())
+    place = Placement(P, n_virtual, placement)
+    sleep = harness_sleep(cfg, calibration, phase, n_virtual, placement)
     ids = set(timed_step_ids(phase_index, phase))
     used = [r for r in rows if r in recorded and ids & {int(k) for k in recorded[r]}]
     if not used:
-        raise ValueError(f"no recorded step of {', '.join(rows)} in phase {phase.get('name', phase_index)}")
+        raise ValueError(f"no recorded step of {', '.join(rows) or 'a strict row'} in phase "
+                         f"{phase.get('name', phase_index)}")
     records: list[TaskRecord] = []
     steps = []
-    for row in used:
+    for n, row in enumerate(used):
         split = any(t[1] in (I, W) for ranks in recorded[row].values() for rs in ranks for t in rs["tasks"])
         spec = PipelineSpec(place, M, split)
         for sid, ranks in sorted(recorded[row].items(), key=lambda kv: int(kv[0])):
@@ -286,25 +380,31 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
                 continue
             step = []
             for rs in ranks:
+                # The rows' steps apart (a row's own step ids: n * 10**6 on), the records per step.
                 recs = [TaskRecord(rs["rank"], int(sid), Task(int(a), str(k), int(m)), t0, t1)
                         for a, k, m, t0, t1 in rs["tasks"]]
-                records += recs
+                records += [dataclasses.replace(r, step=r.step + n * 10**6) for r in recs]
                 step.append(RankStep(rs["rank"], recs, rs.get("t0"), rs.get("t1")))
             steps.append((spec, step))
     held = message_delay(cfg)  # an input held by the harness arrived that much later
     fits = [fit([step], spec, delay=held) for spec, step in steps]
     med = lambda xs: statistics.median(xs)  # noqa: E731
-    cal = Calibration(**{k: med([getattr(f.calibration, k) for f in fits]) for k in ("task", "recv", "hop", "step")})
-    costs = stage_costs(records, P, wait=sleep)
+    cal = Calibration(**{k: med([getattr(f.calibration, k) for f in fits]) for k in ("task", "recv", "hop", "step")},
+                      hop_on_rank=hop_on_rank)
+    wait = lambda sid, rank, t: sleep(sid % 10**6, rank, t)  # noqa: E731
+    measured = stage_costs(records, place.n_stages, wait=wait)
     # stage 0's I is the runtime's no-op (its whole backward runs in W) when no split row ran.
-    per = [{k: c.cost(k) for k in (F, B, I, W)} for c in costs.stages]
+    per = [{k: c.cost(k) for k in (F, B, I, W)} for c in measured.stages]
     if not any(r.task.kind == W for r in records):
         per[0][I], per[0][W] = 0.0, per[0][B]
     if cores is not None:
-        cpu = lambda k, r, t: per[r][t.kind]  # noqa: E731
+        cpu = lambda k, r, t: per[t.stage][t.kind]  # noqa: E731
         cal = dataclasses.replace(cal, cores=cores, background=background, duty=busy_share(records, P, cpu))
     n = sum(len(s) for _, s in steps) // P
-    return RuntimeModel(cal, per, f"{', '.join(used)}: {n} timed step{'s' if n != 1 else ''}")
+    factors = step_factors(records, measured, wait=wait) if draws else []
+    hops = [f.hops for f in fits] if draws else []
+    return RuntimeModel(cal, per, f"{', '.join(used)}: {n} timed step{'s' if n != 1 else ''}", n_virtual,
+                        placement if n_virtual > 1 else "loop", factors, hops)
 
 
 def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict:

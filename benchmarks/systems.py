@@ -22,6 +22,9 @@ RRFP_SYSTEMS: dict[str, dict[str, Any]] = {
     "rrfp bf": {"hint": "bf", "limit": 32},
     "rrfp bfw": {"hint": "bfw", "limit": 32},
     "rrfp strict-1f1b": {"hint": "strict-1f1b", "limit": 32},
+    # 1F1B's order with the backward split into I and W: the calibrated model reads a one-stage
+    # placement's I and W off it (benchmarks/sim_pred.py PROFILE_ROWS), as auto measures a job.
+    "rrfp strict-split": {"hint": "strict-split", "limit": 32},
     "rrfp bf, 1F1B limits": {"hint": "bf", "limit": "1f1b"},
     # The default hint (whatever rrfp.Pipeline defaults to), unlimited and with a memory
     # budget in bytes: what 1F1B or GPipe would hold on each rank (benchmarks/workloads.py).
@@ -47,7 +50,7 @@ def candidate_systems(hints: Sequence[str]) -> dict[str, dict[str, Any]]:
     rounds at both memory budgets: ``rrfp <hint>, 1F1B memory`` and ``rrfp <hint>, GPipe memory``."""
     return {f"rrfp {h}, {label}": {"hint": h, "limit": 32, "budget": b} for h in hints for b, label in MEMORY_ROWS.items()}
 CORE_SYSTEMS = ["rrfp default", "rrfp default, 1F1B memory", "rrfp default, GPipe memory", "rrfp strict-1f1b",
-                   "torch GPipe", "torch 1F1B"]
+                "rrfp strict-split", "torch GPipe", "torch 1F1B"]
 
 
 def target_groups(names: Sequence[str]) -> list[list[str]]:

@@ -23,7 +23,12 @@ a small transformer stage costs most of a ``B``, not half). Around the tasks the
   wait for costs nothing, so the model adds it to every message and lets the schedule hide it);
 - ``step``: per step, the slowest rank's step time beyond the span of all tasks (first start
   to last end): the runtime's set-up before the first task and its end after the last, and the
-  ranks leaving the step's start at different moments (the median over steps).
+  ranks leaving the step's start at different moments (the median over steps);
+- ``hop_on_rank``: the share of ``hop`` the receiving rank spends rather than waits (not read
+  off the steps: ``rrfp bench``'s predictions set it, ``benchmarks/sim_pred.py``
+  ``HOP_ON_RANK``): with rank processes sharing few cores a message's flight is partly CPU
+  (the receiver's and sender's, waking them), which does not overlap their tasks as a pure
+  latency would; the rest of ``hop`` flies.
 
 Ranks sharing cores: ``N`` rank processes on ``cores`` cores, beside other work. Linux shares
 the cores fairly between groups of processes (autogroup, cgroups), then within a group: the
@@ -68,6 +73,10 @@ class Calibration:
         task: seconds per task on its rank, beside the task's own cost.
         recv: seconds more per task whose input came from another rank (receiving it).
         hop: seconds per cross-rank message, beside ``task``.
+        hop_on_rank: the share of ``hop`` (``0..1``) the receiving rank spends, not its tasks:
+            a task whose input came from another rank takes that much longer, and the message
+            flies the rest (0: all of it flies, overlapping the receiver's tasks; module
+            docstring).
         step: seconds per step outside tasks.
         cores: cores the ranks share (None: each rank has its own; nothing is rescaled).
         background: the machine's other load, as the ranks' group sees it: a busy loop of
@@ -86,6 +95,7 @@ class Calibration:
     recv: float = 0.0
     hop: float = 0.0
     step: float = 0.0
+    hop_on_rank: float = 0.0
     cores: int | None = None
     background: float = 0.0
     duty: float | None = None
@@ -96,6 +106,9 @@ class Calibration:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_SECONDS:
                 raise ValueError(f"calibration {k}={v!r}: expected seconds, 0 to {MAX_SECONDS:g}")
+        h = self.hop_on_rank
+        if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h <= 1:
+            raise ValueError(f"calibration hop_on_rank={h!r}: expected a share, 0 to 1")
         c = self.cores
         if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1):
             raise ValueError(f"calibration cores={c!r}: expected an integer >= 1, or None")
@@ -144,7 +157,10 @@ class Calibration:
         Raises:
             as :func:`~rrfp.sim.engine.simulate`.
         """
-        hop, task, recv = self.hop, self.task, self.recv
+        task = self.task
+        # A message's hop: the share the receiving rank spends goes with the receiving task
+        # (beside recv), the rest flies.
+        recv, hop = self.recv + self.hop_on_rank * self.hop, (1.0 - self.hop_on_rank) * self.hop
         rank_of = spec.placement.rank_of
         remote = set()  # (stage, kind) of the tasks whose input comes from another rank
         for t in spec.all_tasks():
@@ -220,7 +236,8 @@ class Calibration:
         """One line: the figures in milliseconds."""
         cores = "" if self.cores is None else (f", {self.cores} cores, background {self.background:.1f}"
                                                f"{'' if self.duty is None else f', measured at duty {self.duty:.2f}'}")
-        return (f"task {1e3 * self.task:.3f} ms, recv {1e3 * self.recv:.3f} ms, hop {1e3 * self.hop:.3f} ms, "
+        on = f" ({self.hop_on_rank:.0%} of it on the receiving rank)" if self.hop_on_rank else ""
+        return (f"task {1e3 * self.task:.3f} ms, recv {1e3 * self.recv:.3f} ms, hop {1e3 * self.hop:.3f} ms{on}, "
                 f"step {1e3 * self.step:.2f} ms{cores}")
 
 
@@ -241,11 +258,14 @@ class RankStep:
 @dataclass
 class Fit:
     """What :func:`fit` read off the steps: the calibration, per link (stage ``s`` to its
-    next) the mean hop, and how many samples each figure had."""
+    next) the mean hop, how many samples each figure had, and per message its consumer waited
+    for, keyed ``(sending stage, microbatch, "F" or "B")``, its own hop (seconds beyond
+    ``task``; of the last step that had it)."""
 
     calibration: Calibration
     links: dict[int, float]
     samples: dict[str, int]
+    hops: dict[tuple[int, int, str], float] = dataclasses.field(default_factory=dict)
 
 
 def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn | None = None,
@@ -269,6 +289,7 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn 
     gaps: list[float] = []
     received: list[float] = []
     waits: dict[int, list[float]] = {}
+    waited: dict[tuple[int, int, str], float] = {}
     outside: list[float] = []
     for ranks in steps:
         ended = {r.task: (r.rank, r.end, r.step) for rs in ranks for r in rs.records}
@@ -279,6 +300,11 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn 
             outside.append(max(rs.end - rs.begin for rs in timed) - span)
         for rs in ranks:
             recs = sorted(rs.records, key=lambda r: r.start)
+            src = spec.producer(recs[0].task) if recs else None
+            made = ended.get(src) if src is not None else None
+            if made is not None and made[0] != rs.rank:  # the rank's first task waited for its input
+                arrived = made[1] + (delay(made[2], made[0], rs.rank, src) if delay else 0.0)
+                waited[(src.stage, src.mb, "F" if src.kind == F else "B")] = recs[0].start - arrived
             for prev, nxt in zip(recs, recs[1:]):
                 src = spec.producer(nxt.task)
                 made = ended.get(src) if src is not None else None
@@ -291,6 +317,7 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn 
                 else:
                     link = min(src.stage, nxt.task.stage)
                     waits.setdefault(link, []).append(nxt.start - arrived)
+                    waited[(src.stage, src.mb, "F" if src.kind == F else "B")] = nxt.start - arrived
     if not gaps:
         raise ValueError("calibration: no gap between two tasks whose input was there: record more tasks")
     task = max(0.0, statistics.fmean(gaps))
@@ -300,7 +327,8 @@ def fit(steps: Sequence[Sequence[RankStep]], spec: PipelineSpec, delay: DelayFn 
     links = {s: max(0.0, statistics.fmean(ws) - task) for s, ws in sorted(waits.items())}
     step = max(0.0, statistics.median(outside)) if outside else 0.0
     cal = Calibration(task=task, recv=recv, hop=hop, step=step, **fields)
-    return Fit(cal, links, {"task": len(gaps), "recv": len(received), "hop": len(every), "step": len(outside)})
+    return Fit(cal, links, {"task": len(gaps), "recv": len(received), "hop": len(every), "step": len(outside)},
+               {k: max(0.0, w - task) for k, w in waited.items()})
 
 
 WaitFn = Callable[[int, int, Task], float]  # (step, rank, task) -> seconds the task waited (not CPU)
@@ -329,6 +357,34 @@ def stage_costs(records: Sequence[TaskRecord], n_stages: int, wait: WaitFn | Non
             m["act_bytes"] = int(act_bytes[s])
         stages.append(StageCost.from_mapping(m, f"stage {s}"))
     return CostModel(tuple(stages))
+
+
+def step_factors(records: Sequence[TaskRecord], costs: CostModel, wait: WaitFn | None = None,
+                 ) -> list[dict[tuple[int, int, str], float]]:
+    """Per recorded step (in step order), how much each task's own cost (its duration less
+    ``wait``, as :func:`stage_costs`) stood from the mean ``costs``: per ``(stage, microbatch,
+    direction)``, ``F`` the forward's own seconds over the stage's mean forward, ``B`` the
+    backward's (``B``, or ``I`` plus ``W``: whichever kinds ran) over the mean of the same kinds
+    (1 where that mean is 0). A simulation that runs one step on each step's factors (each
+    task's mean cost times its factor) replays the recorded durations, task for task, and
+    carries their spread, and how they moved together in a step, to any other schedule of the
+    same tasks: its makespans' spread, not the makespan of the means (a step's slowest path is
+    longer than the mean's, ``E[max] >= max E``).
+
+    Raises:
+        ValueError: a record of a stage ``costs`` has not.
+    """
+    own: dict[int, dict[tuple[int, int, str], list[float]]] = {}
+    for r in records:
+        t = r.task
+        if t.stage >= costs.n_stages:
+            raise ValueError(f"calibration: a record of stage {t.stage}, the costs have {costs.n_stages} stages")
+        mean = costs.stages[t.stage].cost(t.kind)
+        d = "F" if t.kind == F else "B"
+        acc = own.setdefault(r.step, {}).setdefault((t.stage, t.mb, d), [0.0, 0.0])
+        acc[0] += max(0.0, r.end - r.start - (wait(r.step, r.rank, t) if wait else 0.0))
+        acc[1] += mean
+    return [{k: (a / m if m > 0 else 1.0) for k, (a, m) in own[sid].items()} for sid in sorted(own)]
 
 
 def busy_share(records: Sequence[TaskRecord], n_ranks: int, cpu: WaitFn | None = None) -> float:

@@ -1,0 +1,117 @@
+"""The calibrated simulator against a recorded run, offline: refit the model of every setting
+and phase from the raw results of ``rrfp bench --json`` (each rrfp row's task records,
+``record_tasks``) and print, per setting and phase, how many rrfp rows' real step times are within
+5% of the simulated ones and how many speedups over strict 1F1B within 0.05 (issue 33's targets,
+:func:`benchmarks.report.calibration_targets`), with each row's figures under ``--rows``.
+
+One real run, many model variants: the predictions are :func:`benchmarks.report_peers.predictions`,
+the report's own, so a change to the model (``rrfp/sim/calibration.py``,
+``benchmarks/sim_pred.py``) is checked here against recorded runs before a new one is taken::
+
+    python -m benchmarks.report_fit --from-json results.json [--settings jitter4,compute2] [--rows]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+def check(res: dict) -> dict[str, dict]:
+    """Per phase of one setting's raw result, its summary (:func:`benchmarks.report.phase_summary`)
+    with the refitted predictions (``predicted``) and whether they ran calibrated
+    (``calibrated``), as :func:`benchmarks.report.calibration_targets` reads them."""
+    from .report import phase_summary
+    from .report_peers import models, predictions
+
+    pred, model = predictions(res), models(res)
+    out = {}
+    for ph in res["phases"]:
+        s = phase_summary(ph)
+        s["predicted"] = {n: v for n, v in (pred.get(ph["name"]) or {}).items() if n in s["names"]}
+        s["sleep"] = bool(res["config"].get("sleep"))
+        s["calibrated"] = bool(model.get(ph["name"]))
+        out[ph["name"]] = s
+    return out
+
+
+def row_lines(s: dict) -> list[str]:
+    """Per rrfp row with a prediction: real and simulated medians (ms), real / simulated, and the
+    real and simulated speedups over strict 1F1B."""
+    from .report import simulated_speedup
+
+    base = "rrfp strict-1f1b"
+    lines = []
+    for n in s["names"]:
+        sim = s["predicted"].get(n)
+        if not n.startswith("rrfp ") or not sim:
+            continue
+        real = np.asarray(s["steps"][n])
+        spd = ""
+        if base in s["predicted"]:
+            spd = f"  speedup real {s['speedup'][n][base]:.3f} sim {simulated_speedup(s, n, base):.3f}"
+        kept = s["kept"].get(n)
+        lines.append(f"  {n + (f' ({kept})' if kept else ''):58s} real {1e3 * np.median(real):7.1f} ms  sim "
+                     f"{1e3 * np.median(sim):7.1f} ms  real/sim {np.median(real / np.asarray(sim)):.3f}{spd}")
+    return lines
+
+
+def same_schedule(s: dict) -> dict[str, float]:
+    """Per rrfp row that ran strict 1F1B's very schedule (``auto`` kept ``strict-1f1b``), the
+    median over the rounds of its real step over the ``rrfp strict-1f1b`` row's, paired: what
+    no model of the schedule can tell apart (the run's noise, and what those rows' runtime pays
+    that the strict row's does not: auto's controller, a memory budget's metering)."""
+    base = "rrfp strict-1f1b"
+    if base not in s["steps"]:
+        return {}
+    return {n: float(np.median(np.asarray(s["steps"][n]) / np.asarray(s["steps"][base])))
+            for n, k in s["kept"].items() if k == "strict-1f1b" and n in s["steps"]}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rrfp import _json as strict_json
+
+    from .report import calibration_targets
+
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.report_fit", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--from-json", required=True, metavar="FILE", help="raw results of `rrfp bench --json`")
+    ap.add_argument("--settings", default="", help="comma-separated settings (default: every one recorded)")
+    ap.add_argument("--rows", action="store_true", help="each rrfp row's figures too")
+    args = ap.parse_args(argv)
+    try:
+        results = strict_json.restore(json.loads(Path(args.from_json).read_text()))
+        compare = results["compare"]
+        if not isinstance(compare, dict):
+            raise TypeError("'compare' is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"report_fit: error: --from-json {args.from_json}: not the raw results of a benchmark run ({e})",
+              file=sys.stderr)
+        return 2
+    wanted = [s for s in args.settings.split(",") if s] or list(compare)
+    missing = [s for s in wanted if s not in compare]
+    if missing:
+        print(f"report_fit: error: --settings {missing[0]!r}: not in {args.from_json} (has {', '.join(compare)})",
+              file=sys.stderr)
+        return 2
+    for name in wanted:
+        phases = check(compare[name])
+        for target, measured, verdict, _ in calibration_targets({name: phases}):
+            print(f"{target}: {measured} [{verdict.strip('*')}]")
+        for ph, s in phases.items():
+            same = same_schedule(s)
+            if same:
+                print(f"{name}, {ph}: rows that ran strict 1F1B's schedule, real / strict-1f1b's real: "
+                      + ", ".join(f"{n} {v:.3f}" for n, v in same.items()))
+            if args.rows:
+                print(f"{name}, {ph}:")
+                print("\n".join(row_lines(s)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
