@@ -14,6 +14,11 @@ Usage (valgrind on the PATH; 4 runs under callgrind side by side, about 3 minute
     python -m benchmarks.overhead_instructions            # prints K instructions/task and the ratio
     python -m benchmarks.overhead_instructions --lo 2 --hi 6
     python -m benchmarks.overhead_instructions --loop asyncio   # the pipeline on asyncio's own loop
+    python -m benchmarks.overhead_instructions --bytecodes 30   # no valgrind: where the bytecodes go
+
+``--bytecodes N`` is the profile to read first (seconds, no valgrind, and as load-independent):
+the Python bytecodes and calls per task of the pipeline's 2 steps after the warm-up, counted
+with ``sys.settrace``'s opcode events, and the ``N`` functions that execute the most.
 
 ``--loop asyncio`` runs the pipeline on asyncio's event loop instead of uvloop's (the runtime's
 choice where uvloop is installed, :func:`rrfp.runtime.doors.front.new_event_loop`); its loop is
@@ -66,6 +71,50 @@ def child(what: str, steps: int, loop: str = "uvloop") -> None:
             pipe.step(x, target=y)
 
 
+def bytecodes(top: int, steps: int = 2) -> None:
+    """Print the bytecodes and Python calls per task of ``steps`` pipeline steps after the
+    warm-up, and the ``top`` functions by bytecodes per task (``file:line name``)."""
+    import collections
+    import logging
+
+    import torch
+
+    from benchmarks.micro import Scale, scalar_loss
+    from rrfp.runtime.doors.local import LocalPipeline
+
+    ops: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+
+    def where(frame) -> tuple:
+        co = frame.f_code
+        return co.co_filename.rsplit("/", 1)[-1], co.co_firstlineno, co.co_name
+
+    def trace(frame, event, arg):
+        if event == "opcode":
+            ops[where(frame)] += 1
+        elif event == "call":
+            frame.f_trace_opcodes = True
+            calls[where(frame)] += 1
+        return trace
+
+    torch.manual_seed(0)
+    logging.getLogger("rrfp").setLevel(logging.CRITICAL)
+    x, y = torch.ones(M, 1), torch.ones(M, 1)
+    with LocalPipeline([Scale() for _ in range(P)], M, scalar_loss, hint="bf", encode=True, watchdog=60) as pipe:
+        for _ in range(WARMUP):
+            pipe.step(x, target=y)
+        sys.settrace(trace)
+        try:
+            for _ in range(steps):
+                pipe.step(x, target=y)
+        finally:
+            sys.settrace(None)
+    n = steps * 2 * P * M
+    print(f"pipeline: {sum(ops.values()) / n:.1f} bytecodes and {sum(calls.values()) / n:.1f} Python calls per task")
+    for k, v in ops.most_common(top):
+        print(f"{v / n:8.2f} bytecodes {calls[k] / n:5.2f} calls  {k[0]}:{k[1]} {k[2]}")
+
+
 def count(what: str, steps: int, loop: str = "uvloop") -> int:
     """Instructions callgrind counted for one child run."""
     toggle = ["--collect-atstart=no", f"--toggle-collect={TOGGLE}"] if what == "pipe" and loop == "uvloop" else []
@@ -84,10 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hi", type=int, default=3, help="timed steps of the longer run (default 3)")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                     help="the pipeline's event loop (default uvloop, the runtime's)")
+    ap.add_argument("--bytecodes", type=int, metavar="N",
+                    help="no callgrind: print bytecodes per task and the N functions that execute the most")
     ap.add_argument("--child", nargs=2, metavar=("WHAT", "STEPS"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         child(a.child[0], int(a.child[1]), a.loop)
+        return 0
+    if a.bytecodes is not None:
+        bytecodes(a.bytecodes)
         return 0
     if not 0 <= a.lo < a.hi:
         print(f"--lo {a.lo} --hi {a.hi}: expected 0 <= lo < hi", file=sys.stderr)
