@@ -65,7 +65,8 @@ def same_schedule(s: dict) -> dict[str, float]:
     """Per rrfp row that ran strict 1F1B's very schedule (``auto`` kept ``strict-1f1b``), the
     median over the rounds of its real step over the ``rrfp strict-1f1b`` row's, paired: what
     no model of the schedule can tell apart (the run's noise, and what those rows' runtime pays
-    that the strict row's does not: auto's controller, a memory budget's metering)."""
+    that the strict row's does not; before db671b9 the layers auto's split trial had routed
+    stayed routed, 5-20% here)."""
     base = "rrfp strict-1f1b"
     if base not in s["steps"]:
         return {}

@@ -223,7 +223,7 @@ def _rank_main(rank: int, world: int, port: int, out: str) -> None:
 
 def _steps(rank: int, world: int, mods, times, **options):
     stage = rrfp.PipelineStage(mods[rank], rank, world)
-    ran, losses, grads = [], [], []
+    ran, losses, grads, routed = [], [], [], []
     with rrfp.Pipeline(stage, M, F.mse_loss, watchdog=600, rank=rank, n_ranks=world, **options) as pipe:
         share = type(pipe.auto.share).__name__
         pipe.auto.measure = _forced({**times, pipe.auto.strict: times["strict"]})
@@ -234,7 +234,8 @@ def _steps(rank: int, world: int, mods, times, **options):
             ran.append(pipe.hint_name)
             losses.append(pipe.last_loss)
             grads.append([p.grad.clone() for p in mods[rank].parameters()])
-        return {"share": share, "ran": ran, "losses": losses, "grads": grads, "chosen": pipe.auto.chosen,
+            routed.append(sum("_rrfp_split" in m.__dict__ for m in mods[rank].modules()))  # split backward's layers
+        return {"routed": routed, "share": share, "ran": ran, "losses": losses, "grads": grads, "chosen": pipe.auto.chosen,
                 "strict": pipe.auto.strict, "trial": pipe.auto.trial}
 
 
@@ -256,6 +257,10 @@ def test_every_rank_of_a_pipeline_switches_alike_and_matches_the_reference(tmp_p
         assert a["chosen"] in a["trial"] and a["ran"][-1] == a["chosen"]
         if way == "control":
             assert a["chosen"] == a["strict"]  # the slowest rank's step time decides
+            # Step 3 measured the split candidate (its one Linear routed); the kept strict
+            # schedule runs the layer's own forward on every rank (issue 33: test_auto_kept.py).
+            assert a["ran"][2] == "strict-split" and a["routed"][2] == b["routed"][2] == 1
+            assert a["routed"][-1] == b["routed"][-1] == 0
         else:
             assert a["chosen"] != a["strict"]
         for k in range(STEPS):

@@ -51,7 +51,7 @@ from .ordered import _OrderedGrads
 from .outbox import Outbox
 from .pace import ForwardPace
 from .router import Router
-from .split import enable_split_backward
+from .split import disable_split_backward, enable_split_backward
 from .stage import PipelineStage, as_tuple
 
 # run_backward, LossFn, DelayFn and TaskRecord are imported from here by the front doors, the
@@ -235,8 +235,9 @@ class RankRuntime:
     def set_hint(self, spec: PipelineSpec, hint: Hint, strict: bool) -> None:
         """Run ``hint`` (resolved with ``spec`` and ``strict``, as
         :func:`~rrfp.scheduler.hints.resolve_hint` gives them) from the next step on: a split
-        backward is enabled on the stage modules where ``spec`` has one (idempotent; a full
-        backward still works on them), and the step hooks' final kind follows (``B``, or ``W``
+        backward is enabled on the stage modules where ``spec`` has one and undone where it has
+        none (idempotent both ways; a module with a ``dw_builder`` is left as given), so a full
+        backward runs the layers' own forwards, and the step hooks' final kind follows (``B``, or ``W``
         with a split backward). The front doors call it for every rank
         (:meth:`~rrfp.runtime.doors.front.FrontDoor.set_hint`).
 
@@ -246,10 +247,11 @@ class RankRuntime:
         if spec.placement != self.spec.placement or spec.n_microbatches != self.spec.n_microbatches:
             raise ValueError(f"rank {self.rank}: a hint for {spec.placement}, {spec.n_microbatches} microbatches; "
                              f"this pipeline is {self.spec.placement}, {self.spec.n_microbatches} microbatches")
-        if spec.split_backward:
-            for st in self.stages.values():
-                if st.dw_builder is None:  # with one, the user's module defers its own weight gradients
-                    enable_split_backward(st.submod)
+        for st in self.stages.values():
+            if st.dw_builder is None:  # with one, the user's module defers its own weight gradients
+                # Routed layers run a Python autograd Function, 10-30% slower forwards than the
+                # layers' own: a hint with a full backward gets them back (auto's split trials).
+                (enable_split_backward if spec.split_backward else disable_split_backward)(st.submod)
         self.spec, self.hint, self.strict = spec, hint, strict
         self.hooks.final_kind = finalising_kind(spec.split_backward)
 

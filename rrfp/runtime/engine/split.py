@@ -18,7 +18,8 @@ layers of :mod:`rrfp.model.tp`, whose ``affine`` method is the local matmul insi
 forward's collectives: their weight gradients go to W too, while the collectives stay in I (a
 TP group agrees on I but not on W, so W must issue none). A layer class may also declare
 ``rrfp_split_layout = SplitLayout(...)``. :func:`disable_split_backward` restores the user's
-modules exactly (the pipeline calls it on ``close()``).
+modules exactly (the pipeline calls it on ``close()``, and
+:meth:`RankRuntime.set_hint <rrfp.runtime.engine.rank.RankRuntime.set_hint>` on a switch to a full backward).
 """
 
 from __future__ import annotations

@@ -30,6 +30,12 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
    measured faster than the kept one by more than that margin (the kept one is the incumbent
    of :func:`~rrfp.sim.auto.keep`).
 
+Between re-checks a step runs what the kept hint run directly runs: a switch to a full backward
+gives the stage modules' affine layers their own forwards back (the split candidates route them
+through a Python autograd Function, 10-30% slower forwards: :meth:`RankRuntime.set_hint
+<rrfp.runtime.engine.rank.RankRuntime.set_hint>`), and task records are kept only while
+measuring (or where the caller asked for them).
+
 A choice recorded by an earlier run (``rrfp train`` writes it to the checkpoint's ``rrfp.json``
 as ``"hint"``) is kept by :meth:`AutoHint.adopt` without measuring or a trial: a resumed run
 runs what the run before it chose.
