@@ -163,22 +163,31 @@ def local_overhead(n_ranks: int = 4, n_microbatches: int = 64, hints: Sequence[s
     Where the ``bf, codec`` row stands (issue 33's target: at most 1.5x the reference, CPU per
     task). In instructions, which the load does not change (``python -m
     benchmarks.overhead_instructions``, callgrind, each tree's runs side by side; 2026-12-05):
-    217.8 K per task against 97.0 K for the reference, **2.25x**; main before: 235.8 K against
-    96.6 K, 2.44x (between runs the reference's count moved by up to 4%, the pipeline's by up
-    to 2%). With this function, main and the branch alternated in one run (``bf``, codec,
-    20 steps, thread CPU per task): at load 0.9 main 59.9 / 61.3 us (3.55x / 3.62x the
-    reference), the branch 55.7 / 54.3 us (3.34x / 3.28x); at load 3.4-5.0 main 67.5 / 66.2 /
-    66.3 us (3.79x / 3.95x / 3.85x), the branch 58.2 / 60.3 / 58.5 us (3.43x / 3.44x / 3.41x).
-    CPU time gives a higher ratio than instructions: per instruction the pipeline's code runs
-    slower than the reference's (not looked into further).
+    190.0 K per task against 90.8 K for the reference, **2.09x** (1.98x against main's run of
+    the reference, 96.2 K: between runs the reference's count moves by up to 6%); main before:
+    221.0 K against 96.2 K, 2.30x (h33task's figure, 217.8 K against 97.0 K). Whole processes
+    of ``--child pipe 100`` (100 steps after the warm-up, torch's import included), main and
+    the branch alternated, 3 pairs at load 7-20: CPU main/branch 1.113 (median; 0.998-1.115).
 
-    What remains is the interpreter: per task the pipeline makes 44 calls of Python functions
-    and 49 of builtins (cProfile; main before: 59 and 49) through the arbiter's decision and
-    completion, the loop turn and its yield, the stage call, the outbox, the codec's encode and
-    decode, the fake network and the inbox's admission: ~113 K instructions in libpython
-    against ~21 K for the reference, while torch, msgpack, numpy and uvloop add ~15 K. The
-    target needs that interpreter work cut by about two thirds, which takes far fewer Python
-    frames per task than these layers have."""
+    Where the instructions went (``--bytecodes``: per task, main before -> now): 1828 -> 1557
+    bytecodes, 44.4 -> 34.4 Python calls. The codec reads a data header whose job/step prefix
+    and microbatch...meta tail it accepted before without msgpack or ``parse_header`` (the
+    header's parse 400 -> 190 bytecodes; anything else is parsed in full and teaches it), and
+    builds a CPU tensor's frame inline; the inbox buffers a host stage's arrival in its
+    delivery callback; the loop's inline path marks the task watch and records the task
+    itself; a task empties its input slot itself. The instructions of the reference's own work
+    (the autograd engine, the stage's multiply: ~70 K) are the pipeline's too; the pipeline's
+    extra ~95 K are nearly all the interpreter's: per task the encode and decode (~340
+    bytecodes), the scheduler loop's turn and the arbiter's decision, completion and input
+    marking (~400), the fake network's send, delivery and mailbox (~180, in
+    rrfp/transport/fake.py and base.py) and the two keys and the message built per message.
+    1.5x (~145 K) needs that extra halved: fewer layers per message (transport, mailbox, inbox)
+    than the transport's contract has.
+
+    uvloop against asyncio's own loop (issue 33 item 3; ``--loop asyncio``, both runs counted
+    whole, 2026-12-05, this branch before its compute changes): asyncio 203.6 K instructions
+    per task, uvloop 193.8 K, 4.8% fewer: uvloop stays the runtime's loop
+    (:func:`rrfp.runtime.doors.front.new_event_loop`)."""
     from rrfp.runtime.doors.local import LocalPipeline
 
     out = {}

@@ -1,7 +1,8 @@
 """The per-task path's merged layers do what the layered ones do (issue 33, the per-task cost).
 
 - The inbox admits a running step's input from its one allowed sender in one call
-  (``Inbox.handle``); everything else goes through ``Inbox.on_message``. Fed the same arrivals,
+  (``Inbox.handle``; for a plain stage on the host it buffers the tensors itself, without
+  ``_admit``); everything else goes through ``Inbox.on_message``. Fed the same arrivals,
   ``handle`` and the layered path (``on_message`` under ``_safely``, as ``handle`` was before)
   end in the same state, and that state is the hand-computed one.
 - The scheduler loop runs an inline executor's task itself instead of through
@@ -21,6 +22,7 @@ from rrfp.runtime.doors.local import LocalPipeline
 from rrfp.runtime.engine import loop as loop_module
 from rrfp.runtime.engine.inbox import Inbox
 from rrfp.runtime.engine.router import Router
+from rrfp.runtime.engine.stage import PipelineStage
 from rrfp.scheduler.arbiter import Arbiter
 from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.tasks import Placement
@@ -37,11 +39,13 @@ class _CpuStage:
         return tuple(tensors)
 
 
-def _inbox() -> tuple[Inbox, Arbiter]:
-    """Rank 1 of 4 (stage 1), 4 microbatches, running step 5."""
+def _inbox(stage: str = "stub") -> tuple[Inbox, Arbiter]:
+    """Rank 1 of 4 (stage 1), 4 microbatches, running step 5; stage 1 a stub with its own
+    ``to_device`` (``stub``) or a plain PipelineStage on the CPU (``host``)."""
     spec, hint, _ = resolve_hint("bf", Placement(4), 4)
     arb = Arbiter(spec, 1, hint)
-    inbox = Inbox(Router(Placement(4), 1), "j", {1: _CpuStage()}, 4)
+    st = _CpuStage() if stage == "stub" else PipelineStage(nn.Linear(1, 1), 1, 4)
+    inbox = Inbox(Router(Placement(4), 1), "j", {1: st}, 4)
     inbox.last_step = 4
     inbox.begin_step(5, arb)
     return inbox, arb
@@ -66,7 +70,9 @@ def _arrivals() -> list[Message]:
 
 
 def _state(inbox: Inbox, arb: Arbiter) -> dict:
+    buffered = {**inbox.router.waiting(ACT), **{(s, m, "g"): v for (s, m), v in inbox.router.waiting(GRAD).items()}}
     return {"act": sorted(inbox.router.waiting(ACT)), "grad": sorted(inbox.router.waiting(GRAD)),
+            "buffered": {k: (type(v).__name__, [id(t) for t in v]) for k, v in buffered.items()},
             "rejected": inbox.rejected, "early": {s: [m.key for m in ms] for s, ms in inbox.pending.items()},
             "control": [m.key for m in inbox.poll_control()], "error": inbox.error,
             "ready": [str(t) for t in _drain(arb)]}
@@ -80,15 +86,31 @@ def _drain(arb: Arbiter) -> list:
     return out
 
 
-def test_the_inbox_admits_what_its_layered_path_admits(caplog):
+@pytest.mark.parametrize("stage", ["stub", "host"])
+def test_the_inbox_admits_what_its_layered_path_admits(caplog, monkeypatch, stage):
     caplog.set_level(logging.CRITICAL, logger="rrfp")
-    fast, fast_arb = _inbox()
-    layered, layered_arb = _inbox()
-    for msg in _arrivals():
+    fast, fast_arb = _inbox(stage)
+    layered, layered_arb = _inbox(stage)
+    arrivals = _arrivals()
+    admitted = []
+    admit = fast._admit
+    monkeypatch.setattr(fast, "_admit", lambda msg: (admitted.append(msg.key), admit(msg))[1])
+    for msg in arrivals:
         fast.handle(msg)
         layered._safely(layered.on_message, msg)
     got, want = _state(fast, fast_arb), _state(layered, layered_arb)
     assert got == want
+    # A plain stage on the host is buffered by handle() itself; a stub's own to_device is not
+    # skipped. The buffers hold the arrivals' tensors, a tuple for a forward, a list for a
+    # backward, as _admit leaves them.
+    t = arrivals[0].tensors[0]
+    # (Both: a microbatch out of range goes to _admit, which refuses it.)
+    out_of_range = MsgKey("j", 5, 9, 1, ACT)
+    assert admitted == ([out_of_range] if stage == "host" else
+                        [MsgKey("j", 5, 0, 1, ACT), MsgKey("j", 5, 3, 1, GRAD), MsgKey("j", 5, 0, 1, ACT),
+                         out_of_range, MsgKey("j", 5, 2, 1, ACT)])
+    assert got.pop("buffered") == {(1, 0): ("tuple", [id(t)]), (1, 2): ("tuple", [id(t)]),
+                                   (1, 3, "g"): ("list", [id(t)])}
     # By hand: forwards of microbatches 0 and 2 arrived and run (bf: the lowest first); the
     # gradient of microbatch 3 waits for its forward.
     assert got == {"act": [(1, 0), (1, 2)], "grad": [(1, 3)], "rejected": 7,

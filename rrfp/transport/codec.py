@@ -82,6 +82,7 @@ def _fixstr(s: str) -> bytes:
 
 
 _H_MAP = bytes([0x80 | len(HEADER_KEYS)])
+_H_JOB = _fixstr("job")
 _H_STEP = _fixstr("step")
 _H_MICROBATCH = _fixstr("microbatch")
 _H_STAGE = _fixstr("stage")
@@ -95,6 +96,7 @@ _EMPTY = memoryview(b"")
 _SMALL_INTS = {v: msgpack.packb(v) for v in range(-32, 256)}
 _DIRECTIONS = {int(d): msgpack.packb(int(d)) for d in Direction}
 _CACHE_MAX = 4096
+_STRIDED = torch.strided
 # job -> map marker + packed job + "step" key; (dtype, shape, requires_grad) -> packed
 # tensor descriptor. Both are cleared when full rather than managed as LRUs: the
 # working set of a training job is small and a miss only costs one packb.
@@ -180,13 +182,25 @@ def encode(
             continue
         if not isinstance(t, Tensor):
             raise CodecError(f"tensor {i}: expected a Tensor or None, got {type(t).__name__}")
-        if t.layout != torch.strided:
+        if t.layout is not _STRIDED and t.layout != _STRIDED:
             raise CodecError(f"tensor {i}: unsupported layout {t.layout}")
         rg = t.requires_grad
         ck = (t.dtype, t.shape, rg)
         desc = _desc_cache.get(ck)
         parts.append(desc if desc is not None else _new_desc(i, t, ck))
-        frames.append(_tensor_frame(t, rg))
+        if t.is_cpu and t.is_contiguous():
+            try:
+                # numpy() refuses exactly what needs the slow path: bfloat16 (no numpy
+                # dtype) and lazy conjugate/negative views (unresolved storage).
+                a = (t.detach() if rg else t).numpy()
+            except (TypeError, RuntimeError):
+                frames.append(_tensor_bytes(t))
+            else:
+                # The ndarray keeps the tensor, and so its storage, alive as long as the
+                # memoryview lives. cast() refuses views with a zero in the shape.
+                frames.append(memoryview(a).cast("B") if a.size else _EMPTY)
+        else:
+            frames.append(_tensor_bytes(t))
     if meta is None or (type(meta) is dict and not meta):
         parts.append(_H_EMPTY_META)
     else:
@@ -232,20 +246,6 @@ def _pack_desc(i: int, t: Tensor) -> bytes:
     return msgpack.packb(descriptor(i, t))
 
 
-def _tensor_frame(t: Tensor, rg: bool) -> memoryview:
-    if t.is_cpu and t.is_contiguous():
-        try:
-            # numpy() refuses exactly what needs the slow path: bfloat16 (no numpy
-            # dtype) and lazy conjugate/negative views (unresolved storage).
-            a = (t.detach() if rg else t).numpy()
-        except (TypeError, RuntimeError):
-            return _tensor_bytes(t)
-        # The ndarray keeps the tensor, and so its storage, alive as long as the
-        # memoryview lives. cast() refuses views with a zero in the shape.
-        return memoryview(a).cast("B") if a.size else _EMPTY
-    return _tensor_bytes(t)
-
-
 def _tensor_bytes(t: Tensor) -> memoryview:
     if t.numel() == 0:
         # A zero-size view may keep any strides (an empty slice's is 2), which the uint8
@@ -279,8 +279,60 @@ def wire_bytes(t: Tensor) -> Tensor:
 # decode
 
 
+_BOOL = torch.bool
 _BOOL_BYTES = b"\x00\x01"
 _BOOL_SCAN_MAX = 1024
+
+# Headers read before (issue 33, the per-task cost). A data message's header is the encoder's
+# map in its order: a prefix (the map marker, "job" and the job, "step" and the step), then a
+# tail ("microbatch" and the microbatch ... an empty "meta"). A job sends one prefix per step
+# and the same tails every step. A header made of a prefix and a tail that were, byte for byte,
+# parts of headers :func:`parse_header` accepted parses as they did: msgpack reads a map's
+# entries one after the other, so the tail's entries parse the same after any prefix of the
+# same entries, and the limits bound each entry alone. Its key and descriptors are then the
+# ones checked before (the declared bytes against this caller's limit); any other header (a
+# control message's meta, another layout, an unknown prefix or tail) takes the full parse,
+# whose success teaches this one (decode reads them; _learn_header keeps them).
+_known_prefix: dict[bytes, tuple[str, int]] = {}  # prefix bytes -> (job, step)
+_known_tail: dict[bytes, tuple] = {}  # tail bytes -> (microbatch, stage, direction, descs, n_frames, declared bytes)
+_TAILS_MAX = 1 << 14  # the tails of a step: microbatches x stages x directions (x shapes)
+# The length of a msgpack int from its first byte (0: not an int).
+_INT_LEN = bytes(1 if b < 0x80 or b >= 0xE0 else {0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5,
+                                                    0xD3: 9}.get(b, 0) for b in range(256))
+
+
+def _step_at(head: bytes) -> int:
+    """Where the step's int begins in a header laid out as :func:`encode` lays it out, judged
+    by the job's str marker (0: not a fixstr or str8). Raises IndexError on a header cut short."""
+    b = head[5]  # after the map marker and "job"
+    if 0xA0 <= b <= 0xBF:
+        return (b & 0x1F) + 11  # fixstr, then "step"
+    if b == 0xD9:
+        return head[6] + 12  # str8, then "step"
+    return 0
+
+
+def _learn_header(head: bytes, key: MsgKey, descs: list, n_frames: int) -> None:
+    # A header parse_header accepted, with an empty meta: remember its prefix and tail when it
+    # is laid out as encode lays it out (each part checked, the ints read back against the key).
+    try:
+        k = _step_at(head)
+        i = k + _INT_LEN[head[k]]
+        j = i + len(_H_MICROBATCH)
+        t = j + _INT_LEN[head[j]]
+    except IndexError:
+        return
+    if (k == 0 or i == k or t == j or head[:5] != _H_MAP + _H_JOB or head[k - 5:k] != _H_STEP
+            or head[i:j] != _H_MICROBATCH or head[t:t + len(_H_STAGE)] != _H_STAGE
+            or msgpack.unpackb(head[k:i]) != key.step or msgpack.unpackb(head[j:t]) != key.microbatch):
+        return
+    if len(_known_prefix) >= _CACHE_MAX:
+        _known_prefix.clear()
+    if len(_known_tail) >= _TAILS_MAX:
+        _known_tail.clear()
+    _known_prefix[head[:i]] = (key.job, key.step)
+    total = sum(d[3] for d in descs if d is not None)
+    _known_tail[head[i:]] = (key.microbatch, key.stage, key.direction, descs, n_frames, total)
 
 
 def decode(
@@ -311,7 +363,27 @@ def decode(
         head = _byte_view(head, "header")
     if len(head) > MAX_HEADER_BYTES:
         raise CodecError(f"header too big: {len(head)} bytes > {MAX_HEADER_BYTES}")
-    key, descs, n_frames, meta = parse_header(unpack_header(head), max_bytes)
+    # A header whose prefix and tail were accepted before (see _known_prefix) parses as they
+    # did, its declared bytes checked against this caller's limit; any other is parsed in full.
+    tail = None
+    if type(head) is bytes:
+        try:
+            k = _step_at(head)
+            i = k + _INT_LEN[head[k]]
+        except IndexError:  # cut short: the full parse says how
+            i = k = 0
+        js = _known_prefix.get(head[:i]) if i > k else None
+        if js is not None:
+            tail = _known_tail.get(head[i:])
+            if tail is not None and tail[5] > max_bytes:
+                tail = None
+    if tail is not None:
+        key = MsgKey(js[0], js[1], tail[0], tail[1], tail[2])
+        descs, n_frames, meta = tail[3], tail[4], {}
+    else:
+        key, descs, n_frames, meta = parse_header(unpack_header(head), max_bytes)
+        if not meta and type(head) is bytes:
+            _learn_header(head, key, descs, n_frames)
     if n - 1 != n_frames:
         raise CodecError(
             f"frame count mismatch: header declares {n_frames} tensor frames, got {n - 1}"
@@ -326,14 +398,17 @@ def decode(
         info, shape, rg, nbytes = d
         buf = frames[fi]
         fi += 1
-        if type(buf) not in _LEN_IS_NBYTES:
+        if type(buf) is memoryview:  # encode's frames: a flat view of bytes needs no new one
+            if buf.ndim != 1 or buf.format != "B" or not buf.c_contiguous:
+                buf = _byte_view(buf, i)
+        elif type(buf) not in _LEN_IS_NBYTES:
             buf = _byte_view(buf, i)
         if len(buf) != nbytes:
             raise CodecError(
                 f"tensor {i}: frame has {len(buf)} bytes, expected {nbytes} "
                 f"for {info.name}{shape}"
             )
-        if info.torch is torch.bool and nbytes and not _bool_bytes_ok(buf):
+        if info.torch is _BOOL and nbytes and not _bool_bytes_ok(buf):
             # torch assumes bool bytes are 0 or 1; anything else is not a bool.
             raise CodecError(f"tensor {i}: bool frame holds bytes other than 0 and 1")
         # Exactly one copy into fresh storage: the receive buffer may be reused or
@@ -371,7 +446,10 @@ def frames_nbytes(frames: Sequence[Any]) -> int:
     """Total size of ``frames`` in bytes (for statistics)."""
     n = 0
     for f in frames:
-        n += len(f) if type(f) in _LEN_IS_NBYTES else memoryview(f).nbytes
+        if type(f) is memoryview:  # encode's tensor frames: their own size, no new view
+            n += f.nbytes
+        else:
+            n += len(f) if type(f) in _LEN_IS_NBYTES else memoryview(f).nbytes
     return n
 
 

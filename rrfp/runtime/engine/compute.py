@@ -131,6 +131,9 @@ class TaskCompute:
         self.last_stage = last_stage
         self.loss_fn = loss_fn
         self._take = router.take
+        # The router's buffers themselves (Router.buffers): a task empties its slot in its own
+        # frame, and take() runs only to raise the router's error for an empty one.
+        self._act_in, self._grad_in = router.buffers(Direction.ACT), router.buffers(Direction.GRAD)
         self._next = router.consumers(Direction.ACT)  # by stage: the consumer of its activations
         self._prev = router.consumers(Direction.GRAD)  # by stage: the consumer of its input gradients
         self._inputs: dict[tuple[int, int], tuple] = {}  # a forward's inputs, until its backward
@@ -185,7 +188,11 @@ class TaskCompute:
                 out = self._forward_graph(stage, s, m, self._take(s, m, _ACT))
             dst = self._next[s]
             return [] if out is None or dst is None else [(dst, m, _ACT, list(as_tuple(out)))]
-        inputs = self._inputs[(s, m)] = self._take(s, m, _ACT)
+        try:
+            inputs = self._act_in.pop((s, m))
+        except KeyError:
+            inputs = self._take(s, m, _ACT)
+        self._inputs[(s, m)] = inputs
         if self.sizer is not None:
             with self.sizer.measure(s, m, inputs), torch.enable_grad():
                 out = self._forward_graph(stage, s, m, inputs)
@@ -196,9 +203,12 @@ class TaskCompute:
                 out = self._forward_graph(stage, s, m, inputs)
         if out is None:
             return []
-        outs = out if type(out) is tuple else as_tuple(out)
+        outs = out if type(out) is tuple else (out,) if type(out) is torch.Tensor else as_tuple(out)
         self._out[(s, m)] = outs
-        return [(self._next[s], m, _ACT, [detach_for_next(o) for o in outs])]
+        sent = []
+        for o in outs:  # a loop, not a comprehension (a call in this Python): once per forward
+            sent.append(detach_for_next(o))
+        return [(self._next[s], m, _ACT, sent)]
 
     def _forward_graph(self, stage, s: int, m: int, inputs):
         kw = self.kwargs
@@ -225,7 +235,10 @@ class TaskCompute:
         outs = self._out.pop((s, m))
         if s == self.last_stage:
             return list(outs), [torch.full_like(outs[0], self._seed.pop(m))]
-        grads = self._take(s, m, _GRAD)
+        try:
+            grads = self._grad_in.pop((s, m))
+        except KeyError:
+            grads = self._take(s, m, _GRAD)
         if len(grads) != len(outs):
             raise PipelineError(
                 f"rank {self.rank}: stage {s} microbatch {m} got {len(grads)} gradients for {len(outs)} outputs"
@@ -275,7 +288,9 @@ class TaskCompute:
         dst = self._prev[s]
         if dst is None:
             return []
-        in_grads = [x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
+        in_grads = []
+        for x in inputs:  # a loop, not a comprehension: once per backward
+            in_grads.append(x.grad if isinstance(x, torch.Tensor) and x.requires_grad else None)
         return [(dst, m, _GRAD, in_grads)]
 
     def _weight(self, s: int, m: int) -> None:

@@ -91,7 +91,12 @@ class Inbox:
         self.hold: Callable[[Message], float] | None = None
         self._timers: DeadlineTimers | None = None  # the holds' release times (made on first use)
         self._senders = (router.senders(Direction.ACT), router.senders(Direction.GRAD))  # for handle()
+        self._buffers = (router.buffers(Direction.ACT), router.buffers(Direction.GRAD))  # for handle()
         self._n_stages = router.n_stages
+        # Stages whose arrivals need no placing (plain PipelineStages on the host, no executor
+        # copies): handle() buffers their tensors itself. Set at each step's start, since a
+        # stage's device is settled by then.
+        self._host: frozenset[int] = frozenset()
 
     def on_control(self, kind: str, handler: ControlHandler) -> None:
         """Hand every control message whose meta's ``kind`` is ``kind`` to ``handler`` (see
@@ -119,11 +124,25 @@ class Inbox:
             return
         try:
             key = msg.key
-            step, d = self.step, key.direction
+            step, d, s = self.step, key.direction, key.stage
             if (step is not None and key.step == step and (d == _ACT or d == _GRAD) and key.job == self.job
-                    and self.hold is None and 0 <= key.stage < self._n_stages
-                    and self._senders[d][key.stage] == msg.src):
-                self._admit(msg)
+                    and self.hold is None and 0 <= s < self._n_stages and self._senders[d][s] == msg.src):
+                m = key.microbatch
+                if s in self._host and 0 <= m < self.n_microbatches:
+                    # _admit for a stage on the host (place_on: the tensors as they are), in
+                    # this call: the same checks and the same buffer, once per message.
+                    grad = d == _GRAD
+                    try:
+                        self.arb.mark_input(s, m, grad)
+                    except SchedulingError as e:  # a duplicate: the first copy stands
+                        return self.reject(msg, str(e))
+                    buf = self._buffers[d]
+                    if (s, m) in buf:  # a second input for one task: the router's error
+                        self.router.put(s, m, d, msg.tensors)
+                    buf[(s, m)] = list(msg.tensors) if grad else tuple(msg.tensors)
+                    self.wake.set()
+                else:
+                    self._admit(msg)
             else:
                 self.on_message(msg)
         except Exception as e:  # noqa: BLE001 - handed to the scheduler loop
@@ -256,6 +275,9 @@ class Inbox:
         """Start admitting ``step``'s inputs (clears the buffers, then admits the early
         arrivals kept for it)."""
         self.arb, self.step = arb, step
+        self._host = frozenset() if self.place is not None else frozenset(
+            s for s, st in self.stages.items()
+            if getattr(st.to_device, "__func__", None) is PipelineStage.to_device and st.device.type == "cpu")
         self.router.clear()
         for msg in self.pending.pop(step, []):
             self.accept(msg)

@@ -119,12 +119,15 @@ class SchedulerLoop:
             the inbox's error (lost peer, closed rank, bad arrival), a task's exception,
             WatchdogTimeout.
         """
-        run_fn = self._begin(arb, step, run_fn)
-        running = self._running
         inbox, ex = self.inbox, self.executor
+        inline = ex.__class__ is InlineExecutor  # run here, not through launch (the CPU default)
+        run_fn = self._begin(arb, step, run_fn, inline)
+        running = self._running
         wake = inbox.wake
         decide = self.decide
-        inline = ex.__class__ is InlineExecutor  # run here, not through launch (the CPU default)
+        tw = self.task_watch
+        watched = inline and tw.period > 0  # armed by _begin
+        perf = time.perf_counter
         watching = self._watching = tuple(o for o in self.observers if o.step_begins(step, arb) is not False)
         try:
             while True:
@@ -161,16 +164,35 @@ class SchedulerLoop:
                             for o in watching:
                                 o.task_started(step, task)
                         if inline:
-                            # InlineExecutor.launch, _hand_on and _finish in one place: the
-                            # same calls in the same order, without a Pending per task.
-                            t0 = time.perf_counter()
-                            outputs = run_fn(task)
+                            # InlineExecutor.launch, the task watch's wrapper
+                            # (TaskWatch.watched), _hand_on and _finished in one place: the
+                            # same calls in the same order, without a Pending or a wrapper's
+                            # frame per task.
+                            t0 = perf()
+                            if watched:
+                                tw.current = (task, step, tw.clock(), tw.loop_thread)
+                            try:
+                                outputs = run_fn(task)
+                            finally:
+                                tw.current = None
                             if self.task_delay is not None:
                                 await self._delay(step, task)
                             if outputs:
                                 emit(outputs)
                             arb.complete(task)
-                            self._finished(task, t0, step, stats, hooks)
+                            t1 = perf()
+                            last = self._last_end
+                            stats.busy += t1 - (t0 if t0 > last else last)
+                            stats.n_tasks += 1
+                            if self.record:
+                                stats.records.append(TaskRecord(self.rank, step, task, t0, t1))
+                            self._last_end = t1
+                            self._progress = self._clock()
+                            if watching:
+                                for o in watching:
+                                    o.task_finished(step, task, t0, t1)
+                            if hooks is not None:
+                                hooks.task_done(task)
                         else:
                             p = ex.launch(task, run_fn)
                             if p.done and p.error is None:  # inline: finished inside launch
@@ -190,8 +212,9 @@ class SchedulerLoop:
         for o in self.observers:
             o.step_ends(step, stats)
 
-    def _begin(self, arb: Arbiter, step: int, run_fn: RunFn) -> RunFn:
-        # A step's start: its state reset, and run_fn as the task watchdog times it.
+    def _begin(self, arb: Arbiter, step: int, run_fn: RunFn, inline: bool) -> RunFn:
+        # A step's start: its state reset, and run_fn as the task watchdog times it (inline:
+        # run() marks each task on the armed watch itself and gets run_fn as it is).
         self._arb, self._step = arb, step
         self._clock = asyncio.get_running_loop().time
         self._progress = self._clock()
@@ -199,6 +222,9 @@ class SchedulerLoop:
         self._timed_out = None
         self._running.clear()
         self.task_watch.period = self.watchdog
+        if inline:
+            self.task_watch.arm()
+            return run_fn
         return self.task_watch.watched(run_fn, step)
 
     async def _delay(self, step: int, task: Task) -> None:
@@ -221,7 +247,8 @@ class SchedulerLoop:
 
     def _finished(self, task: Task, t0: float, step: int, stats, hooks: HookRunner | None,
                   p: Pending | None = None) -> None:
-        # ``p``: the executor's Pending, released here (None: the inline path made none).
+        # ``p``: the executor's Pending, released here (None: none). run()'s inline path has
+        # these lines in its own body (once per task): a change here is one there too.
         t1 = time.perf_counter()
         # Tasks launched ahead overlap on the device: count each instant once.
         stats.busy += t1 - (t0 if t0 > self._last_end else self._last_end)

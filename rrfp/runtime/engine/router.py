@@ -114,6 +114,12 @@ class Router:
         except KeyError:
             raise PipelineError(f"rank {self.rank}: no {direction.name} input for stage {stage} microbatch {m}") from None
 
+    def buffers(self, direction: Direction) -> dict[tuple[int, int], Sequence]:
+        """The slots of ``direction`` themselves, ``(stage, microbatch) -> tensors``, for the
+        inbox's hot path, which fills them as :meth:`put` does (the same dict for the
+        router's life: :meth:`clear` empties it)."""
+        return self._slots[direction]
+
     def waiting(self, direction: Direction) -> Mapping[tuple[int, int], Sequence]:
         """The filled slots of ``direction``, ``(stage, microbatch) -> tensors`` (read only)."""
         return self._slots[direction]

@@ -75,12 +75,9 @@ class TaskWatch:
     def watched(self, run_fn: RunFn, step: int) -> RunFn:
         """``run_fn`` timed by the watchdog thread, on whatever thread the executor runs it;
         call on the event loop thread when a step starts. ``run_fn`` itself when disabled."""
-        if self.period <= 0:
+        if not self.arm():
             return run_fn
-        self.loop = loop = asyncio.get_running_loop()
-        self.loop_thread = threading.get_ident()
-        self.clock = clock = loop.time if abs(loop.time() - time.monotonic()) > 1.0 else time.monotonic
-        _watcher().add(self)
+        clock = self.clock
 
         def run(task):
             self.current = (task, step, clock(), threading.get_ident())
@@ -90,6 +87,19 @@ class TaskWatch:
                 self.current = None
 
         return run
+
+    def arm(self) -> bool:
+        """Watch the tasks of a step about to start (on the event loop thread); False when
+        disabled. A task runs watched while :attr:`current` is ``(task, step, clock(), thread
+        ident)``: :meth:`watched`'s wrapper sets it, or the scheduler loop for a task it runs
+        itself on the loop thread."""
+        if self.period <= 0:
+            return False
+        self.loop = loop = asyncio.get_running_loop()
+        self.loop_thread = threading.get_ident()
+        self.clock = loop.time if abs(loop.time() - time.monotonic()) > 1.0 else time.monotonic
+        _watcher().add(self)
+        return True
 
     @property
     def busy(self) -> bool:
