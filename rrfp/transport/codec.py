@@ -105,6 +105,7 @@ _desc_cache: dict[tuple[torch.dtype, torch.Size, bool], bytes] = {}
 
 
 def _pack_int(v: Any, what: str) -> bytes:
+    # Never b"" (encode's inline cache reads rely on it: `cached or _pack_int(...)`).
     b = _SMALL_INTS.get(v) if type(v) is int else None
     if b is not None:
         return b
@@ -160,21 +161,12 @@ def encode(
         direction = None
     if direction is None:
         raise CodecError(f"key.direction: unknown direction {key.direction!r}")
-    # _pack_int's cache read here (three calls a message saved); the call packs the rest
-    # (a bool is no int here: the cache would take it for 0 or 1). Packed ints are never b"".
+    # _pack_int's cache read inline (3 calls/message; a bool is no int: the cache would take it for 0 or 1).
     step, mb, stage = key.step, key.microbatch, key.stage
-    parts = [
-        prefix,
-        (type(step) is int and _SMALL_INTS.get(step)) or _pack_int(step, "step"),
-        _H_MICROBATCH,
-        (type(mb) is int and _SMALL_INTS.get(mb)) or _pack_int(mb, "microbatch"),
-        _H_STAGE,
-        (type(stage) is int and _SMALL_INTS.get(stage)) or _pack_int(stage, "stage"),
-        _H_DIRECTION,
-        direction,
-        _H_TENSORS,
-        _FIXARRAYS[n] if n < 16 else _array_header(n),
-    ]
+    parts = [prefix, (type(step) is int and _SMALL_INTS.get(step)) or _pack_int(step, "step"),
+             _H_MICROBATCH, (type(mb) is int and _SMALL_INTS.get(mb)) or _pack_int(mb, "microbatch"),
+             _H_STAGE, (type(stage) is int and _SMALL_INTS.get(stage)) or _pack_int(stage, "stage"),
+             _H_DIRECTION, direction, _H_TENSORS, _FIXARRAYS[n] if n < 16 else _array_header(n)]
     frames: list[Frame] = [b""]
     for i, t in enumerate(tensors):
         if t is None:
@@ -365,18 +357,7 @@ def decode(
         raise CodecError(f"header too big: {len(head)} bytes > {MAX_HEADER_BYTES}")
     # A header whose prefix and tail were accepted before (see _known_prefix) parses as they
     # did, its declared bytes checked against this caller's limit; any other is parsed in full.
-    tail = None
-    if type(head) is bytes:
-        try:
-            k = _step_at(head)
-            i = k + _INT_LEN[head[k]]
-        except IndexError:  # cut short: the full parse says how
-            i = k = 0
-        js = _known_prefix.get(head[:i]) if i > k else None
-        if js is not None:
-            tail = _known_tail.get(head[i:])
-            if tail is not None and tail[5] > max_bytes:
-                tail = None
+    js, tail = _known_header(head, max_bytes) if type(head) is bytes else _UNKNOWN
     if tail is not None:
         key = MsgKey(js[0], js[1], tail[0], tail[1], tail[2])
         descs, n_frames, meta = tail[3], tail[4], {}
@@ -385,9 +366,7 @@ def decode(
         if not meta and type(head) is bytes:
             _learn_header(head, key, descs, n_frames)
     if n - 1 != n_frames:
-        raise CodecError(
-            f"frame count mismatch: header declares {n_frames} tensor frames, got {n - 1}"
-        )
+        raise CodecError(f"frame count mismatch: header declares {n_frames} tensor frames, got {n - 1}")
 
     out: list[Tensor | None] = []
     fi = 1
@@ -414,15 +393,7 @@ def decode(
         # Exactly one copy into fresh storage: the receive buffer may be reused or
         # read-only, and tensors must not alias it.
         if nbytes >= _ALLOC_COPY_MIN or nbytes == 0:
-            # Allocator memory: 64-byte aligned and resizable, like any tensor.
-            try:
-                t = torch.empty(shape, dtype=info.torch)
-            except RuntimeError as e:
-                # Zero bytes pass the payload limit, but a zero-size shape whose other dims
-                # overflow torch's stride or storage arithmetic cannot be allocated.
-                raise CodecError(f"tensor {i}: shape {shape} not allocatable: {e}") from e
-            if nbytes:
-                np.copyto(t.view(-1).view(torch.uint8).numpy(), np.frombuffer(buf, np.uint8))
+            t = _allocated_copy(i, shape, info, buf, nbytes)
         else:
             # Small tensors: numpy wrapping a bytearray copy costs a fraction of an
             # allocator tensor plus a copy (the storage is then not resizable).
@@ -433,6 +404,40 @@ def decode(
             t.requires_grad_(True)
         out.append(t)
     return key, out, meta
+
+
+_UNKNOWN = (None, None)
+
+
+def _known_header(head: bytes, max_bytes: int) -> tuple[Any, Any]:
+    """``(job and step entry, tail entry)`` of a header whose prefix and tail were accepted
+    before (:func:`_learn_header`) and whose declared bytes are within ``max_bytes``; else
+    ``(None, None)``."""
+    try:
+        k = _step_at(head)
+        i = k + _INT_LEN[head[k]]
+    except IndexError:  # cut short: the full parse says how
+        return _UNKNOWN
+    js = _known_prefix.get(head[:i]) if i > k else None
+    if js is None:
+        return _UNKNOWN
+    tail = _known_tail.get(head[i:])
+    if tail is None or tail[5] > max_bytes:
+        return _UNKNOWN
+    return js, tail
+
+
+def _allocated_copy(i: int, shape: Any, info: Any, buf: Any, nbytes: int) -> Tensor:
+    # Allocator memory: 64-byte aligned and resizable, like any tensor (large or empty frames).
+    try:
+        t = torch.empty(shape, dtype=info.torch)
+    except RuntimeError as e:
+        # Zero bytes pass the payload limit, but a zero-size shape whose other dims
+        # overflow torch's stride or storage arithmetic cannot be allocated.
+        raise CodecError(f"tensor {i}: shape {shape} not allocatable: {e}") from e
+    if nbytes:
+        np.copyto(t.view(-1).view(torch.uint8).numpy(), np.frombuffer(buf, np.uint8))
+    return t
 
 
 def _bool_bytes_ok(buf: Any) -> bool:

@@ -134,20 +134,8 @@ class SchedulerLoop:
                 if inbox.error is not None:
                     raise inbox.error
                 wake.clear()
-                while running:  # hand on what finished, in launch order
-                    p = running[0]
-                    if not p.launched:
-                        break
-                    if p.error is not None:
-                        raise p.error
-                    if not p.completed:
-                        if self.task_delay is not None:
-                            await self._delay(step, p.task)
-                        self._hand_on(p, arb, emit)
-                    if not p.done:
-                        break
-                    running.popleft()
-                    self._finish(p, step, stats, hooks)
+                if running:
+                    await self._hand_on_finished(arb, step, stats, emit, hooks)
                 if arb.n_done == arb.n_tasks:  # arb.finished, without the property's call
                     if not running:
                         break
@@ -163,11 +151,8 @@ class SchedulerLoop:
                         if watching:  # before the task: an inline one runs inside launch
                             for o in watching:
                                 o.task_started(step, task)
-                        if inline:
-                            # InlineExecutor.launch, the task watch's wrapper
-                            # (TaskWatch.watched), _hand_on and _finished in one place: the
-                            # same calls in the same order, without a Pending or a wrapper's
-                            # frame per task.
+                        if inline:  # InlineExecutor.launch, TaskWatch.watched, _hand_on and _finished
+                            # inlined: the same calls in the same order, no Pending or frame per task.
                             t0 = perf()
                             if watched:
                                 tw.current = (task, step, tw.clock(), tw.loop_thread)
@@ -194,14 +179,7 @@ class SchedulerLoop:
                             if hooks is not None:
                                 hooks.task_done(task)
                         else:
-                            p = ex.launch(task, run_fn)
-                            if p.done and p.error is None:  # inline: finished inside launch
-                                if self.task_delay is not None:
-                                    await self._delay(step, task)
-                                self._hand_on(p, arb, emit)
-                                self._finish(p, step, stats, hooks)
-                            else:
-                                running.append(p)
+                            await self._launch(task, run_fn, arb, step, stats, emit, hooks)
                         # Let the transport deliver arrivals so the next decision sees them
                         # (asyncio.sleep(0)'s one bare yield, without its two calls).
                         await _yield()
@@ -211,6 +189,38 @@ class SchedulerLoop:
             self._disarm_watchdog()
         for o in self.observers:
             o.step_ends(step, stats)
+
+    async def _hand_on_finished(self, arb: Arbiter, step: int, stats, emit: EmitFn,
+                                hooks: HookRunner | None) -> None:
+        # An executor's finished tasks, handed on in launch order (a later one waits for an
+        # earlier one still running, so completions reach the arbiter in the launch order).
+        running = self._running
+        while running:
+            p = running[0]
+            if not p.launched:
+                return
+            if p.error is not None:
+                raise p.error
+            if not p.completed:
+                if self.task_delay is not None:
+                    await self._delay(step, p.task)
+                self._hand_on(p, arb, emit)
+            if not p.done:
+                return
+            running.popleft()
+            self._finish(p, step, stats, hooks)
+
+    async def _launch(self, task, run_fn: RunFn, arb: Arbiter, step: int, stats, emit: EmitFn,
+                      hooks: HookRunner | None) -> None:
+        # A task through the executor's launch (not the loop's own inline path).
+        p = self.executor.launch(task, run_fn)
+        if p.done and p.error is None:  # finished inside launch
+            if self.task_delay is not None:
+                await self._delay(step, task)
+            self._hand_on(p, arb, emit)
+            self._finish(p, step, stats, hooks)
+        else:
+            self._running.append(p)
 
     def _begin(self, arb: Arbiter, step: int, run_fn: RunFn, inline: bool) -> RunFn:
         # A step's start: its state reset, and run_fn as the task watchdog times it (inline:
