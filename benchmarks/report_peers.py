@@ -20,6 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from rrfp.scheduler.hints import resolve_hint
+from rrfp.scheduler.tasks import Placement
+
 from .sim_pred import fit_model, predict, predict_bounded, ratio_summary
 from .systems import PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, candidate_systems, kept_hint, peer_default, peer_strict
 
@@ -65,11 +68,13 @@ def predictions(res: dict) -> dict[str, dict[str, list[float]]]:
                 continue
             sb = [b[p["placement"]] for b in res["virtual_stage_bytes"]]
             budgets = [int(x) for x in peak]
-            kw = dict(n_virtual=2, placement=p["placement"], bound_budgets=budgets, stage_bytes=sb,
-                      model=calibrated(res, pi, ph, 2, p["placement"]) or model)
-            rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"], **kw)
-            rows[peer_default(label)], b_default = predict_bounded(
-                cfg, cal, pi, ph, kept_hint(ph, peer_default(label), default), budgets=budgets, **kw)
+            kw = dict(n_virtual=2, placement=p["placement"], bound_budgets=budgets, stage_bytes=sb)
+            by = ByBackward(res, pi, ph, 2, p["placement"], fallback=model)
+            kept = kept_hint(ph, peer_default(label), default)
+            rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"], model=by(p["strict"]),
+                                                                 **kw)
+            rows[peer_default(label)], b_default = predict_bounded(cfg, cal, pi, ph, kept, budgets=budgets,
+                                                                   model=by(kept), **kw)
             rows[BOUND + label] = [min(a, b) for a, b in zip(b_strict, b_default)]
         if cfg.get("sleep") or model is not None:
             rows.update(flat_rows(res, pi, ph, names, default, model))
@@ -93,10 +98,11 @@ def flat_rows(res: dict, pi: int, ph: dict, names, default: str, model) -> dict[
     P = cfg["n_ranks"]
     systems = {**RRFP_SYSTEMS, **candidate_systems(cfg.get("candidates") or [])}
     budgets = res.get("budgets") or []
+    by = ByBackward(res, pi, ph) if model is not None else (lambda hint: None)
     rows: dict[str, list[float]] = {}
     for n in names:
         if n in TORCH_ORDERS:
-            rows[n] = predict(cfg, cal, pi, ph, TORCH_ORDERS[n], model=model)
+            rows[n] = predict(cfg, cal, pi, ph, TORCH_ORDERS[n], model=by(TORCH_ORDERS[n]))
             continue
         spec = systems.get(n)
         if not spec or spec.get("budget_from") or spec.get("virtual", 1) != 1:
@@ -107,11 +113,38 @@ def flat_rows(res: dict, pi: int, ph: dict, names, default: str, model) -> dict[
                 continue
             kw = dict(budgets=[int(b[spec["budget"]]) for b in budgets],
                       stage_bytes=[[max(1, int(b["1f1b"]) // (P - r))] for r, b in enumerate(budgets)])
-        rows[n] = predict(cfg, cal, pi, ph, kept_hint(ph, n, default), limit=spec["limit"], model=model, **kw)
+        hint = kept_hint(ph, n, default)
+        rows[n] = predict(cfg, cal, pi, ph, hint, limit=spec["limit"], model=by(hint), **kw)
     return rows
 
 
-def calibrated(res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str = "loop"):
+def splits(hint: str, cfg: dict, n_virtual: int = 1, placement: str = "loop") -> bool | None:
+    """Whether ``hint`` runs a split backward on the setting's placement (None: unresolved)."""
+    try:
+        spec = resolve_hint(hint, Placement(cfg["n_ranks"], n_virtual, placement), cfg["n_microbatches"])[0]
+    except (ValueError, KeyError):
+        return None
+    return spec.split_backward
+
+
+class ByBackward:
+    """A phase's calibrated models on a placement by backward form: the model read off the
+    strict rows that ran the hint's form (a split backward's routed forwards cost more than a
+    full backward's, docs/simulator.md), else off all of them (:func:`calibrated`)."""
+
+    def __init__(self, res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str = "loop", fallback=None):
+        self.cfg, self.nv, self.pl = res["config"], n_virtual, placement
+        self.all = calibrated(res, pi, ph, n_virtual, placement) or fallback
+        self.forms = {f: calibrated(res, pi, ph, n_virtual, placement, backward=f) for f in ("full", "split")}
+
+    def __call__(self, hint: str):
+        split = splits(hint, self.cfg, self.nv, self.pl)
+        m = None if split is None else self.forms["split" if split else "full"]
+        return m or self.all
+
+
+def calibrated(res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str = "loop",
+               backward: str | None = None):
     """The calibrated model of phase ``ph`` on a placement (:func:`benchmarks.sim_pred.fit_model`),
     read off that placement's strict rows' task records where the setting kept them
     (``record_tasks``); None without them (with one stage per rank the predictions are then
@@ -122,19 +155,24 @@ def calibrated(res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str 
     recorded = {row: {int(k): v for k, v in steps.items()} for row, steps in ph["recorded"].items()}
     try:  # costs in place, as the rows shared the cores (docs/simulator.md: no rescale)
         return fit_model(res["config"], res["calibration"], pi, ph, recorded, n_virtual=n_virtual,
-                         placement=placement)
+                         placement=placement, backward=backward)
     except ValueError:  # no strict row of the placement recorded in this phase
         return None
 
 
 def models(res: dict) -> dict[str, dict | None]:
-    """Per phase, the calibrated model its one-stage predictions ran on (:meth:`RuntimeModel.to_json`),
-    with, under ``virtual``, its virtual-stage placements' (``loop``, ``v``) where their strict rows
-    were recorded; None where they ran uncalibrated: for the report's lines on each setting."""
+    """Per phase, the calibrated model its one-stage predictions of full-backward hints ran on
+    (:meth:`RuntimeModel.to_json`; :class:`ByBackward`), with, under ``split``, the split-backward
+    hints' where the strict-split row was recorded, and under ``virtual``, its virtual-stage
+    placements' (``loop``, ``v``, every strict row of each) where their strict rows were recorded;
+    None where they ran uncalibrated: for the report's lines on each setting."""
     out = {}
     for pi, ph in enumerate(res["phases"]):
-        m = calibrated(res, pi, ph)
+        by = ByBackward(res, pi, ph)
+        m = by.forms["full"] or by.all
         out[ph["name"]] = m.to_json() if m is not None else None
+        if m is not None and by.forms["split"] is not None:
+            out[ph["name"]]["split"] = by.forms["split"].to_json()
         virtual = {pl: calibrated(res, pi, ph, 2, pl) for pl in ("loop", "v")}
         if m is not None and any(virtual.values()):
             out[ph["name"]]["virtual"] = {pl: v.to_json() for pl, v in virtual.items() if v is not None}
@@ -151,6 +189,12 @@ def model_line(model: dict | None) -> str:
     costs = "; ".join(f"rank {r}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in c.items())
                       for r, c in enumerate(model["costs"]))
     virtual = "".join(f" {pl} rows' model read off {m['source']}." for pl, m in (model.get("virtual") or {}).items())
+    split = model.get("split")
+    if split:
+        costs_s = "; ".join(f"rank {r}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in c.items() if k != "B")
+                            for r, c in enumerate(split["costs"]))
+        virtual = (f" Hints with a split backward: the model read off {split['source']} (its routed forwards "
+                   f"cost more), ms ({costs_s}).{virtual}")
     return (f"Simulated column: the calibrated model (`benchmarks/sim_pred.py`'s `fit_model`) read off "
             f"{model['source']}: {Calibration.from_mapping(model['calibration']).describe()}; each task's own "
             f"cost in place, ms ({costs}); each round the median over one simulation per recorded step; "

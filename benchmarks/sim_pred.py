@@ -333,10 +333,15 @@ taken as half of its rank's (the fixed costs of a task, autograd's set-up, the s
 the outputs' encoding, do not halve with its layers)."""
 
 
+def ran_split(steps: dict) -> bool:
+    """Whether a row's recorded steps (step id -> per rank records) ran a split backward."""
+    return any(t[1] in (I, W) for ranks in steps.values() for rs in ranks for t in rs["tasks"])
+
+
 def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, recorded: dict,
               rows: Sequence[str] | None = None, cores: int | None = None, background: float = 0.0,
               n_virtual: int = 1, placement: str = "loop", draws: bool = True,
-              hop_on_rank: float = HOP_ON_RANK) -> RuntimeModel:
+              hop_on_rank: float = HOP_ON_RANK, backward: str | None = None) -> RuntimeModel:
     """The calibrated model of a setting's phase on one placement, read off the recorded steps
     of ``rows`` (those that ran; default the placement's :data:`PLACEMENT_ROWS`): each task's own
     cost per stage (its recorded duration less what the harness slept in it,
@@ -355,6 +360,10 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
         n_virtual, placement: the placement of ``rows``.
         draws: keep each recorded step's factors and hops (:class:`RuntimeModel`).
         hop_on_rank: :attr:`~rrfp.sim.calibration.Calibration.hop_on_rank`.
+        backward: ``"full"`` or ``"split"``: only the rows that ran that backward form (a split
+            backward routes the layers' forwards through the deferring function, so its ``F``
+            costs more than a full backward's: :func:`rrfp.runtime.engine.split.enable_split_backward`);
+            None: every row.
 
     Raises:
         ValueError: none of ``rows`` was recorded in the phase's timed rounds, or a figure
@@ -367,14 +376,15 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
     sleep = harness_sleep(cfg, calibration, phase, n_virtual, placement)
     ids = set(timed_step_ids(phase_index, phase))
     used = [r for r in rows if r in recorded and ids & {int(k) for k in recorded[r]}]
+    if backward is not None:
+        used = [r for r in used if ran_split(recorded[r]) == (backward == "split")]
     if not used:
         raise ValueError(f"no recorded step of {', '.join(rows) or 'a strict row'} in phase "
                          f"{phase.get('name', phase_index)}")
     records: list[TaskRecord] = []
     steps = []
     for n, row in enumerate(used):
-        split = any(t[1] in (I, W) for ranks in recorded[row].values() for rs in ranks for t in rs["tasks"])
-        spec = PipelineSpec(place, M, split)
+        spec = PipelineSpec(place, M, ran_split(recorded[row]))
         for sid, ranks in sorted(recorded[row].items(), key=lambda kv: int(kv[0])):
             if int(sid) not in ids:
                 continue

@@ -182,17 +182,25 @@ def test_the_reports_predictions_use_the_model_read_off_the_settings_records():
     from benchmarks import report_peers
 
     data, phase, recorded = _fixture()
-    rows = {n: v for n, v in data["rows"].items() if n in ("rrfp strict-1f1b", "rrfp bf", "rrfp bf, 1F1B limits")}
+    rows = {n: v for n, v in data["rows"].items()
+            if n in ("rrfp strict-1f1b", "rrfp strict-split", "rrfp bf", "rrfp bf, 1F1B limits")}
     rounds = [{"round": 2 + i, "kind": "timed", "systems": {n: {"step": v["step"][i]} for n, v in rows.items()}}
               for i in range(phase["rounds"])]
     ph = {"name": phase["name"], "level": phase["level"], "rounds": rounds,
           "recorded": {n: {str(k): v for k, v in steps.items()} for n, steps in recorded.items()}}
     res = {"config": {**data["config"], "hint": "bf"}, "calibration": data["calibration"], "phases": [ph]}
     got = report_peers.predictions(res)[phase["name"]]
-    model = sim_pred.fit_model(data["config"], data["calibration"], 0, ph, recorded)
+    # Each row on the model of the strict row that ran its hint's backward form (a split
+    # backward's routed forwards cost more): strict-split's for a split hint, strict-1f1b's else.
+    form = {"strict-split": "rrfp strict-split"}
     for n, v in rows.items():
+        model = sim_pred.fit_model(data["config"], data["calibration"], 0, ph, recorded,
+                                   rows=(form.get(v["hint"], "rrfp strict-1f1b"),))
         assert got[n] == pytest.approx(sim_pred.predict(data["config"], data["calibration"], 0, ph, v["hint"],
                                                         limit=v["limit"], model=model))
+    both = sim_pred.fit_model(data["config"], data["calibration"], 0, ph, recorded)
+    assert got["rrfp strict-1f1b"] != pytest.approx(sim_pred.predict(data["config"], data["calibration"], 0, ph,
+                                                                     "strict-1f1b", limit=32, model=both))
     # Without the records: the uncalibrated simulator, as before.
     del ph["recorded"]
     assert report_peers.predictions(res)[phase["name"]]["rrfp bf"] == pytest.approx(
@@ -219,7 +227,8 @@ def test_every_one_stage_row_of_a_recorded_setting_is_predicted_on_the_calibrate
            "budgets": [{"1f1b": (P - r) * a, "gpipe": M * a} for r in range(P)]}
     got = report_peers.predictions(res)[phase["name"]]
     assert set(got) == set(names)
-    model = sim_pred.fit_model(cfg, data["calibration"], 0, ph, recorded)
+    # Every row here runs a full backward: the model of the strict 1F1B row.
+    model = sim_pred.fit_model(cfg, data["calibration"], 0, ph, recorded, rows=("rrfp strict-1f1b",))
     pred = lambda hint, **kw: sim_pred.predict(cfg, data["calibration"], 0, ph, hint, model=model, **kw)  # noqa: E731
     assert got["torch 1F1B"] == pytest.approx(pred("strict-1f1b"))
     assert got["rrfp strict-1f1b"] == pytest.approx(pred("strict-1f1b"))
