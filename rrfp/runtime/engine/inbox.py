@@ -91,11 +91,10 @@ class Inbox:
         self.hold: Callable[[Message], float] | None = None
         self._timers: DeadlineTimers | None = None  # the holds' release times (made on first use)
         self._senders = (router.senders(Direction.ACT), router.senders(Direction.GRAD))  # for handle()
-        self._buffers = (router.buffers(Direction.ACT), router.buffers(Direction.GRAD))  # for handle()
         self._n_stages = router.n_stages
         # Stages whose arrivals need no placing (plain PipelineStages on the host, no executor
-        # copies): handle() buffers their tensors itself. Set at each step's start, since a
-        # stage's device is settled by then.
+        # copies): _admit buffers their tensors as they are, without place_on's calls. Set at
+        # each step's start, since a stage's device is settled by then.
         self._host: frozenset[int] = frozenset()
 
     def on_control(self, kind: str, handler: ControlHandler) -> None:
@@ -127,22 +126,7 @@ class Inbox:
             step, d, s = self.step, key.direction, key.stage
             if (step is not None and key.step == step and (d == _ACT or d == _GRAD) and key.job == self.job
                     and self.hold is None and 0 <= s < self._n_stages and self._senders[d][s] == msg.src):
-                m = key.microbatch
-                if s in self._host and 0 <= m < self.n_microbatches:
-                    # _admit for a stage on the host (place_on: the tensors as they are), in
-                    # this call: the same checks and the same buffer, once per message.
-                    grad = d == _GRAD
-                    try:
-                        self.arb.mark_input(s, m, grad)
-                    except SchedulingError as e:  # a duplicate: the first copy stands
-                        return self.reject(msg, str(e))
-                    buf = self._buffers[d]
-                    if (s, m) in buf:  # a second input for one task: the router's error
-                        self.router.put(s, m, d, msg.tensors)
-                    buf[(s, m)] = list(msg.tensors) if grad else tuple(msg.tensors)
-                    self.wake.set()
-                else:
-                    self._admit(msg)
+                self._admit(msg)
             else:
                 self.on_message(msg)
         except Exception as e:  # noqa: BLE001 - handed to the scheduler loop
@@ -245,16 +229,20 @@ class Inbox:
 
     def _admit(self, msg: Message) -> None:
         key = msg.key
-        stage = self.stages.get(key.stage)
-        grad = key.direction == _GRAD
-        if stage is None or not 0 <= key.microbatch < self.n_microbatches:
-            return self.reject(msg, f"no task here for stage {key.stage} microbatch {key.microbatch}")
+        s, m, d = key.stage, key.microbatch, key.direction
+        stage = self.stages.get(s)
+        grad = d == _GRAD
+        if stage is None or not 0 <= m < self.n_microbatches:
+            return self.reject(msg, f"no task here for stage {s} microbatch {m}")
         try:
-            self.arb.mark_input(key.stage, key.microbatch, grad)
+            self.arb.mark_input(s, m, grad)
         except SchedulingError as e:  # a duplicate: the first copy stands
             return self.reject(msg, str(e))
-        tensors = self.place_on(stage, msg.tensors)
-        self.router.put(key.stage, key.microbatch, key.direction, list(tensors) if grad else tensors)
+        if s in self._host:  # place_on would only make the tuple (PipelineStage.to_device on the host)
+            self.router.put(s, m, d, list(msg.tensors) if grad else tuple(msg.tensors))
+        else:
+            tensors = self.place_on(stage, msg.tensors)
+            self.router.put(s, m, d, list(tensors) if grad else tensors)
         self.wake.set()
 
     def place_on(self, stage: PipelineStage, tensors: Sequence) -> tuple:
