@@ -61,7 +61,9 @@ def predictions(res: dict) -> dict[str, dict[str, list[float]]]:
     for pi, ph in enumerate(res["phases"]):
         names = list(ph["rounds"][0]["systems"])
         rows: dict[str, list[float]] = {}
-        model = calibrated(res, pi, ph)
+        one = ByBackward(res, pi, ph)
+        model = one.all
+        placed: dict[str, ByBackward] = {}  # a placement's models, fitted once for its peers
         for label, p in PEERS.items():
             peak = _memory(ph, p["torch"])
             if not {peer_default(label), peer_strict(label), p["torch"]} <= set(names) or not peak:
@@ -69,7 +71,8 @@ def predictions(res: dict) -> dict[str, dict[str, list[float]]]:
             sb = [b[p["placement"]] for b in res["virtual_stage_bytes"]]
             budgets = [int(x) for x in peak]
             kw = dict(n_virtual=2, placement=p["placement"], bound_budgets=budgets, stage_bytes=sb)
-            by = ByBackward(res, pi, ph, 2, p["placement"], fallback=model)
+            pl = p["placement"]
+            by = placed[pl] if pl in placed else placed.setdefault(pl, ByBackward(res, pi, ph, 2, pl, fallback=model))
             kept = kept_hint(ph, peer_default(label), default)
             rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"], model=by(p["strict"]),
                                                                  **kw)
@@ -77,7 +80,7 @@ def predictions(res: dict) -> dict[str, dict[str, list[float]]]:
                                                                    model=by(kept), **kw)
             rows[BOUND + label] = [min(a, b) for a, b in zip(b_strict, b_default)]
         if cfg.get("sleep") or model is not None:
-            rows.update(flat_rows(res, pi, ph, names, default, model))
+            rows.update(flat_rows(res, pi, ph, names, default, one if model is not None else None))
         out[ph["name"]] = rows
     return out
 
@@ -90,7 +93,7 @@ strictly on rrfp's calibrated model (PyTorch's own runtime costs are not modelle
 def flat_rows(res: dict, pi: int, ph: dict, names, default: str, model) -> dict[str, list[float]]:
     """Per row with one stage per rank (rrfp's, a budget row's at its schedule's bytes, and
     PyTorch's 1F1B and GPipe by :data:`TORCH_ORDERS`), the simulated step time of each timed
-    round on ``model`` (None: uncalibrated). A budget row's bytes: the rank's budget
+    round on the model ``model(hint)`` gives (a :class:`ByBackward`; None: uncalibrated). A budget row's bytes: the rank's budget
     (``res["budgets"]``) over what 1F1B holds there, ``P - r`` microbatches, as each
     microbatch's size (exact where microbatches are alike; the multimodal and variable-length
     settings' vary)."""
@@ -98,7 +101,7 @@ def flat_rows(res: dict, pi: int, ph: dict, names, default: str, model) -> dict[
     P = cfg["n_ranks"]
     systems = {**RRFP_SYSTEMS, **candidate_systems(cfg.get("candidates") or [])}
     budgets = res.get("budgets") or []
-    by = ByBackward(res, pi, ph) if model is not None else (lambda hint: None)
+    by = model or (lambda hint: None)
     rows: dict[str, list[float]] = {}
     for n in names:
         if n in TORCH_ORDERS:
