@@ -56,6 +56,7 @@ __all__ = [
     "decode",
     "descriptor",
     "encode",
+    "encode_sized",
     "frames_nbytes",
     "parse_descriptors",
     "wire_bytes",
@@ -146,6 +147,15 @@ def encode(
             or not serializable, or header over 64 KiB (the decoder would reject
             them).
     """
+    return encode_sized(key, tensors, meta)[0]
+
+
+def encode_sized(
+    key: MsgKey, tensors: Sequence[Tensor | None], meta: dict[str, Any] | None = None
+) -> tuple[list[Frame], int]:
+    """:func:`encode`'s frames and their total size in bytes (what :func:`frames_nbytes` would
+    count), for a transport's statistics without a second pass over the frames. Raises as
+    :func:`encode`."""
     n = len(tensors)
     if n > MAX_TENSORS:
         raise CodecError(f"too many tensors: {n} > {MAX_TENSORS}")
@@ -168,6 +178,7 @@ def encode(
              _H_STAGE, (type(stage) is int and _SMALL_INTS.get(stage)) or _pack_int(stage, "stage"),
              _H_DIRECTION, direction, _H_TENSORS, _FIXARRAYS[n] if n < 16 else _array_header(n)]
     frames: list[Frame] = [b""]
+    size = 0
     for i, t in enumerate(tensors):
         if t is None:
             parts.append(_NIL)
@@ -186,13 +197,15 @@ def encode(
                 # dtype) and lazy conjugate/negative views (unresolved storage).
                 a = (t.detach() if rg else t).numpy()
             except (TypeError, RuntimeError):
-                frames.append(_tensor_bytes(t))
+                f = _tensor_bytes(t)
             else:
                 # The ndarray keeps the tensor, and so its storage, alive as long as the
                 # memoryview lives. cast() refuses views with a zero in the shape.
-                frames.append(memoryview(a).cast("B") if a.size else _EMPTY)
+                f = memoryview(a).cast("B") if a.size else _EMPTY
         else:
-            frames.append(_tensor_bytes(t))
+            f = _tensor_bytes(t)
+        frames.append(f)
+        size += f.nbytes
     if meta is None or (type(meta) is dict and not meta):
         parts.append(_H_EMPTY_META)
     else:
@@ -201,7 +214,7 @@ def encode(
     if len(packed) > MAX_HEADER_BYTES:
         raise CodecError(f"header too big: {len(packed)} bytes > {MAX_HEADER_BYTES}")
     frames[0] = packed
-    return frames
+    return frames, size + len(packed)
 
 
 # The rare paths of encode(), out of its per-message path: a job, a tensor description
@@ -293,15 +306,17 @@ _INT_LEN = bytes(1 if b < 0x80 or b >= 0xE0 else {0xCC: 2, 0xCD: 3, 0xCE: 5, 0xC
                                                     0xD3: 9}.get(b, 0) for b in range(256))
 
 
+# By a header's byte 5 (the job's str marker, after the map marker and "job"): where the step's
+# int begins for a fixstr job (its length, then "step"); 1: a str8 job (its length is byte 6);
+# 0: another marker, which encode never writes.
+_STEP_AT = bytes((b & 0x1F) + 11 if 0xA0 <= b <= 0xBF else 1 if b == 0xD9 else 0 for b in range(256))
+
+
 def _step_at(head: bytes) -> int:
     """Where the step's int begins in a header laid out as :func:`encode` lays it out, judged
     by the job's str marker (0: not a fixstr or str8). Raises IndexError on a header cut short."""
-    b = head[5]  # after the map marker and "job"
-    if 0xA0 <= b <= 0xBF:
-        return (b & 0x1F) + 11  # fixstr, then "step"
-    if b == 0xD9:
-        return head[6] + 12  # str8, then "step"
-    return 0
+    k = _STEP_AT[head[5]]
+    return head[6] + 12 if k == 1 else k  # a str8: its length, then "step"
 
 
 def _learn_header(head: bytes, key: MsgKey, descs: list, n_frames: int) -> None:
@@ -357,9 +372,8 @@ def decode(
         raise CodecError(f"header too big: {len(head)} bytes > {MAX_HEADER_BYTES}")
     # A header whose prefix and tail were accepted before (see _known_prefix) parses as they
     # did, its declared bytes checked against this caller's limit; any other is parsed in full.
-    js, tail = _known_header(head, max_bytes) if type(head) is bytes else _UNKNOWN
+    key, tail = _known_header(head, max_bytes) if type(head) is bytes else _UNKNOWN
     if tail is not None:
-        key = MsgKey(js[0], js[1], tail[0], tail[1], tail[2])
         descs, n_frames, meta = tail[3], tail[4], {}
     else:
         key, descs, n_frames, meta = parse_header(unpack_header(head), max_bytes)
@@ -410,11 +424,13 @@ _UNKNOWN = (None, None)
 
 
 def _known_header(head: bytes, max_bytes: int) -> tuple[Any, Any]:
-    """``(job and step entry, tail entry)`` of a header whose prefix and tail were accepted
-    before (:func:`_learn_header`) and whose declared bytes are within ``max_bytes``; else
+    """``(key, tail entry)`` of a header whose prefix and tail were accepted before
+    (:func:`_learn_header`) and whose declared bytes are within ``max_bytes``; else
     ``(None, None)``."""
     try:
-        k = _step_at(head)
+        k = _STEP_AT[head[5]]  # _step_at's table read inline (once per message): a fixstr job
+        if k == 1:
+            k = _step_at(head)
         i = k + _INT_LEN[head[k]]
     except IndexError:  # cut short: the full parse says how
         return _UNKNOWN
@@ -424,7 +440,7 @@ def _known_header(head: bytes, max_bytes: int) -> tuple[Any, Any]:
     tail = _known_tail.get(head[i:])
     if tail is None or tail[5] > max_bytes:
         return _UNKNOWN
-    return js, tail
+    return MsgKey(js[0], js[1], tail[0], tail[1], tail[2]), tail
 
 
 def _allocated_copy(i: int, shape: Any, info: Any, buf: Any, nbytes: int) -> Tensor:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..errors import TransportClosed
 from .base import Message, Transport
-from .codec import DEFAULT_MAX_BYTES, encode, frames_nbytes
+from .codec import DEFAULT_MAX_BYTES, encode_sized
 from .header import check_meta
 from .keys import MsgKey
 
@@ -184,8 +184,15 @@ class FakeNetwork:
     def _drain_fifo(self) -> None:
         self._fifo_armed = False
         fifo = self._fifo
+        transports, dead = self._transports, self.dead
         while fifo:
-            self._deliver(*fifo.popleft())
+            src, dst, item = fifo.popleft()
+            if self.encode and item is not _BYE:  # _deliver's common case inline (once per message)
+                t = transports.get(dst)
+                if t is not None and dst not in dead:
+                    t.deliver_frames(src, *item)
+            else:
+                self._deliver(src, dst, item)
 
     def _deliver(self, src: int, dst: int, item: Any) -> None:
         t = self._transports.get(dst)
@@ -231,11 +238,12 @@ class FakeTransport(Transport):
         tensors: Sequence[Tensor | None],
         meta: dict[str, Any] | None = None,
     ) -> None:
-        self.check_send(dst)
-        if self._net.encode:
-            frames = encode(key, tensors, meta)
-            nbytes = frames_nbytes(frames)
-            item: Any = (frames, nbytes)  # the receiver's statistics count the same bytes
+        if self.closed or self.closing or not self.started or dst.__class__ is not int or not 0 <= dst < self.world_size:
+            self.check_send(dst)  # raises for all but a bool or an int subclass in range
+        net = self._net
+        if net.encode:
+            item: Any = encode_sized(key, tensors, meta)  # (frames, nbytes): the receiver counts the same bytes
+            nbytes = item[1]
         else:
             if meta is None:
                 meta = {}
@@ -244,9 +252,16 @@ class FakeTransport(Transport):
                 meta = dict(meta)
             nbytes = sum(t.nbytes for t in tensors if t is not None)
             item = (Message(self.rank, key, list(tensors), meta), nbytes)
-        self.stats["messages_sent"] += 1
-        self.stats["bytes_sent"] += nbytes
-        self._net._post(self.rank, dst, key, item)
+        stats = self.stats
+        stats["messages_sent"] += 1
+        stats["bytes_sent"] += nbytes
+        if net._const_delay == 0.0:  # _post's FIFO inline (once per message)
+            if not net._fifo_armed:  # no loop running: raises before anything is queued
+                asyncio.get_running_loop().call_soon(net._drain_fifo)
+                net._fifo_armed = True
+            net._fifo.append((self.rank, dst, item))
+        else:
+            net._post(self.rank, dst, key, item)
 
     async def flush(self) -> None:
         # Sends are on the (fake) wire as soon as send() returns.

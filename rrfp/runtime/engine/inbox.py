@@ -92,6 +92,7 @@ class Inbox:
         self._timers: DeadlineTimers | None = None  # the holds' release times (made on first use)
         self._senders = (router.senders(Direction.ACT), router.senders(Direction.GRAD))  # for handle()
         self._n_stages = router.n_stages
+        self._slots = (router.buffers(Direction.ACT), router.buffers(Direction.GRAD))  # by grad: False, True
         # Stages whose arrivals need no placing (plain PipelineStages on the host, no executor
         # copies): _admit buffers their tensors as they are, without place_on's calls. Set at
         # each step's start, since a stage's device is settled by then.
@@ -239,10 +240,15 @@ class Inbox:
         except SchedulingError as e:  # a duplicate: the first copy stands
             return self.reject(msg, str(e))
         if s in self._host:  # place_on would only make the tuple (PipelineStage.to_device on the host)
-            self.router.put(s, m, d, list(msg.tensors) if grad else tuple(msg.tensors))
+            tensors = list(msg.tensors) if grad else tuple(msg.tensors)
         else:
             tensors = self.place_on(stage, msg.tensors)
-            self.router.put(s, m, d, list(tensors) if grad else tensors)
+            if grad:
+                tensors = list(tensors)
+        slots = self._slots[grad]  # Router.put's slot inline (once per message)
+        if (s, m) in slots:
+            self.router.put(s, m, d, tensors)  # raises: a second input for one task
+        slots[(s, m)] = tensors
         self.wake.set()
 
     def place_on(self, stage: PipelineStage, tensors: Sequence) -> tuple:
