@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import zmq
 
 from rrfp.transport import codec
 from rrfp.transport.codec import CodecError, decode, encode, wire_bytes
@@ -92,7 +93,28 @@ def _known_frames() -> list:
     return encode(MsgKey("j", 300, 7, 2, GRAD), [torch.ones(1, 1).requires_grad_()])
 
 
-def test_every_change_of_one_byte_of_a_known_header_decodes_as_with_nothing_known():
+def _as_zmq(frames: list) -> list:
+    """``frames`` as a ZeroMQ socket hands them over (``recv_multipart(copy=False)``)."""
+    return [zmq.Frame(bytes(f)) for f in frames]
+
+
+def test_zmq_frames_take_the_known_path_and_teach_it(monkeypatch):
+    # Between processes every frame is a zmq.Frame: their headers are known as bytes' are.
+    key, t = MsgKey("j", 4, 9, 1, ACT), torch.randn(3).requires_grad_()
+    parses = _count_full_parses(monkeypatch)
+    want = _outcome(encode(key, [t]))
+    assert _outcome(_as_zmq(encode(key, [t]))) == want
+    assert len(parses) == 1  # learned from the bytes header, known as a zmq.Frame
+    other = MsgKey("j", 5, 9, 1, ACT)
+    assert _outcome(_as_zmq(encode(other, [t])))[1] == other
+    assert _outcome(_as_zmq(encode(other, [t])))[1] == other
+    assert len(parses) == 2  # learned from a zmq.Frame header
+    assert _outcome([bytearray(f) for f in encode(other, [t])])[1] == other
+    assert len(parses) == 2
+
+
+@pytest.mark.parametrize("wrap", [list, _as_zmq], ids=["bytes", "zmq.Frame"])
+def test_every_change_of_one_byte_of_a_known_header_decodes_as_with_nothing_known(wrap):
     frames = _known_frames()
     head = frames[0]
     checked = 0
@@ -100,7 +122,7 @@ def test_every_change_of_one_byte_of_a_known_header_decodes_as_with_nothing_know
         for v in {0x00, 0x01, 0x7F, 0x80, 0xA5, 0xCC, 0xCD, 0xD9, 0xFF, head[p] ^ 0x01}:
             if v == head[p]:
                 continue
-            variant = [head[:p] + bytes([v]) + head[p + 1:], *frames[1:]]
+            variant = wrap([head[:p] + bytes([v]) + head[p + 1:], *frames[1:]])
             codec._known_prefix.clear()
             codec._known_tail.clear()
             want = _outcome(variant)  # the full parse
@@ -112,14 +134,15 @@ def test_every_change_of_one_byte_of_a_known_header_decodes_as_with_nothing_know
     assert checked > 9 * len(head) - len(head)
 
 
-def test_every_cut_of_a_known_header_fails_as_with_nothing_known():
+@pytest.mark.parametrize("wrap", [list, _as_zmq], ids=["bytes", "zmq.Frame"])
+def test_every_cut_of_a_known_header_fails_as_with_nothing_known(wrap):
     frames = _known_frames()
     head = frames[0]
-    wants = [_outcome([head[:n], *frames[1:]]) for n in range(len(head))]
+    wants = [_outcome(wrap([head[:n], *frames[1:]])) for n in range(len(head))]
     codec._known_prefix.clear()
     codec._known_tail.clear()
     decode(frames)
-    assert [_outcome([head[:n], *frames[1:]]) for n in range(len(head))] == wants
+    assert [_outcome(wrap([head[:n], *frames[1:]])) for n in range(len(head))] == wants
     assert all(w[0] == "error" for w in wants)
 
 

@@ -370,14 +370,19 @@ def decode(
         head = _byte_view(head, "header")
     if len(head) > MAX_HEADER_BYTES:
         raise CodecError(f"header too big: {len(head)} bytes > {MAX_HEADER_BYTES}")
+    if type(head) is not bytes:
+        # A zmq.Frame (every arrival from another process), a bytearray or a view: its at most
+        # 64 KiB as bytes, which the known-header read and its learning take (a zmq.Frame's
+        # [i] is no byte, and a view's may change under it); a data header is a few dozen.
+        head = bytes(head)
     # A header whose prefix and tail were accepted before (see _known_prefix) parses as they
     # did, its declared bytes checked against this caller's limit; any other is parsed in full.
-    key, tail = _known_header(head, max_bytes) if type(head) is bytes else _UNKNOWN
+    key, tail = _known_header(head, max_bytes)
     if tail is not None:
         descs, n_frames, meta = tail[3], tail[4], {}
     else:
         key, descs, n_frames, meta = parse_header(unpack_header(head), max_bytes)
-        if not meta and type(head) is bytes:
+        if not meta:
             _learn_header(head, key, descs, n_frames)
     if n - 1 != n_frames:
         raise CodecError(f"frame count mismatch: header declares {n_frames} tensor frames, got {n - 1}")
