@@ -370,11 +370,8 @@ def decode(
         head = _byte_view(head, "header")
     if len(head) > MAX_HEADER_BYTES:
         raise CodecError(f"header too big: {len(head)} bytes > {MAX_HEADER_BYTES}")
-    if type(head) is not bytes:
-        # A zmq.Frame (every arrival from another process), a bytearray or a view: its at most
-        # 64 KiB as bytes, which the known-header read and its learning take (a zmq.Frame's
-        # [i] is no byte, and a view's may change under it); a data header is a few dozen.
-        head = bytes(head)
+    if type(head) is not bytes:  # a zmq.Frame (from another process), a bytearray, a view: as bytes
+        head = bytes(head)  # (<= 64 KiB) for the known-header read and learning (a zmq.Frame's [i] is no byte)
     # A header whose prefix and tail were accepted before (see _known_prefix) parses as they
     # did, its declared bytes checked against this caller's limit; any other is parsed in full.
     key, tail = _known_header(head, max_bytes)
@@ -402,10 +399,7 @@ def decode(
         elif type(buf) not in _LEN_IS_NBYTES:
             buf = _byte_view(buf, i)
         if len(buf) != nbytes:
-            raise CodecError(
-                f"tensor {i}: frame has {len(buf)} bytes, expected {nbytes} "
-                f"for {info.name}{shape}"
-            )
+            raise CodecError(f"tensor {i}: frame has {len(buf)} bytes, expected {nbytes} for {info.name}{shape}")
         if info.torch is _BOOL and nbytes and not _bool_bytes_ok(buf):
             # torch assumes bool bytes are 0 or 1; anything else is not a bool.
             raise CodecError(f"tensor {i}: bool frame holds bytes other than 0 and 1")
