@@ -33,7 +33,7 @@ from rrfp.transport import (
     default_host,
     encode,
 )
-from rrfp.transport.codec import DTYPES, MAX_HEADER_BYTES, MAX_TENSORS
+from rrfp.transport.codec import DTYPES, MAX_HEADER_BYTES, MAX_TENSORS, encode_sized, frames_nbytes
 
 KEY = MsgKey("job", 3, 7, 1, Direction.ACT)
 
@@ -220,6 +220,46 @@ def test_codec_header_is_plain_msgpack(key: MsgKey, tensors: list, meta: dict | 
     }
     for _ in range(2):  # cold, then from the fragment caches
         assert encode(key, tensors, meta)[0] == msgpack.packb(want)
+
+
+@pytest.mark.parametrize(
+    "tensors, meta",
+    [
+        ([torch.randn(3, 4, requires_grad=True)], None),
+        ([None, torch.arange(10), torch.randn(6, 4).t()], None),  # a None, a non-contiguous view
+        ([torch.randn(2, 2, dtype=torch.bfloat16), torch.zeros(0, 5)], None),  # no numpy dtype, zero-size
+        ([torch.randn(2, dtype=torch.complex64).conj()], None),  # a lazy conjugate: copied
+        ([], {"kind": "x", "n": [1, 2, 3]}),
+    ],
+    ids=["act", "none-strided", "bf16-empty", "conj", "control"],
+)
+def test_codec_encode_sized_counts_the_bytes_frames_nbytes_counts(tensors: list, meta: dict | None) -> None:
+    """The in-process transport's statistics: encode_sized's size is frames_nbytes of the same frames."""
+    frames, size = encode_sized(KEY, tensors, meta)
+    assert size == frames_nbytes(frames) == sum(memoryview(f).nbytes for f in frames)
+    assert [bytes(f) for f in frames] == [bytes(f) for f in encode(KEY, tensors, meta)]
+
+
+def test_fake_transport_counts_what_it_sends_and_receives() -> None:
+    tensors = [torch.randn(5, requires_grad=True), None, torch.arange(3)]
+    want = sum(memoryview(f).nbytes for f in encode(KEY, tensors))
+
+    async def go():
+        net = FakeNetwork(2)
+        a, b = net.transport(0), net.transport(1)
+        await a.start()
+        await b.start()
+        a.send(1, KEY, tensors)
+        got = await b.recv()
+        return a.stats, b.stats, got
+
+    sent, received, msg = asyncio.run(go())
+    assert (sent["messages_sent"], sent["bytes_sent"]) == (1, want)
+    assert (received["messages_received"], received["bytes_received"]) == (1, want)
+    assert msg.src == 0 and msg.key == KEY and msg.meta == {} and msg.tensors[1] is None
+    assert_same(msg.tensors[0], tensors[0])
+    assert msg.tensors[0].requires_grad and not msg.tensors[2].requires_grad
+    assert_same(msg.tensors[2], tensors[2])
 
 
 def test_codec_encode_rejects_bad_keys_and_meta() -> None:
