@@ -247,7 +247,7 @@ def _c_apply(fn: type) -> Callable | None:
     The wrapper binds default arguments for a Function with ``setup_context`` (not ours) and
     unwraps functorch's dead wrappers before it calls this C base; while no functorch
     transform is active it does nothing else. It costs ~2 us of the ~10 us a small layer's
-    forward takes (``benchmarks/bench_split_backward.py --forward``)."""
+    forward takes (``benchmarks/bench_split_backward.py``: F ratio)."""
     base = getattr(torch._C, "_FunctionBase", None)
     apply = getattr(base, "__dict__", {}).get("apply")
     try:
