@@ -123,16 +123,22 @@ class WeightGradStore:
 
     def flush(self) -> None:
         """Compute and accumulate every deferred weight gradient, run every deferred call
-        (:func:`defer_to_weight`, in the order deferred), then forget them."""
-        for weight, bias, x, dy, in_out in self.items:
-            dw, db = _weight_grads(x, dy, bias is not None, in_out)
-            _accumulate(weight, dw)
-            if bias is not None:
-                _accumulate(bias, db)
-        self.items.clear()
-        calls, self.calls = self.calls, []
-        for fn in calls:
-            fn()
+        (:func:`defer_to_weight`, in the order deferred), then forget them.
+
+        Runs with autograd off, as the backward it finishes did: a deferred ``X`` past a stage's
+        first layer requires grad, and ``dY^T X`` computed with grad mode on would leave
+        ``weight.grad`` with a history that holds ``dY`` (and that microbatch's graph) until
+        the gradients are zeroed."""
+        with torch.no_grad():
+            for weight, bias, x, dy, in_out in self.items:
+                dw, db = _weight_grads(x, dy, bias is not None, in_out)
+                _accumulate(weight, dw)
+                if bias is not None:
+                    _accumulate(bias, db)
+            self.items.clear()
+            calls, self.calls = self.calls, []
+            for fn in calls:
+                fn()
 
 
 def defer_to_weight(param: torch.Tensor, fn: Callable[[], None]) -> bool:

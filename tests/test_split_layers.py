@@ -1,13 +1,16 @@
-"""The split backward's routed forward (rrfp.runtime.engine.split): every routed layer computes
+"""The split backward's routed layers (rrfp.runtime.engine.split): every routed layer computes
 its own forward's op, so its output is bit for bit the layer's own (dtype included, under
-autocast too), and a split-backward pipeline's losses equal a full-backward pipeline's exactly.
-References: the layers' own forwards (nn.Linear, HF Conv1D, the TP layers' affine) and the
-same pipeline run with a full backward."""
+autocast too); W leaves plain gradients and frees what it deferred; a split-backward
+pipeline's losses and gradients equal a full-backward pipeline's exactly. References: the
+layers' own forwards and backwards (nn.Linear, HF Conv1D, the TP layers' affine), the same
+pipeline run with a full backward, and the single-process model."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -106,6 +109,33 @@ def test_a_functorch_transform_takes_the_public_path():
     assert torch.func.grad(lambda x: lay(x).sum())(torch.randn(2, 4)).shape == (2, 4)
 
 
+def test_w_leaves_plain_gradients_and_frees_the_deferred_tensors():
+    """A layer past a stage's first op gets an input that requires grad: W's ``dY^T X`` must
+    not record a history (with one, ``weight.grad`` held every deferred ``dY`` and its graph
+    until the gradients were zeroed: main before this change). The gradients equal the
+    layers' own backward's bit for bit."""
+    torch.manual_seed(4)
+    own = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    routed = copy.deepcopy(own)
+    enable_split_backward(routed)
+    x, g = torch.randn(5, 6), torch.randn(5, 3)
+    own(x.clone().requires_grad_()).backward(g)
+    out = routed(x.clone().requires_grad_())
+    store = WeightGradStore()
+    with deferring(store, routed):
+        out.backward(g)
+    assert len(store.items) == 2 and routed[2].weight.grad is None
+    dys = [weakref.ref(item[3]) for item in store.items if item[3] is not g]  # g: the test holds it
+    assert len(dys) == 1
+    store.flush()
+    del out
+    gc.collect()
+    assert dys[0]() is None
+    for (n, p), q in zip(routed.named_parameters(), own.parameters()):
+        assert p.grad.grad_fn is None and not p.grad.requires_grad, n
+        assert torch.equal(p.grad, q.grad), n
+
+
 def _pipeline_step(hint: str, cast: str):
     model = GPT(CFG, seed=4)
     samples, mbs = _batch(4, 1)
@@ -133,6 +163,7 @@ def test_split_backward_pipeline_equals_the_full_backwards_bit_for_bit(cast):
     assert spl[1].keys() == full[1].keys()
     differ = [n for n, g in full[1].items() if not torch.equal(spl[1][n], g)]
     assert not differ, differ
+    assert not [n for n, g in spl[1].items() if g.requires_grad]
     if cast == "fp32":
         model, samples, stages = spl[2]
         _check(model, samples, stages, spl[0])
