@@ -322,8 +322,8 @@ RECV_IN_HOP = True
 (:attr:`Calibration.recv_in_hop`): a waited-for message flies ``hop - recv`` and its receiving
 task spends ``recv``, both read off the strict rows' own gaps. It replaces a hand-chosen share
 of the hop on the receiving rank (0.5, ``HOP_ON_RANK`` before), which added ``recv`` to every
-waited-for message's recorded wait a second time: the strict 1F1B row, replayed step by step
-on its own records, came out 9% slow at J0 (``jitter4``, ``multimodal4``), 0.2-3% with it
+waited-for message's recorded wait a second time: the strict 1F1B row, predicted on its own
+records, came out 9% slow at J0 (``jitter4``, ``multimodal4``), a median 0.4-1.2% off with it
 (docs/simulator.md)."""
 
 PROFILE_ROWS = ("rrfp strict-1f1b", "rrfp strict-split")
