@@ -23,6 +23,7 @@ import numpy as np
 from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.tasks import Placement
 
+from .markdown import table as _table
 from .sim_pred import fit_model, predict, predict_bounded, ratio_summary
 from .systems import PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, candidate_systems, kept_hint, peer_default, peer_strict
 
@@ -399,9 +400,3 @@ def render(compare: dict[str, dict], quick: bool = False) -> tuple[list[str], li
             lines += ["The default's speedup over strict 1F1B, real (paired per round) and simulated:", "", _table(
                 ["setting", "phase", "real", "simulated", "real - simulated", "target", "verdict"], srows), ""]
     return lines, ptargets + rtargets
-
-
-def _table(header: list[str], rows: list[list[Any]]) -> str:
-    from .report import _table as table
-
-    return table(header, rows)
