@@ -250,12 +250,15 @@ def _c_apply(fn: type) -> Callable | None:
     """``fn.apply`` without ``Function.apply``'s Python wrapper (torch/autograd/function.py),
     or None where this torch has no ``_FunctionBase.apply`` to bind.
 
-    The wrapper binds default arguments for a Function with ``setup_context`` (not ours) and
-    unwraps functorch's dead wrappers before it calls this C base; while no functorch
-    transform is active it does nothing else. It costs ~2 us of the ~10 us a small layer's
-    forward takes (``benchmarks/bench_split_backward.py``: F ratio)."""
+    The wrapper binds default arguments for a Function with ``setup_context`` (not ours),
+    unwraps functorch wrappers left over from a finished transform (a tensor that escaped
+    ``torch.func``: no stage input or parameter is one) and, while a transform is active,
+    takes functorch's path (the caller checks that and uses the wrapper then). It costs ~2 us
+    of the ~10 us a small layer's forward takes (``benchmarks/bench_split_backward.py``)."""
     base = getattr(torch._C, "_FunctionBase", None)
     apply = getattr(base, "__dict__", {}).get("apply")
+    if getattr(torch._C, "_are_functorch_transforms_active", None) is None:
+        return None
     try:
         return apply.__get__(None, fn)
     except (AttributeError, TypeError):
@@ -263,7 +266,7 @@ def _c_apply(fn: type) -> Callable | None:
 
 
 _apply_fast = _c_apply(_DeferredAffine)
-_functorch_active = torch._C._are_functorch_transforms_active
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
 def _deferred_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
