@@ -11,6 +11,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from .harness import median_ci, paired_speedup, summarize
+from .markdown import table as _table
+from .report_peers import model_line
 
 
 def machine_info() -> dict[str, Any]:
@@ -45,12 +47,6 @@ def machine_info() -> dict[str, Any]:
 
 def _ms(x: float) -> str:
     return f"{x * 1e3:.1f}"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- comparison
@@ -182,8 +178,6 @@ def render_setting(res: dict) -> tuple[str, dict[str, dict]]:
             ])
         lines += [_table(header, rows), ""]
         if s["predicted"]:
-            from .report_peers import model_line
-
             lines += [model_line((res.get("sim_model") or {}).get(ph["name"])), ""]
         lines += ["Speedup of the row's system over the column's (median over rounds of the paired ratio "
                   "t_column / t_row):", ""]

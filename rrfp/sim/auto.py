@@ -6,7 +6,8 @@ trial on real steps, is :mod:`rrfp.runtime.features.auto`; the suite runs the sa
 steps, :func:`simulate_auto`):
 
 1. Ranking: given a :class:`Profile` (per stage the mean ``F``, ``B``, ``I``, ``W`` seconds and
-   activation bytes, per link the mean message seconds, and the spread of both) and the user's
+   activation bytes, each measured microbatch's own bytes, per link the mean message seconds,
+   and the spread of both) and the user's
    memory (in-flight limit, byte budget), :func:`rank` simulates every candidate of
    :func:`all_candidates` on that profile and orders them by simulated makespan. The spread enters
    as lognormal noise with the measured coefficient of variation, so a candidate that only
@@ -43,6 +44,7 @@ from .compare import SimConfig, default_baseline, run_one
 from .calibration import Calibration
 from .costs import CostModel, StageCost
 from .engine import DeadlockError
+from .sized import Sizes, ratios, sized_configs
 
 log = logging.getLogger("rrfp.auto")
 
@@ -74,6 +76,13 @@ TIE = 0.01
 re-check's incumbent, or else the first in :func:`all_candidates`' order is kept among them
 (:func:`keep`); a switch needs a measured gain beyond it."""
 
+MEASURED_SIZE_STEPS = 2
+"""Steps whose microbatch sizes the suite's profile measures (:func:`profile_of_config`), as the
+runtime's ``auto`` measures two (the strict schedule's, then a split candidate's): the ranking
+simulates each (:func:`rrfp.sim.sized.sized_configs`). One step instead put bfw-mem exactly level
+with strict-split at the suite's 4-rank ``seqlen`` point again (at 1F1B's memory, where it is 4%
+faster at seed 0)."""
+
 _NS = 1e9  # message seconds travel as "bytes" at 1 byte/ns (CommModel's size term)
 
 
@@ -88,12 +97,18 @@ class Profile:
             ``s + 1`` (either direction; 0 on one rank).
         compute_cv, message_cv: coefficient of variation (std / mean, >= 0) of compute times
             and of message times, pooled over stages and kinds.
+        sizes: per measured step, per stage, the bytes each microbatch's forward held there
+            (``sizes[step][stage][microbatch]``; empty: only the stage means are known). Where
+            they vary, :func:`rank` simulates each measured step's own sizes
+            (:func:`sized_configs`): a memory-aware candidate's gain, admitting more small
+            microbatches under a byte budget, shows only there.
     """
 
     stages: tuple[StageCost, ...]
     links: tuple[float, ...]
     compute_cv: float = 0.0
     message_cv: float = 0.0
+    sizes: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     def costs(self) -> CostModel:
         """The profile as a cost model whose message sizes carry the link times."""
@@ -134,17 +149,30 @@ def profile_from_samples(
     messages: dict[int, list[float]],
     n_stages: int,
     act_bytes: Sequence[int],
+    sizes: Sizes = (),
+    sample_bytes: Mapping[tuple[int, str], Sequence[int]] | None = None,
 ) -> Profile:
     """A :class:`Profile` from measured samples.
 
     Args:
         compute: ``(stage, kind) -> seconds`` samples, kinds ``F`` and ``B`` and/or ``I``, ``W``.
         messages: ``stage s -> seconds`` of messages between ``s`` and ``s + 1``.
-        act_bytes: per stage, bytes one microbatch holds.
+        act_bytes: per stage, bytes one microbatch holds (where ``sizes`` are given: their
+            mean over the measured microbatches instead).
+        sizes: per measured step, per stage, each microbatch's bytes (:attr:`Profile.sizes`).
+        sample_bytes: beside ``compute``, each sample's microbatch's bytes on its stage. Where
+            the sizes vary, the ranking scales a microbatch's seconds with its size
+            (:mod:`rrfp.sim.sized`), so the spread is that of ``seconds / (bytes / the stage's
+            mean bytes)``: what the sizes do not explain (None: the spread of the seconds).
 
     Raises:
-        ValueError: a stage without a forward sample, or without any backward sample.
+        ValueError: a stage without a forward sample, or without any backward sample; sizes
+            without one entry per stage.
     """
+    if sizes:
+        if any(len(step) != n_stages for step in sizes):
+            raise ValueError(f"profile: sizes for {[len(step) for step in sizes]} stages, expected {n_stages}")
+        act_bytes = [round(statistics.fmean(b for step in sizes for b in step[s])) for s in range(n_stages)]
     stages = []
     for s in range(n_stages):
         m = {k: statistics.fmean(compute[(s, k)]) for k in (F, B, I, W) if compute.get((s, k))}
@@ -152,7 +180,13 @@ def profile_from_samples(
             raise ValueError(f"profile: stage {s} lacks a forward or backward sample (have {sorted(m)})")
         stages.append(StageCost.from_mapping({**m, "act_bytes": int(act_bytes[s])}, f"stage {s}"))
     links = tuple(statistics.fmean(messages[s]) if messages.get(s) else 0.0 for s in range(n_stages - 1))
-    return Profile(tuple(stages), links, pooled_cv(list(compute.values())), pooled_cv(list(messages.values())))
+    groups = list(compute.values())
+    if sizes and sample_bytes and ratios(sizes, n_stages, len(sizes[0][0])):
+        # The sizes explain part of the spread: the ranking draws only the rest as noise.
+        groups = [[t * act_bytes[sk[0]] / b for t, b in zip(ts, sample_bytes.get(sk, ())) if b > 0]
+                  for sk, ts in compute.items()]
+    return Profile(tuple(stages), links, pooled_cv(groups), pooled_cv(list(messages.values())),
+                   tuple(tuple(tuple(int(b) for b in row) for row in step) for step in sizes))
 
 
 def profile_of_config(cfg: SimConfig, seed: int = PROFILE_SEED) -> Profile:
@@ -165,6 +199,7 @@ def profile_of_config(cfg: SimConfig, seed: int = PROFILE_SEED) -> Profile:
     full, split = c.duration_model(), c.duration_model()
     comm = c.comm_model()
     samples: dict[tuple[int, str], list[float]] = {}
+    sample_bytes: dict[tuple[int, str], list[int]] = {}
     msgs: dict[int, list[float]] = {}
     for s in range(S):
         r = place.rank_of(s)
@@ -174,12 +209,15 @@ def profile_of_config(cfg: SimConfig, seed: int = PROFILE_SEED) -> Profile:
                     d = model(0, r, Task(s, k, m))
                     if model is full or k != F:
                         samples.setdefault((s, k), []).append(d)
+                        sample_bytes.setdefault((s, k), []).append(full.act_bytes(0, s, m))
             nxt = place.next_stage(s)
             if nxt is not None and place.rank_of(nxt) != r:
                 r2 = place.rank_of(nxt)
                 msgs.setdefault(s, []).extend([comm(0, r, r2, Task(s, F, m)), comm(0, r2, r, Task(nxt, B, m))])
+    # The measuring steps' sizes (the runtime measures two steps: the strict schedule's, the split's).
+    sizes = [[[full.act_bytes(k, s, m) for m in range(M)] for s in range(S)] for k in range(MEASURED_SIZE_STEPS)]
     act = [round(statistics.fmean(full.act_bytes(0, s, m) for m in range(M))) for s in range(S)]
-    return profile_from_samples(samples, msgs, S, act)
+    return profile_from_samples(samples, msgs, S, act, sizes, sample_bytes)
 
 
 def all_candidates() -> tuple[str, ...]:
@@ -291,7 +329,9 @@ def rank(
     candidates: Sequence[str] | None = None,
     calibration: Calibration | None = None,
 ) -> Ranking:
-    """Simulate each known candidate on ``profile`` at the user's memory and order them. A
+    """Simulate each known candidate on ``profile`` at the user's memory and order them (where
+    the profile's measured sizes vary, on each measured step's own sizes, makespans averaged:
+    :func:`rrfp.sim.sized.sized_configs`; a named budget resolved on each). A
     candidate that cannot run there (refused at those limits, or a simulation that deadlocks)
     is dropped, logged at INFO on ``rrfp.auto`` and named in :attr:`Ranking.skipped`.
 
@@ -317,14 +357,17 @@ def rank(
         noise=_sigma(profile.compute_cv), comm_noise=_sigma(profile.message_cv),
         bandwidth=_NS if any(profile.links) else math.inf, calibration=calibration,
     )
-    if memory_budget is not None:  # resolved once for every candidate
-        cfg = replace(cfg, memory_budget=cfg.memory_budgets())
+    # One configuration per measured step where the measured sizes vary (sized_configs).
+    cfgs = sized_configs(cfg, profile.sizes)
+    if memory_budget is not None:  # resolved once for every candidate (on each step's sizes)
+        cfgs = [replace(c, memory_budget=c.memory_budgets()) for c in cfgs]
+    draws = max(seeds, len(cfgs))
     times = []
     for i, name in enumerate(known):
         try:
             t = statistics.fmean(
-                run_one(replace(cfg, seed=PROFILE_SEED + k), name, record=False)[0].makespan
-                for k in range(seeds))
+                run_one(replace(cfgs[k % len(cfgs)], seed=PROFILE_SEED + k), name, record=False)[0].makespan
+                for k in range(draws))
         except (ValueError, DeadlockError) as e:
             # At the user's limits (wfloat below its order's own) or a policy's bug: that
             # candidate cannot run here, the others still can.

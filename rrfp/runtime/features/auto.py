@@ -7,7 +7,9 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
 1. Step 1 runs the placement's strict schedule (its one-time costs are not measured).
 2. Steps 2 and 3 measure: the strict schedule (``F``, ``B``), then the first split-backward
    candidate (``I``, ``W``). Every rank's task records are gathered; per stage and kind the
-   mean seconds and the spread; what the runtime pays around them, the calibrated model of
+   mean seconds and the spread; under a memory budget, every microbatch's activation bytes as
+   the rank's sizer measured them (the ranking simulates those sizes, and a microbatch's seconds
+   in proportion to them: :mod:`rrfp.sim.sized`); what the runtime pays around them, the calibrated model of
    :mod:`rrfp.sim.calibration` (:func:`~rrfp.sim.calibration.fit`: the runtime's time per
    task and per input received from another rank, and per link the mean time a consumer that
    waited for a message waited, from the producer's end to its own start; the ranks of one
@@ -32,7 +34,7 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
 
 Between re-checks a step runs what the kept hint run directly runs: a switch to a full backward
 gives the stage modules' affine layers their own forwards back (the split candidates route them
-through a Python autograd Function, 10-30% slower forwards: :meth:`RankRuntime.set_hint
+through a Python autograd Function, 5-8% slower forwards on the bench's stages: :meth:`RankRuntime.set_hint
 <rrfp.runtime.engine.rank.RankRuntime.set_hint>`), and task records are kept only while
 measuring (or where the caller asked for them).
 
@@ -291,6 +293,9 @@ class AutoHint:
         self.samples: dict[tuple[int, str], list[float]] = {}
         self.measured: list[tuple[bool, list[TaskRecord]]] = []  # (split backward?, records) per measured step
         self.act: dict[int, int] = {}
+        # Per measured step, stage -> microbatch -> the bytes its forward held (the sizer's).
+        self.sizes: list[dict[int, dict[int, int]]] = []
+        self.sample_bytes: dict[tuple[int, str], list[int]] = {}  # beside samples: each one's bytes
         self.rank_memory: dict[int, tuple[int, int | None]] = {}  # rank -> its own (limit, budget)
         self.trial: list[str] = []
         self.walls: dict[str, list[sim_auto.Step]] = {}
@@ -436,18 +441,38 @@ class AutoHint:
                 for s in rt.stages:
                     got = [sizer(s, m) for m in range(self.M)]
                     mine.append(("a", s, round(statistics.fmean(x for x in got if x)) if any(got) else 0))
+                    # Each microbatch's own bytes: the ranking simulates the sizes this job has.
+                    mine += [("s", s, m, int(b)) for m, b in enumerate(got) if b]
+        items = await self.share.gather(mine)
+        sizes: dict[int, dict[int, int]] = {}
+        for item in items:
+            if item[0] == "s":
+                sizes.setdefault(item[1], {})[item[2]] = item[3]
+        self.sizes.append(sizes)
         recs: list[TaskRecord] = []
-        for item in await self.share.gather(mine):
+        for item in items:
             if item[0] == "a":
                 self.act[item[1]] = item[2]
                 continue
             if item[0] == "l":
                 self.rank_memory[item[1]] = (item[2], item[3])
                 continue
+            if item[0] == "s":
+                continue
             _, s, kind, m, t0, t1 = item
             self.samples.setdefault((s, kind), []).append(t1 - t0)
+            self.sample_bytes.setdefault((s, kind), []).append(sizes.get(s, {}).get(m, 0))
             recs.append(TaskRecord(self.place.rank_of(s), self.steps, Task(s, kind, m), t0, t1))
         self.measured.append((split, recs))
+
+    def measured_sizes(self) -> list[list[list[int]]]:
+        """Per measured step, per stage, each microbatch's activation bytes as the ranks measured
+        them (:attr:`rrfp.sim.auto.Profile.sizes`); empty unless every stage's every microbatch
+        was measured in every measuring step (a rank without a memory budget measures none)."""
+        S, M = self.place.n_stages, self.M
+        if not self.sizes or any(len(st.get(s, ())) != M for st in self.sizes for s in range(S)):
+            return []
+        return [[[st[s][m] for m in range(M)] for s in range(S)] for st in self.sizes]
 
     def _fit(self) -> Fit | None:
         """What the runtime paid around the measured tasks (:func:`rrfp.sim.calibration.fit`;
@@ -486,7 +511,8 @@ class AutoHint:
         # time per task and per received input beside it, per link what a waiting consumer waited.
         fitted = self._fit()
         links = {s: [h] for s, h in fitted.links.items()} if fitted else {}
-        prof = sim_auto.profile_from_samples(self.samples, links, S, [self.act.get(s, 0) for s in range(S)])
+        prof = sim_auto.profile_from_samples(self.samples, links, S, [self.act.get(s, 0) for s in range(S)],
+                                             self.measured_sizes(), self.sample_bytes)
         limits, budgets = self.memory()
         self.ranking = sim_auto.rank(prof, n_ranks=self.place.n_ranks, n_virtual=self.place.n_virtual,
                                      placement=self.place.kind, n_microbatches=self.M, limit=limits,
