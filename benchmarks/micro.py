@@ -184,6 +184,20 @@ def local_overhead(n_ranks: int = 4, n_microbatches: int = 64, hints: Sequence[s
     1.5x (~145 K) needs that extra halved: fewer layers per message (transport, mailbox, inbox)
     than the transport's contract has.
 
+    The transport's in-process path (2026-12-05, h34task): the fake network's send takes
+    ``encode_sized``'s frames and size in one pass and queues them itself, its FIFO hands the
+    frames to ``deliver_frames`` directly, which hands the message to the inbox's handler (no
+    ``_post``, ``_deliver``, ``frames_nbytes``, ``check_send`` or ``_Mailbox.put`` calls), the
+    known-header read finds the step by a table and builds the key, and the inbox fills the
+    router's slot itself: per task 1593 -> 1527 bytecodes, 36.6 -> 31.4 Python calls; 193.0 K
+    -> 187.0 K instructions (``python -m benchmarks.overhead_instructions``, load 4-12; the
+    reference 87.8 K and 90.0 K in those runs: 2.20x -> 2.08x). 1.5x stays out of reach: the
+    pipeline's extra ~97 K per task are the interpreter's work on the ~1500 bytecodes and ~31
+    calls of the loop's turn, the arbiter's decision, completion and input marking (~310
+    bytecodes), the encode and decode (~380 per message) and the send, delivery and admission
+    (~240 per message); halving it needs the per-message path out of Python (the codec and the
+    admission in C), not fewer layers.
+
     uvloop against asyncio's own loop (issue 33 item 3; ``--loop asyncio``, both runs counted
     whole, 2026-12-05, this branch before its compute changes): asyncio 203.6 K instructions
     per task, uvloop 193.8 K, 4.8% fewer: uvloop stays the runtime's loop
