@@ -189,10 +189,13 @@ def local_overhead(n_ranks: int = 4, n_microbatches: int = 64, hints: Sequence[s
     frames to ``deliver_frames`` directly, which hands the message to the inbox's handler (no
     ``_post``, ``_deliver``, ``frames_nbytes``, ``check_send`` or ``_Mailbox.put`` calls), the
     known-header read finds the step by a table and builds the key, and the inbox fills the
-    router's slot itself: per task 1593 -> 1527 bytecodes, 36.6 -> 31.4 Python calls; 193.0 K
-    -> 187.0 K instructions (``python -m benchmarks.overhead_instructions``, load 4-12; the
-    reference 87.8 K and 90.0 K in those runs: 2.20x -> 2.08x). 1.5x stays out of reach: the
-    pipeline's extra ~97 K per task are the interpreter's work on the ~1500 bytecodes and ~31
+    router's slot itself: per task 1593 -> 1527 bytecodes, 36.6 -> 31.4 Python calls. In
+    instructions, main's and this tree's pipeline runs side by side (callgrind, ``--child pipe``
+    1 and 5 steps): 191.7 K -> 188.6 K per task (-1.6%; with 1 and 3 steps 193.3 K -> 189.6 K);
+    ``python -m benchmarks.overhead_instructions`` before and after: 193.0 K against 87.8 K
+    (2.20x), 187.0 K against 90.0 K (2.08x; the reference's count moves by up to 9% between
+    runs, the pipeline's by ~1.5%). 1.5x stays out of reach: the
+    pipeline's extra ~95 K per task are the interpreter's work on the ~1500 bytecodes and ~31
     calls of the loop's turn, the arbiter's decision, completion and input marking (~310
     bytecodes), the encode and decode (~380 per message) and the send, delivery and admission
     (~240 per message); halving it needs the per-message path out of Python (the codec and the
