@@ -24,7 +24,7 @@ from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.tasks import Placement
 
 from .markdown import table as _table
-from .sim_pred import fit_model, predict, predict_bounded, ratio_summary
+from .sim_pred import fit_model, full_backward, predict, predict_bounded, ratio_summary
 from .systems import PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, candidate_systems, kept_hint, peer_default, peer_strict
 
 PEERS_TITLE = "PyTorch's virtual-stage schedules at their own memory"
@@ -73,7 +73,8 @@ def predictions(res: dict) -> dict[str, dict[str, list[float]]]:
             budgets = [int(x) for x in peak]
             kw = dict(n_virtual=2, placement=p["placement"], bound_budgets=budgets, stage_bytes=sb)
             pl = p["placement"]
-            by = placed[pl] if pl in placed else placed.setdefault(pl, ByBackward(res, pi, ph, 2, pl, fallback=model))
+            by = placed[pl] if pl in placed else placed.setdefault(pl, ByBackward(res, pi, ph, 2, pl, fallback=model,
+                                                                                  one=one))
             kept = kept_hint(ph, peer_default(label), default)
             rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"], model=by(p["strict"]),
                                                                  **kw)
@@ -134,12 +135,19 @@ def splits(hint: str, cfg: dict, n_virtual: int = 1, placement: str = "loop") ->
 class ByBackward:
     """A phase's calibrated models on a placement by backward form: the model read off the
     strict rows that ran the hint's form (a split backward's routed forwards cost more than a
-    full backward's, docs/simulator.md), else off all of them (:func:`calibrated`)."""
+    full backward's, docs/simulator.md); where every strict row of the placement split (V: the
+    zero-bubble orders) and ``one`` (the one-stage models) has both forms, a full backward's
+    derived from the split rows' (:func:`benchmarks.sim_pred.full_backward`); else the model off
+    all of them (:func:`calibrated`)."""
 
-    def __init__(self, res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str = "loop", fallback=None):
+    def __init__(self, res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str = "loop", fallback=None,
+                 one: "ByBackward | None" = None):
         self.cfg, self.nv, self.pl = res["config"], n_virtual, placement
         self.all = calibrated(res, pi, ph, n_virtual, placement) or fallback
         self.forms = {f: calibrated(res, pi, ph, n_virtual, placement, backward=f) for f in ("full", "split")}
+        if (one is not None and self.forms["full"] is None and self.forms["split"] is not None
+                and one.forms["full"] is not None and one.forms["split"] is not None):
+            self.forms["full"] = full_backward(self.forms["split"], one.forms["full"], one.forms["split"])
 
     def __call__(self, hint: str):
         split = splits(hint, self.cfg, self.nv, self.pl)
