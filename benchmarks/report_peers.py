@@ -25,7 +25,8 @@ from rrfp.scheduler.tasks import Placement
 
 from .markdown import table as _table
 from .sim_pred import fit_model, full_backward, predict, predict_bounded, ratio_summary
-from .systems import PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, candidate_systems, kept_hint, peer_default, peer_strict
+from .systems import (PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, candidate_systems, kept_hint, peer_default, peer_strict,
+                      torch_order_hint)
 
 PEERS_TITLE = "PyTorch's virtual-stage schedules at their own memory"
 RANKS_TITLE = "Many real ranks against the simulator"
@@ -124,10 +125,13 @@ def flat_rows(res: dict, pi: int, ph: dict, names, default: str, model) -> dict[
 
 
 def splits(hint: str, cfg: dict, n_virtual: int = 1, placement: str = "loop") -> bool | None:
-    """Whether ``hint`` runs a split backward on the setting's placement (None: unresolved)."""
+    """Whether ``hint`` runs a split backward on the setting's placement (None: unresolved); a
+    ``torch-order:`` hint as the prediction runs it (:func:`benchmarks.systems.torch_order_hint`:
+    PyTorch's InterleavedZB order splits)."""
+    P, M = cfg["n_ranks"], cfg["n_microbatches"]
     try:
-        spec = resolve_hint(hint, Placement(cfg["n_ranks"], n_virtual, placement), cfg["n_microbatches"])[0]
-    except (ValueError, KeyError):
+        spec = resolve_hint(torch_order_hint(hint, P, M), Placement(P, n_virtual, placement), M)[0]
+    except (ValueError, KeyError, AttributeError):  # AttributeError: no such PyTorch schedule class
         return None
     return spec.split_backward
 
