@@ -149,8 +149,9 @@ class ByBackward:
         self.cfg, self.nv, self.pl = res["config"], n_virtual, placement
         self.all = calibrated(res, pi, ph, n_virtual, placement) or fallback
         self.forms = {f: calibrated(res, pi, ph, n_virtual, placement, backward=f) for f in ("full", "split")}
-        if (one is not None and self.forms["full"] is None and self.forms["split"] is not None
-                and one.forms["full"] is not None and one.forms["split"] is not None):
+        self.derived = (one is not None and self.forms["full"] is None and self.forms["split"] is not None
+                        and one.forms["full"] is not None and one.forms["split"] is not None)
+        if self.derived:
             self.forms["full"] = full_backward(self.forms["split"], one.forms["full"], one.forms["split"])
 
     def __call__(self, hint: str):
@@ -189,7 +190,8 @@ def models(res: dict) -> dict[str, dict | None]:
     """Per phase, the calibrated model its one-stage predictions of full-backward hints ran on
     (:meth:`RuntimeModel.to_json`; :class:`ByBackward`), with, under ``split``, the split-backward
     hints' where the strict-split row was recorded, and under ``virtual``, its virtual-stage
-    placements' (``loop``, ``v``, every strict row of each) where their strict rows were recorded;
+    placements' (``loop``, ``v``, every strict row of each) where their strict rows were recorded,
+    ``full_derived`` where their full-backward hints' costs were derived (:class:`ByBackward`);
     None where they ran uncalibrated: for the report's lines on each setting."""
     out = {}
     for pi, ph in enumerate(res["phases"]):
@@ -198,9 +200,10 @@ def models(res: dict) -> dict[str, dict | None]:
         out[ph["name"]] = m.to_json() if m is not None else None
         if m is not None and by.forms["split"] is not None:
             out[ph["name"]]["split"] = by.forms["split"].to_json()
-        virtual = {pl: calibrated(res, pi, ph, 2, pl) for pl in ("loop", "v")}
-        if m is not None and any(virtual.values()):
-            out[ph["name"]]["virtual"] = {pl: v.to_json() for pl, v in virtual.items() if v is not None}
+        virtual = {pl: ByBackward(res, pi, ph, 2, pl, one=by) for pl in ("loop", "v")}
+        if m is not None and any(v.all for v in virtual.values()):
+            out[ph["name"]]["virtual"] = {pl: {**v.all.to_json(), "full_derived": v.derived}
+                                          for pl, v in virtual.items() if v.all is not None}
     return out
 
 
@@ -213,7 +216,9 @@ def model_line(model: dict | None) -> str:
 
     costs = "; ".join(f"rank {r}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in c.items())
                       for r, c in enumerate(model["costs"]))
-    virtual = "".join(f" {pl} rows' model read off {m['source']}." for pl, m in (model.get("virtual") or {}).items())
+    virtual = "".join(f" {pl} rows' model read off {m['source']}" + (
+        ", full-backward hints' F and B times each rank's one-stage full/split ratio (all those rows split)."
+        if m.get("full_derived") else ".") for pl, m in (model.get("virtual") or {}).items())
     split = model.get("split")
     if split:
         costs_s = "; ".join(f"rank {r}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in c.items() if k != "B")

@@ -489,3 +489,8 @@ def test_a_full_backward_hint_on_v_at_a_budget_is_predicted_on_full_backward_cos
     assert got[peer_strict("ZBV")] == pytest.approx([recorded["rrfp strict ZBV order"].makespan] * 2, rel=1e-9)
     split_b = {s: {"F": c["F"], "B": c["I"] + c["W"]} for s, c in split_v.items()}  # main's: the split rows' costs
     assert run(split_b, "bf", v, **at_budget).makespan / want.makespan > 1.1
+    # The report's line on the model says so.
+    virtual = report_peers.models(res)["J0"]["virtual"]
+    assert set(virtual) == {"v"} and virtual["v"]["full_derived"] is True
+    assert "full-backward hints' F and B times each rank's one-stage full/split ratio" in report_peers.model_line(
+        report_peers.models(res)["J0"])
