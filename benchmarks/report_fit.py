@@ -93,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"report_fit: error: --from-json {args.from_json}: not the raw results of a benchmark run ({e})",
               file=sys.stderr)
         return 2
+    if not compare:
+        print(f"report_fit: error: --from-json {args.from_json}: no comparison settings recorded "
+              "(expected the raw results of `rrfp bench --compare --json`)", file=sys.stderr)
+        return 2
     wanted = [s for s in args.settings.split(",") if s] or list(compare)
     missing = [s for s in wanted if s not in compare]
     if missing:
@@ -100,7 +104,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     for name in wanted:
-        phases = check(compare[name])
+        try:
+            phases = check(compare[name])
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            # A setting's result without the fields a run records: one line, not a traceback.
+            print(f"report_fit: error: --from-json {args.from_json}: setting {name!r}: not the raw results "
+                  f"of a benchmark run ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
         for target, measured, verdict, _ in calibration_targets({name: phases}):
             print(f"{target}: {measured} [{verdict.strip('*')}]")
         for ph, s in phases.items():
