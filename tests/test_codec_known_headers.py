@@ -145,3 +145,32 @@ def test_a_memoryview_frame_of_another_shape_is_read_as_its_bytes():
     head = encode(key, [t])[0]
     got = decode([head, memoryview(t.numpy())])[1][0]
     assert torch.equal(got, t)
+
+
+@pytest.mark.xfail(strict=True, reason="h34break: _learn_header keeps every accepted header's tail and its parsed "
+                   "descriptors (up to _TAILS_MAX = 16384 tails of up to 64 KiB), even of a message then refused "
+                   "for its frame count: about 13x the bytes a peer sent stay held, ~10 GB at the bound; "
+                   "rrfp/transport is another helper's room, the lead routes the fix")
+def test_refused_headers_do_not_make_the_cache_hold_more_than_was_sent():
+    """A peer that sends header-only messages declaring thousands of empty tensors (each refused:
+    no tensor frames) must not make this rank hold more memory than it was sent: before the
+    known-header cache, such a message left nothing behind."""
+    import gc
+    import tracemalloc
+
+    import msgpack
+
+    heads = [msgpack.packb({"job": "j", "step": 1, "microbatch": m, "stage": 0, "direction": int(ACT),
+                            "tensors": [["float32", [0], False]] * 2000, "meta": {}}) for m in range(16)]
+    sent = sum(len(h) for h in heads)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for h in heads:
+            assert _outcome([h]) == ("error", "frame count mismatch: header declares 2000 tensor frames, got 0")
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= sent, f"{held} bytes held after {sent} bytes of refused headers"
