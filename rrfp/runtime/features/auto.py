@@ -234,6 +234,20 @@ def _check_part(meta: dict, src: Any, seq: int, n: int, me: int, have: dict, of:
         raise bad(f"part {part} of exchange {k} again")
 
 
+def _size_item(item: Sequence[Any], n_stages: int, n_microbatches: int) -> tuple[int, int, int]:
+    """``(stage, microbatch, bytes)`` of a gathered ``("s", stage, microbatch, bytes)`` item.
+
+    Raises:
+        PipelineError: an item this code cannot send (a peer running other code), named the
+            same way on every process (a list, as msgpack delivers a peer's tuple, reads as one).
+    """
+    ok = len(item) == 4 and all(type(x) is int for x in item[1:])
+    if not (ok and 0 <= item[1] < n_stages and 0 <= item[2] < n_microbatches and 0 <= item[3] <= 2**53):
+        raise PipelineError(f"auto: a malformed activation size item {tuple(item)!r}: expected ('s', stage "
+                            f"0..{n_stages - 1}, microbatch 0..{n_microbatches - 1}, bytes 0..2**53)")
+    return item[1], item[2], item[3]
+
+
 def step_figures(hint: str, stats: Sequence[Any]) -> tuple[float, float]:
     """This process's part of a step's figures: ``(seconds, forward seconds)``, its ranks'
     slowest step time and the sum of their forward tasks' seconds (from the task records)."""
@@ -447,7 +461,8 @@ class AutoHint:
         sizes: dict[int, dict[int, int]] = {}
         for item in items:
             if item[0] == "s":
-                sizes.setdefault(item[1], {})[item[2]] = item[3]
+                s, m, b = _size_item(item, self.place.n_stages, self.M)
+                sizes.setdefault(s, {})[m] = b
         self.sizes.append(sizes)
         recs: list[TaskRecord] = []
         for item in items:
