@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,3 +113,28 @@ def test_set_hint_to_a_full_backward_undoes_the_routing_and_gives_back_a_users_o
         # Back on a full backward: the user's own forward in place, the others the class's.
         assert lin.__dict__["forward"].__func__ is own
         assert all("forward" not in m.__dict__ for mod in mods for m in mod.modules() if m is not lin)
+
+
+@pytest.mark.xfail(strict=True, reason="h34break: enable_split_backward (rrfp/runtime/engine/split.py) replaces a "
+                   "layer's instance-level forward with the deferring affine while routed, so a split hint "
+                   "(auto's measuring and trial steps) computes the class's affine, not the user's forward; "
+                   "engine/ is another helper's room, the lead routes the fix")
+def test_a_split_hint_runs_a_users_own_forward_that_differs_from_the_class():
+    mods = _modules()
+    lin = mods[0][0]
+
+    def own(self, x):  # the user's instance-level forward (a frozen scale, as an adapter would add)
+        return 2.0 * F.linear(x, self.weight, self.bias)
+
+    lin.forward = types.MethodType(own, lin)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    _, ref_loss, ref_grads = sequential_reference(mods, x, y)  # nothing routed yet: the user's model
+    with rrfp.LocalPipeline(mods, M, F.mse_loss, hint="bf") as pipe:
+        for hint in ("bf", "strict-split", "bf"):
+            pipe.set_hint(hint)
+            for m in mods:
+                m.zero_grad(set_to_none=True)
+            torch.testing.assert_close(pipe.step(x, target=y), ref_loss, rtol=RTOL, atol=ATOL, msg=hint)
+            for m, grads in zip(mods, ref_grads):
+                for p, g in zip(m.parameters(), grads):
+                    torch.testing.assert_close(p.grad, g, rtol=RTOL, atol=ATOL, msg=hint)
