@@ -157,11 +157,20 @@ def calibrated(res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str 
     if not ph.get("recorded"):
         return None
     recorded = {row: {int(k): v for k, v in steps.items()} for row, steps in ph["recorded"].items()}
-    try:  # costs in place, as the rows shared the cores (docs/simulator.md: no rescale)
+    try:  # costs in place, rescaled to each row's own duty on the cores the ranks shared
         return fit_model(res["config"], res["calibration"], pi, ph, recorded, n_virtual=n_virtual,
-                         placement=placement, backward=backward)
+                         placement=placement, backward=backward, cores=run_cores(res))
     except ValueError:  # no strict row of the placement recorded in this phase
         return None
+
+
+def run_cores(res: dict) -> int:
+    """The cores a setting's rank processes shared: ``res["cores"]`` where the run recorded it,
+    else this machine's (``os.sched_getaffinity``: a refit on the machine that ran it)."""
+    import os
+
+    cores = res.get("cores")
+    return int(cores) if isinstance(cores, int) and cores >= 1 else len(os.sched_getaffinity(0))
 
 
 def models(res: dict) -> dict[str, dict | None]:

@@ -27,11 +27,14 @@ each (the layers split evenly). The injected delay of a virtual stage is half of
 the harness injects it. The jitter's ``e`` is the stage's mean of forward and backward, as the
 harness's.
 
-Calibrated, a round's prediction is the median over one simulation per recorded step of the
-model's rows: each task's mean cost times its factor in that step, each message its consumer
-waited for at its own hop in that step (:attr:`RuntimeModel.factors`, :attr:`RuntimeModel.hops`):
-the spread of the recorded steps, and how their tasks and messages moved together, carried to
-the row's schedule (a step's slowest path is longer than the means' one). Check a model against
+Calibrated, a round's prediction is the simulation on the model rows' recorded step of that
+round (the rows run alternated, round by round: the same injected delays, the same state of the
+machine; the median over the model's rows where two ran it), else the median over one
+simulation per recorded step: each task's mean cost times its factor in that step, each message
+its consumer waited for at its own hop in that step (:attr:`RuntimeModel.factors`,
+:attr:`RuntimeModel.hops`): the spread of the recorded steps, and how their tasks and messages
+moved together, carried to the row's schedule (a step's slowest path is longer than the means'
+one). Check a model against
 a recorded run offline: ``python -m benchmarks.report_fit --from-json results.json``.
 """
 
@@ -47,7 +50,7 @@ import numpy as np
 from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.schedules import one_f_one_b_limits
 from rrfp.scheduler.tasks import B, F, I, W, Placement, PipelineSpec, Task, TaskRecord
-from rrfp.sim.calibration import Calibration, RankStep, busy_share, fit, stage_costs, step_factors
+from rrfp.sim.calibration import Calibration, RankStep, busy_share, fit, remote_inputs, stage_costs, step_factors
 from rrfp.sim.engine import simulate
 from rrfp.sim.jitter import LEVELS, STREAM_COMM_HIT, STREAM_COMM_SIZE, injected_delay
 
@@ -79,6 +82,11 @@ class RuntimeModel:
         hops: per recorded step (as ``factors``), the own hop of each message its consumer
             waited for (:attr:`rrfp.sim.calibration.Fit.hops`), in place of
             :attr:`Calibration.hop` in that step's simulation (empty: the mean everywhere).
+        draw_steps: the step id of each of ``factors`` (as ``factors``): a round whose step
+            the model's rows recorded runs on those steps' draws only (:func:`predict`).
+        duties: with :attr:`Calibration.cores`, per recorded step (as ``factors``) the duty its
+            costs were measured at, in place of :attr:`Calibration.duty` in that step's
+            simulation (its own schedule is rescaled by 1).
     """
 
     calibration: Calibration
@@ -88,6 +96,8 @@ class RuntimeModel:
     placement: str = "loop"
     factors: list[dict[tuple[int, int, str], float]] = dataclasses.field(default_factory=list)
     hops: list[dict[tuple[int, int, str], float]] = dataclasses.field(default_factory=list)
+    draw_steps: list[int] = dataclasses.field(default_factory=list)
+    duties: list[float] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         """The figures for the report (the per-step factors as their count)."""
@@ -229,11 +239,14 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
     spec, h, strict = resolve_hint(torch_order_hint(hint, P, M), place, M, inflight_limit=limits)
     sleep = harness_sleep(cfg, calibration, phase, n_virtual, placement)
     draws: list = [None]
+    pairs: list = []
     if model is None:
         cost = compute_cost(calibration, n_virtual)
     elif model.fits(n_virtual, placement):  # costs per stage, read off this placement's rows
         cost = lambda rank, t: model.costs[t.stage][t.kind]  # noqa: E731
-        draws = list(zip(model.factors, model.hops or [{}] * len(model.factors))) or draws
+        n = len(model.factors)
+        draws = list(zip(model.factors, model.hops or [{}] * n, model.duties or [None] * n)) or draws
+        pairs = list(zip(model.draw_steps, draws)) if model.draw_steps else []
     else:  # read off one stage per rank: a virtual stage is its share of the rank's layers
         share = 1.0 / n_virtual
         cost = lambda rank, t: model.costs[rank][t.kind] * share  # noqa: E731
@@ -247,44 +260,37 @@ def _rounds(cfg, calibration, phase_index, phase, hint, n_virtual, placement, li
     same = LEVELS[phase["level"]].p <= 0 and (not cfg.get("comm") or LEVELS[cfg["comm"]].p <= 0)
     first = None
     for step_id in timed_step_ids(phase_index, phase):
-        if same and first is not None:
+        if same and first is not None and not pairs:
             yield first
             continue
 
         def delay(step: int, src: int, dst: int, t, sid=step_id) -> float:
             return 0.0 if held is None else held(sid, src, dst, t)
 
-        def run(own, record=False, sid=step_id, hops=None):
-            wire = delay
-            if hops:  # each message's own hop in place of the mean the calibration adds
-                mean, on = model.calibration.hop, model.calibration.hop_on_rank
-                key = lambda t: (t.stage, t.mb, F if t.kind == F else B)  # noqa: E731
-                wire = lambda step, src, dst, t: delay(step, src, dst, t) + (1 - on) * (  # noqa: E731
-                    hops.get(key(t), mean) - mean)
-                if on:  # the receiving task's share of its input's own hop
-                    mine = own
-
-                    def own(rank: int, t: Task) -> float:
-                        src = spec.producer(t)
-                        if src is None or place.rank_of(src.stage) == rank:
-                            return mine(rank, t)
-                        return mine(rank, t) + on * (hops.get(key(src), mean) - mean)
+        def run(own, record=False, sid=step_id, hops=None, duty=None):
             duration = lambda step, rank, t: sleep(sid, rank, t) + own(rank, t)  # noqa: E731
-            kw = dict(strict=strict, inflight_limit=limits, delay=wire, record=record,
+            kw = dict(strict=strict, inflight_limit=limits, delay=delay, record=record,
                       memory_budget=list(budgets) if budgets is not None else None,
                       act_bytes=act if budgets is not None else None)
             if model is None:
                 return simulate(spec, h, duration, **kw)
-            return model.calibration.simulate(spec, h, duration, cpu=lambda k, r, t: own(r, t), **kw)
+            if hops:  # each message its consumer waited for in that step: its own hop
+                mean = model.calibration.hop
+                kw["hops"] = lambda t: hops.get((t.stage, t.mb, F if t.kind == F else B), mean)  # noqa: E731
+            c = model.calibration if duty is None else dataclasses.replace(model.calibration, duty=duty)
+            return c.simulate(spec, h, duration, cpu=lambda k, r, t: own(r, t), **kw)
 
         spans = []
-        for draw in draws:
+        # The model's rows ran in the same rounds, alternated with this one: the round's own
+        # recorded steps' draws where it has them (the round's machine, its injected delays).
+        paired = [d for k, d in pairs if k == step_id]
+        for draw in (paired or draws):
             if draw is None:
                 spans.append(run(cost).makespan)
                 continue
-            fac, hops = draw
+            fac, hops, duty = draw
             own = lambda rank, t, fac=fac: cost(rank, t) * fac.get((t.stage, t.mb, F if t.kind == F else B), 1.0)  # noqa: E731
-            spans.append(run(own, hops=hops).makespan)
+            spans.append(run(own, hops=hops, duty=duty).makespan)
         bound = None
         if bound_budgets is not None:
             res = run(cost, record=True)
@@ -311,12 +317,14 @@ def machine_background(seconds: float = 0.5) -> tuple[int, float]:
     return cores, (max(0.0, cores / max(share, 1e-3) - 1.0) if share < 0.98 else 0.0)
 
 
-HOP_ON_RANK = 0.5
-"""The share of a message's hop its receiving rank spends (:attr:`Calibration.hop_on_rank`)
-in the calibrated model of ``rrfp bench``'s rows: 4 rank processes on 2 cores wake, decode and
-hand on their messages on the cores their tasks need, so a message's time does not all overlap
-the receiver's tasks. Chosen on one recorded run (``python -m benchmarks.report_fit``, rows
-within 5%: 0 -> 24 of 48, 0.5 -> 30, 1 -> 22), reported on another (docs/simulator.md)."""
+RECV_IN_HOP = True
+"""In ``rrfp bench``'s calibrated model, a message's hop holds its receiving
+(:attr:`Calibration.recv_in_hop`): a waited-for message flies ``hop - recv`` and its receiving
+task spends ``recv``, both read off the strict rows' own gaps. It replaces a hand-chosen share
+of the hop on the receiving rank (0.5, ``HOP_ON_RANK`` before), which added ``recv`` to every
+waited-for message's recorded wait a second time: the strict 1F1B row, predicted on its own
+records, came out 9% slow at J0 (``jitter4``, ``multimodal4``), a median 0.4-1.2% off with it
+(docs/simulator.md)."""
 
 PROFILE_ROWS = ("rrfp strict-1f1b", "rrfp strict-split")
 """The rows a setting's calibrated model is read from when they ran (:func:`fit_model`): the
@@ -341,7 +349,8 @@ def ran_split(steps: dict) -> bool:
 def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: dict, recorded: dict,
               rows: Sequence[str] | None = None, cores: int | None = None, background: float = 0.0,
               n_virtual: int = 1, placement: str = "loop", draws: bool = True,
-              hop_on_rank: float = HOP_ON_RANK, backward: str | None = None) -> RuntimeModel:
+              hop_on_rank: float = 0.0, backward: str | None = None,
+              recv_in_hop: bool = RECV_IN_HOP) -> RuntimeModel:
     """The calibrated model of a setting's phase on one placement, read off the recorded steps
     of ``rows`` (those that ran; default the placement's :data:`PLACEMENT_ROWS`): each task's own
     cost per stage (its recorded duration less what the harness slept in it,
@@ -359,7 +368,8 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
             (:class:`~rrfp.sim.calibration.Calibration`).
         n_virtual, placement: the placement of ``rows``.
         draws: keep each recorded step's factors and hops (:class:`RuntimeModel`).
-        hop_on_rank: :attr:`~rrfp.sim.calibration.Calibration.hop_on_rank`.
+        hop_on_rank, recv_in_hop: :attr:`~rrfp.sim.calibration.Calibration.hop_on_rank`,
+            :attr:`~rrfp.sim.calibration.Calibration.recv_in_hop` (:data:`RECV_IN_HOP`).
         backward: ``"full"`` or ``"split"``: only the rows that ran that backward form (a split
             backward routes the layers' forwards through the deferring function, so its ``F``
             costs more than a full backward's: :func:`rrfp.runtime.engine.split.enable_split_backward`);
@@ -400,7 +410,7 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
     fits = [fit([step], spec, delay=held) for spec, step in steps]
     med = lambda xs: statistics.median(xs)  # noqa: E731
     cal = Calibration(**{k: med([getattr(f.calibration, k) for f in fits]) for k in ("task", "recv", "hop", "step")},
-                      hop_on_rank=hop_on_rank)
+                      hop_on_rank=hop_on_rank, recv_in_hop=recv_in_hop)
     wait = lambda sid, rank, t: sleep(sid % 10**6, rank, t)  # noqa: E731
     measured = stage_costs(records, place.n_stages, wait=wait)
     # stage 0's I is the runtime's no-op (its whole backward runs in W) when no split row ran.
@@ -408,13 +418,25 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
     if not any(r.task.kind == W for r in records):
         per[0][I], per[0][W] = 0.0, per[0][B]
     if cores is not None:
-        cpu = lambda k, r, t: per[t.stage][t.kind]  # noqa: E731
+        # The duty as Calibration.simulate counts a run's CPU (a task's own cost, the runtime's
+        # time per task, the receiving of a remote input), so the rows' own schedule, simulated,
+        # runs at the duty its costs were measured at (rescaled by 1).
+        remote, on = remote_inputs(steps[0][0]), cal.on_rank()
+        cpu = lambda k, r, t: (per[t.stage][t.kind] + cal.task  # noqa: E731
+                               + (on if (t.stage, t.kind) in remote else 0.0))
         cal = dataclasses.replace(cal, cores=cores, background=background, duty=busy_share(records, P, cpu))
+        by_step: dict[int, list[TaskRecord]] = {}
+        for r in records:
+            by_step.setdefault(r.step, []).append(r)
+        duties = [busy_share(by_step[k], P, cpu) for k in sorted(by_step)] if draws else []
+    else:
+        duties = []
     n = sum(len(s) for _, s in steps) // P
     factors = step_factors(records, measured, wait=wait) if draws else []
     hops = [f.hops for f in fits] if draws else []
+    draw_ids = [k % 10**6 for k in sorted({r.step for r in records})] if draws else []  # step_factors' order
     return RuntimeModel(cal, per, f"{', '.join(used)}: {n} timed step{'s' if n != 1 else ''}", n_virtual,
-                        placement if n_virtual > 1 else "loop", factors, hops)
+                        placement if n_virtual > 1 else "loop", factors, hops, draw_ids, duties)
 
 
 def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict:

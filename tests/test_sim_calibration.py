@@ -195,7 +195,7 @@ def test_the_reports_predictions_use_the_model_read_off_the_settings_records():
     form = {"strict-split": "rrfp strict-split"}
     for n, v in rows.items():
         model = sim_pred.fit_model(data["config"], data["calibration"], 0, ph, recorded,
-                                   rows=(form.get(v["hint"], "rrfp strict-1f1b"),))
+                                   rows=(form.get(v["hint"], "rrfp strict-1f1b"),), cores=report_peers.run_cores(res))
         assert got[n] == pytest.approx(sim_pred.predict(data["config"], data["calibration"], 0, ph, v["hint"],
                                                         limit=v["limit"], model=model))
     both = sim_pred.fit_model(data["config"], data["calibration"], 0, ph, recorded)
@@ -228,7 +228,8 @@ def test_every_one_stage_row_of_a_recorded_setting_is_predicted_on_the_calibrate
     got = report_peers.predictions(res)[phase["name"]]
     assert set(got) == set(names)
     # Every row here runs a full backward: the model of the strict 1F1B row.
-    model = sim_pred.fit_model(cfg, data["calibration"], 0, ph, recorded, rows=("rrfp strict-1f1b",))
+    model = sim_pred.fit_model(cfg, data["calibration"], 0, ph, recorded, rows=("rrfp strict-1f1b",),
+                               cores=report_peers.run_cores(res))
     pred = lambda hint, **kw: sim_pred.predict(cfg, data["calibration"], 0, ph, hint, model=model, **kw)  # noqa: E731
     assert got["torch 1F1B"] == pytest.approx(pred("strict-1f1b"))
     assert got["rrfp strict-1f1b"] == pytest.approx(pred("strict-1f1b"))
@@ -353,6 +354,51 @@ def test_the_share_of_a_hop_its_receiving_rank_spends_by_hand():
         Calibration(hop_on_rank=1.5)
 
 
+def test_a_receive_counted_in_the_hop_by_hand():
+    # 2 ranks, strict 1F1B, 2 microbatches, F 1 s, B 2 s, hop 0.4 s of which recv 0.1 s on the
+    # receiving rank (recv_in_hop): a message flies 0.3 s, its receiving task takes 0.1 s more.
+    # Rank 1 F0 1.3-2.4, B0 -4.4, F1 (arrived at 2.3, while busy) -5.5, B1 -7.5; rank 0 B0
+    # 4.7-6.8, B1 7.8-9.9: a waited-for input costs its hop, 0.4 s, one that came while busy
+    # its recv. recv on top of the hop (the old model): 10.1; the hop alone: 9.8.
+    spec, h, strict = _strict(2, 2)
+    run = lambda **kw: Calibration(hop=0.4, **kw).simulate(spec, h, lambda k, r, t: COST[t.kind],  # noqa: E731
+                                                           strict=strict).makespan
+    assert run(recv=0.1, recv_in_hop=True) == pytest.approx(9.9)
+    assert run(recv=0.1) == pytest.approx(10.1) and run() == pytest.approx(9.8)
+    assert (Calibration(hop=0.4, recv=0.1, recv_in_hop=True).flight(),
+            Calibration(hop=0.4, recv=0.1, recv_in_hop=True).on_rank()) == pytest.approx((0.3, 0.1))
+    with pytest.raises(ValueError, match="calibration recv_in_hop=1: expected true or false"):
+        Calibration(recv_in_hop=1)
+
+
+def test_each_round_is_predicted_on_its_own_recorded_step_and_its_duty():
+    """Two recorded rounds of the strict row, the second with one message 1 s slow: each round
+    is predicted on its own step's draw (the rows ran alternated in it), so each comes out as
+    recorded, where the median over both steps' draws misses both; and on 2 cores for the 4
+    ranks (costs rescaled to a run's duty) the strict row's own schedule is rescaled by 1: the
+    duty its costs were measured at is counted as the simulation counts it."""
+    slow = lambda k, a, b, t: 1.0 if (t.stage, t.mb, t.kind) == (1, 3, "F") else 0.0  # noqa: E731
+    chains = [_recorded_chain(task=0.0, hop=0.2, begin=0.0, end=0.0), _recorded_chain(
+        task=0.0, hop=0.2, begin=0.0, end=0.0, held=slow)]
+    cfg, cal = {"n_ranks": 4, "n_microbatches": 4, "seed": 0}, [{"F": 1.0, "B": 2.0}] * 4
+    phase = {"name": "J0", "level": "J0", "rounds": 2}
+    ids = sim_pred.timed_step_ids(0, phase)
+    recorded = {"rrfp strict-1f1b": {k: [
+        {"rank": rs.rank, "t0": rs.begin, "t1": rs.end,
+         "tasks": [[r.task.stage, r.task.kind, r.task.mb, r.start, r.end] for r in rs.records]} for rs in ranks]
+        for k, (_, ranks) in zip(ids, chains)}}
+    real = [max(rs.end for rs in ranks) - min(rs.begin for rs in ranks) for _, ranks in chains]
+    assert real[1] > real[0] + 0.5
+    for cores in (None, 2):
+        model = sim_pred.fit_model(cfg, cal, 0, phase, recorded, cores=cores)
+        assert model.draw_steps == ids
+        assert sim_pred.predict(cfg, cal, 0, phase, "strict-1f1b", model=model) == pytest.approx(real, rel=1e-9)
+    model.draw_steps = []  # every round on the median over both steps' draws
+    got = sim_pred.predict(cfg, cal, 0, phase, "strict-1f1b", model=model)
+    assert got == pytest.approx([sum(real) / 2] * 2)
+    assert model.calibration.stretch(4, model.calibration.duty) > 1.0  # 2 cores: the rescale is not moot
+
+
 V_FIXTURE = Path(__file__).parent / "data" / "calibration_run_v.json"
 
 
@@ -370,7 +416,7 @@ def test_a_recorded_4_rank_runs_v_rows_are_reproduced_within_5_percent():
     model = sim_pred.fit_model(cfg, cal, 1, phase, recorded, n_virtual=2, placement="v")
     assert "strict ZBV order" in model.source and "strict DualPipeV order" in model.source
     halved = sim_pred.fit_model(cfg, cal, 1, phase, recorded)
-    old = sim_pred.fit_model(cfg, cal, 1, phase, recorded, draws=False, hop_on_rank=0.0)
+    old = sim_pred.fit_model(cfg, cal, 1, phase, recorded, draws=False, recv_in_hop=False)
     assert set(data["rows"]) == {"rrfp strict ZBV order", "rrfp strict DualPipeV order", "rrfp default, ZBV memory",
                                  "rrfp default, DualPipeV memory"}
     for row, v in data["rows"].items():

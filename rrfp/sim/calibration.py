@@ -24,11 +24,16 @@ a small transformer stage costs most of a ``B``, not half). Around the tasks the
 - ``step``: per step, the slowest rank's step time beyond the span of all tasks (first start
   to last end): the runtime's set-up before the first task and its end after the last, and the
   ranks leaving the step's start at different moments (the median over steps);
-- ``hop_on_rank``: the share of ``hop`` the receiving rank spends rather than waits (not read
-  off the steps: ``rrfp bench``'s predictions set it, ``benchmarks/sim_pred.py``
-  ``HOP_ON_RANK``): with rank processes sharing few cores a message's flight is partly CPU
-  (the receiver's and sender's, waking them), which does not overlap their tasks as a pure
-  latency would; the rest of ``hop`` flies.
+- ``recv_in_hop``: whether ``recv`` is part of ``hop`` (``rrfp bench``'s predictions,
+  ``benchmarks/sim_pred.py``): a consumer that waited for a message waited for its flight and
+  then for its rank to receive it, so the recorded wait holds the receiving too. Then a message
+  flies ``hop - recv`` and its receiving task spends ``recv``: a consumer that waited starts
+  ``hop + task`` after the producer's end, as recorded, and one whose input came while it was
+  busy ``recv + task`` after its previous task, as recorded (without it, ``hop`` flies and
+  ``recv`` comes on top: a waited-for message counts its receiving twice);
+- ``hop_on_rank``: a share of the hop beyond that (``hop - recv`` with ``recv_in_hop``) the
+  receiving rank spends rather than waits (not read off the steps; 0 in ``rrfp bench``'s
+  predictions since ``recv_in_hop``, which reads that part off the steps instead).
 
 Ranks sharing cores: ``N`` rank processes on ``cores`` cores, beside other work. Linux shares
 the cores fairly between groups of processes (autogroup, cgroups), then within a group: the
@@ -73,10 +78,12 @@ class Calibration:
         task: seconds per task on its rank, beside the task's own cost.
         recv: seconds more per task whose input came from another rank (receiving it).
         hop: seconds per cross-rank message, beside ``task``.
-        hop_on_rank: the share of ``hop`` (``0..1``) the receiving rank spends, not its tasks:
-            a task whose input came from another rank takes that much longer, and the message
-            flies the rest (0: all of it flies, overlapping the receiver's tasks; module
-            docstring).
+        hop_on_rank: the share (``0..1``) of ``hop`` (of ``hop - recv`` with ``recv_in_hop``)
+            the receiving rank spends, not its tasks: a task whose input came from another rank
+            takes that much longer, and the message flies the rest (0: all of it flies,
+            overlapping the receiver's tasks; module docstring).
+        recv_in_hop: ``recv`` is the receiving rank's part of ``hop`` (a message flies
+            ``hop - recv``, at least 0), not a cost on top of it (module docstring).
         step: seconds per step outside tasks.
         cores: cores the ranks share (None: each rank has its own; nothing is rescaled).
         background: the machine's other load, as the ranks' group sees it: a busy loop of
@@ -96,6 +103,7 @@ class Calibration:
     hop: float = 0.0
     step: float = 0.0
     hop_on_rank: float = 0.0
+    recv_in_hop: bool = False
     cores: int | None = None
     background: float = 0.0
     duty: float | None = None
@@ -106,6 +114,8 @@ class Calibration:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_SECONDS:
                 raise ValueError(f"calibration {k}={v!r}: expected seconds, 0 to {MAX_SECONDS:g}")
+        if not isinstance(self.recv_in_hop, bool):
+            raise ValueError(f"calibration recv_in_hop={self.recv_in_hop!r}: expected true or false")
         h = self.hop_on_rank
         if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0 <= h <= 1:
             raise ValueError(f"calibration hop_on_rank={h!r}: expected a share, 0 to 1")
@@ -137,46 +147,65 @@ class Calibration:
         return self.stretch(n_ranks, duty) / self.stretch(n_ranks, self.duty or 0.0)
 
     # ------------------------------------------------------------ the model
+    def on_rank(self, hop: float | None = None) -> float:
+        """Seconds a task whose input came from another rank spends receiving it, beside
+        :attr:`task`: :attr:`recv` and the :attr:`hop_on_rank` share of the hop that does not
+        already count it (:meth:`flight`); ``hop``: that message's own hop (default :attr:`hop`)."""
+        return self.recv + self.hop_on_rank * self._beyond_recv(self.hop if hop is None else hop)
+
+    def flight(self, hop: float | None = None) -> float:
+        """Seconds a cross-rank message flies beyond any injected delay, off both ranks' CPUs:
+        the hop (``hop``, default :attr:`hop`) less what its receiving rank spends of it
+        (:meth:`on_rank`). A consumer that waited for it starts ``flight + on_rank`` after the
+        producer's end, plus :attr:`task`: the recorded wait with ``recv_in_hop``."""
+        return (1.0 - self.hop_on_rank) * self._beyond_recv(self.hop if hop is None else hop)
+
+    def _beyond_recv(self, hop: float) -> float:
+        return max(0.0, hop - self.recv) if self.recv_in_hop else hop
+
     def simulate(self, spec: PipelineSpec, hint: Hint, duration: DurationFn, *, cpu: DurationFn | None = None,
                  delay: DelayFn | None = None, steps: int = 1, step_overhead: float = 0.0,
-                 **kw: Any) -> SimResult:
+                 hops: Callable[[Task], float] | None = None, **kw: Any) -> SimResult:
         """:func:`~rrfp.sim.engine.simulate` with what the runtime pays: each task's
-        ``duration`` plus :attr:`task` (and :attr:`recv` when its input comes from another
-        rank), each cross-rank message's ``delay`` plus :attr:`hop`,
+        ``duration`` plus :attr:`task` (and :meth:`on_rank` when its input comes from another
+        rank), each cross-rank message's ``delay`` plus :meth:`flight`,
         each step :attr:`step` more (between steps, and after the last), and with
         :attr:`cores`, each task's CPU part (``cpu(step, rank, task)`` seconds of its
-        duration, default all of it, plus :attr:`task`) rescaled to the run's own duty: a first
-        run measures the duty (the ranks' CPU seconds over their number times the makespan),
-        the second runs at it.
+        duration, default all of it, plus :attr:`task` and :meth:`on_rank`) rescaled to the
+        run's own duty: a first run measures the duty (the ranks' CPU seconds over their number
+        times the makespan), the second runs at it.
 
         Args:
             duration, delay: as :func:`~rrfp.sim.engine.simulate` (delay None: none).
             cpu: the CPU part of a task's duration (the rest it waits for: a sleep, a device).
+            hops: ``hops(task)``, the own hop (seconds) of the message ``task`` sends, in place
+                of :attr:`hop` (a recorded step's, :attr:`Fit.hops`); None: :attr:`hop` for all.
             kw: any other argument of :func:`~rrfp.sim.engine.simulate`.
 
         Raises:
             as :func:`~rrfp.sim.engine.simulate`.
         """
         task = self.task
-        # A message's hop: the share the receiving rank spends goes with the receiving task
-        # (beside recv), the rest flies.
-        recv, hop = self.recv + self.hop_on_rank * self.hop, (1.0 - self.hop_on_rank) * self.hop
-        rank_of = spec.placement.rank_of
-        remote = set()  # (stage, kind) of the tasks whose input comes from another rank
-        for t in spec.all_tasks():
-            src = spec.producer(t)
-            if src is not None and rank_of(src.stage) != rank_of(t.stage):
-                remote.add((t.stage, t.kind))
-        if recv and remote:
+        remote = remote_inputs(spec)
+        if hops is None:
+            on, fly = self.on_rank(), self.flight()
+            extra_on = (lambda t: on if (t[0], t[1]) in remote else 0.0) if on and remote else None  # noqa: E731
+            wire_of = (lambda t: fly) if fly else None  # noqa: E731
+        else:
+            extra_on = lambda t: self.on_rank(hops(spec.producer(t))) if (t[0], t[1]) in remote else 0.0  # noqa: E731
+            wire_of = lambda t: self.flight(hops(t))  # noqa: E731
+        if extra_on is not None:
             own = duration
-            duration = lambda k, r, t: own(k, r, t) + (recv if (t[0], t[1]) in remote else 0.0)  # noqa: E731
+            duration = lambda k, r, t: own(k, r, t) + extra_on(t)  # noqa: E731
             if cpu is not None:
                 own_cpu = cpu
-                cpu = lambda k, r, t: own_cpu(k, r, t) + (recv if (t[0], t[1]) in remote else 0.0)  # noqa: E731
-        if delay is None:
-            wire = (lambda step, src, dst, t: hop) if hop else None
+                cpu = lambda k, r, t: own_cpu(k, r, t) + extra_on(t)  # noqa: E731
+        if wire_of is None:
+            wire = delay
+        elif delay is None:
+            wire = lambda step, src, dst, t: wire_of(t)  # noqa: E731
         else:
-            wire = (lambda step, src, dst, t: delay(step, src, dst, t) + hop) if hop else delay
+            wire = lambda step, src, dst, t: delay(step, src, dst, t) + wire_of(t)  # noqa: E731
         extra = {} if wire is None else {"delay": wire}
         between = step_overhead + self.step
         run = lambda d: simulate(spec, hint, d, steps=steps, step_overhead=between, **extra, **kw)  # noqa: E731
@@ -237,8 +266,20 @@ class Calibration:
         cores = "" if self.cores is None else (f", {self.cores} cores, background {self.background:.1f}"
                                                f"{'' if self.duty is None else f', measured at duty {self.duty:.2f}'}")
         on = f" ({self.hop_on_rank:.0%} of it on the receiving rank)" if self.hop_on_rank else ""
+        on += " (recv of it on the receiving rank)" if self.recv_in_hop else ""
         return (f"task {1e3 * self.task:.3f} ms, recv {1e3 * self.recv:.3f} ms, hop {1e3 * self.hop:.3f} ms{on}, "
                 f"step {1e3 * self.step:.2f} ms{cores}")
+
+
+def remote_inputs(spec: PipelineSpec) -> set[tuple[int, str]]:
+    """``(stage, kind)`` of the tasks whose input comes from another rank (a message)."""
+    rank_of = spec.placement.rank_of
+    out = set()
+    for t in spec.all_tasks():
+        src = spec.producer(t)
+        if src is not None and rank_of(src.stage) != rank_of(t.stage):
+            out.add((t.stage, t.kind))
+    return out
 
 
 # ------------------------------------------------------------------ from recorded steps
