@@ -257,3 +257,36 @@ def test_a_malformed_size_item_is_one_error_naming_it_on_every_process(bad, what
         f"auto: a malformed activation size item {what}: expected ('s', stage 0..1, microbatch 0..{M - 1}, "
         "bytes 0..2**53)")
     assert all(c.ranking is None for c in ctls)
+
+
+def test_under_gradient_accumulation_each_sample_is_paired_with_its_own_microbatchs_bytes():
+    """``rrfp train --grad-accum 2`` hands auto one optimizer step's stats: two pipeline steps'
+    records (rrfp/train/accum.py), while the sizer holds only the last pipeline step's bytes.
+    Here microbatch m holds and takes (M - m) units in the first pipeline step and (m + 1) in
+    the second: every task's seconds are exactly proportional to its own bytes, so nothing is
+    left for the noise. Pairing the first pipeline step's seconds with the second's bytes
+    (microbatch 0: 4 units of time against 1 of bytes) made a spread out of nothing."""
+    parts: dict = {}
+    pipes = [_process(r) for r in range(2)]
+    ctls = [AutoHint(p, _Share(parts, r), recheck_every=0) for r, p in enumerate(pipes)]
+
+    def accumulated(pipe, r):
+        t, recs = 0.0, []
+        for step, units in ((0, lambda m: M - m), (1, lambda m: m + 1)):  # the sizer: step 1's
+            for task in pipe.spec.all_tasks():
+                if task.stage == r:
+                    d = {"F": 1, "B": 2, "I": 1, "W": 1}[task.kind] * units(task.mb) / 1024
+                    recs.append(TaskRecord(r, step, task, t, t + d))
+                    t += d
+        return SimpleNamespace(wall=t, records=recs)
+
+    async def both(k):
+        await asyncio.gather(*(c.after_step(k, [accumulated(p, r)]) for r, (c, p) in enumerate(zip(ctls, pipes))))
+
+    for k in range(3):
+        for c in ctls:
+            c.before_step(k)
+        asyncio.run(both(k))
+    for c in ctls:
+        assert c.profile.compute_cv == pytest.approx(0.0, abs=1e-12)
+    assert ctls[0].ranking.order == ctls[1].ranking.order

@@ -444,8 +444,13 @@ class AutoHint:
             self._choose()
 
     async def _gather(self, stats: Sequence[Any], split: bool) -> None:
-        mine: list = [("r", rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end)
-                      for st in stats for rec in st.records]
+        # Last field: the record is of the rank's last pipeline step, the one whose bytes the sizer
+        # holds (rrfp train --grad-accum hands several pipeline steps' records in one step's stats).
+        mine: list = []
+        for st in stats:
+            last = max((rec.step for rec in st.records), default=None)
+            mine += [("r", rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end, rec.step == last)
+                     for rec in st.records]
         for rt in self.pipe.runtimes:
             # Each rank's own in-flight limit and budget: another process may have been given
             # other values, and every rank must rank on the same ones (or their trials differ).
@@ -474,9 +479,10 @@ class AutoHint:
                 continue
             if item[0] == "s":
                 continue
-            _, s, kind, m, t0, t1 = item
+            _, s, kind, m, t0, t1, sized = item
             self.samples.setdefault((s, kind), []).append(t1 - t0)
-            self.sample_bytes.setdefault((s, kind), []).append(sizes.get(s, {}).get(m, 0))
+            # 0: bytes not measured (profile_from_samples leaves the sample out of the spread's pairs)
+            self.sample_bytes.setdefault((s, kind), []).append(sizes.get(s, {}).get(m, 0) if sized else 0)
             recs.append(TaskRecord(self.place.rank_of(s), self.steps, Task(s, kind, m), t0, t1))
         self.measured.append((split, recs))
 
