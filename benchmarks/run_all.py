@@ -259,6 +259,9 @@ def run(args: argparse.Namespace) -> int:
             _log(f"setting {name}: {cfg['title']} ({len(cfg['phases'])} phases, {len(cfg['systems'])} systems)")
             res = attempt(f"setting {name}", lambda: compare.run_setting(cfg, timeout=args.timeout))
             if res is not None:
+                # The cores the setting's rank processes shared (report_peers.run_cores): an offline
+                # refit on another machine must not take that machine's count.
+                res["cores"] = results["machine"]["nproc"]
                 results["compare"][name] = res
     if not args.no_sim:  # in-process simulations of the zero-bubble and many-rank rows (seconds)
         for name, res in results["compare"].items():

@@ -203,8 +203,8 @@ def test_split_backward_under_bf16_autocast_matches_autocasts_own_backward():
     from rrfp.runtime.engine.split import WeightGradStore, deferring, enable_split_backward
 
     torch.manual_seed(0)
-    # No bias on the first layer: its output stays bf16 (a bias add would promote it to
-    # float32), so the second layer saves a bf16 input and gets a bf16 gradient.
+    # No bias on the first layer, as written before the routed forward ran F.linear (whose
+    # biased output stays bf16 too): the second layer saves a bf16 input and gets a bf16 gradient.
     ref = nn.Sequential(nn.Linear(8, 16, bias=False), nn.GELU(), nn.Linear(16, 4, bias=False))
     lay = copy.deepcopy(ref)
     x = torch.randn(5, 8)

@@ -249,8 +249,8 @@ class RankRuntime:
                              f"this pipeline is {self.spec.placement}, {self.spec.n_microbatches} microbatches")
         for st in self.stages.values():
             if st.dw_builder is None:  # with one, the user's module defers its own weight gradients
-                # Routed layers run a Python autograd Function, 10-30% slower forwards than the
-                # layers' own: a hint with a full backward gets them back (auto's split trials).
+                # Routed layers run a Python autograd Function, 5-8% slower forwards than the
+                # layers' own (split.py): a hint with a full backward gets them back (auto's split trials).
                 (enable_split_backward if spec.split_backward else disable_split_backward)(st.submod)
         self.spec, self.hint, self.strict = spec, hint, strict
         self.hooks.final_kind = finalising_kind(spec.split_backward)

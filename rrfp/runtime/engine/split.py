@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 _active: "WeightGradStore | None" = None
@@ -122,16 +123,22 @@ class WeightGradStore:
 
     def flush(self) -> None:
         """Compute and accumulate every deferred weight gradient, run every deferred call
-        (:func:`defer_to_weight`, in the order deferred), then forget them."""
-        for weight, bias, x, dy, in_out in self.items:
-            dw, db = _weight_grads(x, dy, bias is not None, in_out)
-            _accumulate(weight, dw)
-            if bias is not None:
-                _accumulate(bias, db)
-        self.items.clear()
-        calls, self.calls = self.calls, []
-        for fn in calls:
-            fn()
+        (:func:`defer_to_weight`, in the order deferred), then forget them.
+
+        Runs with autograd off, as the backward it finishes did: a deferred ``X`` past a stage's
+        first layer requires grad, and ``dY^T X`` computed with grad mode on would leave
+        ``weight.grad`` with a history that holds ``dY`` (and that microbatch's graph) until
+        the gradients are zeroed."""
+        with torch.no_grad():
+            for weight, bias, x, dy, in_out in self.items:
+                dw, db = _weight_grads(x, dy, bias is not None, in_out)
+                _accumulate(weight, dw)
+                if bias is not None:
+                    _accumulate(bias, db)
+            self.items.clear()
+            calls, self.calls = self.calls, []
+            for fn in calls:
+                fn()
 
 
 def defer_to_weight(param: torch.Tensor, fn: Callable[[], None]) -> bool:
@@ -207,16 +214,16 @@ class _DeferredAffine(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         # Parameters are not modified before W runs (the optimizer steps after every W), so
         # plain references are safe where saved tensors would not let us reach the Parameter.
-        ctx.params = (weight, bias)
-        ctx.in_out = in_out
-        y = x.matmul(weight) if in_out else x.matmul(weight.t())
-        return y if bias is None else y + bias
+        ctx.params = (weight, bias, in_out)
+        # The op the layers' own forwards run (nn.Linear, the TP layers' affine; for Conv1D's
+        # addmm(b, x, W), F.linear(x, W^T, b) is that same addmm): one fused op, and a split
+        # run's forward computes the bits of a full-backward run's.
+        return F.linear(x, weight.t() if in_out else weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        w_param, b_param = ctx.params
-        in_out = ctx.in_out
+        w_param, b_param, in_out = ctx.params
         # Under autocast the forward's matmul ran in autocast's dtype (dy's) but saved the
         # uncast operands, and backward runs outside autocast: compute in dy's dtype, as
         # autograd's own matmul backward would (autograd casts dx back to x's dtype).
@@ -239,10 +246,35 @@ class _DeferredAffine(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def _c_apply(fn: type) -> Callable | None:
+    """``fn.apply`` without ``Function.apply``'s Python wrapper (torch/autograd/function.py),
+    or None where this torch has no ``_FunctionBase.apply`` to bind.
+
+    The wrapper binds default arguments for a Function with ``setup_context`` (not ours),
+    unwraps functorch wrappers left over from a finished transform (a tensor that escaped
+    ``torch.func``: no stage input or parameter is one) and, while a transform is active,
+    takes functorch's path (the caller checks that and uses the wrapper then). It costs ~2 us
+    of the ~10 us a small layer's forward takes (``benchmarks/bench_split_backward.py``)."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    apply = getattr(base, "__dict__", {}).get("apply")
+    if getattr(torch._C, "_are_functorch_transforms_active", None) is None:
+        return None
+    try:
+        return apply.__get__(None, fn)
+    except (AttributeError, TypeError):
+        return None
+
+
+_apply_fast = _c_apply(_DeferredAffine)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
 def _deferred_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     lay = self._rrfp_split[0]
     bias = None if lay.bias is None else getattr(self, lay.bias, None)
-    return _DeferredAffine.apply(x, getattr(self, lay.weight), bias, lay.weight_in_out)
+    if _apply_fast is None or _functorch_active():  # vmap, grad...: the public path
+        return _DeferredAffine.apply(x, getattr(self, lay.weight), bias, lay.weight_in_out)
+    return _apply_fast(x, getattr(self, lay.weight), bias, lay.weight_in_out)
 
 
 _NO_FORWARD = object()

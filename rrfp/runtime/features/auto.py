@@ -34,7 +34,7 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
 
 Between re-checks a step runs what the kept hint run directly runs: a switch to a full backward
 gives the stage modules' affine layers their own forwards back (the split candidates route them
-through a Python autograd Function, 10-30% slower forwards: :meth:`RankRuntime.set_hint
+through a Python autograd Function, 5-8% slower forwards on the bench's stages: :meth:`RankRuntime.set_hint
 <rrfp.runtime.engine.rank.RankRuntime.set_hint>`), and task records are kept only while
 measuring (or where the caller asked for them).
 
