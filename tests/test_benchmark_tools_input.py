@@ -1,5 +1,7 @@
-"""``python -m benchmarks.report_fit --from-json`` on files that are not a benchmark run's raw
-results: one line on stderr naming the file and what is wrong, exit 2, no traceback."""
+"""The benchmark tools' bad input: ``python -m benchmarks.report_fit --from-json`` on files that
+are not a benchmark run's raw results (or hold nothing it can refit), and
+``benchmarks.overhead_instructions``' flags: one line on stderr naming the value and what was
+expected, exit 2, no traceback."""
 
 from __future__ import annotations
 
@@ -77,3 +79,12 @@ def test_one_phase_refit_is_a_pass_and_the_other_still_says_why_not(tmp_path, ca
     assert out == ["jitter4, J2: each rrfp row's real step within 5% of the calibrated simulator's: 1 of 1 rows; "
                    "real / simulated 1.030-1.030 (worst strict-1f1b) [met]",
                    "jitter4, J0: not refit (no calibrated model: no strict row's task records, or too few to fit)"]
+
+
+def test_overhead_instructions_refuses_a_negative_count_before_running(capsys):
+    # It printed the per-task line and no function (Counter.most_common(-1)), exit 0.
+    from benchmarks import overhead_instructions
+
+    assert overhead_instructions.main(["--bytecodes", "-1"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err == "--bytecodes -1: expected a count of functions to list (>= 0)\n"
