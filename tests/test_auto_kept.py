@@ -138,3 +138,22 @@ def test_a_split_hint_runs_a_users_own_forward_that_differs_from_the_class():
             for m, grads in zip(mods, ref_grads):
                 for p, g in zip(m.parameters(), grads):
                     torch.testing.assert_close(p.grad, g, rtol=RTOL, atol=ATOL, msg=hint)
+
+
+@pytest.mark.xfail(strict=True, reason="h34break: disable_split_backward (rrfp/runtime/engine/split.py) restores the "
+                   "method saved when the layer was routed, so a forward the user set while it was routed is "
+                   "deleted by auto's switch to a full backward (set_hint), mid-run; engine/ is another helper's "
+                   "room, the lead routes the fix")
+def test_a_forward_the_user_sets_while_routed_survives_a_switch_to_a_full_backward():
+    mods = _modules()
+    lin = mods[1][2]
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    with rrfp.LocalPipeline(mods, M, F.mse_loss, hint="strict-split") as pipe:
+        pipe.step(x, target=y)
+
+        def own(self, x):  # set after the pipeline routed the layer (an adapter added mid-run)
+            return 2.0 * F.linear(x, self.weight, self.bias)
+
+        lin.forward = types.MethodType(own, lin)
+        pipe.set_hint("bf")  # what auto does once it keeps a full-backward hint
+        assert lin.__dict__.get("forward") is not None and lin.__dict__["forward"].__func__ is own
