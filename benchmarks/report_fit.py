@@ -45,6 +45,15 @@ def check(res: dict) -> dict[str, dict]:
     return out
 
 
+def why_not_refit(s: dict) -> str:
+    """Why a phase summary (:func:`check`) yields no calibration target."""
+    if s.get("sleep"):
+        return "its tasks sleep: the report's own rows for such settings, benchmarks/report_peers.py"
+    if not s.get("calibrated"):
+        return "no calibrated model: no strict row's task records, or too few to fit"
+    return "no rrfp row with a prediction"
+
+
 def row_lines(s: dict) -> list[str]:
     """Per rrfp row with a prediction: real and simulated medians (ms), real / simulated, and the
     real and simulated speedups over strict 1F1B."""
@@ -151,17 +160,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"report_fit: error: --from-json {args.from_json}: not the raw results of a benchmark run ({e})",
               file=sys.stderr)
         return 2
+    if not compare:
+        print(f"report_fit: error: --from-json {args.from_json}: no comparison settings recorded "
+              "(expected the raw results of `rrfp bench --compare --json`)", file=sys.stderr)
+        return 2
     wanted = [s for s in args.settings.split(",") if s] or list(compare)
     missing = [s for s in wanted if s not in compare]
     if missing:
         print(f"report_fit: error: --settings {missing[0]!r}: not in {args.from_json} (has {', '.join(compare)})",
               file=sys.stderr)
         return 2
+    refit = 0
     for name in wanted:
-        phases = check(compare[name])
-        for target, measured, verdict, _ in calibration_targets({name: phases}):
+        try:
+            phases = check(compare[name])
+            held = memory_lines(compare[name]) if args.memory else []
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            # A setting's result without the fields a run records: one line, not a traceback.
+            print(f"report_fit: error: --from-json {args.from_json}: setting {name!r}: not the raw results "
+                  f"of a benchmark run ({type(e).__name__}: {e})", file=sys.stderr)
+            return 2
+        rows = calibration_targets({name: phases})
+        for target, measured, verdict, _ in rows:
             print(f"{target}: {measured} [{verdict.strip('*')}]")
         for ph, s in phases.items():
+            if any(r[0].startswith(f"{name}, {ph}: ") for r in rows):
+                refit += 1
+            else:  # nothing to count here: say why rather than print nothing
+                print(f"{name}, {ph}: not refit ({why_not_refit(s)})")
             same = same_schedule(s)
             if same:
                 print(f"{name}, {ph}: rows that ran strict 1F1B's schedule, real / strict-1f1b's real: "
@@ -169,8 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.rows:
                 print(f"{name}, {ph}:")
                 print("\n".join(row_lines(s)))
-        if args.memory:
-            print("\n".join(f"{name}, {line}" for line in memory_lines(compare[name])))
+        for line in held:
+            print(f"{name}, {line}")
+    if not refit:
+        print(f"report_fit: error: --from-json {args.from_json}: no phase of {', '.join(wanted)} could be refit",
+              file=sys.stderr)
+        return 2
     return 0
 
 
