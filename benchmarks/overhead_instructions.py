@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         child(a.child[0], int(a.child[1]), a.loop)
         return 0
     if a.bytecodes is not None:
+        if a.bytecodes < 0:
+            print(f"--bytecodes {a.bytecodes}: expected a count of functions to list (>= 0)", file=sys.stderr)
+            return 2
         bytecodes(a.bytecodes)
         return 0
     if not 0 <= a.lo < a.hi:

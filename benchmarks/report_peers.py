@@ -24,8 +24,9 @@ from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.tasks import Placement
 
 from .markdown import table as _table
-from .sim_pred import fit_model, predict, predict_bounded, ratio_summary
-from .systems import PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, candidate_systems, kept_hint, peer_default, peer_strict
+from .sim_pred import fit_model, full_backward, predict, predict_bounded, ratio_summary
+from .systems import (PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, candidate_systems, kept_hint, peer_default, peer_strict,
+                      torch_order_hint)
 
 PEERS_TITLE = "PyTorch's virtual-stage schedules at their own memory"
 RANKS_TITLE = "Many real ranks against the simulator"
@@ -73,7 +74,8 @@ def predictions(res: dict) -> dict[str, dict[str, list[float]]]:
             budgets = [int(x) for x in peak]
             kw = dict(n_virtual=2, placement=p["placement"], bound_budgets=budgets, stage_bytes=sb)
             pl = p["placement"]
-            by = placed[pl] if pl in placed else placed.setdefault(pl, ByBackward(res, pi, ph, 2, pl, fallback=model))
+            by = placed[pl] if pl in placed else placed.setdefault(pl, ByBackward(res, pi, ph, 2, pl, fallback=model,
+                                                                                  one=one))
             kept = kept_hint(ph, peer_default(label), default)
             rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"], model=by(p["strict"]),
                                                                  **kw)
@@ -123,10 +125,13 @@ def flat_rows(res: dict, pi: int, ph: dict, names, default: str, model) -> dict[
 
 
 def splits(hint: str, cfg: dict, n_virtual: int = 1, placement: str = "loop") -> bool | None:
-    """Whether ``hint`` runs a split backward on the setting's placement (None: unresolved)."""
+    """Whether ``hint`` runs a split backward on the setting's placement (None: unresolved); a
+    ``torch-order:`` hint as the prediction runs it (:func:`benchmarks.systems.torch_order_hint`:
+    PyTorch's InterleavedZB order splits)."""
+    P, M = cfg["n_ranks"], cfg["n_microbatches"]
     try:
-        spec = resolve_hint(hint, Placement(cfg["n_ranks"], n_virtual, placement), cfg["n_microbatches"])[0]
-    except (ValueError, KeyError):
+        spec = resolve_hint(torch_order_hint(hint, P, M), Placement(P, n_virtual, placement), M)[0]
+    except (ValueError, KeyError, AttributeError):  # AttributeError: no such PyTorch schedule class
         return None
     return spec.split_backward
 
@@ -134,12 +139,20 @@ def splits(hint: str, cfg: dict, n_virtual: int = 1, placement: str = "loop") ->
 class ByBackward:
     """A phase's calibrated models on a placement by backward form: the model read off the
     strict rows that ran the hint's form (a split backward's routed forwards cost more than a
-    full backward's, docs/simulator.md), else off all of them (:func:`calibrated`)."""
+    full backward's, docs/simulator.md); where every strict row of the placement split (V: the
+    zero-bubble orders) and ``one`` (the one-stage models) has both forms, a full backward's
+    derived from the split rows' (:func:`benchmarks.sim_pred.full_backward`); else the model off
+    all of them (:func:`calibrated`)."""
 
-    def __init__(self, res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str = "loop", fallback=None):
+    def __init__(self, res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str = "loop", fallback=None,
+                 one: "ByBackward | None" = None):
         self.cfg, self.nv, self.pl = res["config"], n_virtual, placement
         self.all = calibrated(res, pi, ph, n_virtual, placement) or fallback
         self.forms = {f: calibrated(res, pi, ph, n_virtual, placement, backward=f) for f in ("full", "split")}
+        self.derived = (one is not None and self.forms["full"] is None and self.forms["split"] is not None
+                        and one.forms["full"] is not None and one.forms["split"] is not None)
+        if self.derived:
+            self.forms["full"] = full_backward(self.forms["split"], one.forms["full"], one.forms["split"])
 
     def __call__(self, hint: str):
         split = splits(hint, self.cfg, self.nv, self.pl)
@@ -177,7 +190,8 @@ def models(res: dict) -> dict[str, dict | None]:
     """Per phase, the calibrated model its one-stage predictions of full-backward hints ran on
     (:meth:`RuntimeModel.to_json`; :class:`ByBackward`), with, under ``split``, the split-backward
     hints' where the strict-split row was recorded, and under ``virtual``, its virtual-stage
-    placements' (``loop``, ``v``, every strict row of each) where their strict rows were recorded;
+    placements' (``loop``, ``v``, every strict row of each) where their strict rows were recorded,
+    ``full_derived`` where their full-backward hints' costs were derived (:class:`ByBackward`);
     None where they ran uncalibrated: for the report's lines on each setting."""
     out = {}
     for pi, ph in enumerate(res["phases"]):
@@ -186,9 +200,10 @@ def models(res: dict) -> dict[str, dict | None]:
         out[ph["name"]] = m.to_json() if m is not None else None
         if m is not None and by.forms["split"] is not None:
             out[ph["name"]]["split"] = by.forms["split"].to_json()
-        virtual = {pl: calibrated(res, pi, ph, 2, pl) for pl in ("loop", "v")}
-        if m is not None and any(virtual.values()):
-            out[ph["name"]]["virtual"] = {pl: v.to_json() for pl, v in virtual.items() if v is not None}
+        virtual = {pl: ByBackward(res, pi, ph, 2, pl, one=by) for pl in ("loop", "v")}
+        if m is not None and any(v.all for v in virtual.values()):
+            out[ph["name"]]["virtual"] = {pl: {**v.all.to_json(), "full_derived": v.derived}
+                                          for pl, v in virtual.items() if v.all is not None}
     return out
 
 
@@ -201,7 +216,9 @@ def model_line(model: dict | None) -> str:
 
     costs = "; ".join(f"rank {r}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in c.items())
                       for r, c in enumerate(model["costs"]))
-    virtual = "".join(f" {pl} rows' model read off {m['source']}." for pl, m in (model.get("virtual") or {}).items())
+    virtual = "".join(f" {pl} rows' model read off {m['source']}" + (
+        ", full-backward hints' F and B times each rank's one-stage full/split ratio (all those rows split)."
+        if m.get("full_derived") else ".") for pl, m in (model.get("virtual") or {}).items())
     split = model.get("split")
     if split:
         costs_s = "; ".join(f"rank {r}: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in c.items() if k != "B")

@@ -177,7 +177,7 @@ def rerender(args: argparse.Namespace) -> int:
         if not isinstance(results, dict):
             raise TypeError(f"a JSON {type(results).__name__}, expected an object")
         text = render(results, args, command=results.get("command"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, LookupError, TypeError, AttributeError) as e:  # LookupError: a key or an index
         print(f"rrfp bench: error: --from-json {args.from_json}: not the raw results of a benchmark run ({e})",
               file=sys.stderr)
         return 2

@@ -439,6 +439,36 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
                         placement if n_virtual > 1 else "loop", factors, hops, draw_ids, duties)
 
 
+def full_backward(model: RuntimeModel, full: RuntimeModel, split: RuntimeModel) -> RuntimeModel:
+    """``model``, read off rows that all ran a split backward on its placement, with the costs of
+    a full backward: each stage's ``F`` and ``B`` (there ``I + W``) times its rank's full over
+    split figure, both read with one stage per rank in the same rounds (``full`` off the strict
+    1F1B row, ``split`` off strict-split). A split backward routes the layers' forwards through
+    the deferring function and runs the backward in two passes, so the split rows' ``F`` and
+    ``I + W`` overstate a full backward's; the V placement's strict rows (the zero-bubble orders)
+    all split, so a full-backward hint there (``bf``) has no row of its own form to be read off
+    (docs/simulator.md). The other figures (runtime costs, factors, hops, duties) stay.
+
+    Raises:
+        ValueError: ``full`` or ``split`` not one stage per rank, their ranks not ``model``'s, or
+            a split figure not above 0.
+    """
+    P = len(full.costs)
+    place = Placement(P, model.n_virtual, model.placement)
+    if full.n_virtual != 1 or split.n_virtual != 1 or len(split.costs) != P or place.n_stages != len(model.costs):
+        raise ValueError(f"full_backward: expected one-stage models of the {len(model.costs) // model.n_virtual} "
+                         f"ranks of the model's placement, got {len(full.costs)} and {len(split.costs)} ranks")
+    costs = []
+    for s, c in enumerate(model.costs):
+        f, sp = full.costs[place.rank_of(s)], split.costs[place.rank_of(s)]
+        if not (sp[F] > 0 and sp[B] > 0):
+            raise ValueError(f"full_backward: rank {place.rank_of(s)}'s split F {sp[F]!r} and I + W {sp[B]!r} s: "
+                             "expected both above 0")
+        costs.append({**c, F: c[F] * f[F] / sp[F], B: c[B] * f[B] / sp[B]})
+    return dataclasses.replace(model, costs=costs, source=f"{model.source}; F and B x each rank's full/split "
+                                                          f"ratio ({full.source}; {split.source})")
+
+
 def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict:
     """Per-round ``num / den``: median, quartiles and a 95% bootstrap interval of the median."""
     from .harness import median_ci

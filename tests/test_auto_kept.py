@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -86,7 +87,7 @@ def test_an_adopted_split_hint_stays_routed_on_every_step():
     assert _routed(mods) == 0
 
 
-def test_set_hint_to_a_full_backward_undoes_the_routing_and_gives_back_a_users_own_forward():
+def test_set_hint_to_a_full_backward_undoes_the_routing_and_keeps_a_users_own_forward():
     mods = _modules()
     lin = mods[1][2]
 
@@ -96,8 +97,10 @@ def test_set_hint_to_a_full_backward_undoes_the_routing_and_gives_back_a_users_o
     lin.forward = types.MethodType(own, lin)
     x, y = torch.randn(8, 6), torch.randn(8, 6)
     with rrfp.LocalPipeline(mods, M, F.mse_loss, hint="strict-split") as pipe:
-        assert _routed(mods) == 4
-        for hint, want in (("bf", 0), ("strict-split", 4), ("strict-1f1b", 0), ("bfw-mem", 4), ("bf", 0)):
+        # The layer with the user's own forward is never routed (its weight gradients come in I).
+        assert _routed(mods) == 3
+        assert lin.__dict__["forward"].__func__ is own
+        for hint, want in (("bf", 0), ("strict-split", 3), ("strict-1f1b", 0), ("bfw-mem", 3), ("bf", 0)):
             pipe.set_hint(hint)
             assert _routed(mods) == want, hint
             for m in mods:
@@ -112,3 +115,39 @@ def test_set_hint_to_a_full_backward_undoes_the_routing_and_gives_back_a_users_o
         # Back on a full backward: the user's own forward in place, the others the class's.
         assert lin.__dict__["forward"].__func__ is own
         assert all("forward" not in m.__dict__ for mod in mods for m in mod.modules() if m is not lin)
+
+
+def test_a_split_hint_runs_a_users_own_forward_that_differs_from_the_class():
+    mods = _modules()
+    lin = mods[0][0]
+
+    def own(self, x):  # the user's instance-level forward (a frozen scale, as an adapter would add)
+        return 2.0 * F.linear(x, self.weight, self.bias)
+
+    lin.forward = types.MethodType(own, lin)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    _, ref_loss, ref_grads = sequential_reference(mods, x, y)  # nothing routed yet: the user's model
+    with rrfp.LocalPipeline(mods, M, F.mse_loss, hint="bf") as pipe:
+        for hint in ("bf", "strict-split", "bf"):
+            pipe.set_hint(hint)
+            for m in mods:
+                m.zero_grad(set_to_none=True)
+            torch.testing.assert_close(pipe.step(x, target=y), ref_loss, rtol=RTOL, atol=ATOL, msg=hint)
+            for m, grads in zip(mods, ref_grads):
+                for p, g in zip(m.parameters(), grads):
+                    torch.testing.assert_close(p.grad, g, rtol=RTOL, atol=ATOL, msg=hint)
+
+
+def test_a_forward_the_user_sets_while_routed_survives_a_switch_to_a_full_backward():
+    mods = _modules()
+    lin = mods[1][2]
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    with rrfp.LocalPipeline(mods, M, F.mse_loss, hint="strict-split") as pipe:
+        pipe.step(x, target=y)
+
+        def own(self, x):  # set after the pipeline routed the layer (an adapter added mid-run)
+            return 2.0 * F.linear(x, self.weight, self.bias)
+
+        lin.forward = types.MethodType(own, lin)
+        pipe.set_hint("bf")  # what auto does once it keeps a full-backward hint
+        assert lin.__dict__.get("forward") is not None and lin.__dict__["forward"].__func__ is own

@@ -214,3 +214,79 @@ def test_a_local_pipeline_with_a_budget_measures_each_microbatchs_bytes():
         want = (tuple(48 * n for n in rows), tuple(72 * n for n in rows))
         assert prof.sizes == (want, want)  # both measuring steps: the strict schedule's, the split's
         assert pipe.auto.ranking is not None and pipe.auto.trial
+
+
+@pytest.mark.parametrize("bad,what", [
+    (lambda x: ("s", x[1], x[2]), "('s', 1, 0)"),                         # cut short
+    (lambda x: ("s", x[1], x[2], -x[3]), "('s', 1, 0, -500)"),           # negative bytes
+    (lambda x: ("s", x[1], M + x[2], x[3]), f"('s', 1, {M}, 500)"),      # a microbatch this pipeline lacks
+    (lambda x: ("s", 7, x[2], x[3]), "('s', 7, 0, 500)"),                # a stage it lacks
+    (lambda x: ("s", x[1], x[2], 10 ** 30), "('s', 1, 0, " + str(10 ** 30) + ")"),  # beyond 2**53 bytes
+    (lambda x: ("s", x[1], x[2], "500"), "('s', 1, 0, '500')"),          # not an int
+])
+def test_a_malformed_size_item_is_one_error_naming_it_on_every_process(bad, what):
+    """A peer's size items that this code cannot send (a peer running other code): every process
+    refuses them with the same PipelineError naming the item (not an IndexError, KeyError or a
+    cost model's error later), before any ranking: the ranks stay in step and nobody waits."""
+    from rrfp.errors import PipelineError
+
+    parts: dict = {}
+    pipes = [_process(r) for r in range(2)]
+
+    class Forged(_Share):
+        async def gather(self, items):
+            if self.r == 1:  # rank 1's first size item, forged
+                i = next(j for j, x in enumerate(items) if x[0] == "s")
+                items = [*items[:i], bad(items[i]), *items[i + 1:]]
+            return await _Share.gather(self, items)
+
+    ctls = [AutoHint(p, Forged(parts, r), recheck_every=0) for r, p in enumerate(pipes)]
+
+    async def both(k):
+        return await asyncio.gather(*(c.after_step(k, [_stats(p, r)]) for r, (c, p) in enumerate(zip(ctls, pipes))),
+                                    return_exceptions=True)
+
+    for c in ctls:
+        c.before_step(0)
+    assert asyncio.run(both(0)) == [None, None]  # the warm-up step gathers nothing
+    for c in ctls:
+        c.before_step(1)
+    got = asyncio.run(both(1))
+    assert [type(e) for e in got] == [PipelineError, PipelineError], got
+    assert str(got[0]) == str(got[1]) == (
+        f"auto: a malformed activation size item {what}: expected ('s', stage 0..1, microbatch 0..{M - 1}, "
+        "bytes 0..2**53)")
+    assert all(c.ranking is None for c in ctls)
+
+
+def test_under_gradient_accumulation_each_sample_is_paired_with_its_own_microbatchs_bytes():
+    """``rrfp train --grad-accum 2`` hands auto one optimizer step's stats: two pipeline steps'
+    records (rrfp/train/accum.py), while the sizer holds only the last pipeline step's bytes.
+    Here microbatch m holds and takes (M - m) units in the first pipeline step and (m + 1) in
+    the second: every task's seconds are exactly proportional to its own bytes, so nothing is
+    left for the noise. Pairing the first pipeline step's seconds with the second's bytes
+    (microbatch 0: 4 units of time against 1 of bytes) made a spread out of nothing."""
+    parts: dict = {}
+    pipes = [_process(r) for r in range(2)]
+    ctls = [AutoHint(p, _Share(parts, r), recheck_every=0) for r, p in enumerate(pipes)]
+
+    def accumulated(pipe, r):
+        t, recs = 0.0, []
+        for step, units in ((0, lambda m: M - m), (1, lambda m: m + 1)):  # the sizer: step 1's
+            for task in pipe.spec.all_tasks():
+                if task.stage == r:
+                    d = {"F": 1, "B": 2, "I": 1, "W": 1}[task.kind] * units(task.mb) / 1024
+                    recs.append(TaskRecord(r, step, task, t, t + d))
+                    t += d
+        return SimpleNamespace(wall=t, records=recs)
+
+    async def both(k):
+        await asyncio.gather(*(c.after_step(k, [accumulated(p, r)]) for r, (c, p) in enumerate(zip(ctls, pipes))))
+
+    for k in range(3):
+        for c in ctls:
+            c.before_step(k)
+        asyncio.run(both(k))
+    for c in ctls:
+        assert c.profile.compute_cv == pytest.approx(0.0, abs=1e-12)
+    assert ctls[0].ranking.order == ctls[1].ranking.order

@@ -246,6 +246,26 @@ def test_rrfp_bench_bad_input_is_a_usage_error(capfd):
     assert "--from-json /no/such/results.json: no such file" in capfd.readouterr().err
 
 
+def test_a_damaged_raw_results_file_is_one_line_not_a_traceback(tmp_path, capfd, monkeypatch):
+    """A phase without its rounds (a damaged or hand-edited ``--json`` file): the report's peer
+    table reads ``rounds[0]`` (report_peers.peer_rows), an IndexError that escaped as a traceback
+    (exit 1) while every other damage was one line (exit 2)."""
+    from benchmarks import run_all
+
+    def first_rounds(results, args, command=None):  # what peer_rows reads first, alone
+        return str([ph["rounds"][0] for res in results["compare"].values() for ph in res["phases"]])
+
+    monkeypatch.setattr(run_all, "render", first_rounds)
+    raw = tmp_path / "results.json"
+    raw.write_text(__import__("json").dumps({"compare": {"jitter4": {"phases": [{"name": "J2", "rounds": []}]}},
+                                             "quick": True, "micro": None, "errors": []}))
+    capfd.readouterr()
+    assert run_all.rerender(run_all.build_parser().parse_args(["--from-json", str(raw)])) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"rrfp bench: error: --from-json {raw}: not the raw results"), err
+    assert err[0].endswith("(list index out of range)"), err
+
+
 @pytest.mark.slow
 def test_report_renders_again_from_raw_results(tmp_path, capfd):
     """``--from-json`` writes the report of an earlier run without running anything: the same

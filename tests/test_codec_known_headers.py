@@ -168,3 +168,34 @@ def test_a_memoryview_frame_of_another_shape_is_read_as_its_bytes():
     head = encode(key, [t])[0]
     got = decode([head, memoryview(t.numpy())])[1][0]
     assert torch.equal(got, t)
+
+
+@pytest.mark.xfail(strict=True, reason="h34break: _learn_header keeps every accepted header's tail and its parsed "
+                   "descriptors (up to _TAILS_MAX = 16384 tails of up to 64 KiB), even of a message then refused "
+                   "for its frame count: ~312 KB held per 24 KB header here, ~5 GB at the bound; "
+                   "rrfp/transport is another helper's room, the lead routes the fix")
+def test_refused_headers_cannot_make_the_cache_hold_gigabytes():
+    """A peer that sends header-only messages declaring thousands of empty tensors (each refused:
+    no tensor frames) must not be able to make this rank hold gigabytes: what one such message
+    leaves in the known-header cache, times the most entries the cache keeps, stays under
+    256 MiB (before the cache, such a message left nothing behind)."""
+    import gc
+    import tracemalloc
+
+    import msgpack
+
+    n = 16
+    heads = [msgpack.packb({"job": "j", "step": 1, "microbatch": m, "stage": 0, "direction": int(ACT),
+                            "tensors": [["float32", [0], False]] * 2000, "meta": {}}) for m in range(n)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for h in heads:
+            assert _outcome([h]) == ("error", "frame count mismatch: header declares 2000 tensor frames, got 0")
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    at_most = held / n * max(codec._TAILS_MAX, codec._CACHE_MAX)
+    assert at_most <= 256 * 2**20, f"{held / n:.0f} bytes held per refused header: {at_most / 2**30:.1f} GiB at the bound"

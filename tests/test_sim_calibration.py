@@ -426,3 +426,71 @@ def test_a_recorded_4_rank_runs_v_rows_are_reproduced_within_5_percent():
             for name, m in (("v", model), ("halved", halved), ("old", old))}
         assert abs(ratio["v"] - 1) <= 0.05, (row, ratio)
         assert ratio["halved"] > 1.10 and ratio["old"] > 1.10, (row, ratio)
+
+
+def test_full_backward_costs_from_split_rows_by_hand():
+    """A V model read off split rows, with each rank's one-stage full/split ratio: rank 0 (stages
+    0 and 3) F 10/12, B 16/(0+20); rank 1 (stages 1 and 2) F 9/12, B 14/(12+8)."""
+    cal = Calibration()
+    split_v = sim_pred.RuntimeModel(cal, [{"F": 6.0, "B": 10.0, "I": 0.0, "W": 10.0},
+                                          {"F": 6.0, "B": 10.0, "I": 6.0, "W": 4.0},
+                                          {"F": 7.0, "B": 10.0, "I": 6.0, "W": 4.0},
+                                          {"F": 8.0, "B": 12.0, "I": 7.0, "W": 5.0}], "zbv", 2, "v")
+    full1 = sim_pred.RuntimeModel(cal, [{"F": 10.0, "B": 16.0}, {"F": 9.0, "B": 14.0}], "1f1b")
+    split1 = sim_pred.RuntimeModel(cal, [{"F": 12.0, "B": 20.0, "I": 0.0, "W": 20.0},
+                                         {"F": 12.0, "B": 20.0, "I": 12.0, "W": 8.0}], "split")
+    got = sim_pred.full_backward(split_v, full1, split1)
+    assert [x for c in got.costs for x in (c["F"], c["B"])] == pytest.approx([5.0, 8.0, 4.5, 7.0, 5.25, 7.0, 8 / 1.2, 9.6])
+    assert got.costs[1]["I"] == 6.0 and split_v.costs[0]["F"] == 6.0  # I, W kept; the input untouched
+    assert (got.n_virtual, got.placement) == (2, "v") and "zbv" in got.source
+    with pytest.raises(ValueError, match="expected one-stage models of the 2 ranks"):
+        sim_pred.full_backward(split_v, full1, split_v)
+
+
+def test_a_full_backward_hint_on_v_at_a_budget_is_predicted_on_full_backward_costs():
+    """comm4's miss (``rrfp bench``, issue 33): the V placement's strict rows all split, so the
+    ``bf`` row held to a schedule's bytes was predicted on their ``F`` and ``I + W``, 8-11% slow.
+    Here every task costs what a hand-made table says, the full backward's being the split one's
+    times its rank's one-stage full/split ratio (as on the real run: rank 0 F 10/12, B 0.8; rank
+    1 F 0.75, B 0.7): the default row at ZBV's bytes (bf, 2.5 microbatches' bytes per rank) is
+    predicted at the engine's makespan on the full-backward table, not on the split one."""
+    from benchmarks import report_peers
+    from benchmarks.systems import peer_default, peer_strict
+
+    P, M, size, budget = 2, 4, 1000, 2500
+    split_v = {0: {"F": .006, "I": 0.0, "W": .010}, 1: {"F": .006, "I": .006, "W": .004},
+               2: {"F": .007, "I": .006, "W": .004}, 3: {"F": .008, "I": .007, "W": .005}}
+    full_v = {0: {"F": .005, "B": .008}, 1: {"F": .0045, "B": .007}, 2: {"F": .00525, "B": .007},
+              3: {"F": .008 / 1.2, "B": .0096}}  # by hand: the table above times the ratios
+    full1 = {0: {"F": .010, "B": .016}, 1: {"F": .009, "B": .014}}
+    split1 = {0: {"F": .012, "I": 0.0, "W": .020}, 1: {"F": .012, "I": .012, "W": .008}}
+    v, one = Placement(P, 2, "v"), Placement(P)
+
+    def run(costs, hint, place, **kw):
+        spec, h, strict = resolve_hint(hint, place, M)
+        return simulate(spec, h, lambda k, r, t: costs[t.stage][t.kind], strict=strict, record=True, **kw)
+
+    rounds = [2, 3]
+    recorded = {"rrfp strict ZBV order": run(split_v, "strict-zb-v", v), "rrfp strict-1f1b": run(full1, "strict-1f1b", one),
+                "rrfp strict-split": run(split1, "strict-split", one)}
+    names = [peer_default("ZBV"), peer_strict("ZBV"), "torch ZBV"]
+    ph = {"name": "J0", "level": "J0", "kept": {peer_default("ZBV"): "bf"},
+          "rounds": [{"round": 1, "kind": "memory", "systems": {n: {"peak_bytes": [budget] * P} for n in names}}]
+          + [{"round": k, "kind": "timed", "systems": {n: {"step": 1.0} for n in names}} for k in rounds],
+          "recorded": {row: {str(k): _as_recorded(res, (v if "ZBV" in row else one).rank_of) for k in rounds}
+                       for row, res in recorded.items()}}
+    res = {"config": {"n_ranks": P, "n_microbatches": M, "seed": 0}, "calibration": [{"F": .01, "B": .02}] * P,
+           "phases": [ph], "virtual_stage_bytes": [{"v": [size, size]}] * P, "cores": 8}
+    got = report_peers.predictions(res)["J0"]
+    at_budget = dict(memory_budget=[budget] * P, act_bytes=lambda k, s, m: size)
+    want = run(full_v, "bf", v, **at_budget)
+    assert want.peak_bytes == [2 * size] * P  # the budget binds: 2 of a rank's 8 forwards held at most
+    assert got[peer_default("ZBV")] == pytest.approx([want.makespan] * 2, rel=1e-9)
+    assert got[peer_strict("ZBV")] == pytest.approx([recorded["rrfp strict ZBV order"].makespan] * 2, rel=1e-9)
+    split_b = {s: {"F": c["F"], "B": c["I"] + c["W"]} for s, c in split_v.items()}  # main's: the split rows' costs
+    assert run(split_b, "bf", v, **at_budget).makespan / want.makespan > 1.1
+    # The report's line on the model says so.
+    virtual = report_peers.models(res)["J0"]["virtual"]
+    assert set(virtual) == {"v"} and virtual["v"]["full_derived"] is True
+    assert "full-backward hints' F and B times each rank's one-stage full/split ratio" in report_peers.model_line(
+        report_peers.models(res)["J0"])

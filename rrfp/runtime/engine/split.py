@@ -277,15 +277,15 @@ def _deferred_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _apply_fast(x, getattr(self, lay.weight), bias, lay.weight_in_out)
 
 
-_NO_FORWARD = object()
-
 
 def enable_split_backward(module: nn.Module) -> int:
     """Route every layer in ``module`` with a split layout (:func:`layout_of`) through the
     deferring affine function (its layout's ``method``).
 
     Outside :func:`deferring` the layers compute their weight gradients at once, so a full
-    backward still works. Idempotent; :func:`disable_split_backward` undoes it.
+    backward still works. A layer whose ``method`` the user set on the instance is left as it
+    is (routing would compute the class's affine instead). Idempotent;
+    :func:`disable_split_backward` undoes it.
 
     Returns:
         the number of layers routed.
@@ -295,18 +295,20 @@ def enable_split_backward(module: nn.Module) -> int:
         lay = layout_of(m)
         if lay is None:
             continue
+        if "_rrfp_split" not in m.__dict__:
+            if lay.method in m.__dict__:
+                # The user's own instance-level forward is what the model computes: routing
+                # would replace it with the class's affine. Its weight gradients come in I.
+                continue
+            m._rrfp_split = (lay,)
+            setattr(m, lay.method, types.MethodType(_deferred_forward, m))
         n += 1
-        if "_rrfp_split" in m.__dict__:
-            continue
-        # Keep an instance-level method the user set, so that undoing restores it.
-        saved = m.__dict__.get(lay.method, _NO_FORWARD)
-        m._rrfp_split = (lay, saved)
-        setattr(m, lay.method, types.MethodType(_deferred_forward, m))
     return n
 
 
 def disable_split_backward(module: nn.Module) -> int:
-    """Undo :func:`enable_split_backward`: every routed layer gets back its own method.
+    """Undo :func:`enable_split_backward`: every routed layer gets back its own method (a
+    forward the user set on it while it was routed stays).
 
     Returns:
         the number of layers restored.
@@ -316,10 +318,10 @@ def disable_split_backward(module: nn.Module) -> int:
         state = m.__dict__.pop("_rrfp_split", None)
         if state is None:
             continue
-        lay, saved = state
-        if saved is _NO_FORWARD:
-            m.__dict__.pop(lay.method, None)
-        else:
-            setattr(m, lay.method, saved)
+        lay = state[0]
+        own = m.__dict__.get(lay.method)
+        # A forward the user set while the layer was routed stays: only the routing goes.
+        if getattr(own, "__func__", None) is _deferred_forward:
+            del m.__dict__[lay.method]
         n += 1
     return n

@@ -234,6 +234,20 @@ def _check_part(meta: dict, src: Any, seq: int, n: int, me: int, have: dict, of:
         raise bad(f"part {part} of exchange {k} again")
 
 
+def _size_item(item: Sequence[Any], n_stages: int, n_microbatches: int) -> tuple[int, int, int]:
+    """``(stage, microbatch, bytes)`` of a gathered ``("s", stage, microbatch, bytes)`` item.
+
+    Raises:
+        PipelineError: an item this code cannot send (a peer running other code), named the
+            same way on every process (a list, as msgpack delivers a peer's tuple, reads as one).
+    """
+    ok = len(item) == 4 and all(type(x) is int for x in item[1:])
+    if not (ok and 0 <= item[1] < n_stages and 0 <= item[2] < n_microbatches and 0 <= item[3] <= 2**53):
+        raise PipelineError(f"auto: a malformed activation size item {tuple(item)!r}: expected ('s', stage "
+                            f"0..{n_stages - 1}, microbatch 0..{n_microbatches - 1}, bytes 0..2**53)")
+    return item[1], item[2], item[3]
+
+
 def step_figures(hint: str, stats: Sequence[Any]) -> tuple[float, float]:
     """This process's part of a step's figures: ``(seconds, forward seconds)``, its ranks'
     slowest step time and the sum of their forward tasks' seconds (from the task records)."""
@@ -430,8 +444,13 @@ class AutoHint:
             self._choose()
 
     async def _gather(self, stats: Sequence[Any], split: bool) -> None:
-        mine: list = [("r", rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end)
-                      for st in stats for rec in st.records]
+        # Last field: the record is of the rank's last pipeline step, the one whose bytes the sizer
+        # holds (rrfp train --grad-accum hands several pipeline steps' records in one step's stats).
+        mine: list = []
+        for st in stats:
+            last = max((rec.step for rec in st.records), default=None)
+            mine += [("r", rec.task.stage, rec.task.kind, rec.task.mb, rec.start, rec.end, rec.step == last)
+                     for rec in st.records]
         for rt in self.pipe.runtimes:
             # Each rank's own in-flight limit and budget: another process may have been given
             # other values, and every rank must rank on the same ones (or their trials differ).
@@ -447,7 +466,8 @@ class AutoHint:
         sizes: dict[int, dict[int, int]] = {}
         for item in items:
             if item[0] == "s":
-                sizes.setdefault(item[1], {})[item[2]] = item[3]
+                s, m, b = _size_item(item, self.place.n_stages, self.M)
+                sizes.setdefault(s, {})[m] = b
         self.sizes.append(sizes)
         recs: list[TaskRecord] = []
         for item in items:
@@ -459,9 +479,10 @@ class AutoHint:
                 continue
             if item[0] == "s":
                 continue
-            _, s, kind, m, t0, t1 = item
+            _, s, kind, m, t0, t1, sized = item
             self.samples.setdefault((s, kind), []).append(t1 - t0)
-            self.sample_bytes.setdefault((s, kind), []).append(sizes.get(s, {}).get(m, 0))
+            # 0: bytes not measured (profile_from_samples leaves the sample out of the spread's pairs)
+            self.sample_bytes.setdefault((s, kind), []).append(sizes.get(s, {}).get(m, 0) if sized else 0)
             recs.append(TaskRecord(self.place.rank_of(s), self.steps, Task(s, kind, m), t0, t1))
         self.measured.append((split, recs))
 
