@@ -170,10 +170,6 @@ def test_a_memoryview_frame_of_another_shape_is_read_as_its_bytes():
     assert torch.equal(got, t)
 
 
-@pytest.mark.xfail(strict=True, reason="h34break: _learn_header keeps every accepted header's tail and its parsed "
-                   "descriptors (up to _TAILS_MAX = 16384 tails of up to 64 KiB), even of a message then refused "
-                   "for its frame count: ~312 KB held per 24 KB header here, ~5 GB at the bound; "
-                   "rrfp/transport is another helper's room, the lead routes the fix")
 def test_refused_headers_cannot_make_the_cache_hold_gigabytes():
     """A peer that sends header-only messages declaring thousands of empty tensors (each refused:
     no tensor frames) must not be able to make this rank hold gigabytes: what one such message
@@ -199,3 +195,18 @@ def test_refused_headers_cannot_make_the_cache_hold_gigabytes():
         tracemalloc.stop()
     at_most = held / n * max(codec._TAILS_MAX, codec._CACHE_MAX)
     assert at_most <= 256 * 2**20, f"{held / n:.0f} bytes held per refused header: {at_most / 2**30:.1f} GiB at the bound"
+
+
+def test_a_refused_message_teaches_nothing_and_a_long_header_is_never_learned(monkeypatch):
+    parses = _count_full_parses(monkeypatch)
+    frames = encode(MsgKey("j", 2, 0, 1, ACT), [torch.ones(2)])
+    assert _outcome(frames[:1])[0] == "error"  # refused for its frame count: nothing learned
+    assert not codec._known_tail and not codec._known_prefix
+    many = [torch.zeros(0) for _ in range(40)]  # accepted, its header over _LEARN_MAX bytes
+    long_frames = encode(MsgKey("j", 2, 1, 1, ACT), many)
+    assert len(long_frames[0]) > codec._LEARN_MAX
+    for _ in range(2):
+        assert _outcome(long_frames)[1] == MsgKey("j", 2, 1, 1, ACT)
+    assert not codec._known_tail and len(parses) == 3
+    assert _outcome(frames)[0] == "ok" and _outcome(frames)[0] == "ok"
+    assert len(parses) == 4  # the short one is learned once accepted

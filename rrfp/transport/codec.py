@@ -301,6 +301,11 @@ _BOOL_SCAN_MAX = 1024
 _known_prefix: dict[bytes, tuple[str, int]] = {}  # prefix bytes -> (job, step)
 _known_tail: dict[bytes, tuple] = {}  # tail bytes -> (microbatch, stage, direction, descs, n_frames, declared bytes)
 _TAILS_MAX = 1 << 14  # the tails of a step: microbatches x stages x directions (x shapes)
+# Longest header learned (a data header: ~50 bytes and ~20 per tensor): a peer's accepted
+# messages with many empty tensors must not make the tails and their descriptors hold gigabytes
+# (at most ~8 KB an entry here, 50 empty tensors: ~124 MiB at _TAILS_MAX, measured with
+# tracemalloc); a longer one is parsed in full.
+_LEARN_MAX = 512
 # The length of a msgpack int from its first byte (0: not an int).
 _INT_LEN = bytes(1 if b < 0x80 or b >= 0xE0 else {0xCC: 2, 0xCD: 3, 0xCE: 5, 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5,
                                                     0xD3: 9}.get(b, 0) for b in range(256))
@@ -322,6 +327,8 @@ def _step_at(head: bytes) -> int:
 def _learn_header(head: bytes, key: MsgKey, descs: list, n_frames: int) -> None:
     # A header parse_header accepted, with an empty meta: remember its prefix and tail when it
     # is laid out as encode lays it out (each part checked, the ints read back against the key).
+    if len(head) > _LEARN_MAX:
+        return
     try:
         k = _step_at(head)
         i = k + _INT_LEN[head[k]]
@@ -379,8 +386,6 @@ def decode(
         descs, n_frames, meta = tail[3], tail[4], {}
     else:
         key, descs, n_frames, meta = parse_header(unpack_header(head), max_bytes)
-        if not meta:
-            _learn_header(head, key, descs, n_frames)
     if n - 1 != n_frames:
         raise CodecError(f"frame count mismatch: header declares {n_frames} tensor frames, got {n - 1}")
 
@@ -416,6 +421,8 @@ def decode(
         if rg:
             t.requires_grad_(True)
         out.append(t)
+    if tail is None and not meta:  # a message accepted whole teaches its header, a refused one nothing
+        _learn_header(head, key, descs, n_frames)
     return key, out, meta
 
 
