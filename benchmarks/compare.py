@@ -299,8 +299,8 @@ def rank_main(cfg: dict) -> dict | None:
             inner, stage_ids, n_stages = [copy.deepcopy(m) for m in base_v[pl]], virtual_stage_ids(pl, rank, P), 2 * P
         share = 1.0 / len(inner)
         if name in rrfp_systems:
-            wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1, stage=s, delays=delays)
-                        for m, s in zip(inner, stage_ids)]
+            wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1, stage=s, delays=delays,
+                                    local_stages=frozenset(stage_ids)) for m, s in zip(inner, stage_ids)]
             sysobj: System = RrfpSystem(name, spec, wrappers, inner, stage_ids, n_stages, rank, P, M,
                                         job=f"{cfg['run_id']}-{names.index(name)}",
                                         budgets=budgets.get(spec.get("budget")),
@@ -309,7 +309,8 @@ def rank_main(cfg: dict) -> dict | None:
                                         record=bool(cfg.get("record_tasks")))
         else:
             wrappers = [JitterStage(m, injector, share, meter, last=s == n_stages - 1, stage=s, delays=delays,
-                                    pack=work.pack if s == 0 else None) for m, s in zip(inner, stage_ids)]
+                                    pack=work.pack if s == 0 else None, local_stages=frozenset(stage_ids))
+                        for m, s in zip(inner, stage_ids)]
             sysobj = TorchSystem(name, spec, wrappers, inner, stage_ids, n_stages, M, meter.metered(loss))
         meter.exclude([p for m in sysobj.inner for p in m.parameters()])
         # Every full-model parameter must be held by exactly one rank.

@@ -263,11 +263,15 @@ class JitterStage(nn.Module):
         last: this is the pipeline's last stage.
         stage: the stage's index (message delays are keyed by it).
         delays: keyed message delays, or None.
+        local_stages: the stages this rank holds in this system: a message between two of them
+            never leaves the rank (a V placement's turn), so it gets no delay, as in the
+            simulator (:mod:`rrfp.sim.engine`: a same-rank message arrives at once).
         pack: applied to ``x`` before ``inner`` (the multimodal first stage packs its images).
     """
 
     def __init__(self, inner: nn.Module, injector: Injector, share: float, meter: ActivationMeter, last: bool,
-                 stage: int = 0, delays: Any = None, pack: Callable | None = None) -> None:
+                 stage: int = 0, delays: Any = None, pack: Callable | None = None,
+                 local_stages: frozenset[int] = frozenset()) -> None:
         super().__init__()
         self.inner = inner
         self.injector = injector
@@ -277,6 +281,8 @@ class JitterStage(nn.Module):
         self.stage = stage
         self.delays = delays
         self.pack = pack
+        self.local_prev = stage - 1 in local_stages
+        self.local_next = stage + 1 in local_stages
         # Only W's share of the injected backward reads it (SleepInWeightGrad); its gradient
         # stays 0 and it is no parameter of the model the systems compare.
         self.carrier = nn.Parameter(torch.zeros(()))
@@ -292,7 +298,8 @@ class JitterStage(nn.Module):
         if comm is not None and self.stage > 0:
             from .workloads import F, ConsumeStamp
 
-            comm.wait(stamp, self.stage - 1, m, F)
+            if not self.local_prev:
+                comm.wait(stamp, self.stage - 1, m, F)
             x[0] = ConsumeStamp.apply(x[0], stamp)
         if self.pack is not None:
             x = self.pack(*x)
@@ -315,7 +322,7 @@ class JitterStage(nn.Module):
         if comm is not None:
             from .workloads import EmitStamp
 
-            return y, mb, EmitStamp.apply(y, comm, m, self.stage)
+            return y, mb, EmitStamp.apply(y, None if self.local_next else comm, m, self.stage)
         return y, mb
 
 

@@ -114,7 +114,7 @@ def render_setting(res: dict) -> tuple[str, dict[str, dict]]:
         + ("" if mm or not virtual else f"; rows with virtual stages use 2 per rank ({2 * cfg['n_ranks']} stages of "
                                         f"{m['n_layer'] // (2 * cfg['n_ranks'])} layer(s); loop placement for the "
                                         "interleaved schedules, V for ZBV and DualPipeV)")
-        + (f"; message delays {cfg['comm']} on every activation and gradient" if cfg.get("comm") else "")
+        + (f"; message delays {cfg['comm']} on every activation and gradient between ranks" if cfg.get("comm") else "")
         + (f". Hint of the `rrfp default` rows: `{cfg['hint']}` (`--hint`; not rrfp.Pipeline's default). "
            if cfg.get("hint") else f". Hint of the `rrfp default` rows: `{res.get('default_hint', '?')}`"
            + (" (rrfp.Pipeline's default: in each phase its measuring and trial steps run after the memory round, "

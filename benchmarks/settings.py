@@ -45,7 +45,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 # every message (benchmarks/workloads.py: the same keyed delay for every system).
 SETTINGS["comm4"] = {
     **SETTINGS["jitter4"],
-    "title": "4 ranks, injected message delays (J2 on every activation and gradient)",
+    "title": "4 ranks, injected message delays (J2 on every activation and gradient between ranks)",
     "comm": "J2",
     "systems": [*CORE_SYSTEMS, *ZB_PEER_SYSTEMS],
     "phases": [{"name": "comm J2", "level": "J0", "varlen": False, "rounds": 16}],

@@ -2,7 +2,8 @@
 multimodal workload, and memory budgets in bytes matched to a schedule.
 
 **Message delays** (the communication-variability setting). Every activation and gradient
-message gets a delay ``d`` drawn by :func:`rrfp.sim.jitter.injected_delay` keyed by
+message between two ranks (not a V placement's turn, which never leaves its rank; the simulator
+does not delay it either) gets a delay ``d`` drawn by :func:`rrfp.sim.jitter.injected_delay` keyed by
 ``(seed, step, sending stage, microbatch, kind)`` on the simulator's message streams (exactly
 what ``rrfp simulate --comm-jitter`` draws; ``e`` = 0, so a hit is ``a * b * (0.5 + U)`` with the
 level's 10 ms floor ``b``). The message may not be consumed before ``t_sent + d``:
@@ -113,18 +114,19 @@ def rrfp_hold(delays: MessageDelays) -> Callable[[Any], float]:
 
 class EmitStamp(torch.autograd.Function):
     """``y -> stamp``: float64 ``[samples]`` holding the clock now (the activation's send
-    time). Backward: waits for the gradient message's delivery (its stamp + delay), before
-    any other node of the stage's backward (it is the graph's newest node), and adds nothing
-    to ``y``'s gradient."""
+    time). Backward: waits for the gradient message's delivery (its stamp + delay; no wait where
+    ``delays`` is None: the message does not leave the rank), before any other node of the
+    stage's backward (it is the graph's newest node), and adds nothing to ``y``'s gradient."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, delays: MessageDelays, mb: int, stage: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, y: torch.Tensor, delays: MessageDelays | None, mb: int, stage: int) -> torch.Tensor:  # type: ignore[override]
         ctx.delays, ctx.mb, ctx.stage = delays, mb, stage
         return torch.full((y.shape[0],), time.monotonic(), dtype=torch.float64)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
-        ctx.delays.wait(g, ctx.stage + 1, ctx.mb, B)
+        if ctx.delays is not None:
+            ctx.delays.wait(g, ctx.stage + 1, ctx.mb, B)
         return None, None, None, None
 
 

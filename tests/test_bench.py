@@ -374,6 +374,33 @@ def test_message_delays_are_keyed_and_the_same_for_rrfp(monkeypatch):
     assert inj.count == 2 and inj.total == pytest.approx(d_f + d_b)
 
 
+def test_a_v_turn_between_stages_of_one_rank_gets_no_message_delay(monkeypatch):
+    """Stages 1 and 2 on one rank (a V placement's turn, ``local_stages``): the activation from 1
+    to 2 and the gradient back never leave the rank, so neither waits, as in the simulator; the
+    same pair held on two ranks waits for both draws (the J3 draws of the test above)."""
+    from benchmarks import workloads
+
+    clock = [100.0]
+    monkeypatch.setattr(workloads.time, "monotonic", lambda: clock[0])
+    inj = Injector(LEVELS["J0"], seed=3, stage=0, e={"F": 0.0, "B": 0.0})
+    inj.enabled, inj.step = True, 7
+    delays = workloads.MessageDelays(LEVELS["J3"], inj)
+    m = next(m for m in range(64) if delays.draw(1, m, workloads.F) > 0 and delays.draw(2, m, workloads.B) > 0)
+    d_f, d_b = delays.draw(1, m, workloads.F), delays.draw(2, m, workloads.B)
+    for local, want in ((frozenset({1, 2}), []), (frozenset({1}), [d_f, d_b])):
+        sleeps: list[float] = []
+        monkeypatch.setattr(workloads.time, "sleep", lambda s, out=sleeps: out.append(s))
+        s1 = JitterStage(nn.Linear(3, 3), inj, 1.0, ActivationMeter(), last=False, stage=1, delays=delays,
+                         local_stages=local)
+        s2 = JitterStage(nn.Linear(3, 1), inj, 1.0, ActivationMeter(), last=True, stage=2, delays=delays,
+                         local_stages=local if 2 in local else frozenset({2}))
+        y, mb_out, stamp = s1(torch.randn(2, 3), torch.full((2,), m), torch.zeros(2, dtype=torch.float64))
+        y_in, stamp_in = y.detach().requires_grad_(), stamp.detach().requires_grad_()
+        s2(y_in, mb_out, stamp_in).sum().backward()  # the clock stands still: a wait is its whole draw
+        torch.autograd.backward([y, stamp], [y_in.grad, stamp_in.grad])
+        assert sleeps == [pytest.approx(d) for d in want], local
+
+
 @pytest.mark.timeout(60)
 def test_inbox_hold_delays_the_input_not_the_result():
     """A hold on one activation: the arbiter does not see it until the hold ends (the rank runs
