@@ -180,3 +180,21 @@ def test_processes_given_different_limits_or_budgets_rank_alike_on_every_ranks_o
     ref = _reference(hints, limits, None if budgets == [None, None] else budgets, stages=stages, n_microbatches=M,
                      calibration=Calibration(task=GAP), links=profile.links)
     assert dict(ctls[0].ranking.order) == pytest.approx(ref)
+
+
+def test_auto_links_fly_what_a_waiting_consumer_waited_less_its_receiving(monkeypatch):
+    """auto's ranking models messages as rrfp bench's predictions do (Calibration.recv_in_hop):
+    a link's recorded wait holds the receiving task's ``recv``, so the message flies the rest;
+    reference: the bench model's own flight for the same figures, and the arithmetic by hand."""
+    from rrfp.runtime.features import auto as rt_auto
+    from rrfp.sim.calibration import Fit
+
+    ctls = _measure([2, 2], [None, None])
+    got = iter([Fit(Calibration(task=0.001, recv=0.0003), {0: 0.002}, {}),
+                Fit(Calibration(task=0.003, recv=0.0005), {0: 0.004}, {})])
+    monkeypatch.setattr(rt_auto, "fit", lambda steps, spec: next(got))
+    fitted = ctls[0]._fit()
+    assert fitted.calibration.task == pytest.approx(0.002) and fitted.calibration.recv == pytest.approx(0.0004)
+    assert fitted.links == pytest.approx({0: 0.003 - 0.0004})  # the median wait less the mean receiving
+    bench = Calibration(task=0.002, recv=0.0004, hop=0.003, recv_in_hop=True)
+    assert fitted.links[0] == pytest.approx(bench.flight()) and fitted.calibration.on_rank() == pytest.approx(bench.on_rank())

@@ -12,8 +12,10 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
    in proportion to them: :mod:`rrfp.sim.sized`); what the runtime pays around them, the calibrated model of
    :mod:`rrfp.sim.calibration` (:func:`~rrfp.sim.calibration.fit`: the runtime's time per
    task and per input received from another rank, and per link the mean time a consumer that
-   waited for a message waited, from the producer's end to its own start; the ranks of one
-   host share a monotonic clock).
+   waited for a message waited, from the producer's end to its own start, less the receiving
+   the task that consumes it spends, as in ``rrfp bench``'s predictions
+   (:attr:`~rrfp.sim.calibration.Calibration.recv_in_hop`); the ranks of one host share a
+   monotonic clock).
 3. :func:`rrfp.sim.auto.rank` simulates every known candidate on that profile and calibration
    at every rank's own in-flight limit and memory budget (shared while measuring).
 4. Trial: the strict schedule and the best two by simulation
@@ -510,9 +512,13 @@ class AutoHint:
         except ValueError:
             return None
         task, recv = (statistics.fmean(getattr(f.calibration, k) for f in fits) for k in ("task", "recv"))
-        links = {s: statistics.median([f.links[s] for f in fits if s in f.links])
+        # A link's figure is what a waiting consumer waited, its receiving included; the task
+        # that receives spends recv: the message flies the rest (Calibration.recv_in_hop, the
+        # model rrfp bench predicts with), else a waited-for input would count its receiving twice.
+        cal = Calibration(task=task, recv=recv, recv_in_hop=True)
+        links = {s: cal.flight(statistics.median([f.links[s] for f in fits if s in f.links]))
                  for s in {s for f in fits for s in f.links}}
-        return Fit(Calibration(task=task, recv=recv), links, {})
+        return Fit(cal, links, {})
 
     def memory(self) -> tuple[list[int], list[int | None] | None]:
         """``(limits, budgets)``: per rank, the in-flight limit and memory budget the ranking
