@@ -12,8 +12,10 @@ class Proc:
     """A child process whose output lines are collected by a thread; :meth:`wait_for` blocks
     until a line containing a text appears (or the process ends)."""
 
-    def __init__(self, argv: list[str], env: dict) -> None:
-        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    def __init__(self, argv: list[str], env: dict, new_session: bool = False) -> None:
+        # new_session: a process group of its own, for a test that signals the whole group (os.killpg).
+        self.p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  start_new_session=new_session)
         self.lines: list[str] = []
         self.times: list[float] = []
         self.cond = threading.Condition()

@@ -333,6 +333,7 @@ def test_sigterm_during_a_restart_loop_restarts_nothing(tmp_path):
     out = d.output()
     assert rc == 128 + signal.SIGTERM, out
     assert "attempt 2" not in out, out
-    assert "rrfp node: stopped on SIGTERM before every rank could finish a step; nothing saved (no --checkpoint-dir)" \
+    assert "rrfp node: stopped on SIGTERM; this stop committed no checkpoint (a rank ended before the step in progress " \
+        "could end); nothing saved (no --checkpoint-dir)" \
         in out, out
     assert "then a checkpoint" not in out and "checkpoint and exit" not in out and "step, checkpoint" not in out, out

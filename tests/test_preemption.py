@@ -238,3 +238,46 @@ def test_sigterm_to_rrfp_train_ends_the_step_in_progress_commits_exits_143_and_r
     assert sorted(want) == [1, 2, 3, 4, 5]
     assert _losses(tmp_path / "a.txt") == {k: want[k] for k in (1, 2, 3)}
     assert _losses(tmp_path / "b.txt") == {k: want[k] for k in (4, 5)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_sigterm_to_rrfp_trains_whole_process_group_stops_as_sigterm_to_the_launcher_does(tmp_path):
+    """``timeout -s TERM``, ``kill -TERM -PGID``, systemd and Slurm signal every process of the
+    job at once: the launcher, the zygote, the store's host and the ranks. Sent once step 1's
+    line is out, the job stops as on the launcher's own SIGTERM: exit 143, the step in progress
+    committed and named in the last line, and ``--resume auto`` goes on from it. (Before: the
+    zygote and the store died of the signal, and a rank whose handler ran before the launcher
+    wrote the stop file died at once: exit 143 with "no checkpoint committed" after 33 steps.)"""
+    from rrfp.train import checkpoint as ck
+    from rrfp.train.stop import HOLD_ENV, PREEMPTED
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", HOLD_ENV)}
+    env["OMP_NUM_THREADS"] = "1"
+    steps = 200
+    ckdir = tmp_path / "ck"
+    flags = [sys.executable, "-m", "rrfp", "train", *[f for f in SMALL if f != "--quiet"], "--stages", "2",
+             "--checkpoint-dir", str(ckdir)]
+    run = Proc(flags + ["--steps", str(steps)], env, new_session=True)
+    try:
+        run.wait_for(f"step    1/{steps} ", 900)
+        os.killpg(run.p.pid, signal.SIGTERM)
+        rc = run.finish(600)
+    finally:
+        if run.p.poll() is None:
+            os.killpg(run.p.pid, signal.SIGKILL)
+        run.kill()
+    out = run.output()
+    assert rc == PREEMPTED == 143, out
+    path = ck.latest(ckdir)
+    assert path is not None, out
+    done = ck.read_meta(path)["step"]
+    assert 1 <= done < steps and path == ck.step_dir(ckdir, done), out
+    assert run.lines[-1] == "rrfp train: stopped on SIGTERM: every rank ended the step in progress and exited 143; " \
+        f"latest checkpoint {ck.step_dir(ckdir, done)} (step {done})", out
+    assert f"rrfp train: stopped after step {done} on request (SIGTERM), the step in progress; exit 143" in out, out
+    assert "Traceback" not in out and "exitcode" not in out, out
+    again = Proc(flags + ["--steps", str(done + 1), "--resume", "auto"], env)
+    assert again.finish(900) == 0, again.output()
+    assert f"resumed from {ck.step_dir(ckdir, done)} at step {done}" in again.output(), again.output()
+    assert ck.latest(ckdir) == ck.step_dir(ckdir, done + 1)

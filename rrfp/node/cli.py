@@ -450,7 +450,8 @@ def _launch(config, job, stop) -> int:
                 say(f"rrfp node: stopped {why}: every rank ended the step in progress and exited {PREEMPTED}; "
                     f"{saved(ckdir)}")
             else:
-                say(f"rrfp node: stopped {why} before every rank could finish a step; {saved(ckdir)}", sys.stderr)
+                say(f"rrfp node: stopped {why}; this stop committed no checkpoint (a rank ended before the step "
+                    f"in progress could end); {saved(ckdir)}", sys.stderr)
             return PREEMPTED
         if isinstance(e, ChildFailedError):
             say(f"rrfp node: error: {describe_failures(e.failures, signalled.pids, (job.targs.dp, job.targs.tp))}", sys.stderr)

@@ -384,7 +384,8 @@ def _outcome(failures: dict, signalled: set[int], degrees: tuple[int, int], stop
             say(f"rrfp train: stopped on SIGTERM: every rank ended the step in progress and exited {PREEMPTED}; "
                 f"{saved(checkpoint_dir)}")
         else:
-            say(f"rrfp train: stopped on SIGTERM before every rank could finish a step; {saved(checkpoint_dir)}",
+            say(f"rrfp train: stopped on SIGTERM; this stop committed no checkpoint (a rank ended before the step "
+                f"in progress could end); {saved(checkpoint_dir)}",
                 sys.stderr)
         return PREEMPTED
     if failures:

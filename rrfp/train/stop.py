@@ -7,8 +7,12 @@ Completed, and the restarted job resumes from that checkpoint (``--resume auto``
 Who asks: the ``rrfp train`` launcher and ``rrfp node`` (:class:`StopForwarder`). On SIGTERM
 they create the file named by :data:`STOP_FILE_ENV`, then pass SIGTERM on to their ranks. A
 SIGTERM without that file (torchrun's agent stopping the survivors of a failed rank, or a
-plain ``torchrun``) keeps its usual meaning: the rank dies at once, since its group is broken
-and no step can finish.
+plain ``torchrun``) keeps its usual meaning: the rank dies, since its group is broken and no
+step can finish; but only once :data:`LAUNCHER_WINDOW_S` passed without the file. A SIGTERM
+sent to the whole process group (``timeout``, ``kill -TERM -PGID``, Slurm) or control group
+(systemd's default KillMode) reaches a rank and its launcher at the same moment, and the rank
+may run its handler before the launcher wrote the file: dying then lost every step since the
+last checkpoint. A second SIGTERM while the file is still missing kills the rank at once.
 
 Agreement: all ranks stop after the same step, and it is the step in progress. A rank told to
 stop publishes :data:`REQUEST_KEY` in the job's store (from a helper thread, so the request is
@@ -37,6 +41,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -98,6 +103,9 @@ class GracefulStop:
         self._published = False
         self.stopped_after: int | None = None
         """The step after which the job stops (known to this rank), else None."""
+        self._unasked = 0  # SIGTERMs seen without the stop file (see _await_launcher)
+        self._die = False
+        self._request_lock = threading.Lock()
         self.armed = bool(self.stop_file)
         if self.armed:
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -105,17 +113,44 @@ class GracefulStop:
     def _on_sigterm(self, signum, frame) -> None:
         if self.stopped_after is not None:
             return  # stopping already (the agent's SIGTERM to a rank on its way out): let it finish
-        if not (self.stop_file and os.path.exists(self.stop_file)):
+        if self._die or (self._unasked and not self._launcher_asked()):
             # Not a stop asked by rrfp node or rrfp train: die as SIGTERM always made a rank die.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        if not self._launcher_asked():
+            self._unasked += 1
+            threading.Thread(target=self._await_launcher, name="rrfp-stop-await", daemon=True).start()
+            return
+        self._request()
+
+    def _launcher_asked(self) -> bool:
+        return bool(self.stop_file) and os.path.exists(self.stop_file)
+
+    def _await_launcher(self) -> None:
+        """A SIGTERM came without the stop file: a stop when the file comes within
+        :data:`LAUNCHER_WINDOW_S` (the launcher got the same signal), else the rank dies (the
+        main thread's handler, the only one that may reset it, runs on the SIGTERM sent here)."""
+        deadline = time.monotonic() + LAUNCHER_WINDOW_S
+        while time.monotonic() < deadline:
+            if self._launcher_asked():
+                self._request()
+                return
+            time.sleep(FILE_POLL_S)
+        self._die = True
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _request(self) -> None:
+        # The handler and _await_launcher's thread may both come here; never block in a handler.
+        if not self._request_lock.acquire(blocking=False):
+            return  # the other is asking
         if not self.requested:
             self.requested = True
             then = ", then a checkpoint" if self.checkpoint else " (no --checkpoint-dir: nothing is saved)"
             say(f"rrfp train: rank {self.rank}: SIGTERM: ending the step in progress{then}", sys.stderr)
             # A thread: the main thread may be inside a step, waiting on a peer.
             threading.Thread(target=self._publish, name="rrfp-stop", daemon=True).start()
+        self._request_lock.release()
 
     def _publish(self) -> None:
         if not self._published:
@@ -180,6 +215,15 @@ class GracefulStop:
             sys.stderr)
         self._waiter.wait(REQUEST_KEY, self.timeout_s)
 
+
+LAUNCHER_WINDOW_S = 2.0
+"""How long a rank's SIGTERM without the stop file waits for it before the rank dies
+(seconds): the launcher's handler writes it within milliseconds of the same signal; a failed
+group's survivors, whose SIGTERM no file follows, die this much later (their launcher gives
+them :data:`rrfp.train.zygote.GRACE_S`, torch's agent as long)."""
+
+FILE_POLL_S = 0.01
+"""How often that wait looks for the stop file (seconds)."""
 
 HANDLER_DELAY_S = 0.05
 """Longest delay of a SIGTERM's handler while the rank waits in the store (seconds)."""

@@ -245,6 +245,7 @@ def _become(env: dict[str, str], name: str) -> None:
         os.environ[LAUNCHER_PID_ENV] = str(_BORN_IN)
     if "LOCAL_RANK" in env:
         die_with_parent()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the zygote's ignore (zygote_init) is not a rank's
     else:
         set_parent_death_signal()
     _set_name(name)
@@ -294,9 +295,11 @@ def _rank(argv: list[str], env: dict[str, str]) -> None:
 def _host_store(world: int, conn, env: dict[str, str]) -> None:
     """The job's rendezvous store (a TCPStore on a port the OS picked, said on ``conn``),
     served until the launcher says the job is over on ``conn``. Ctrl-C reaches the terminal's whole process
-    group: the store ignores it, so that the ranks can still say why they stop."""
+    group, and a SIGTERM may (``timeout``, systemd, Slurm): the store ignores both (SIGTERM as the zygote
+    did), so that the ranks can still end their step, commit, or say why they stop."""
     _become(env, "rrfp store")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)

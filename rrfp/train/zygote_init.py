@@ -7,6 +7,12 @@ machine) while the ranks it forked, which die with it, train on after their laun
 SIGKILLed. Killed by the kernel the moment the launcher exits, the zygote takes its ranks with
 it at once and costs nothing to end. The launcher names itself in ``RRFP_LAUNCHER_PID``: a
 launcher that died before this module ran leaves the zygote an orphan, which exits here.
+
+The zygote ignores SIGTERM: one sent to the launcher's whole process group (``timeout``,
+``kill -TERM -PGID``, systemd's control-group stop, Slurm) must leave the launcher to end the
+job gracefully, not kill the ranks with their zygote (its exit is their SIGKILL). It still
+dies with the launcher. Its forks inherit the ignore: :func:`rrfp.train.zygote._become` gives
+a rank SIGTERM's default back.
 """
 
 from __future__ import annotations
@@ -17,5 +23,6 @@ import signal
 from .._pdeathsig import LAUNCHER_PID_ENV, set_parent_death_signal
 
 set_parent_death_signal(signal.SIGKILL)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if os.environ.get(LAUNCHER_PID_ENV, "").isdigit() and os.getppid() != int(os.environ[LAUNCHER_PID_ENV]):
     os._exit(128 + signal.SIGKILL)
