@@ -281,3 +281,49 @@ def test_sigterm_to_rrfp_trains_whole_process_group_stops_as_sigterm_to_the_laun
     assert again.finish(900) == 0, again.output()
     assert f"resumed from {ck.step_dir(ckdir, done)} at step {done}" in again.output(), again.output()
     assert ck.latest(ckdir) == ck.step_dir(ckdir, done + 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_sigterm_to_every_process_of_rrfp_node_stops_as_sigterm_to_the_daemon_does(tmp_path):
+    """torch's agent starts ``rrfp node``'s ranks in sessions of their own, so ``kill -TERM
+    -PGID`` reaches the daemon alone (the launcher's case above); systemd's control-group stop
+    and Slurm signal every process, here the ranks first, then the daemon. The ranks wait for
+    the daemon's stop file instead of dying before it is written: exit 143, the step in
+    progress committed and named in the last line, and ``--resume auto`` goes on from it."""
+    from node_hosts import node_env
+    from procs import descendants
+
+    from rrfp.train import checkpoint as ck
+    from rrfp.train.stop import PREEMPTED
+
+    steps = 200
+    ckdir = tmp_path / "ck"
+    argv = [sys.executable, "-m", "rrfp", "node", "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", "0",
+            "--max-restarts", "0", "--metrics-port", "0", "--", *[f for f in SMALL if f != "--quiet"], "--stages", "2",
+            "--checkpoint-dir", str(ckdir)]
+    d = Proc(argv + ["--steps", str(steps)], node_env(), new_session=True)
+    try:
+        d.wait_for(f"step    1/{steps} ", 900)
+        for pid in sorted(descendants(d.p.pid)) + [d.p.pid]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        rc = d.finish(600)
+    finally:
+        if d.p.poll() is None:
+            os.killpg(d.p.pid, signal.SIGKILL)
+        d.kill()
+    out = d.output()
+    assert rc == PREEMPTED == 143, out
+    path = ck.latest(ckdir)
+    assert path is not None, out
+    done = ck.read_meta(path)["step"]
+    assert 1 <= done < steps and path == ck.step_dir(ckdir, done), out
+    assert d.lines[-1] == "rrfp node: stopped on SIGTERM: every rank ended the step in progress and exited 143; " \
+        f"latest checkpoint {ck.step_dir(ckdir, done)} (step {done})", out
+    again = Proc(argv + ["--steps", str(done + 1), "--resume", "auto"], node_env())
+    assert again.finish(900) == 0, again.output()
+    assert f"resumed from {ck.step_dir(ckdir, done)} at step {done}" in again.output(), again.output()
+    assert ck.latest(ckdir) == ck.step_dir(ckdir, done + 1)
