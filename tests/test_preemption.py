@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 from datetime import timedelta
@@ -109,6 +110,48 @@ def test_a_rank_waiting_in_the_store_still_hears_its_sigterm(stop_env, monkeypat
     assert r1.after_step(3, 6) is True
     t.join(120)
     assert out == [True]
+
+
+def test_a_sigterm_before_the_stop_file_is_a_stop_once_the_file_comes(stop_env, monkeypatch):
+    """SIGTERM to the whole process group: the rank's handler may run before its launcher's
+    writes the stop file. The rank waits for the file (main: it died at once) and, once it
+    comes, asks to stop as if the launcher's SIGTERM had come first."""
+    import torch.distributed as dist
+
+    import rrfp.train.stop as stop
+    from rrfp.train.stop import REQUEST_KEY, GracefulStop
+
+    monkeypatch.setattr(stop, "LAUNCHER_WINDOW_S", 600.0)  # this test's process must not die of it
+    store = dist.HashStore()
+    r0 = GracefulStop(store, 0)
+    r1 = GracefulStop(store, 1)  # the last installed SIGTERM handler: the signal below is rank 1's
+    os.kill(os.getpid(), signal.SIGTERM)  # before the launcher's file: rank 1's handler
+    assert not r1.requested and not r0.store.check([REQUEST_KEY])
+    stop_env.write_text("1")  # the launcher's handler
+    r0.store.wait([REQUEST_KEY], timedelta(seconds=300))
+    assert r1.requested and r0.store.get(REQUEST_KEY) == b"1"
+
+
+@pytest.mark.parametrize("window, signals", [(0.05, 1), (600.0, 2)])
+def test_a_sigterm_no_stop_file_follows_kills_the_rank(tmp_path, window, signals):
+    """No launcher's stop file within the window (a failed group's survivors), or a second
+    SIGTERM while it is still missing: the rank dies of SIGTERM, as torchrun's agent expects."""
+    code = f"""if True:
+        import os, signal, torch.distributed as dist
+        import rrfp.train.stop as stop
+        stop.LAUNCHER_WINDOW_S = {window}
+        g = stop.GracefulStop(dist.HashStore(), 1)
+        for _ in range({signals}):
+            os.kill(os.getpid(), signal.SIGTERM)
+        while True:
+            signal.pause()  # the window's end sends this process its SIGTERM again
+    """
+    from rrfp.train.stop import STOP_FILE_ENV
+
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, STOP_FILE_ENV: str(tmp_path / "none")},
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == -signal.SIGTERM, p.stderr[-2000:]
+    assert "ending the step in progress" not in p.stderr
 
 
 def test_without_a_request_ranks_go_on_and_the_last_step_is_never_a_stop(stop_env):
