@@ -1,4 +1,4 @@
-"""A run without ``--resume`` refuses a ``--checkpoint-dir`` that holds another run's committed
+"""A run without ``--resume`` refuses a ``--checkpoint-dir`` that holds an earlier run's committed
 checkpoints (one line, exit 2, nothing touched), and pruning never deletes the checkpoint a run
 just committed and reported."""
 
@@ -35,7 +35,7 @@ def _listing(root) -> list[str]:
 def test_a_folder_with_committed_checkpoints_is_refused_without_resume(tmp_path):
     _fake(tmp_path, 8, 12, 14)
     problem = check_flags(_args(tmp_path))
-    assert problem == (f"--checkpoint-dir={os.fspath(tmp_path)!r}: holds 3 committed checkpoints of another run "
+    assert problem == (f"--checkpoint-dir={os.fspath(tmp_path)!r}: holds 3 committed checkpoints of an earlier run "
                        "(newest: step 14, step-00000014): expected --resume auto to continue it, or an empty or new folder")
 
 
@@ -59,7 +59,7 @@ def test_the_refusal_is_exit_2_one_line_before_anything_runs_and_touches_nothing
                          text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and "holds 1 committed checkpoint of another run (newest: step 4" in lines[0]
+    assert len(lines) == 1 and "holds 1 committed checkpoint of an earlier run (newest: step 4" in lines[0]
     assert "--resume auto" in lines[0]
     assert _listing(ck) == before
 

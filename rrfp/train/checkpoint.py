@@ -136,7 +136,7 @@ def check_flags(args: argparse.Namespace) -> str | None:
 
 def occupied(args: argparse.Namespace) -> str | None:
     """Why a run without ``--resume`` may not write into ``--checkpoint-dir`` (the line after
-    the flag's name): the folder holds committed checkpoints already (another run's), and this
+    the flag's name): the folder holds committed checkpoints already (an earlier run's), and this
     run's would overwrite some of them and be pruned among the rest, two runs mixed in one
     folder. None: the folder holds none, or ``--resume`` continues them.
     Checked by the launcher only: a rank starts after its own launcher's check, when its run's
@@ -146,7 +146,7 @@ def occupied(args: argparse.Namespace) -> str | None:
     if args.resume is not None or in_launched_worker() or (newest := latest(args.checkpoint_dir)) is None:
         return None
     n, step = len(committed(args.checkpoint_dir)), int(_STEP_DIR.match(newest.name).group(1))
-    return (f"holds {n} committed checkpoint{'s' * (n > 1)} of another run "
+    return (f"holds {n} committed checkpoint{'s' * (n > 1)} of an earlier run "
             f"(newest: step {step}, {newest.name}): expected --resume auto to continue it, or an empty or new folder")
 
 
