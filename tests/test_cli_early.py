@@ -51,6 +51,8 @@ def run_child(cases: list[list[str]], cwd) -> list[dict]:
 
 CASES = [
     (["train", "--hint", "nope"], "--hint='nope': unknown hint 'nope'"),
+    (["train", "--hint", "bff"], "--hint='bff': unknown hint 'bff' (did you mean 'bf'?)"),
+    (["train", "--hint", "strict-no_such.csv"], "--hint='strict-no_such.csv': cannot read no_such.csv: No such file or directory"),
     (["train", "--pp", "0"], "--pp=0: expected a positive integer"),
     (["train", "--stages", "0"], "--pp=0: expected a positive integer"),
     (["train", "--pp", "5"], "--pp=5 x --virtual-stages=1 = 5 stages exceeds the 4 layers of model 'tiny'"),

@@ -275,3 +275,18 @@ def test_bf16_autocast_on_cuda():
     use_autocast(lin, "bf16", "cuda", last=True)
     out = lin(torch.randn(2, 4, device="cuda"))
     assert seen == [torch.bfloat16] and out.dtype == torch.float32 and lin[0].weight.dtype == torch.float32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_auto_lines_go_through_rank_0s_output_and_its_log_file(tmp_path):
+    """auto's announcements are rank 0's output lines like the step lines: whole lines on stdout
+    (on a terminal above the progress bar, not glued onto it) and in --log-file, in the same order."""
+    log = tmp_path / "run.log"
+    p = subprocess.run([sys.executable, "-m", "rrfp", "train", "--stages", "2", "--steps", "12", "--batch-size", "4",
+                        "--microbatches", "2", "--max-len", "32", "--log-file", str(log)],
+                       capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    shown = [l for l in p.stdout.splitlines() if l.startswith("rrfp train: hint auto")]
+    assert shown and shown[0].startswith("rrfp train: hint auto: steps 1-3 of this run measure costs"), p.stdout
+    assert [l for l in log.read_text().splitlines() if l.startswith("rrfp train: hint auto")] == shown

@@ -27,13 +27,14 @@ Pure module: no torch, no asyncio; only the CSV form reads a file.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 import heapq
 from typing import Sequence, Union
 
 from .arbiter import Arbiter
 from .policy import Hint
-from .registry import ALWAYS, COMPILE, SPLIT, HintEntry, canonical, forms, lookup, placement_order
+from .registry import ALWAYS, COMPILE, HINTS, SPLIT, HintEntry, canonical, forms, lookup, placement_order
 from .schedules import Order, load_order_csv, parse_orders
 from .tasks import B, F, I, W, PipelineSpec, Placement
 from .validate import ScheduleError, validate_schedule
@@ -212,7 +213,9 @@ def hint_form(text: str) -> str | None:
 def unknown_hint(text: str) -> str:
     """The one-line error for hint text that :func:`hint_form` does not know, listing the
     forms (:func:`~rrfp.scheduler.registry.forms`)."""
-    return f"unknown hint {text!r}: expected one of {forms()}"
+    known = [n for n in HINTS] + [f"strict-{n}" for n in HINTS]
+    near = difflib.get_close_matches(text, known, n=1)
+    return f"unknown hint {text!r}{f' (did you mean {near[0]!r}?)' if near else ''}: expected one of {forms()}"
 
 
 def _resolve(text, placement, n_microbatches, split_backward, inflight_limit, backpressure):

@@ -244,8 +244,10 @@ def _check_schedule(args: argparse.Namespace) -> None:
     try:
         resolve_hint(hint if args.hint != AUTO else "bf", Placement(args.stages, args.virtual_stages, args.placement),
                      args.microbatches, inflight_limit=limits, backpressure=args.backpressure)
-    except (ValueError, OSError) as e:
+    except ValueError as e:
         raise UsageError(f"--hint={args.hint!r}: {e}") from None
+    except OSError as e:  # a CSV hint's file: missing, a folder, unreadable (as rrfp simulate says it)
+        raise UsageError(f"--hint={args.hint!r}: cannot read {e.filename or args.hint}: {e.strerror or e}") from None
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -237,6 +237,10 @@ class _Run:
         self.peak = peak_tflops(args.peak_tflops, stages[0].device)
         if self.reporter is not None:
             self.reporter.extras = StepExtras(args, stages[0].device, metrics)
+            if self.chooser is not None and self.chooser.say is not None:
+                # auto's lines above the progress bar (and in --log-file), not glued onto it.
+                out = self.reporter.out
+                self.chooser.say = lambda line: out.message(f"rrfp train: {line}")
         from .memory import RankMemory  # bytes by kind and the process's peak (rrfp/train/memory.py)
 
         self.memory = RankMemory([s.submod for s in stages], self.opt, self.pipe, stages[0].device)
