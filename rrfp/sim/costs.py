@@ -15,9 +15,9 @@ Three sources, one type (:class:`CostModel`):
       [[stages]]         # stage 1 takes the defaults
 
 - a profile JSON (:func:`load_profile`), the format ``rrfp train --trace DIR`` writes from
-  measured runs (:func:`save_profile`; its ``act_bytes`` is the median size of the stage's
-  forward outputs, i.e. of the activation message it sends, a lower bound on what it holds;
-  see ``rrfp.train.tracing.profile_from_records``)::
+  measured runs (:func:`save_profile`; its ``act_bytes`` is the median of what the stage's
+  forwards saved for their backward, ``msg_bytes`` the median size of their outputs; see
+  ``rrfp.train.tracing.profile_from_records``)::
 
       {"stages": [{"F": 0.010, "B": 0.021, "I": 0.011, "W": 0.010, "act_bytes": 8388608}, ...],
        "meta": {...}}

@@ -102,7 +102,7 @@ def check_flags(args: argparse.Namespace) -> str | None:
     if args.checkpoint_every and args.checkpoint_dir is None:
         return "--checkpoint-every needs --checkpoint-dir DIR"
     if args.checkpoint_dir is not None:
-        problem = check_writable(args.checkpoint_dir)
+        problem = occupied(args) or check_writable(args.checkpoint_dir)
         if problem:
             return f"--checkpoint-dir={args.checkpoint_dir!r}: {problem}"
     if args.resume is not None:
@@ -132,6 +132,22 @@ def check_flags(args: argparse.Namespace) -> str | None:
             problem = check_files(path, meta)
         return problem
     return None
+
+
+def occupied(args: argparse.Namespace) -> str | None:
+    """Why a run without ``--resume`` may not write into ``--checkpoint-dir`` (the line after
+    the flag's name): the folder holds committed checkpoints already (an earlier run's), and this
+    run's would overwrite some of them and be pruned among the rest, two runs mixed in one
+    folder. None: the folder holds none, or ``--resume`` continues them.
+    Checked by the launcher only: a rank starts after its own launcher's check, when its run's
+    checkpoints may be there already."""
+    from .._launch_env import in_launched_worker
+
+    if args.resume is not None or in_launched_worker() or (newest := latest(args.checkpoint_dir)) is None:
+        return None
+    n, step = len(committed(args.checkpoint_dir)), int(_STEP_DIR.match(newest.name).group(1))
+    return (f"holds {n} committed checkpoint{'s' * (n > 1)} of an earlier run "
+            f"(newest: step {step}, {newest.name}): expected --resume auto to continue it, or an empty or new folder")
 
 
 def nothing_to_do(args: argparse.Namespace, path: str | os.PathLike | None = None) -> str | None:
@@ -375,14 +391,17 @@ class Checkpointer:
                 raise ValueError(f"--checkpoint-dir={os.fspath(self.root)!r} was taken over by job {other!r}: "
                                  f"the checkpoint of step {step} is not committed")
             _commit(tmp, final, {**self._meta(step, fmt), "files": files})
-            self._prune()
+            self._prune(step)
         dist.barrier()  # nobody reports the checkpoint before it is committed
         self.last_saved = step
         return final
 
-    def _prune(self) -> None:
-        keep = self.args.checkpoint_keep
-        for old in committed(self.root)[:-keep]:
+    def _prune(self, step: int) -> None:
+        # The checkpoint just committed (and reported) stays whatever its step: a run resumed
+        # from an older checkpoint of this folder commits below its newest ones.
+        final = step_dir(self.root, step)
+        others = [d for d in committed(self.root) if d != final]
+        for old in others[:len(others) - (self.args.checkpoint_keep - 1)]:
             shutil.rmtree(old, ignore_errors=True)
         # Half-written folders of this job's crashed earlier attempts (this attempt's own are
         # gone); another job's are not ours to judge.

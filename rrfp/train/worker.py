@@ -40,7 +40,7 @@ from .optim import lr_scheduler
 from .precision import use_autocast
 from .progress import Output
 from .report import Reporter
-from .tracing import record_output_bytes, write_trace
+from .tracing import record_output_bytes, record_saved_bytes, write_trace
 
 
 TP_IMPL = "manual"
@@ -106,7 +106,7 @@ def _main(args: argparse.Namespace) -> int:
     run = _Run(args, layout, place, data, metrics)
     run.train()
     if args.trace:
-        write_trace(args, layout.pp_rank, layout.pp, run.records, run.out_bytes or {}, run.step_log)
+        write_trace(args, layout.pp_rank, layout.pp, run.records, run.out_bytes or {}, run.step_log, run.saved_bytes)
     if run.stop.stopped_after is not None:
         # Stopped on SIGTERM, its checkpoint committed (Checkpointer.save ends with a barrier):
         # not a finished run, so no linger, and the code a restart rule matches.
@@ -224,7 +224,7 @@ class _Run:
 
         self.args, self.layout, self.place, self.data, self.metrics = args, layout, place, data, metrics
         self.pipe, self.chooser = _pipeline(args, layout, place, data, args.trace is not None or metrics is not None)
-        # profile.json's act_bytes, measured on the forwards the run makes anyway (no extra forward).
+        # profile.json's msg_bytes, measured on the forwards the run makes anyway (no extra forward).
         self.out_bytes = record_output_bytes(data.stages) if args.trace else None
         stages = data.stages
         self.params = [p for s in stages for p in s.submod.parameters()]
@@ -249,6 +249,7 @@ class _Run:
         self.trace_range = getattr(args, "trace_range", None) or (1, args.steps)
         self.records: list = []
         self.step_log: list = []
+        self.saved_bytes: dict[int, list[int]] = {}  # profile.json's act_bytes (tracing.record_saved_bytes)
         if metrics is not None:
             self.pipe.run(metrics.start_heartbeat())
         self._checkpoints(args, layout, stages)
@@ -328,6 +329,7 @@ class _Run:
             # Labelled with the training step (evaluations are pipeline steps too).
             self.records += [r if r.step == k else dataclasses.replace(r, step=k) for r in st.records]
             self.step_log.append([k, st.wall, st.busy])
+            record_saved_bytes(self.pipe, args.microbatches, self.saved_bytes)
         self._publish(k, loss, st, mbs, t_step)
         if args.eval_every and ((k + 1) % args.eval_every == 0 or k + 1 == args.steps):
             self._evaluate(k)
