@@ -292,8 +292,7 @@ def test_sigterm_to_rrfp_trains_whole_process_group_stops_as_sigterm_to_the_laun
     committed and named in the last line, and ``--resume auto`` goes on from it. (Before: the
     zygote and the store died of the signal, and a rank whose handler ran before the launcher
     wrote the stop file died at once: exit 143 with "no checkpoint committed" after 33 steps.)"""
-    from rrfp.train import checkpoint as ck
-    from rrfp.train.stop import HOLD_ENV, PREEMPTED
+    from rrfp.train.stop import HOLD_ENV
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", HOLD_ENV)}
     env["OMP_NUM_THREADS"] = "1"
@@ -310,20 +309,31 @@ def test_sigterm_to_rrfp_trains_whole_process_group_stops_as_sigterm_to_the_laun
         if run.p.poll() is None:
             os.killpg(run.p.pid, signal.SIGKILL)
         run.kill()
+    done = _stopped_at_a_committed_step(run, rc, "rrfp train", ckdir, steps, flags, env)
+    out = run.output()
+    assert f"rrfp train: stopped after step {done} on request (SIGTERM), the step in progress; exit 143" in out, out
+    assert "Traceback" not in out and "exitcode" not in out, out
+
+
+def _stopped_at_a_committed_step(run, rc: int, who: str, ckdir, steps: int, argv: list[str], env) -> int:
+    """A run stopped by SIGTERM as documented: exit 143, the step in progress committed and
+    named in ``who``'s last line, and ``--resume auto`` going on from it; returns that step."""
+    from rrfp.train import checkpoint as ck
+    from rrfp.train.stop import PREEMPTED
+
     out = run.output()
     assert rc == PREEMPTED == 143, out
     path = ck.latest(ckdir)
     assert path is not None, out
     done = ck.read_meta(path)["step"]
     assert 1 <= done < steps and path == ck.step_dir(ckdir, done), out
-    assert run.lines[-1] == "rrfp train: stopped on SIGTERM: every rank ended the step in progress and exited 143; " \
+    assert run.lines[-1] == f"{who}: stopped on SIGTERM: every rank ended the step in progress and exited 143; " \
         f"latest checkpoint {ck.step_dir(ckdir, done)} (step {done})", out
-    assert f"rrfp train: stopped after step {done} on request (SIGTERM), the step in progress; exit 143" in out, out
-    assert "Traceback" not in out and "exitcode" not in out, out
-    again = Proc(flags + ["--steps", str(done + 1), "--resume", "auto"], env)
+    again = Proc(argv + ["--steps", str(done + 1), "--resume", "auto"], env)
     assert again.finish(900) == 0, again.output()
     assert f"resumed from {ck.step_dir(ckdir, done)} at step {done}" in again.output(), again.output()
     assert ck.latest(ckdir) == ck.step_dir(ckdir, done + 1)
+    return done
 
 
 @pytest.mark.slow
@@ -336,9 +346,6 @@ def test_sigterm_to_every_process_of_rrfp_node_stops_as_sigterm_to_the_daemon_do
     progress committed and named in the last line, and ``--resume auto`` goes on from it."""
     from node_hosts import node_env
     from procs import descendants
-
-    from rrfp.train import checkpoint as ck
-    from rrfp.train.stop import PREEMPTED
 
     steps = 200
     ckdir = tmp_path / "ck"
@@ -358,15 +365,4 @@ def test_sigterm_to_every_process_of_rrfp_node_stops_as_sigterm_to_the_daemon_do
         if d.p.poll() is None:
             os.killpg(d.p.pid, signal.SIGKILL)
         d.kill()
-    out = d.output()
-    assert rc == PREEMPTED == 143, out
-    path = ck.latest(ckdir)
-    assert path is not None, out
-    done = ck.read_meta(path)["step"]
-    assert 1 <= done < steps and path == ck.step_dir(ckdir, done), out
-    assert d.lines[-1] == "rrfp node: stopped on SIGTERM: every rank ended the step in progress and exited 143; " \
-        f"latest checkpoint {ck.step_dir(ckdir, done)} (step {done})", out
-    again = Proc(argv + ["--steps", str(done + 1), "--resume", "auto"], node_env())
-    assert again.finish(900) == 0, again.output()
-    assert f"resumed from {ck.step_dir(ckdir, done)} at step {done}" in again.output(), again.output()
-    assert ck.latest(ckdir) == ck.step_dir(ckdir, done + 1)
+    _stopped_at_a_committed_step(d, rc, "rrfp node", ckdir, steps, argv, node_env())
