@@ -209,8 +209,7 @@ def _pipeline(args: argparse.Namespace, layout, place: Placement, data: _RankDat
     chooser = pipe.auto
     if chooser is not None:
         pipe.drive_auto = False  # one choice per optimizer step (--grad-accum runs several pipeline steps)
-        # --quiet: the summary only; the job's rank 0 says it.
-        chooser.say = None if args.quiet or layout.rank != 0 else (lambda line: say(f"rrfp train: {line}"))
+        chooser.say = None  # rank 0's output says its lines (_Run), --quiet none: the summary only
     return pipe, chooser
 
 
@@ -237,7 +236,7 @@ class _Run:
         self.peak = peak_tflops(args.peak_tflops, stages[0].device)
         if self.reporter is not None:
             self.reporter.extras = StepExtras(args, stages[0].device, metrics)
-            if self.chooser is not None and self.chooser.say is not None:
+            if self.chooser is not None and not args.quiet:
                 # auto's lines above the progress bar (and in --log-file), not glued onto it.
                 out = self.reporter.out
                 self.chooser.say = lambda line: out.message(f"rrfp train: {line}")
