@@ -155,13 +155,13 @@ class FakeNetwork:
         self._base = None
 
     def _post(self, src: int, dst: int, key: MsgKey | None, item: Any) -> None:
-        loop = asyncio.get_running_loop()
         if self._const_delay == 0.0:
-            self._fifo.append((src, dst, item))
-            if not self._fifo_armed:
+            if not self._fifo_armed:  # no loop running: raises before anything is queued
+                asyncio.get_running_loop().call_soon(self._drain_fifo)
                 self._fifo_armed = True
-                loop.call_soon(self._drain_fifo)
+            self._fifo.append((src, dst, item))
             return
+        loop = asyncio.get_running_loop()
         when = self._now(loop) + self._draw(src, dst, key)
         pair = (src, dst)
         last = self._last_when.get(pair)
@@ -184,15 +184,9 @@ class FakeNetwork:
     def _drain_fifo(self) -> None:
         self._fifo_armed = False
         fifo = self._fifo
-        transports, dead = self._transports, self.dead
+        deliver = self._deliver
         while fifo:
-            src, dst, item = fifo.popleft()
-            if self.encode and item is not _BYE:  # _deliver's common case inline (once per message)
-                t = transports.get(dst)
-                if t is not None and dst not in dead:
-                    t.deliver_frames(src, *item)
-            else:
-                self._deliver(src, dst, item)
+            deliver(*fifo.popleft())
 
     def _deliver(self, src: int, dst: int, item: Any) -> None:
         t = self._transports.get(dst)
@@ -255,13 +249,7 @@ class FakeTransport(Transport):
         stats = self.stats
         stats["messages_sent"] += 1
         stats["bytes_sent"] += nbytes
-        if net._const_delay == 0.0:  # _post's FIFO inline (once per message)
-            if not net._fifo_armed:  # no loop running: raises before anything is queued
-                asyncio.get_running_loop().call_soon(net._drain_fifo)
-                net._fifo_armed = True
-            net._fifo.append((self.rank, dst, item))
-        else:
-            net._post(self.rank, dst, key, item)
+        net._post(self.rank, dst, key, item)
 
     async def flush(self) -> None:
         # Sends are on the (fake) wire as soon as send() returns.
