@@ -88,6 +88,37 @@ def test_watchdog_fails_the_step_whose_thread_stage_never_returns_and_the_proces
     assert "never.wait()" in r.stderr
 
 
+def test_a_stuck_task_keeps_its_loop_busy_until_its_report_reaches_the_loop(capfd, monkeypatch):
+    """The watchdog thread reports rank 0's stuck task (writing its stack takes a while); until
+    the report is taken in on rank 0's loop, rank 1 of the same loop, which only waits for rank
+    0, must not judge itself stalled, or its timeout fails the step first and is the one named
+    (a CI run named rank 1 so). Forced order: the report is made, the loop has not turned."""
+    import asyncio
+    import threading
+    import types
+
+    import rrfp.runtime.engine.watchdog as wd
+
+    loop = asyncio.new_event_loop()
+    got = []
+    w = wd.TaskWatch(0, 0.5, [0], lambda step, exc: got.append((step, str(exc))))
+    w.loop, w.loop_thread = loop, threading.get_ident()
+    w.clock = lambda: 10.0  # a whole period after the task's start
+    w.current = ("0F0", 3, 9.0, -1)  # started at 9.0 s on a worker thread (no stack to write)
+    monkeypatch.setattr(wd, "_WATCHER", types.SimpleNamespace(watches=lambda: [w]))
+    try:
+        w.check()
+        assert w.busy and wd.loop_busy(loop)  # reported, not yet taken in by the loop
+        assert got == []
+        loop.run_until_complete(asyncio.sleep(0))
+        assert not w.busy and not wd.loop_busy(loop)
+        w.check()  # reported once
+    finally:
+        loop.close()
+    assert got == [(3, "rank 0 (stages [0]) stuck in task 0F0 of step 3 for 1.0 s (watchdog 0.5 s)")]
+    assert capfd.readouterr().err.count("where rank 0's task 0F0 is stuck:") == 1
+
+
 class _Interrupts(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -70,7 +70,8 @@ class TaskWatch:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_thread: int | None = None
         self.clock: Callable[[], float] = time.monotonic
-        self._reported: tuple | None = None  # the ``current`` already reported
+        self._announced: tuple | None = None  # the ``current`` the watchdog thread reported
+        self._reported: tuple | None = None  # ... whose report the loop thread has taken in
 
     def watched(self, run_fn: RunFn, step: int) -> RunFn:
         """``run_fn`` timed by the watchdog thread, on whatever thread the executor runs it;
@@ -103,16 +104,16 @@ class TaskWatch:
 
     @property
     def busy(self) -> bool:
-        """A task runs and has not been reported stuck."""
+        """A task runs and its stuck report, if any, has not reached the rank's loop yet."""
         cur = self.current
         return cur is not None and cur is not self._reported
 
     def check(self) -> None:
         """On the watchdog thread: report the running task if it has run a whole period."""
         cur = self.current
-        if cur is None or cur is self._reported or (now := self.clock()) - cur[2] < self.period:
+        if cur is None or cur is self._announced or (now := self.clock()) - cur[2] < self.period:
             return
-        self._reported = cur
+        self._announced = cur
         task, step, start, ident = cur
         line = (f"rank {self.rank} (stages {self.stages}) stuck in task {task} of step {step} for "
                 f"{now - start:.1f} s (watchdog {self.period:g} s)")
@@ -120,14 +121,23 @@ class TaskWatch:
         if ident == self.loop_thread:
             _end_process(f"rrfp: watchdog: {line}; ending the process (exit {STUCK_EXIT})")
         try:
-            self.loop.call_soon_threadsafe(self.on_stuck, step, WatchdogTimeout(line))
+            self.loop.call_soon_threadsafe(self._deliver, cur, step, WatchdogTimeout(line))
         except RuntimeError:  # the loop closed meanwhile: nobody waits for this step
             pass
 
+    def _deliver(self, cur: tuple, step: int, exc: WatchdogTimeout) -> None:
+        # On the loop thread. The rank stays busy for its loop's other ranks until here, not
+        # from the watchdog thread's report: had their loop watchdog judged them stalled in
+        # between, a rank merely waiting for the stuck one could fail the step first and be
+        # the one named. From here the stuck rank's wake is set one loop turn before any of
+        # theirs can be.
+        self._reported = cur
+        self.on_stuck(step, exc)
+
 
 def loop_busy(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether a rank of ``loop`` runs a task (not yet reported stuck): then a rank of the same
-    loop that waits is waiting on it, not stalled."""
+    """Whether a rank of ``loop`` runs a task (whose stuck report, if any, ``loop`` has not
+    taken in yet): then a rank of the same loop that waits is waiting on it, not stalled."""
     w = _WATCHER
     return w is not None and any(t.busy and t.loop is loop for t in w.watches())
 
