@@ -17,8 +17,8 @@ per point) and every one of its candidates on the point's own seed, and prints e
   preference (the strict schedule first) kept another.
 
 Columns: the point; the best candidate and its makespan; ``auto``'s choice and its makespan over
-the best's; the ranking's order (simulated ms on the profile); the trial's medians (ms, rescaled
-to equal forward work, :func:`rrfp.sim.auto.scaled`) with the kept hint starred; the margin.
+the best's; the ranking's order (simulated ms on the profile); the trial's medians (ms,
+adjusted to equal batch work, :func:`rrfp.sim.auto.scaled`) with the kept hint starred; the margin.
 
 Pure simulation (seconds at 4 ranks, minutes at 16): no OR-Tools, no torch.
 """

@@ -21,7 +21,7 @@ import rrfp
 from rrfp.errors import PipelineError
 from handover import rank_env, run_ranks
 from reference import ATOL, RTOL, sequential_reference
-from rrfp.sim.auto import TRIAL_ROUNDS
+from rrfp.sim.auto import TRIAL_ROUNDS, trial_order
 
 M = 4
 STEPS = 3 + 3 * TRIAL_ROUNDS + 1  # measuring, a trial of up to three candidates, one kept step
@@ -86,6 +86,33 @@ def test_local_pipeline_keeps_a_candidate_measured_faster():
     assert all(sorted(ran[3 + r * len(auto.trial):3 + (r + 1) * len(auto.trial)]) == sorted(auto.trial)
                for r in range(TRIAL_ROUNDS))
     assert ran[end:] == [auto.chosen] * (len(ran) - end)
+
+
+def test_the_trial_rescales_by_the_inputs_elements_not_by_the_forwards_seconds():
+    """Each trial step's work figure is the elements of the batch it ran (8, 12 or 16 rows of
+    6), whichever hint ran it and however long its forwards took: a figure of the forwards'
+    seconds would credit a hint whose own forwards are slower (a split backward's routed
+    layers, more microbatches in flight on shared cores)."""
+    mods = _modules()
+    fed = []
+    with rrfp.LocalPipeline(mods, M, F.mse_loss) as pipe:
+        for k in range(STEPS):
+            rows = 8 + 4 * (k % 3)
+            g = torch.Generator().manual_seed(k)
+            x, y = torch.randn(rows, 6, generator=g), torch.randn(rows, 6, generator=g)
+            pipe.step(x, target=y)
+            fed.append(x.numel())
+            assert [st.input_elems for st in pipe.last_stats] == [x.numel(), 0]  # stage 0's rank only
+        auto = pipe.auto
+        assert auto.chosen is not None
+    first = 3 if auto.split else 2  # the measuring steps, then the trial's rounds
+    want = {h: [] for h in auto.trial}
+    k = first
+    for r in range(TRIAL_ROUNDS):
+        for h in trial_order(auto.trial, r):
+            want[h].append(float(fed[k]))
+            k += 1
+    assert {h: [w for _, w in v] for h, v in auto.walls.items()} == want
 
 
 def test_a_tie_within_the_margin_keeps_strict():

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from rrfp.sim.auto import (PROFILE_SEED, all_candidates, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, margin, medians, preference, spread,
-                           forward_seconds, profile_from_samples, profile_of_config, rank, scaled, simulate_auto, trial_candidates, trial_order)
+                           batch_work, profile_from_samples, profile_of_config, rank, scaled, simulate_auto, trial_candidates, trial_order)
 from rrfp.sim.compare import SimConfig, run_one
 from rrfp.sim.costs import CostModel, StageCost
 from rrfp.scheduler.tasks import F, Task
@@ -144,15 +144,49 @@ def test_a_difference_within_the_steps_own_spread_is_a_tie() -> None:
     assert keep({**noisy, "bf": _steps(0.8, 0.88, 0.72)}, "strict-1f1b") == "bf"
 
 
-def test_keep_compares_steps_at_equal_forward_work() -> None:
-    # bf drew the short batches (forwards 0.8 s against strict's 1.2 s): per unit of work it is
-    # slower, so strict is kept although bf's raw times are smaller.
-    trial = {"strict-1f1b": [(1.2, 1.2), (1.2, 1.2), (1.2, 1.2)], "bf": [(0.9, 0.8), (0.9, 0.8), (0.9, 0.8)]}
-    # The trial's median forward work is 1.0 (three steps at 0.8, three at 1.2): strict 1.2 x 1.0 / 1.2,
-    # bf 0.9 x 1.0 / 0.8.
-    assert scaled(trial) == {"strict-1f1b": pytest.approx([1.0] * 3), "bf": pytest.approx([1.125] * 3)}
+def test_keep_compares_steps_at_equal_batch_work() -> None:
+    # Hand-made steps: strict takes 0.2 s + 1 s per unit of work, bf 0.25 s + 1 s per unit, but
+    # bf drew the short batches (work 0.8-1.0 against strict's 1.0-1.2), so its raw median is
+    # the smaller (1.15 s against 1.3 s).
+    trial = {"strict-1f1b": [(1.4, 1.2), (1.3, 1.1), (1.2, 1.0)], "bf": [(1.05, 0.8), (1.15, 0.9), (1.25, 1.0)]}
+    # Every pair of steps of one hint gives 1 s per unit; the trial's median work is 1.0:
+    # strict 1.4 - (1.2 - 1.0) = 1.2, ...; bf 1.05 - (0.8 - 1.0) = 1.25, ...
+    assert scaled(trial) == {"strict-1f1b": pytest.approx([1.2] * 3), "bf": pytest.approx([1.25] * 3)}
     assert keep(trial, "strict-1f1b") == "strict-1f1b"
-    assert keep({h: [(t, 0.0) for t, _ in s] for h, s in trial.items()}, "strict-1f1b") == "bf"
+    assert medians({h: [(t, 0.0) for t, _ in s] for h, s in trial.items()}) == {"strict-1f1b": 1.3, "bf": 1.15}
+    # A slope, not a proportion: a rescaling by work (t * 1.0 / work) would make strict's steps
+    # 1.17-1.2 and bf's 1.25-1.31, reading bf's fixed 0.25 s as work.
+    # Steps of one hint at one work give no slope: nothing is adjusted.
+    same = {"strict-1f1b": [(1.2, 1.2)] * 3, "bf": [(0.9, 0.8)] * 3}
+    assert scaled(same) == {"strict-1f1b": [1.2] * 3, "bf": [0.9] * 3}
+    # A hint's own speed is not read as work's: strict's steps, all at work 1.0, and bf's, all at
+    # 2.0, give no slope either (pairs across hints are not taken).
+    assert scaled({"strict-1f1b": [(1.0, 1.0)] * 3, "bf": [(3.0, 2.0)] * 3})["bf"] == [3.0] * 3
+    # One odd step does not set the slope (strict's pairs 1, 1, 1; bf's 50, -48, 1: median 1).
+    odd = {"strict-1f1b": [(1.4, 1.2), (1.3, 1.1), (1.2, 1.0)], "bf": [(1.05, 0.8), (6.05, 0.9), (1.25, 1.0)]}
+    assert scaled(odd)["strict-1f1b"] == pytest.approx([1.2] * 3)
+
+
+def test_batch_work_follows_the_inputs_sizes_not_the_forwards_seconds() -> None:
+    """The simulated trial's work figure is what a real step's input elements follow: each
+    microbatch's sequence-length ratio (times its image count over the mean where stage 0
+    encodes images); the jitter and noise drawn on the forwards are not in it."""
+    for scenario in ("seqlen", "multimodal", "J3"):
+        cfg = suite_config(scenario, 4, 1, "1f1b", seed=5)
+        model = cfg.duration_model()
+        # Independent reference: a noiseless, jitterless copy of the point's durations, whose
+        # stage-0 forward is the stage's cost times exactly that ratio.
+        plain = type(model)(model.costs, seed=model.seed, seqlen=model.seqlen, images=model.images,
+                            samples_per_microbatch=model.samples_per_microbatch,
+                            encoder_stages=model.encoder_stages, encoder_scale=model.encoder_scale)
+        f0 = model.costs.stages[0].F * (model.encoder_scale if model.encoder_stages else 1.0)
+        ref = sum(plain(0, 0, Task(0, F, m)) / f0 for m in range(cfg.n_microbatches))
+        assert batch_work(cfg) == pytest.approx(ref)
+        fwd = sum(model(0, 0, Task(0, F, m)) for m in range(cfg.n_microbatches))
+        if scenario == "J3":
+            assert batch_work(cfg) == cfg.n_microbatches and fwd != pytest.approx(f0 * cfg.n_microbatches)
+        else:
+            assert batch_work(cfg) != pytest.approx(cfg.n_microbatches, rel=1e-3)
 
 
 def test_trial_candidates_and_rotation() -> None:
@@ -171,14 +205,14 @@ def test_simulate_auto_runs_the_trial_on_draws_of_its_own() -> None:
     trial = trial_candidates([h for h, _ in run.ranking.order], run.ranking.strict)
     assert run.ranking.strict == "strict-1f1b" and set(run.walls) == set(trial)
     # Independent reference: step j of the trial is the point's workload under TRIAL_SEED + j,
-    # at 1F1B's memory for that step's own sizes, with its forward seconds (one stage per rank:
-    # stage s on rank s); the kept hint follows keep() on those steps.
+    # at 1F1B's memory for that step's own sizes, with its batch work (fixed-length sequences:
+    # 16 microbatches of size 1 whatever the jitter drew); the kept hint follows keep() on those steps.
     j, ref = 0, {h: [] for h in trial}
     for r in range(TRIAL_ROUNDS):
         for h in trial_order(trial, r):
             step = suite_config("J2", 4, 1, "1f1b", seed=TRIAL_SEED + j)
-            fwd = sum(step.duration_model()(0, s, Task(s, F, m)) for s in range(4) for m in range(16))
-            assert forward_seconds(step) == pytest.approx(fwd)
+            fwd = 16.0
+            assert batch_work(step) == fwd
             ref[h].append((run_one(step, h, record=False)[0].makespan, fwd))
             j += 1
     assert {h: [t for t, _ in v] for h, v in run.walls.items()} == {h: [t for t, _ in v] for h, v in ref.items()}

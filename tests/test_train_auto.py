@@ -71,7 +71,7 @@ def _stats(pipe, wall: float):
         d = {"F": 0.010, "B": 0.020, "I": 0.010, "W": 0.010}[task.kind]
         recs.append(TaskRecord(0, 0, task, t, t + d))
         t += d
-    return SimpleNamespace(wall=wall, records=recs)
+    return SimpleNamespace(wall=wall, records=recs, input_elems=64)  # one batch size throughout
 
 
 def _run(share, walls: dict[str, float], steps: int):

@@ -14,8 +14,8 @@ steps, :func:`simulate_auto`):
    wins on steady durations is not preferred under a noisy profile.
 2. Trial: the strict schedule and the best two by simulation (:func:`trial_candidates`) run
    :data:`TRIAL_ROUNDS` rounds of one step each, in rotating order (:func:`trial_order`);
-   :func:`keep` keeps the smallest median step time (each rescaled to the trial's median
-   forward work, :func:`scaled`, so a step's batch size does not pick the winner); among hints
+   :func:`keep` keeps the smallest median step time (each adjusted to the trial's median
+   batch work, :func:`scaled`, so a step's batch size does not pick the winner); among hints
    within :data:`TIE` of the fastest (or within the steps' own :func:`spread`, where larger),
    the strict schedule, else the first in the fixed order of
    :func:`all_candidates` (:func:`preference`), so a policy measured slower than the strict
@@ -31,6 +31,7 @@ Pure module: no torch, no asyncio (it drives :mod:`rrfp.sim`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import statistics
@@ -68,7 +69,8 @@ every position of a round (a position effect, e.g. the step after a switch, canc
 median of three step times ignores one outlier step (a collection pause, a neighbour's burst).
 The cost is at most nine steps, most of them of candidates within a few percent of the kept
 one; more rounds would not resolve smaller differences against a step-to-step spread of
-several percent, which the rescaling to equal forward work (:func:`scaled`) removes instead."""
+several percent, the part of which a batch's size makes the adjustment to equal batch work
+(:func:`scaled`) removes instead."""
 
 TIE = 0.01
 """Hints whose median trial step times are within this fraction of the fastest's are tied
@@ -396,20 +398,35 @@ def trial_order(trial: Sequence[str], r: int) -> list[str]:
 
 
 Step = tuple[float, float]
-"""One trial step: ``(seconds, forward seconds)``, the step's time (the slowest rank's) and the
-sum of its forward tasks' seconds over every rank (0: not measured)."""
+"""One trial step: ``(seconds, batch work)``, the step's time (the slowest rank's) and how large
+its batch was, a figure no hint changes: on real steps the elements of the microbatches' input
+tensors (:attr:`rrfp.runtime.engine.rank.StepStats.input_elems`, summed over the ranks), in the
+simulator the same measure of the draws (:func:`batch_work`); 0: not measured."""
 
 
 def scaled(trial: Mapping[str, Sequence[Step]]) -> dict[str, list[float]]:
-    """Per hint, its trial steps' times rescaled to the trial's median forward work:
-    ``seconds * median(forward seconds) / forward seconds``.
+    """Per hint, its trial steps' times adjusted to the trial's median batch work:
+    ``seconds - slope * (batch work - median batch work)``.
 
-    A step's forwards are the same work under every hint (the backward's form differs, the
-    forwards do not), so their sum measures how much work the step's batch was (its sequence
-    lengths, its image counts); rescaling removes that from the comparison, as a paired run
-    on one batch would. Steps without a forward figure keep their time."""
+    Each trial step runs another batch (a batch of short sequences is a short step under any
+    hint); the adjustment removes that from the comparison, as a paired run on one batch would.
+    ``slope`` is seconds per unit of work, the median over every pair of steps of one hint of
+    their difference in seconds over their difference in work (Theil-Sen: pairs of one hint, so
+    a hint's own speed is not read as the work's; one odd step does not move it); 0 where no
+    two steps of a hint differ in work, and never below 0. A slope, not a proportion: a step has
+    a part the batch's size does not change (an image encoder's stage while the captions'
+    lengths vary), which a rescaling in proportion to the work over-corrects.
+
+    The work must be a figure of the batch alone: the forwards' own seconds, used before,
+    change with the hint (a split backward's routed forwards; eight microbatches in flight
+    where the strict schedule holds two, on shared cores: bfw-mem's forwards took 25% longer on
+    ``rrfp bench``'s compute2), so an adjustment by them credited a hint with its own slowdown.
+    Steps without a work figure (0) keep their time."""
     ref = statistics.median([f for steps in trial.values() for _, f in steps if f > 0] or [0.0])
-    return {h: [t * ref / f if f > 0 and ref > 0 else t for t, f in steps] for h, steps in trial.items()}
+    slopes = [(t1 - t2) / (f1 - f2) for steps in trial.values()
+              for (t1, f1), (t2, f2) in itertools.combinations(steps, 2) if f1 > 0 and f2 > 0 and f1 != f2]
+    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    return {h: [t - slope * (f - ref) if f > 0 else t for t, f in steps] for h, steps in trial.items()}
 
 
 def medians(trial: Mapping[str, Sequence[Step]]) -> dict[str, float]:
@@ -484,12 +501,14 @@ def keep(trial: Mapping[str, Sequence[Step]], strict: str | None, tie: float = T
     return preference(tied, strict, prefer)[0]
 
 
-def forward_seconds(cfg: SimConfig) -> float:
-    """The sum of the forward tasks' seconds of ``cfg``'s step (what the runtime reads off a
-    step's task records; draws are keyed by task, so they do not depend on the hint)."""
-    model, place = cfg.duration_model(), cfg.make_placement()
-    return sum(model(0, place.rank_of(s), Task(s, F, m))
-               for s in range(cfg.n_ranks * cfg.n_virtual) for m in range(cfg.n_microbatches))
+def batch_work(cfg: SimConfig) -> float:
+    """How large ``cfg``'s step's batch is, as the runtime measures it (the elements of its
+    input tensors): the sum over its microbatches of
+    :meth:`~rrfp.sim.duration.DurationModel.input_size`, the microbatch's input size relative
+    to an average one. Draws are keyed by microbatch, so it does not depend on the hint, and
+    the injected jitter and noise, which no input shows, are not in it."""
+    model = cfg.duration_model()
+    return sum(model.input_size(0, m) for m in range(cfg.n_microbatches))
 
 
 @dataclass
@@ -508,7 +527,7 @@ def simulate_auto(cfg: SimConfig, *, rounds: int = TRIAL_ROUNDS, seed: int = TRI
     candidates on the profile :func:`profile_of_config` measures, then run the trial's
     ``rounds`` rounds, step ``j`` simulated on ``cfg`` under seed ``seed + j`` (none of them
     ``cfg.seed``'s draws, so the choice never sees the run it is judged on) with its forward
-    seconds (:func:`forward_seconds`), and :func:`keep`.
+    batch work (:func:`batch_work`), and :func:`keep`.
 
     A named memory budget (``"1f1b"``) is resolved per trial step on that step's own sizes,
     as the run it stands for resolves it.
@@ -527,6 +546,6 @@ def simulate_auto(cfg: SimConfig, *, rounds: int = TRIAL_ROUNDS, seed: int = TRI
             step = replace(cfg, seed=seed + j)
             if isinstance(step.memory_budget, str):
                 step = replace(step, memory_budget=step.memory_budgets())
-            walls[h].append((run_one(step, h, record=False)[0].makespan, forward_seconds(step)))
+            walls[h].append((run_one(step, h, record=False)[0].makespan, batch_work(step)))
             j += 1
     return AutoRun(rk, walls, keep(walls, rk.strict))

@@ -544,7 +544,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"# speedup = makespan of {baseline} / makespan; bound = lower bound of that run (docs/simulator.md)")
     if chosen is not None:
         med = ", ".join(f"{h} {v:.4g} s" for h, v in sorted(medians(chosen.walls).items(), key=lambda x: x[1]))
-        print(f"# auto kept {chosen.chosen}: median of {TRIAL_ROUNDS} trial steps (seeds of their own; at their median forward work): {med}; "
+        print(f"# auto kept {chosen.chosen}: median of {TRIAL_ROUNDS} trial steps (seeds of their own; at their median batch work): {med}; "
               f"{chosen.ranking.reason()}")
     if args.csv:
         _write(args.csv, format_csv(header, cells))

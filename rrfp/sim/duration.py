@@ -277,6 +277,18 @@ class DurationModel:
             )
         return r
 
+    def input_size(self, step: int, microbatch: int) -> float:
+        """Microbatch ``microbatch``'s input size in step ``step`` relative to an average one:
+        its sequence-length ratio, times its image count over the mean where stage 0 encodes
+        images (1 without either). What the elements of a real microbatch's input tensors
+        follow (``auto``'s measure of a batch's work, :func:`rrfp.sim.auto.batch_work`)."""
+        r = 1.0
+        if self.images is not None and self.encoder_stages > 0:
+            r *= self._image_scale(step, microbatch)
+        if self.seqlen is not None:
+            r *= self.seqlen_ratio(step, microbatch)
+        return r
+
     def act_bytes(self, step: int, stage: int, microbatch: int) -> int:
         """Bytes ``F(stage, microbatch)`` holds until its input backward in step ``step``: the
         stage's ``act_bytes`` times the microbatch's sequence-length ratio and, on the encoder

@@ -76,6 +76,9 @@ class StepStats:
             budget (0 without one; :mod:`rrfp.runtime.engine.memory`).
         n_backfilled: tasks a backfilling hint ran ahead of its strict order
             (:mod:`rrfp.scheduler.backfill`; 0 under any other hint).
+        input_elems: elements of the step's input tensors, positional and keyword, on the
+            rank holding stage 0 (0 elsewhere): how large the step's batch was, a figure no
+            hint changes (``auto``'s measure of a batch's work, :func:`rrfp.sim.auto.scaled`).
     """
 
     step: int
@@ -88,6 +91,7 @@ class StepStats:
     records: list[TaskRecord] = field(default_factory=list)
     peak_bytes: int = 0
     n_backfilled: int = 0
+    input_elems: int = 0
 
     @property
     def bubble(self) -> float:
@@ -337,7 +341,7 @@ class RankRuntime:
         hooks = self.hooks if self.hooks.hooks and not forward_only else None
         if hooks is not None:
             hooks.begin_step()
-        stats = StepStats(step, 0.0, 0.0, 0)
+        stats = StepStats(step, 0.0, 0.0, 0, input_elems=_elements(inputs, kwargs) if 0 in self.stages else 0)
         t_start = time.perf_counter()
         try:
             await self.loop.run(arb, step, stats, compute.run, self.router.hand_on, hooks)
@@ -442,3 +446,18 @@ class RankRuntime:
         list; after, it still frees the timer. Idempotent."""
         self.inbox.close()
         self.executor.close()
+
+
+def _elements(inputs: Sequence[tuple] | None, kwargs: Sequence[dict] | None) -> int:
+    """Elements of the tensors among the microbatches' inputs (one level deep: a tuple of
+    tensors, a dict of keyword tensors)."""
+    n = 0
+    for x in inputs or ():
+        for t in (x if isinstance(x, (tuple, list)) else (x,)):
+            if isinstance(t, torch.Tensor):
+                n += t.numel()
+    for kw in kwargs or ():
+        for t in kw.values():
+            if isinstance(t, torch.Tensor):
+                n += t.numel()
+    return n

@@ -21,9 +21,9 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
 4. Trial: the strict schedule and the best two by simulation
    (:func:`rrfp.sim.auto.trial_candidates`) run :data:`rrfp.sim.auto.TRIAL_ROUNDS` rounds,
    one step each, in rotating order (paired: each round's steps are neighbours, so machine
-   drift cancels); the step time is the slowest rank's, and the step's forward seconds over
-   every rank measure its batch's work. :func:`rrfp.sim.auto.keep` decides (the smallest
-   median of step times rescaled to the trial's median forward work; among the hints within
+   drift cancels); the step time is the slowest rank's, and the elements of the step's input
+   tensors measure its batch's work (a figure no hint changes). :func:`rrfp.sim.auto.keep`
+   decides (the smallest median of step times adjusted to the trial's median batch work; among the hints within
    :data:`rrfp.sim.auto.TIE` of it, or within the trial steps' own spread where that is
    larger (:func:`rrfp.sim.auto.margin`), the strict schedule, else the first in the fixed order of
    :func:`rrfp.sim.auto.all_candidates`, so a policy measured slower than the strict schedule is
@@ -251,11 +251,11 @@ def _size_item(item: Sequence[Any], n_stages: int, n_microbatches: int) -> tuple
 
 
 def step_figures(hint: str, stats: Sequence[Any]) -> tuple[float, float]:
-    """This process's part of a step's figures: ``(seconds, forward seconds)``, its ranks'
-    slowest step time and the sum of their forward tasks' seconds (from the task records)."""
+    """This process's part of a step's figures: ``(seconds, batch work)``, its ranks' slowest
+    step time and the elements of the step's input tensors they fed
+    (:attr:`~rrfp.runtime.engine.rank.StepStats.input_elems`; 0 on a process without stage 0)."""
     wall = max((float(st.wall) for st in stats), default=0.0)
-    fwd = sum(rec.end - rec.start for st in stats for rec in st.records if rec.task.kind == F)
-    return wall, fwd
+    return wall, float(sum(st.input_elems for st in stats))
 
 
 class AutoHint:
@@ -278,7 +278,7 @@ class AutoHint:
             :meth:`run_length` found too short to choose, which runs the strict schedule);
             current: the hint the next step runs; trial: the trial's hints.
         adopted: the choice was taken from an earlier run (:meth:`adopt`), not measured here.
-        measure: ``measure(hint, stats) -> (seconds, forward seconds)`` of this process's
+        measure: ``measure(hint, stats) -> (seconds, batch work)`` of this process's
             ranks' stats of a step (default :func:`step_figures`); tests replace it to force
             step times.
 
@@ -405,9 +405,9 @@ class AutoHint:
         if want != self.current:
             self.pipe.set_hint(want)
             self.current = want
-        # Task records while measuring costs and in trial steps (their forward seconds).
+        # Task records while measuring costs (the trial reads only step times).
         for rt, keep in zip(self.pipe.runtimes, self._record):
-            rt.loop.record = keep or bool(self.plan)
+            rt.loop.record = keep or (bool(self.plan) and self.ranking is None)
 
     async def after_step(self, k: int, stats: Sequence[Any]) -> None:
         """Book step ``k``'s figures from this process's ranks' ``stats`` (every process
@@ -438,7 +438,7 @@ class AutoHint:
                              f"{', '.join(self.trial)}, {TRIAL_ROUNDS} rounds of one step each "
                              f"({self.ranking.reason()})")
             return
-        # The step's forward seconds over every rank: its batch's work (rrfp.sim.auto.scaled).
+        # The step's input elements over every rank: its batch's work (rrfp.sim.auto.scaled).
         wall, fwd = self.measure(step_hint, stats)
         wall, fwd = await self.share.max(wall), await self.share.sum(fwd)
         self.walls.setdefault(step_hint, []).append((wall, fwd))
@@ -564,6 +564,6 @@ class AutoHint:
             assert self.ranking is not None
             n = len(self.walls[best])
             self.say(f"hint auto chose {best}: median step over {n} trial step{'s' if n != 1 else ''} "
-                     f"(at the trial's median forward work): {walls}; faster counts beyond {100 * need:.1f}% "
+                     f"(at the trial's median batch work): {walls}; faster counts beyond {100 * need:.1f}% "
                      f"(the tie {100 * TIE:g}% or the steps' spread) "
                      f"(measured {self.profile.describe()}; {self.ranking.reason()})")
