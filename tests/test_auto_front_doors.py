@@ -21,7 +21,7 @@ import rrfp
 from rrfp.errors import PipelineError
 from handover import rank_env, run_ranks
 from reference import ATOL, RTOL, sequential_reference
-from rrfp.sim.auto import TRIAL_ROUNDS, trial_order
+from rrfp.sim.auto import EXTRA_ROUNDS, TRIAL_ROUNDS, trial_order
 
 M = 4
 STEPS = 3 + 3 * TRIAL_ROUNDS + 1  # measuring, a trial of up to three candidates, one kept step
@@ -96,7 +96,7 @@ def test_the_trial_rescales_by_the_inputs_elements_not_by_the_forwards_seconds()
     mods = _modules()
     fed = []
     with rrfp.LocalPipeline(mods, M, F.mse_loss) as pipe:
-        for k in range(STEPS):
+        for k in range(STEPS + 2 * EXTRA_ROUNDS):  # room for the extra rounds of a noisy trial
             rows = 8 + 4 * (k % 3)
             g = torch.Generator().manual_seed(k)
             x, y = torch.randn(rows, 6, generator=g), torch.randn(rows, 6, generator=g)
@@ -108,8 +108,10 @@ def test_the_trial_rescales_by_the_inputs_elements_not_by_the_forwards_seconds()
     first = 3 if auto.split else 2  # the measuring steps, then the trial's rounds
     want = {h: [] for h in auto.trial}
     k = first
-    for r in range(TRIAL_ROUNDS):
-        for h in trial_order(auto.trial, r):
+    rounds = [trial_order(auto.trial, r) for r in range(TRIAL_ROUNDS)]
+    rounds += [trial_order(auto.extension, r) for r in range(EXTRA_ROUNDS if auto.extension else 0)]
+    for order in rounds:
+        for h in order:
             want[h].append(float(fed[k]))
             k += 1
     assert {h: [w for _, w in v] for h, v in auto.walls.items()} == want

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from rrfp.sim.auto import (PROFILE_SEED, all_candidates, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, margin, medians, preference, spread,
+from rrfp.sim.auto import (EXTRA_ROUNDS, PROFILE_SEED, SPREAD_MAD, undecided, all_candidates, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, margin, medians, preference, spread,
                            batch_work, profile_from_samples, profile_of_config, rank, scaled, simulate_auto, trial_candidates, trial_order)
 from rrfp.sim.compare import SimConfig, run_one
 from rrfp.sim.costs import CostModel, StageCost
@@ -199,25 +199,67 @@ def test_trial_candidates_and_rotation() -> None:
     assert all(sorted(r[i] for r in rounds[:3]) == t for i in range(3))
 
 
-def test_simulate_auto_runs_the_trial_on_draws_of_its_own() -> None:
-    cfg = suite_config("J2", 4, 1, "1f1b", seed=0)
+@pytest.mark.parametrize("point, extended", [(("J1", 4, 1, "1f1b"), False), (("J2", 4, 2, "1f1b"), True)])
+def test_simulate_auto_runs_the_trial_on_draws_of_its_own(point, extended) -> None:
+    cfg = suite_config(*point, seed=0)
     run = simulate_auto(cfg)
     trial = trial_candidates([h for h, _ in run.ranking.order], run.ranking.strict)
-    assert run.ranking.strict == "strict-1f1b" and set(run.walls) == set(trial)
+    assert set(run.walls) == set(trial)
     # Independent reference: step j of the trial is the point's workload under TRIAL_SEED + j,
     # at 1F1B's memory for that step's own sizes, with its batch work (fixed-length sequences:
-    # 16 microbatches of size 1 whatever the jitter drew); the kept hint follows keep() on those steps.
+    # 16 microbatches of size 1 whatever the jitter drew); then, where the fastest by median
+    # beat the kept hint by more than the tie, EXTRA_ROUNDS rounds of those two decide.
     j, ref = 0, {h: [] for h in trial}
+
+    def step(h):
+        nonlocal j
+        cfg_j = suite_config(*point, seed=TRIAL_SEED + j)
+        assert batch_work(cfg_j) == 16.0
+        ref[h].append((run_one(cfg_j, h, record=False)[0].makespan, 16.0))
+        j += 1
+
     for r in range(TRIAL_ROUNDS):
         for h in trial_order(trial, r):
-            step = suite_config("J2", 4, 1, "1f1b", seed=TRIAL_SEED + j)
-            fwd = 16.0
-            assert batch_work(step) == fwd
-            ref[h].append((run_one(step, h, record=False)[0].makespan, fwd))
-            j += 1
-    assert {h: [t for t, _ in v] for h, v in run.walls.items()} == {h: [t for t, _ in v] for h, v in ref.items()}
-    assert all(run.walls[h][i][1] == pytest.approx(f) for h, v in ref.items() for i, (_, f) in enumerate(v))
-    assert run.chosen == keep(ref, "strict-1f1b")
+            step(h)
+    med = {h: sorted(t for t, _ in v)[1] for h, v in ref.items()}  # three steps each: the middle one
+    fastest, kept = min(med, key=med.get), keep(ref, run.ranking.strict)
+    assert (kept != fastest and med[fastest] < (1 - TIE) * med[kept]) == extended
+    if extended:
+        for r in range(EXTRA_ROUNDS):
+            for h in trial_order([kept, fastest], r):
+                step(h)
+        assert run.chosen == keep({h: ref[h] for h in (kept, fastest)}, run.ranking.strict)
+    else:
+        assert run.chosen == kept
+    assert run.walls == ref
     # The judged seed's draws are not among the trial's: another seed gives the same choice.
-    assert simulate_auto(suite_config("J2", 4, 1, "1f1b", seed=7)).walls == run.walls
+    assert simulate_auto(suite_config(*point, seed=7)).walls == run.walls
     assert cfg.seed not in range(TRIAL_SEED, TRIAL_SEED + j) and cfg.seed != PROFILE_SEED
+
+
+def test_the_margin_narrows_as_the_hints_steps_grow() -> None:
+    # Spread by hand: deviations from each hint's median 0.04, 0.04 (odd count: the median's own
+    # step left out), median 0.04 x 1.4826 = 5.93%.
+    three = {"strict-1f1b": _steps(1.0, 0.96, 1.04), "bf": _steps(0.9, 0.864, 0.936)}
+    assert margin(three) == pytest.approx(0.04 * SPREAD_MAD)
+    # Six steps each (the same deviations): sqrt(3 / 6) of it; more steps do not narrow it further.
+    six = {h: v + v for h, v in three.items()}
+    assert spread(six) == pytest.approx(0.04 * SPREAD_MAD)
+    assert margin(six) == pytest.approx(0.04 * SPREAD_MAD * (3 / 6) ** 0.5)
+    assert margin({h: v * 4 for h, v in three.items()}) == margin(six)
+    # The fewest steps count: one hint at three keeps the whole spread.
+    assert margin({"strict-1f1b": three["strict-1f1b"], "bf": six["bf"]}) == pytest.approx(0.04 * SPREAD_MAD)
+    assert margin({h: _steps(1.0, 1.0, 1.0) for h in three}) == TIE
+
+
+def test_a_trial_left_to_its_noise_is_undecided_between_the_kept_and_the_fastest() -> None:
+    # bf's median is 4% below strict's: beyond the 1% tie, within the 5.9% spread: strict is
+    # kept and the two run EXTRA_ROUNDS more rounds.
+    noisy = {"strict-1f1b": _steps(1.0, 0.96, 1.04), "bf": _steps(0.96, 0.9216, 0.9984),
+             "wfloat": _steps(1.1, 1.056, 1.144)}
+    assert keep(noisy, "strict-1f1b") == "strict-1f1b"
+    assert undecided(noisy, "strict-1f1b") == ["strict-1f1b", "bf"]
+    # Within the tie, or beyond the spread, the trial decided.
+    assert undecided({**noisy, "bf": _steps(0.995, 0.9552, 1.0348)}, "strict-1f1b") == []
+    beyond = {**noisy, "bf": _steps(0.9, 0.864, 0.936)}
+    assert keep(beyond, "strict-1f1b") == "bf" and undecided(beyond, "strict-1f1b") == []

@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from rrfp.runtime.features.auto import TRIAL_ROUNDS, AutoHint, DistShare, LocalShare
+from rrfp.sim.auto import EXTRA_ROUNDS
 from rrfp.runtime.doors.config import RuntimeConfig, plan
 from rrfp.runtime.doors.front import FrontDoor
 from rrfp.runtime.engine.rank import RankRuntime
@@ -107,6 +108,51 @@ def test_measures_ranks_tries_and_keeps_the_faster(share) -> None:
     # One choice, made once the trial's last round is in.
     assert lines[2].startswith(f"hint auto chose bf: median step over {TRIAL_ROUNDS} trial steps")
     assert "simulated step" in lines[2]
+
+
+def _run_steps(share, walls: dict[str, list[float]], steps: int, run_length: int | None = None):
+    """As :func:`_run`, each hint's steps taking its next time in ``walls`` (the last one repeats)."""
+    pipe, lines = _pipe(), []
+    ctl = AutoHint(pipe, share, say=lines.append, recheck_every=0)
+    if run_length is not None:
+        ctl.run_length(run_length)
+    ran, seen = [], {h: 0 for h in walls}
+    for k in range(steps):
+        ctl.before_step(k)
+        ran.append(ctl.current)
+        times = walls[ctl.current]
+        _after(ctl, k, _stats(pipe, times[min(seen[ctl.current], len(times) - 1)]))
+        seen[ctl.current] += 1
+    return ctl, ran, lines
+
+
+# By hand: the measuring steps run strict twice and bfw-mem once (their times are not the
+# trial's); then bf's trial median is 4% below strict's, beyond the 1% tie but within the
+# steps' spread (deviations 0.04 and 0.04 from each median: 0.04 x 1.4826 = 5.9%).
+NOISY = {"strict-1f1b": [1.0, 1.0, 1.0, 0.96, 1.04, 1.0], "bf": [0.96, 0.9216, 0.9984, 0.95],
+         "bfw-mem": [1.2, 1.2, 1.152, 1.248]}
+
+
+def test_a_trial_left_to_its_noise_runs_the_two_hints_three_more_rounds(share) -> None:
+    trial_end = 3 + 3 * TRIAL_ROUNDS
+    ctl, ran, lines = _run_steps(share, NOISY, trial_end + 2 * EXTRA_ROUNDS + 1)
+    # The extra rounds: strict and bf in turn (rotating), after the trial's nine steps.
+    assert ctl.extension == ["strict-1f1b", "bf"]
+    assert ran[trial_end:trial_end + 6] == ["strict-1f1b", "bf", "bf", "strict-1f1b", "strict-1f1b", "bf"]
+    assert lines[2] == (f"hint auto: steps {trial_end + 1}-{trial_end + 6} of this run try bf and strict-1f1b 3 more "
+                        "rounds each: bf measured 4.0% faster, within the steps' spread (5.9%)")
+    # Six steps each: strict's median 1.0, bf's 0.95 (0.9216 0.95 0.95 0.95 0.96 0.9984); most
+    # deviations now 0: the margin is the 1% tie, and bf, 5% faster, is kept.
+    assert ctl.chosen == "bf" and ran[-1] == "bf"
+    assert lines[3].startswith("hint auto chose bf: median step over 6 trial steps (at the trial's median batch "
+                               "work): bf 950.0 ms, strict-1f1b 1000.0 ms; faster counts beyond 1.0%")
+
+
+def test_a_run_without_room_for_the_extra_rounds_decides_on_the_trial(share) -> None:
+    steps = 3 + 3 * TRIAL_ROUNDS + 1
+    ctl, ran, lines = _run_steps(share, NOISY, steps, run_length=steps)
+    assert ctl.extension == [] and ctl.chosen == "strict-1f1b" and ran[-1] == "strict-1f1b"
+    assert not any("more rounds" in x for x in lines)
 
 
 def test_never_keeps_a_policy_not_clearly_faster_than_strict(share) -> None:

@@ -28,7 +28,10 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
    larger (:func:`rrfp.sim.auto.margin`), the strict schedule, else the first in the fixed order of
    :func:`rrfp.sim.auto.all_candidates`, so a policy measured slower than the strict schedule is
    never kept and noise below the tie cannot flip the choice), the rule the suite's ``auto``
-   uses too.
+   uses too. Where the fastest beat the hint kept so by more than the tie but not by the
+   steps' spread (:func:`rrfp.sim.auto.undecided`), the two run
+   :data:`rrfp.sim.auto.EXTRA_ROUNDS` more rounds first (once, where the run has room) and
+   the choice is made between them, the margin narrowed as their medians' noise is.
 5. Every ``recheck_every`` steps (default :data:`RECHECK_EVERY`; 0: never) one more round is
    measured and the choice is made again over every round so far; it switches only to a hint
    measured faster than the kept one by more than that margin (the kept one is the incumbent
@@ -59,7 +62,7 @@ from ...errors import PipelineError
 from ...scheduler.hints import resolve_hint
 from ...scheduler.tasks import F, PipelineSpec, Task, TaskRecord
 from ...sim import auto as sim_auto
-from ...sim.auto import AUTO, TIE, TRIAL_ROUNDS, auto_first_hint
+from ...sim.auto import AUTO, EXTRA_ROUNDS, TIE, TRIAL_ROUNDS, auto_first_hint
 from ...sim.calibration import Calibration, Fit, RankStep, fit
 from ..engine.inbox import ControlQueue
 from .recheck import RECHECK_EVERY, check_recheck, recheck_steps
@@ -276,7 +279,8 @@ class AutoHint:
     Attributes:
         chosen: the hint kept (None until the trial's last round, and throughout a run
             :meth:`run_length` found too short to choose, which runs the strict schedule);
-            current: the hint the next step runs; trial: the trial's hints.
+            current: the hint the next step runs; trial: the trial's hints; extension: the
+            two hints of the trial's extra rounds (empty: none ran).
         adopted: the choice was taken from an earlier run (:meth:`adopt`), not measured here.
         measure: ``measure(hint, stats) -> (seconds, batch work)`` of this process's
             ranks' stats of a step (default :func:`step_figures`); tests replace it to force
@@ -315,6 +319,7 @@ class AutoHint:
         self.rank_memory: dict[int, tuple[int, int | None]] = {}  # rank -> its own (limit, budget)
         self.trial: list[str] = []
         self.walls: dict[str, list[sim_auto.Step]] = {}
+        self.extension: list[str] = []  # the two hints of the trial's extra rounds (none: none ran)
         self.chosen: str | None = None
         self.ranking: sim_auto.Ranking | None = None
         self.measure: Callable[[str, Sequence[Any]], tuple[float, float]] = step_figures
@@ -443,7 +448,25 @@ class AutoHint:
         wall, fwd = await self.share.max(wall), await self.share.sum(fwd)
         self.walls.setdefault(step_hint, []).append((wall, fwd))
         if not self.plan:  # the trial's last round (or a re-check's round) is complete
+            if self.chosen is None and not self.extension and self._extend(k):
+                return
             self._choose()
+
+    def _extend(self, k: int) -> bool:
+        # The trial left the choice to its steps' noise: its fastest and the hint keep() keeps
+        # run EXTRA_ROUNDS more rounds (rrfp.sim.auto.undecided), once, where the run has room.
+        pair = sim_auto.undecided(self.walls, self.strict, prefer=self.known)
+        n = len(pair) * EXTRA_ROUNDS
+        if not pair or (self.run_steps is not None and k + 1 + n > self.run_steps):
+            return False
+        self.extension = pair
+        self.plan = [h for r in range(EXTRA_ROUNDS) for h in sim_auto.trial_order(pair, r)]
+        if self.say:
+            med = sim_auto.medians(self.walls)
+            self.say(f"hint auto: steps {k + 2}-{k + 1 + n} of this run try {pair[1]} and {pair[0]} "
+                     f"{EXTRA_ROUNDS} more rounds each: {pair[1]} measured {100 * (1 - med[pair[1]] / med[pair[0]]):.1f}% "
+                     f"faster, within the steps' spread ({100 * sim_auto.margin(self.walls):.1f}%)")
+        return True
 
     async def _gather(self, stats: Sequence[Any], split: bool) -> None:
         # Last field: the record is of the rank's last pipeline step, the one whose bytes the sizer
@@ -550,12 +573,14 @@ class AutoHint:
 
     def _choose(self) -> None:
         # A re-check's incumbent stays unless another hint was measured faster beyond the margin.
-        med = sim_auto.medians(self.walls)
         before = self.chosen
-        best = sim_auto.keep(self.walls, self.strict, incumbent=before, prefer=self.known)
+        # The first choice after an extension is between its two hints (the third lost already).
+        trial = {h: self.walls[h] for h in self.extension} if self.extension and before is None else self.walls
+        med = sim_auto.medians(trial)
+        best = sim_auto.keep(trial, self.strict, incumbent=before, prefer=self.known)
         changed = best != before
         self.chosen = best
-        need = sim_auto.margin(self.walls)
+        need = sim_auto.margin(trial)
         if self.say and changed and before is not None:
             self.say(f"hint auto: the re-check after step {self.steps} measured {best} faster than {before} by more "
                      f"than {100 * need:.1f}%: it runs {best} from the next step")
