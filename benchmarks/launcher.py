@@ -257,9 +257,7 @@ def _starter_main(argv: list[str]) -> None:
             finally:
                 os._exit(code)
         pids[pid] = r
-    part = tmp / "pids.tmp"
-    part.write_text(",".join(str(p) for p in pids))
-    part.replace(tmp / "pids")
+    publish(tmp / "pids", ",".join(str(p) for p in pids))
     while pids:
         try:
             pid, status = os.wait()
@@ -267,9 +265,18 @@ def _starter_main(argv: list[str]) -> None:
             break
         r = pids.pop(pid, None)
         if r is not None:
-            (tmp / f"rank{r}.code").write_text(str(-os.WTERMSIG(status) if os.WIFSIGNALED(status)
-                                                   else os.waitstatus_to_exitcode(status)))
+            publish(tmp / f"rank{r}.code", str(-os.WTERMSIG(status) if os.WIFSIGNALED(status)
+                                                else os.waitstatus_to_exitcode(status)))
     os._exit(0)
+
+
+def publish(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all, as the launcher polls for it: a file written in
+    place exists, empty, before its text is in (a rank's exit code read as ``''`` failed a
+    whole setting of ``rrfp bench``)."""
+    part = path.with_name(path.name + ".tmp")
+    part.write_text(text)
+    part.replace(path)
 
 
 LAUNCHED_ENV = "RRFP_TEST_BENCH_LAUNCHED"

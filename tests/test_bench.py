@@ -549,3 +549,16 @@ def test_ideal_speedups_of_the_auto_default():
     # Uniform costs at 1F1B's memory: auto keeps a hint no slower than strict 1F1B.
     assert got["1f1b"] is not None and got["1f1b"] >= 1.0
     assert got["gpipe"] is not None and got["gpipe"] > 0
+
+
+def test_the_starters_files_are_read_only_once_whole(tmp_path):
+    """The launcher polls for each rank's exit code while the starter writes it: a file written
+    in place exists, empty, before its text (a whole ``rrfp bench`` setting failed on
+    ``int('')``). ``publish`` writes beside and renames, so a write under way is not read."""
+    from benchmarks.launcher import _Ranks, publish
+
+    ranks = _Ranks(tmp_path, 2)
+    (tmp_path / "rank0.code.tmp").write_text("")  # rank 0's code being written
+    assert ranks.codes() == [None, None]
+    publish(tmp_path / "rank1.code", "-9")
+    assert ranks.codes() == [None, -9] and sorted(p.name for p in tmp_path.iterdir()) == ["rank0.code.tmp", "rank1.code"]
