@@ -129,11 +129,15 @@ def test_accumulated_steps_equal_one_big_batch():
     pipe = Pipeline(PipelineStage(stage, 0, 1), 2, lm_loss, loss_weight_fn=count_tokens, rank=0, n_ranks=1,
                     transport=FakeNetwork(1).transport(0), hint="bf")  # a full backward: F and B counted below
     try:
-        loss, stats = accumulated_step(pipe, make_microbatches(samples, 8), 2, 4, True, True)
+        mbs = make_microbatches(samples, 8)
+        loss, stats = accumulated_step(pipe, mbs, 2, 4, True, True)
     finally:
         pipe.close()
     assert loss == pytest.approx(want_loss.item(), rel=RTOL)
     assert stats.n_tasks == 4 * 2 * 2  # F and B of 2 microbatches, 4 times
+    # auto's batch work of the optimizer step: every pipeline step's tokens, not the last one's
+    assert stats.input_elems == sum(mb.tokens.numel() for mb in mbs)
+    assert stats.input_elems != sum(mb.tokens.numel() for mb in mbs[-2:])
     for n, p in stage.named_parameters():
         torch.testing.assert_close(p.grad, dict(ref.named_parameters())[n].grad, rtol=RTOL, atol=ATOL, msg=n)
 
