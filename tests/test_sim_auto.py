@@ -167,6 +167,22 @@ def test_keep_compares_steps_at_equal_batch_work() -> None:
     assert scaled(odd)["strict-1f1b"] == pytest.approx([1.2] * 3)
 
 
+def test_a_slope_from_nearly_equal_works_does_not_swing_the_adjustment() -> None:
+    """Both hints run 0.1 ms per element (bf drew batches of 1500 elements, 0.15 s each;
+    strict 1000, 0.1 s, one step of 1001 elements 3 ms slower by noise). The one pair of
+    strict's steps that differ in work (by one element) gives 3 ms per element, 30 times the
+    real rate: adjusted by it, bf's steps would be -0.6 s and bf kept as the fastest. A step's
+    time grows at most in proportion to its work, so the slope is at most the smallest step's
+    seconds per element (0.1 ms): every step adjusted to 1250.5 elements is 0.125 s, bar the
+    noisy one."""
+    trial = {"strict-1f1b": [(0.100, 1000.0), (0.103, 1001.0), (0.100, 1000.0)], "bf": [(0.150, 1500.0)] * 3}
+    got = scaled(trial)
+    assert got["strict-1f1b"] == pytest.approx([0.125, 0.103 + 0.02495, 0.125], rel=1e-3)
+    assert got["bf"] == pytest.approx([0.125] * 3, rel=1e-3)
+    assert keep(trial, "strict-1f1b") == "strict-1f1b"
+    assert undecided(trial, "strict-1f1b") == []
+
+
 def test_batch_work_follows_the_inputs_sizes_not_the_forwards_seconds() -> None:
     """The simulated trial's work figure is what a real step's input elements follow: each
     microbatch's sequence-length ratio (times its image count over the mean where stage 0

@@ -413,7 +413,8 @@ def scaled(trial: Mapping[str, Sequence[Step]]) -> dict[str, list[float]]:
     ``slope`` is seconds per unit of work, the median over every pair of steps of one hint of
     their difference in seconds over their difference in work (Theil-Sen: pairs of one hint, so
     a hint's own speed is not read as the work's; one odd step does not move it); 0 where no
-    two steps of a hint differ in work, and never below 0. A slope, not a proportion: a step has
+    two steps of a hint differ in work, never below 0, and never above the smallest step's
+    seconds per unit of work (so an adjusted time stays above ``seconds * median / work``). A slope, not a proportion: a step has
     a part the batch's size does not change (an image encoder's stage while the captions'
     lengths vary), which a rescaling in proportion to the work over-corrects.
 
@@ -425,7 +426,11 @@ def scaled(trial: Mapping[str, Sequence[Step]]) -> dict[str, list[float]]:
     ref = statistics.median([f for steps in trial.values() for _, f in steps if f > 0] or [0.0])
     slopes = [(t1 - t2) / (f1 - f2) for steps in trial.values()
               for (t1, f1), (t2, f2) in itertools.combinations(steps, 2) if f1 > 0 and f2 > 0 and f1 != f2]
-    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    # At most the smallest step's seconds per unit of work: a step's time grows at most in
+    # proportion to its batch (a fixed part only lowers the rate), so no adjusted time falls
+    # below 0 where a pair of nearly equal works turned noise into a steep slope.
+    rate = min((t / f for steps in trial.values() for t, f in steps if f > 0 and t > 0), default=0.0)
+    slope = min(rate, max(0.0, statistics.median(slopes))) if slopes else 0.0
     return {h: [t - slope * (f - ref) if f > 0 else t for t, f in steps] for h, steps in trial.items()}
 
 
