@@ -180,11 +180,14 @@ class _Ranks:
         while it runs."""
         if self.procs:
             return [p.poll() for p in self.procs]
+        # Whether the starter is gone, asked before the files are read: it publishes a rank's
+        # code, then may exit at once, so a file missing after it was seen gone never comes.
+        gone = self.starter is not None and self.starter.poll() is not None
         out: list[int | None] = []
         for r in range(self.world):
             path = self.tmp / f"rank{r}.code"
             out.append(int(path.read_text()) if path.exists() else None)
-        if self.starter is not None and self.starter.poll() is not None:
+        if gone:
             # The starter waits for every rank; gone early, its ranks died with it.
             out = [c if c is not None else -int(signal.SIGKILL) for c in out]
         return out

@@ -562,3 +562,25 @@ def test_the_starters_files_are_read_only_once_whole(tmp_path):
     assert ranks.codes() == [None, None]
     publish(tmp_path / "rank1.code", "-9")
     assert ranks.codes() == [None, -9] and sorted(p.name for p in tmp_path.iterdir()) == ["rank0.code.tmp", "rank1.code"]
+
+
+def test_a_code_published_as_the_starter_exits_is_read_not_taken_for_a_kill(tmp_path):
+    """The starter publishes the last rank's exit code, then exits. Had the launcher read the
+    files before seeing the starter gone, and the starter published and exited in between, the
+    rank that exited 0 read as killed (-9) and failed the setting. Forced order: the fake
+    starter publishes rank 1's code at the moment it is polled."""
+    from benchmarks.launcher import _Ranks, publish
+
+    class Starter:
+        def poll(self):
+            publish(tmp_path / "rank1.code", "0")  # the starter's last act ...
+            return 0  # ... then it has exited
+
+    ranks = _Ranks(tmp_path, 2)
+    ranks.starter = Starter()  # type: ignore[assignment]
+    publish(tmp_path / "rank0.code", "0")
+    assert ranks.codes() == [0, 0]
+    # A rank the starter never published (it died with the starter) is reported killed.
+    (tmp_path / "rank1.code").unlink()
+    ranks.starter = type("Gone", (), {"poll": lambda self: 1})()  # type: ignore[assignment]
+    assert ranks.codes() == [0, -9]
