@@ -25,7 +25,7 @@ from ..errors import UsageError
 from ..plugins import add_flag as add_plugin_flag, load as load_plugins
 from ..resources import doc_path
 from ..scheduler.registry import forms as hint_forms
-from .auto import AUTO, TRIAL_ROUNDS, medians, simulate_auto
+from .auto import AUTO, EXTRA_ROUNDS, TRIAL_ROUNDS, margin, medians, simulate_auto
 from .compare import SimConfig, compare, default_baseline, sweep, sweep_table
 from .costs import MAX_BYTES, MAX_SECONDS, CostModel, StageCost, load_costs, short
 from .duration import Dist
@@ -543,9 +543,15 @@ def run(args: argparse.Namespace) -> int:
     if baseline:
         print(f"# speedup = makespan of {baseline} / makespan; bound = lower bound of that run (docs/simulator.md)")
     if chosen is not None:
-        med = ", ".join(f"{h} {v:.4g} s" for h, v in sorted(medians(chosen.walls).items(), key=lambda x: x[1]))
-        print(f"# auto kept {chosen.chosen}: median of {TRIAL_ROUNDS} trial steps (seeds of their own; at their median batch work): {med}; "
-              f"{chosen.ranking.reason()}")
+        # After extra rounds the choice is made on their two hints' steps alone (rrfp.sim.auto.undecided).
+        pair = [h for h, v in chosen.walls.items() if len(v) > TRIAL_ROUNDS]
+        basis = {h: chosen.walls[h] for h in pair} if pair else chosen.walls
+        med = ", ".join(f"{h} {v:.4g} s" for h, v in sorted(medians(basis).items(), key=lambda x: x[1]))
+        which = (f"{TRIAL_ROUNDS + EXTRA_ROUNDS} trial steps of the two the trial's noise left undecided" if pair
+                 else f"{TRIAL_ROUNDS} trial steps")
+        lost = "".join(f"{h} lost in the trial's {TRIAL_ROUNDS} rounds; " for h in chosen.walls if pair and h not in pair)
+        print(f"# auto kept {chosen.chosen}: median of {which} (seeds of their own; at their median batch work): {med}; "
+              f"faster counts beyond {100 * margin(basis):.1f}%; {lost}{chosen.ranking.reason()}")
     if args.csv:
         _write(args.csv, format_csv(header, cells))
     if args.markdown:
