@@ -414,9 +414,10 @@ def scaled(trial: Mapping[str, Sequence[Step]]) -> dict[str, list[float]]:
     their difference in seconds over their difference in work (Theil-Sen: pairs of one hint, so
     a hint's own speed is not read as the work's; one odd step does not move it); 0 where no
     two steps of a hint differ in work, never below 0, and never above the smallest step's
-    seconds per unit of work (so an adjusted time stays above ``seconds * median / work``). A slope, not a proportion: a step has
-    a part the batch's size does not change (an image encoder's stage while the captions'
-    lengths vary), which a rescaling in proportion to the work over-corrects.
+    seconds per unit of work (so an adjusted time stays above ``seconds * median / work``). A
+    slope, not a proportion: a step has a part the batch's size does not change (an image
+    encoder's stage while the captions' lengths vary), which a rescaling in proportion to the
+    work over-corrects.
 
     The work must be a figure of the batch alone: the forwards' own seconds, used before,
     change with the hint (a split backward's routed forwards; eight microbatches in flight
