@@ -119,6 +119,41 @@ def test_a_stuck_task_keeps_its_loop_busy_until_its_report_reaches_the_loop(capf
     assert capfd.readouterr().err.count("where rank 0's task 0F0 is stuck:") == 1
 
 
+def test_a_step_after_a_stuck_thread_stage_fails_at_once_naming_the_stuck_task(tmp_path):
+    """The stuck task's worker thread never returns: a step started after the WatchdogTimeout
+    would queue behind it (one rank: for ever; two: the other rank timed out and was named).
+    It fails at once with a line naming the stuck rank and task, every time, and the script
+    and the process end."""
+    script = HUNG.replace(textwrap.dedent("""\
+        try:
+            with pipe:
+                pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
+        except WatchdogTimeout as e:
+            print(f"caught: {e}", flush=True)"""), textwrap.dedent("""\
+        with pipe:
+            for k in range(3):
+                try:
+                    pipe.step(torch.randn(4, 4), target=torch.randn(4, 4))
+                except WatchdogTimeout as e:
+                    print(f"caught: {e}", flush=True)"""))
+    assert script != HUNG
+    path = tmp_path / "hung_again.py"
+    path.write_text(script)
+    try:
+        r = subprocess.run([sys.executable, str(path), "thread"], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                           capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"a step after the stuck one hung; stderr:\n{e.stderr}") from None
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0, r.stderr
+    assert len(lines) == 4 and lines[-1] == "script over", r.stdout
+    assert lines[0].startswith("caught: rank 0 (stages [0]) stuck in task 0F0 of step 0 for "), lines[0]
+    for line in lines[1:3]:
+        assert line.startswith("caught: rank 0 (stages [0]) cannot run another step: its task 0F0 of step 0 has been "
+                               "stuck on a worker thread for "), line
+        assert line.endswith(" s (watchdog 0.5 s); close the pipeline"), line
+
+
 class _Interrupts(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -232,6 +232,9 @@ class SchedulerLoop:
         self._timed_out = None
         self._running.clear()
         self.task_watch.period = self.watchdog
+        stuck = self.task_watch.still_stuck()
+        if stuck is not None:
+            raise WatchdogTimeout(stuck)
         if inline:
             self.task_watch.arm()
             return run_fn

@@ -108,6 +108,18 @@ class TaskWatch:
         cur = self.current
         return cur is not None and cur is not self._reported
 
+    def still_stuck(self) -> str | None:
+        """One line naming this rank's task that was reported stuck and has not returned (its
+        worker thread never came back), None without one: a step started after it would queue
+        behind that thread and wait for ever."""
+        cur = self.current
+        if cur is None or cur is not self._reported:
+            return None
+        task, step, start, _ = cur
+        return (f"rank {self.rank} (stages {self.stages}) cannot run another step: its task {task} of step {step} "
+                f"has been stuck on a worker thread for {self.clock() - start:.1f} s (watchdog {self.period:g} s); "
+                f"close the pipeline")
+
     def check(self) -> None:
         """On the watchdog thread: report the running task if it has run a whole period."""
         cur = self.current
