@@ -47,6 +47,17 @@ def test_a_costly_split_backward_loses_to_the_strict_schedule() -> None:
     assert rank(cheap, n_ranks=4, n_microbatches=8, limit=8, candidates=("strict", "bf", "bfw-mem")).best == "bfw-mem"
 
 
+def test_the_reason_puts_the_speedup_beside_the_best_hint_not_the_last_listed() -> None:
+    # A user read "strict-split 80.3 ms (1.005x over strict-1f1b)" as strict-split's speedup,
+    # while the figure is the best's (71.9 vs 72.3 ms).
+    from rrfp.sim.auto import Ranking
+    r = Ranking([("bf", 0.0719), ("strict-1f1b", 0.0723), ("strict-split", 0.0803)], "strict-1f1b", [])
+    assert r.reason() == ("simulated step: bf 71.9 ms (1.006x over strict-1f1b), strict-1f1b 72.3 ms, "
+                          "strict-split 80.3 ms")
+    assert Ranking([("strict-1f1b", 0.07), ("bf", 0.08)], "strict-1f1b", []).reason() == \
+        "simulated step: strict-1f1b 70.0 ms, bf 80.0 ms"
+
+
 def test_profile_of_a_steady_scenario_is_its_cost_model() -> None:
     prof = profile_of_config(suite_config("J0", 4, 1, "1f1b"))
     assert all((c.F, c.B, c.I, c.W) == (0.010, 0.020, 0.010, 0.010) for c in prof.stages)

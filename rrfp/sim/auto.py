@@ -309,9 +309,10 @@ class Ranking:
     def reason(self) -> str:
         """Why the best was chosen, in one line."""
         parts = [f"{h} {t * 1e3:.1f} ms" for h, t in self.order[:3]]
-        out = f"simulated step: {', '.join(parts)}"
         if self.strict and self.best != self.strict:
-            out += f" ({self.makespan(self.strict) / self.order[0][1]:.3f}x over {self.strict})"
+            # The speedup is the best's, so it sits beside the best, not after the list's last hint.
+            parts[0] += f" ({self.makespan(self.strict) / self.order[0][1]:.3f}x over {self.strict})"
+        out = f"simulated step: {', '.join(parts)}"
         if self.skipped:
             out += f"; not available: {', '.join(n for n, _ in self.skipped)}"
         return out
