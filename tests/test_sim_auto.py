@@ -58,6 +58,15 @@ def test_the_reason_puts_the_speedup_beside_the_best_hint_not_the_last_listed() 
         "simulated step: strict-1f1b 70.0 ms, bf 80.0 ms"
 
 
+def test_describe_names_the_task_spreads_apart_from_the_trial_steps_spread() -> None:
+    # The chose-line says "faster counts beyond 5.7% (the tie 1% or the steps' spread)" and then
+    # described the profile as "spread 66% / 0%": two spreads, the second unnamed.
+    prof = Profile((StageCost(0.002, 0.004, 0.003, 0.001, 0, 1), StageCost(0.004, 0.006, 0.005, 0.001, 0, 1)),
+                   (0.0005,), compute_cv=0.66, message_cv=0.0)
+    assert prof.describe() == ("F 3.00 B 5.00 I 4.00 W 1.00 ms/stage, messages 0.50 ms, "
+                               "task time std/mean: compute 66%, messages 0%")
+
+
 def test_profile_of_a_steady_scenario_is_its_cost_model() -> None:
     prof = profile_of_config(suite_config("J0", 4, 1, "1f1b"))
     assert all((c.F, c.B, c.I, c.W) == (0.010, 0.020, 0.010, 0.010) for c in prof.stages)

@@ -119,12 +119,14 @@ class Profile:
         return CostModel(tuple(st))
 
     def describe(self) -> str:
-        """One short line: mean costs in ms, spreads."""
+        """One short line: mean costs in ms, then the tasks' coefficients of variation (std / mean)
+        of compute and of message times, named so they are not read as the trial steps' spread."""
         n = len(self.stages)
         mean = {k: 1e3 * sum(getattr(c, k) for c in self.stages) / n for k in (F, B, I, W)}
         link = 1e3 * (sum(self.links) / len(self.links) if self.links else 0.0)
         return (f"F {mean[F]:.2f} B {mean[B]:.2f} I {mean[I]:.2f} W {mean[W]:.2f} ms/stage, "
-                f"messages {link:.2f} ms, spread {100 * self.compute_cv:.0f}% / {100 * self.message_cv:.0f}%")
+                f"messages {link:.2f} ms, task time std/mean: compute {100 * self.compute_cv:.0f}%, "
+                f"messages {100 * self.message_cv:.0f}%")
 
 
 def _sigma(cv: float) -> float:
