@@ -145,7 +145,10 @@ def test_a_trial_left_to_its_noise_runs_the_two_hints_three_more_rounds(share) -
     # deviations now 0: the margin is the 1% tie, and bf, 5% faster, is kept.
     assert ctl.chosen == "bf" and ran[-1] == "bf"
     assert lines[3].startswith("hint auto chose bf: median step over 6 trial steps (at the trial's median batch "
-                               "work): bf 950.0 ms, strict-1f1b 1000.0 ms; faster counts beyond 1.0%")
+                               "work): bf 950.0 ms, strict-1f1b 1000.0 ms; faster counts beyond 1.0% (the tie 1% or the "
+                               "steps' spread x sqrt(3/6), 6 steps each) ")
+    # Without extra rounds the margin is the spread itself, and the line says nothing of narrowing.
+    assert "sqrt" not in _run_steps(share, NOISY, trial_end + 1, run_length=trial_end + 1)[2][-1]
 
 
 def test_a_run_without_room_for_the_extra_rounds_decides_on_the_trial(share) -> None:

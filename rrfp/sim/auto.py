@@ -471,9 +471,13 @@ def margin(trial: Mapping[str, Sequence[Step]], tie: float = TIE) -> float:
     ``TRIAL_ROUNDS + EXTRA_ROUNDS``: the spread is one step's, and a median's noise falls as
     ``1/sqrt(n)``, so after the trial's rounds the margin is the spread itself and after
     :data:`EXTRA_ROUNDS` more it is ``sqrt(1/2)`` of it."""
+    return max(tie, spread(trial) * math.sqrt(TRIAL_ROUNDS / margin_steps(trial)))
+
+
+def margin_steps(trial: Mapping[str, Sequence[Step]]) -> int:
+    """:func:`margin`'s ``n``: a hint's fewest steps, within ``TRIAL_ROUNDS .. + EXTRA_ROUNDS``."""
     n = min((len(v) for v in trial.values() if v), default=TRIAL_ROUNDS)
-    n = min(max(n, TRIAL_ROUNDS), TRIAL_ROUNDS + EXTRA_ROUNDS)
-    return max(tie, spread(trial) * math.sqrt(TRIAL_ROUNDS / n))
+    return min(max(n, TRIAL_ROUNDS), TRIAL_ROUNDS + EXTRA_ROUNDS)
 
 
 EXTRA_ROUNDS = 3
