@@ -98,8 +98,10 @@ def test_too_many_microbatches_is_a_clear_error():
 
 
 def test_unknown_hint_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown hint 'nope'"):
+    with pytest.raises(ValueError, match="unknown hint 'nope'") as err:
         LocalPipeline(split_gpt(GPT(CFG), 2), 2, lm_loss, hint="nope")
+    # auto, the front doors' default, is among the names the line offers (the scheduler's list lacks it).
+    assert str(err.value).endswith(", or auto (the default)") and "\n" not in str(err.value)
 
 
 def test_forged_messages_are_rejected_and_the_step_still_matches():

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-from ...scheduler.hints import Hint, resolve_hint
+from ...scheduler.hints import Hint, resolve_hint, unknown_hint
 from ...scheduler.memory import budget_bytes
 from ...scheduler.tasks import PipelineSpec, Placement
 from ...scheduler.validate import order_limits
@@ -198,8 +198,14 @@ def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: in
             sched = resolve_hint(text.removeprefix("strict-"), place, n_microbatches, inflight_limit=limits,
                                  backpressure=config.backpressure)
             limits = schedule_limits(sched[0], sched[1])
-    spec, hint, strict = resolve_hint(text, place, n_microbatches, inflight_limit=limits,
-                                      backpressure=config.backpressure)
+    try:
+        spec, hint, strict = resolve_hint(text, place, n_microbatches, inflight_limit=limits,
+                                          backpressure=config.backpressure)
+    except ValueError as e:
+        if str(e) != unknown_hint(text):
+            raise
+        # The scheduler's list has no auto (it is the front doors'), yet auto is their default.
+        raise ValueError(f"{e}, or {AUTO} (the default)") from None
     if not auto and not given and budget is None and hint.order is not None and not strict:
         limits = schedule_limits(spec, hint)
         # The count limits alone let virtual stages hold another mix than the order ever does
