@@ -60,7 +60,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ...errors import PipelineError
 from ...scheduler.hints import resolve_hint
-from ...scheduler.tasks import F, PipelineSpec, Task, TaskRecord
+from ...scheduler.tasks import PipelineSpec, Task, TaskRecord
 from ...sim import auto as sim_auto
 from ...sim.auto import AUTO, EXTRA_ROUNDS, TIE, TRIAL_ROUNDS, auto_first_hint
 from ...sim.calibration import Calibration, Fit, RankStep, fit
