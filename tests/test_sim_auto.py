@@ -260,6 +260,7 @@ def test_simulate_auto_runs_the_trial_on_draws_of_its_own(point, extended) -> No
     med = {h: sorted(t for t, _ in v)[1] for h, v in ref.items()}  # three steps each: the middle one
     fastest, kept = min(med, key=med.get), keep(ref, run.ranking.strict)
     assert (kept != fastest and med[fastest] < (1 - TIE) * med[kept]) == extended
+    assert run.extension == ([kept, fastest] if extended else [])
     if extended:
         for r in range(EXTRA_ROUNDS):
             for h in trial_order([kept, fastest], r):

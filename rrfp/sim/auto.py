@@ -35,7 +35,7 @@ import itertools
 import logging
 import math
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from ..scheduler.hints import resolve_hint
@@ -502,6 +502,13 @@ def undecided(trial: Mapping[str, Sequence[Step]], strict: str | None, tie: floa
     return [kept, fastest] if kept != fastest and med[fastest] < (1 - tie) * med[kept] else []
 
 
+def decided_on(trial: Mapping[str, Sequence[Step]], extension: Sequence[str]) -> Mapping[str, Sequence[Step]]:
+    """The steps the first choice is made on: after extra rounds (``extension``, the pair
+    :func:`undecided` named) their two hints' alone, the third having lost in the trial; else
+    the whole trial."""
+    return {h: trial[h] for h in extension} if extension else trial
+
+
 def preference(hints: Sequence[str], strict: str | None, prefer: Sequence[str] | None = None) -> list[str]:
     """``hints`` in ``auto``'s fixed order of preference: ``strict`` first, then the order of
     ``prefer`` (default: :func:`all_candidates`' order), then any others by name. It decides among
@@ -555,11 +562,13 @@ def batch_work(cfg: SimConfig) -> float:
 @dataclass
 class AutoRun:
     """What :func:`simulate_auto` did: the ranking, the trial's steps per hint (:data:`Step`,
-    one per round), and the hint kept."""
+    one per round), the hint kept, and the two hints of the extra rounds (:func:`undecided`;
+    empty: none ran)."""
 
     ranking: Ranking
     walls: dict[str, list[Step]]
     chosen: str
+    extension: list[str] = field(default_factory=list)
 
 
 def simulate_auto(cfg: SimConfig, *, rounds: int = TRIAL_ROUNDS, seed: int = TRIAL_SEED,
@@ -582,21 +591,18 @@ def simulate_auto(cfg: SimConfig, *, rounds: int = TRIAL_ROUNDS, seed: int = TRI
               backpressure=cfg.backpressure, candidates=candidates)
     trial = trial_candidates([h for h, _ in rk.order], rk.strict)
     walls: dict[str, list[Step]] = {h: [] for h in trial}
-    j = 0
-    for r in range(rounds):
-        for h in trial_order(trial, r):
-            walls[h].append(_trial_step(cfg, h, seed + j))
-            j += 1
+    seeds = itertools.count(seed)  # step j of the trial, extra rounds included, draws under seed + j
+
+    def play(hints: list[str], n: int) -> None:
+        for r in range(n):
+            for h in trial_order(hints, r):
+                step = replace(cfg, seed=next(seeds))
+                if isinstance(step.memory_budget, str):
+                    step = replace(step, memory_budget=step.memory_budgets())
+                walls[h].append((run_one(step, h, record=False)[0].makespan, batch_work(step)))
+
+    play(trial, rounds)
     pair = undecided(walls, rk.strict)
-    for r in range(EXTRA_ROUNDS if pair else 0):
-        for h in trial_order(pair, r):
-            walls[h].append(_trial_step(cfg, h, seed + j))
-            j += 1
-    return AutoRun(rk, walls, keep({h: walls[h] for h in pair} if pair else walls, rk.strict))
-
-
-def _trial_step(cfg: SimConfig, hint: str, seed: int) -> Step:
-    step = replace(cfg, seed=seed)
-    if isinstance(step.memory_budget, str):
-        step = replace(step, memory_budget=step.memory_budgets())
-    return run_one(step, hint, record=False)[0].makespan, batch_work(step)
+    if pair:
+        play(pair, EXTRA_ROUNDS)
+    return AutoRun(rk, walls, keep(decided_on(walls, pair), rk.strict), pair)

@@ -61,7 +61,8 @@ def _shapes(inputs: Any) -> tuple:
     return tuple((t.shape, t.dtype) if isinstance(t, torch.Tensor) else None for t in inputs)
 
 
-def _numel(inputs: Any) -> int:
+def numel(inputs: Any) -> int:
+    """Elements of the tensors among ``inputs`` (an iterable; anything else in it counts 0)."""
     return sum(t.numel() for t in inputs if isinstance(t, torch.Tensor))
 
 
@@ -131,14 +132,14 @@ class ForwardSizer:
             x = self.act.get((self.first_stage, mb)) if self.act is not None else None
             if x is None:
                 return None
-            n = _numel(x)
+            n = numel(x)
         return int(rate * n)
 
     @contextlib.contextmanager
     def measure(self, stage: int, mb: int, inputs: Any) -> Iterator[None]:
         """Count what autograd saves inside the block as ``F(stage, mb)``'s bytes."""
         if stage == self.first_stage:
-            self._inputs[mb] = _numel(inputs)
+            self._inputs[mb] = numel(inputs)
         key = (stage, _shapes(inputs))
         k = self._count[stage] = self._count.get(stage, 0) + 1
         known = self._by_shape.get(key)

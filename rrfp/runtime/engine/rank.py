@@ -47,6 +47,7 @@ from ...scheduler.forward import ForwardArbiter
 from .hooks import HookRunner, StepHooks
 from .inbox import Inbox
 from .loop import DelayFn, SchedulerLoop
+from .memory import numel
 from .ordered import _OrderedGrads
 from .outbox import Outbox
 from .pace import ForwardPace
@@ -451,13 +452,4 @@ class RankRuntime:
 def _elements(inputs: Sequence[tuple] | None, kwargs: Sequence[dict] | None) -> int:
     """Elements of the tensors among the microbatches' inputs (one level deep: a tuple of
     tensors, a dict of keyword tensors)."""
-    n = 0
-    for x in inputs or ():
-        for t in (x if isinstance(x, (tuple, list)) else (x,)):
-            if isinstance(t, torch.Tensor):
-                n += t.numel()
-    for kw in kwargs or ():
-        for t in kw.values():
-            if isinstance(t, torch.Tensor):
-                n += t.numel()
-    return n
+    return sum(numel(as_tuple(x)) for x in inputs or ()) + sum(numel(kw.values()) for kw in kwargs or ())

@@ -444,9 +444,9 @@ class AutoHint:
                              f"({self.ranking.reason()})")
             return
         # The step's input elements over every rank: its batch's work (rrfp.sim.auto.scaled).
-        wall, fwd = self.measure(step_hint, stats)
-        wall, fwd = await self.share.max(wall), await self.share.sum(fwd)
-        self.walls.setdefault(step_hint, []).append((wall, fwd))
+        wall, work = self.measure(step_hint, stats)
+        wall, work = await self.share.max(wall), await self.share.sum(work)
+        self.walls.setdefault(step_hint, []).append((wall, work))
         if not self.plan:  # the trial's last round (or a re-check's round) is complete
             if self.chosen is None and not self.extension and self._extend(k):
                 return
@@ -581,7 +581,7 @@ class AutoHint:
         # A re-check's incumbent stays unless another hint was measured faster beyond the margin.
         before = self.chosen
         # The first choice after an extension is between its two hints (the third lost already).
-        trial = {h: self.walls[h] for h in self.extension} if self.extension and before is None else self.walls
+        trial = sim_auto.decided_on(self.walls, self.extension if before is None else [])
         med = sim_auto.medians(trial)
         best = sim_auto.keep(trial, self.strict, incumbent=before, prefer=self.known)
         changed = best != before
