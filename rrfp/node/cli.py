@@ -428,7 +428,7 @@ def _launch(config, job, stop) -> int:
     from ..lines import say
     from ..train.cli import _quiet_launcher_logs, describe_failures
     from ..train.guard import LauncherSignals
-    from ..train.stop import saved, stopped_cleanly
+    from ..train.stop import saved, stopped_line
     from .sigterm import no_restart_after
 
     ckdir = job.targs.checkpoint_dir
@@ -446,12 +446,8 @@ def _launch(config, job, stop) -> int:
     except (ChildFailedError, SignalException) as e:
         if stop.requested or stop.peer_asked():
             why = "on SIGTERM" if stop.requested else "because a peer node was preempted (SIGTERM)"
-            if stopped_cleanly(getattr(e, "failures", {})):
-                say(f"rrfp node: stopped {why}: every rank ended the step in progress and exited {PREEMPTED}; "
-                    f"{saved(ckdir)}")
-            else:
-                say(f"rrfp node: stopped {why}; this stop committed no checkpoint (a rank ended before the step "
-                    f"in progress could end); {saved(ckdir)}", sys.stderr)
+            line, clean = stopped_line("rrfp node", why, getattr(e, "failures", {}), ckdir)
+            say(line, None if clean else sys.stderr)
             return PREEMPTED
         if isinstance(e, ChildFailedError):
             say(f"rrfp node: error: {describe_failures(e.failures, signalled.pids, (job.targs.dp, job.targs.tp))}", sys.stderr)

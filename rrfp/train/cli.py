@@ -375,18 +375,13 @@ def _outcome(failures: dict, signalled: set[int], degrees: tuple[int, int], stop
     """The launcher's last line and exit code from its ranks' ends (``failures``: the ranks
     that exited non-zero, :class:`~rrfp.train.zygote.Failure`); ``stopped``: a SIGTERM asked
     the ranks to stop."""
-    from .stop import saved, stopped_cleanly
+    from .stop import saved, stopped_line
 
     if any(f.exitcode == PIPE_CLOSED for f in failures.values()):
         return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
     if stopped and failures:
-        if stopped_cleanly(failures):
-            say(f"rrfp train: stopped on SIGTERM: every rank ended the step in progress and exited {PREEMPTED}; "
-                f"{saved(checkpoint_dir)}")
-        else:
-            say(f"rrfp train: stopped on SIGTERM; this stop committed no checkpoint (a rank ended before the step "
-                f"in progress could end); {saved(checkpoint_dir)}",
-                sys.stderr)
+        line, clean = stopped_line("rrfp train", "on SIGTERM", failures, checkpoint_dir)
+        say(line, None if clean else sys.stderr)
         return PREEMPTED
     if failures:
         say(f"rrfp train: error: {describe_failures(failures, signalled, degrees)}", sys.stderr)

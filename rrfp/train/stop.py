@@ -368,6 +368,17 @@ def stopped_cleanly(failures: dict) -> bool:
     return any(getattr(f, "exitcode", None) == PREEMPTED for f in failures.values())
 
 
+def stopped_line(who: str, why: str, failures: dict, checkpoint_dir: str | None) -> tuple[str, bool]:
+    """The last line of a job that ``why`` (``"on SIGTERM"``, ...) stopped, said by ``who``
+    (``rrfp train``, ``rrfp node``), and whether it stopped cleanly (:func:`stopped_cleanly`:
+    the step in progress ended and was saved; else the line is an error's, for stderr)."""
+    if stopped_cleanly(failures):
+        return (f"{who}: stopped {why}: every rank ended the step in progress and exited {PREEMPTED}; "
+                f"{saved(checkpoint_dir)}"), True
+    return (f"{who}: stopped {why}; this stop committed no checkpoint (a rank ended before the step in "
+            f"progress could end); {saved(checkpoint_dir)}"), False
+
+
 def saved(checkpoint_dir: str | None) -> str:
     """What a stopped job leaves to resume from, as the tail of the last line: the newest
     committed checkpoint of ``checkpoint_dir`` and its step, or why there is none."""
