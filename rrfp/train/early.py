@@ -22,8 +22,8 @@ from .._secret import read_secret_file
 from ..errors import UsageError
 from ..plugins import load as load_plugins
 from ..runtime.doors.config import DEFAULT_INFLIGHT_LIMIT
-from ..runtime.doors.names import hint_text
-from ..scheduler.hints import hint_form, unknown_hint
+from ..runtime.doors.names import hint_text, unknown_door_hint
+from ..scheduler.hints import hint_form
 from ..sim.auto import AUTO
 
 DEFAULT_STAGES = 4
@@ -65,7 +65,7 @@ def hint_problem(text: str, default: str | None) -> str | None:
     file (:func:`rrfp.scheduler.hints.hint_form`). The parser's default is always accepted."""
     if text == default or hint_form(hint_text(text)) is not None:
         return None
-    return f"--hint={text!r}: {unknown_hint(text)}, or {AUTO} (the default)"
+    return f"--hint={text!r}: {unknown_door_hint(text)}"
 
 
 def port_problem(addr: str, first: int, n: int, what: str) -> str | None:

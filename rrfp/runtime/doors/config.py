@@ -12,13 +12,13 @@ import dataclasses
 import math
 from typing import Any, Callable, Mapping, Sequence
 
-from ...scheduler.hints import Hint, resolve_hint, unknown_hint
+from ...scheduler.hints import Hint, hint_form, resolve_hint
 from ...scheduler.memory import budget_bytes
 from ...scheduler.tasks import PipelineSpec, Placement
 from ...scheduler.validate import order_limits
 from ...sim.auto import AUTO, auto_first_hint
 from ..features.recheck import RECHECK_EVERY, check_recheck
-from .names import hint_text
+from .names import hint_text, unknown_door_hint
 
 DEFAULT_INFLIGHT_LIMIT = 32
 DEFAULT_WATCHDOG_S = 300.0
@@ -198,14 +198,10 @@ def plan(config: RuntimeConfig, n_ranks: int, n_virtual: int, n_microbatches: in
             sched = resolve_hint(text.removeprefix("strict-"), place, n_microbatches, inflight_limit=limits,
                                  backpressure=config.backpressure)
             limits = schedule_limits(sched[0], sched[1])
-    try:
-        spec, hint, strict = resolve_hint(text, place, n_microbatches, inflight_limit=limits,
-                                          backpressure=config.backpressure)
-    except ValueError as e:
-        if str(e) != unknown_hint(text):
-            raise
-        # The scheduler's list has no auto (it is the front doors'), yet auto is their default.
-        raise ValueError(f"{e}, or {AUTO} (the default)") from None
+    if hint_form(text) is None:  # the scheduler's own line would not offer auto, the default here
+        raise ValueError(unknown_door_hint(text))
+    spec, hint, strict = resolve_hint(text, place, n_microbatches, inflight_limit=limits,
+                                      backpressure=config.backpressure)
     if not auto and not given and budget is None and hint.order is not None and not strict:
         limits = schedule_limits(spec, hint)
         # The count limits alone let virtual stages hold another mix than the order ever does

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...scheduler.hints import unknown_hint
 from ...scheduler.registry import canonical
+from ...sim.auto import AUTO
 
 
 def hint_text(hint: Any) -> str:
@@ -22,3 +24,10 @@ def hint_text(hint: Any) -> str:
     if not isinstance(hint, str):
         raise TypeError(f"hint {hint!r}: expected a hint name or a PyTorch schedule class")
     return canonical(hint)
+
+
+def unknown_door_hint(text: str) -> str:
+    """The one-line error for hint text no front door takes (``rrfp train``'s ``--hint``,
+    ``Pipeline``'s and ``LocalPipeline``'s ``hint``): the scheduler's forms
+    (:func:`~rrfp.scheduler.hints.unknown_hint`), or ``auto``, the front doors' own default."""
+    return f"{unknown_hint(text)}, or {AUTO} (the default)"
