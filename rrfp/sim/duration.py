@@ -281,9 +281,13 @@ class DurationModel:
         """Microbatch ``microbatch``'s input size in step ``step`` relative to an average one:
         its sequence-length ratio, times its image count over the mean where stage 0 encodes
         images (1 without either). What the elements of a real microbatch's input tensors
-        follow (``auto``'s measure of a batch's work, :func:`rrfp.sim.auto.batch_work`)."""
+        follow (``auto``'s measure of a batch's work, :func:`rrfp.sim.auto.batch_work`), as
+        stage 0's activation does (:meth:`act_bytes`)."""
+        return self._size_ratio(step, 0, microbatch)
+
+    def _size_ratio(self, step: int, stage: int, microbatch: int) -> float:
         r = 1.0
-        if self.images is not None and self.encoder_stages > 0:
+        if self.images is not None and stage < self.encoder_stages:
             r *= self._image_scale(step, microbatch)
         if self.seqlen is not None:
             r *= self.seqlen_ratio(step, microbatch)
@@ -294,14 +298,7 @@ class DurationModel:
         stage's ``act_bytes`` times the microbatch's sequence-length ratio and, on the encoder
         stages, its image count over the mean (what an activation's size follows)."""
         b = self.costs.stages[stage].act_bytes
-        if not b:
-            return 0
-        r = 1.0
-        if self.images is not None and stage < self.encoder_stages:
-            r *= self._image_scale(step, microbatch)
-        if self.seqlen is not None:
-            r *= self.seqlen_ratio(step, microbatch)
-        return int(round(b * r))
+        return int(round(b * self._size_ratio(step, stage, microbatch))) if b else 0
 
     def compute(self, step: int, rank: int, task: Task) -> float:
         """Seconds of ``task`` without the injected jitter (stateless)."""

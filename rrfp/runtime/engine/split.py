@@ -270,7 +270,7 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
 def _deferred_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    lay = self._rrfp_split[0]
+    lay = self._rrfp_split
     bias = None if lay.bias is None else getattr(self, lay.bias, None)
     if _apply_fast is None or _functorch_active():  # vmap, grad...: the public path
         return _DeferredAffine.apply(x, getattr(self, lay.weight), bias, lay.weight_in_out)
@@ -300,7 +300,7 @@ def enable_split_backward(module: nn.Module) -> int:
                 # The user's own instance-level forward is what the model computes: routing
                 # would replace it with the class's affine. Its weight gradients come in I.
                 continue
-            m._rrfp_split = (lay,)
+            m._rrfp_split = lay
             setattr(m, lay.method, types.MethodType(_deferred_forward, m))
         n += 1
     return n
@@ -315,10 +315,9 @@ def disable_split_backward(module: nn.Module) -> int:
     """
     n = 0
     for m in module.modules():
-        state = m.__dict__.pop("_rrfp_split", None)
-        if state is None:
+        lay = m.__dict__.pop("_rrfp_split", None)
+        if lay is None:
             continue
-        lay = state[0]
         own = m.__dict__.get(lay.method)
         # A forward the user set while the layer was routed stays: only the routing goes.
         if getattr(own, "__func__", None) is _deferred_forward:
