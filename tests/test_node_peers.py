@@ -25,6 +25,59 @@ def test_the_wait_line_says_what_for_how_long_and_when_it_gives_up():
                             "90 s (a peer host gone or not started yet); giving up in 510 s (--join-timeout 600)")
 
 
+
+def test_stop_returns_only_after_a_line_being_said_and_none_follows():
+    """CI saw "waiting ... giving up in 0 s" printed after the daemon's last line: the wait
+    thread was mid-line when the agent gave up. Forced order: stop() is called while the
+    thread is inside say(); it must not return before that line is out, and no line after."""
+    import threading
+
+    from rrfp.node.peers import RendezvousWait
+
+    inside, release, said = threading.Event(), threading.Event(), []
+
+    def say(line):
+        inside.set()
+        assert release.wait(60)
+        said.append(line)
+
+    w = RendezvousWait(lambda: False, "x", 2, 0.04, say).start()  # a line every 0.01 s
+    assert inside.wait(60)
+    stopped = threading.Event()
+    stopper = threading.Thread(target=lambda: (w.stop(), stopped.set()))
+    stopper.start()
+    assert not stopped.wait(0.2)  # the line being said holds stop() back
+    release.set()
+    stopper.join(60)
+    assert stopped.is_set() and not w._thread.is_alive() and len(said) == 1
+
+
+def test_the_daemons_last_line_comes_after_the_wait_lines_are_ended(monkeypatch):
+    """_launch ends the wait lines (``quiet``) before it says how the launch ended."""
+    import types
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    from rrfp.node import cli
+
+    order = []
+
+    def launcher(config, entry):
+        def run(*args):
+            raise RendezvousTimeoutError("timed out")
+        return run
+
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", launcher)
+    monkeypatch.setattr("rrfp.lines.say", lambda line, *a: order.append(line))
+    job = types.SimpleNamespace(nnodes=2, train_args=[], targs=types.SimpleNamespace(checkpoint_dir=None, dp=1, tp=1))
+    stop = types.SimpleNamespace(requested=False, ended=False, stop_file=types.SimpleNamespace(exists=lambda: False),
+                                 peer_asked=lambda: False)
+    config = types.SimpleNamespace(rdzv_configs={"join_timeout": 20})
+    assert cli._launch(config, job, stop, lambda: order.append("quiet")) == 1
+    assert order == ["quiet", "rrfp node: error: not every node of the 2 joined the rendezvous within "
+                              "--join-timeout 20 s (a peer host gone?); giving up"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @needs_loopback

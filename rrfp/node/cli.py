@@ -346,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
     code = 0
     waiting = _rendezvous_wait(job, f"{job.master_addr}:{rdzv_port} ({args.job_id})", say)
     try:
-        code = _launch(config, job, stop)
+        code = _launch(config, job, stop, waiting.stop)
     finally:
         waiting.stop()
         watching.set()
@@ -415,11 +415,12 @@ def _ranks_env(run_dir: Path, job) -> tuple[Path, Path]:
     return metrics_dir, stop_file
 
 
-def _launch(config, job, stop) -> int:
+def _launch(config, job, stop, quiet) -> int:
     """Run the job's ranks under torch's elastic agent; returns the daemon's exit code after
     one line on how it ended: 0 when training finished, :data:`~rrfp.train.stop.PREEMPTED`
     when it stopped on this daemon's SIGTERM or a peer node's (``stop``, a
-    :class:`~rrfp.train.stop.StopForwarder`), 1 on a failure."""
+    :class:`~rrfp.train.stop.StopForwarder`), 1 on a failure. ``quiet`` (no arguments) ends the
+    rendezvous-wait lines; it returns once none can follow, before that last line is said."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
@@ -440,6 +441,7 @@ def _launch(config, job, stop) -> int:
                 elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
             finally:
                 stop.ended = True
+                quiet()  # the last line is the last: no "waiting ... giving up in 0 s" after it
         say("rrfp node: " + (f"SIGTERM came after the last step: training finished; {saved(ckdir)}" if stop.requested
                              else "done"))
         return 0

@@ -53,7 +53,11 @@ class RendezvousWait:
         return self
 
     def stop(self) -> None:
+        """Ends the lines; returns once the thread has said its last (a line being said
+        finishes first), so whatever the caller says next comes after every wait line."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def line(self, waited: float) -> str:
         """The line after ``waited`` seconds without a running rank."""
