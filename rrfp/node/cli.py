@@ -343,16 +343,20 @@ def run(args: argparse.Namespace) -> int:
                          on_request=lambda: setattr(health, "stopping", True))
     signal.signal(signal.SIGTERM, stop)
     config = _launch_config(args, job, rdzv_port, hosts_store=rdzv_store is not None, node_addr=node_addr)
-    code = 0
+    code = None  # an exception out of _launch: no linger
     waiting = _rendezvous_wait(job, f"{job.master_addr}:{rdzv_port} ({args.job_id})", say)
     try:
         code = _launch(config, job, stop, waiting.stop)
     finally:
         waiting.stop()
         watching.set()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if code == 0:
-            linger(args.metrics_linger)  # the last scrape sees the last step
+            # The last scrape sees the last step. The stop handler stays until linger's own is
+            # in (the default between them killed a daemon that a SIGTERM right after "done"
+            # reached, -15 instead of 0), and a SIGTERM it took after that line ends the linger
+            # at once (it waited the whole --metrics-linger).
+            linger(args.metrics_linger, ended=lambda: stop.requested)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         endpoint.close()
         if lease is not None:
             lease.release()

@@ -251,16 +251,23 @@ def _responder(registry: CollectorRegistry, routes: dict[str, Route], lock) -> C
     return respond
 
 
-def linger(seconds: float) -> None:
+def linger(seconds: float, ended: Callable[[], bool] | None = None) -> None:
     """Block for ``seconds`` (the server threads keep serving), or until SIGTERM or SIGINT,
     which end the wait early and normally (exit code 0 for the caller). Must be called from
-    the main thread; the previous signal handlers are restored."""
+    the main thread; the previous signal handlers are restored.
+
+    ``ended``: whether the caller's own handler already took a stop (a SIGTERM that came
+    after the caller's last line, before this call). It is asked once this function's
+    handlers are in, so a signal lands in one of the two and none is lost between them; the
+    caller keeps its handler installed until this call (never the default in between, which
+    would kill the process instead of ending the linger)."""
     if seconds <= 0:
         return
     done = threading.Event()
     old = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        done.wait(seconds)
+        if ended is None or not ended():
+            done.wait(seconds)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
