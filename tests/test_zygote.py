@@ -82,3 +82,33 @@ def test_a_rank_killed_from_outside_is_named_and_the_other_is_stopped(tmp_path):
     assert failures[0].exitcode == -signal.SIGTERM and pids[0] in job.signalled
     assert describe_failures(failures, job.signalled, (1, 1)) == "rank 1 (pp 1, dp 0, tp 0) died (SIGKILL); rank 0 stopped too"
     assert all(p.exitcode is not None for p in job.procs)
+
+
+def test_asking_which_ranks_run_from_the_sigterm_handler_never_takes_a_ranks_exit_code(tmp_path, monkeypatch):
+    """The launcher's SIGTERM handler (rrfp.train.stop.StopForwarder) asks the job which ranks
+    run, to pass the signal on. Forced order: it runs while the main thread, reading a rank's
+    end, is between the zygote's pipe becoming readable and its read (multiprocessing's
+    forkserver ``Popen.poll``), the bytecode boundary where Python runs a handler. The rank's
+    exit code stays its own, 3. Before, the handler read it itself, the main thread found the
+    pipe empty, and the rank "exited 255": a finished or cleanly stopped run then failed."""
+    import multiprocessing
+    import multiprocessing.connection as mpc
+
+    job = LocalJob(["unused"], 1, {}, str(tmp_path))
+    p = multiprocessing.get_context("forkserver").Process(target=os._exit, args=(3,))
+    p.start()
+    job.procs.append(p)
+    real_wait, asked, inside = mpc.wait, [], []
+
+    def wait(objects, timeout=None):
+        ready = real_wait(objects, timeout)
+        if p.sentinel in ready and sys._getframe(1).f_code.co_name == "poll" and not inside:
+            inside.append(1)  # the handler's own reads come here too: once
+            asked.append(job.running())  # the SIGTERM handler, between the readiness and the read
+        return ready
+
+    monkeypatch.setattr(mpc, "wait", wait)
+    failures = job.wait()
+    assert {r: f.exitcode for r, f in failures.items()} == {0: 3}
+    assert asked == [[p.pid]]  # still running as far as the launcher has read
+    assert job.running() == []

@@ -123,6 +123,7 @@ class LocalJob:
         self.procs: list = []
         self.signalled: set[int] = set()
         """The pids this launcher signalled itself (:func:`rrfp.train.guard.root_cause`)."""
+        self._ended: set[int] = set()  # pids of the ranks whose end the main thread has read
         self._store = self._store_conn = None
 
     def __enter__(self) -> "LocalJob":
@@ -179,8 +180,19 @@ class LocalJob:
             self.procs.append(p)
 
     def running(self) -> list[int]:
-        """The pids of the ranks started and not yet ended."""
-        return [p.pid for p in self.procs if p.exitcode is None]
+        """The pids of the ranks started and not yet seen ended. Safe in a signal handler (the
+        launcher's SIGTERM forwarder): it reads no exit status. A rank's status is one read of
+        the zygote's pipe (multiprocessing's ``forkserver`` ``Popen.poll``); a handler that
+        read it while the main thread, interrupted, was between that pipe's readiness and its
+        read left the main thread an empty pipe, and the rank's exit code became 255."""
+        return [p.pid for p in self.procs if p.pid not in self._ended]
+
+    def _exitcode(self, p) -> int | None:
+        """``p.exitcode``, read on the main thread only (see :meth:`running`)."""
+        code = p.exitcode
+        if code is not None:
+            self._ended.add(p.pid)
+        return code
 
     def _error_file(self, rank: int) -> str:
         return os.path.join(self.folder, f"error-{rank}.json")
@@ -204,11 +216,11 @@ class LocalJob:
             for s in ready:
                 p = live.pop(s)
                 p.join()
-                if p.exitcode != 0 and failed_at is None:
+                if self._exitcode(p) != 0 and failed_at is None:
                     failed_at = time.monotonic()
         self.stop(signal.SIGTERM)
-        return {r: Failure(r, p.pid, p.exitcode, self._error_file(r))
-                for r, p in enumerate(self.procs) if p.exitcode not in (0, None)}
+        return {r: Failure(r, p.pid, code, self._error_file(r))
+                for r, p in enumerate(self.procs) if (code := self._exitcode(p)) not in (0, None)}
 
     def stop(self, sig: int) -> None:
         """Send ``sig`` to the ranks still running, SIGKILL to those left after
@@ -216,7 +228,7 @@ class LocalJob:
         from multiprocessing.connection import wait
 
         for kill in (sig, signal.SIGKILL):
-            alive = [p for p in self.procs if p.exitcode is None]
+            alive = [p for p in self.procs if self._exitcode(p) is None]
             for p in alive:
                 try:
                     os.kill(p.pid, kill)
@@ -226,7 +238,7 @@ class LocalJob:
             deadline = time.monotonic() + GRACE_S
             while alive and (left := deadline - time.monotonic()) > 0:
                 wait([p.sentinel for p in alive], left)
-                alive = [p for p in alive if p.exitcode is None]
+                alive = [p for p in alive if self._exitcode(p) is None]
             if not alive:
                 return
 
