@@ -7,23 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import types
 
 import pytest
+from linger_waits import record_linger_waits
 
 from rrfp.cli import main
-
-
-class _Recorded(threading.Event):
-    """An event whose waits never block; each records whether the event was set then: a wait
-    on an unset event is the linger running on as if no signal had come."""
-
-    waits: list[bool] = []
-
-    def wait(self, timeout=None):
-        _Recorded.waits.append(self.is_set())
-        return super().wait(0)
 
 
 @pytest.mark.slow  # imports torch's elastic agent and serves HTTP: seconds of CPU
@@ -33,16 +21,13 @@ def test_a_sigterm_right_after_the_last_line_ends_the_metrics_linger_at_once(mon
     with exit code 0. Before: the daemon's stop handler took the signal and the linger then
     waited its whole time (600 s here), or, one step later, the default handler was in and the
     daemon died of the signal (-15) instead of exiting 0."""
-    import rrfp.obs.server as server
-
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the daemon sets its ranks' variables here
     for k in ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
               "JOB_COMPLETION_INDEX", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
     said: list[str] = []
     monkeypatch.setattr("rrfp.lines.say", lambda line, *a: said.append(line))
-    _Recorded.waits = []
-    monkeypatch.setattr(server, "threading", types.SimpleNamespace(**{**vars(threading), "Event": _Recorded}))
+    waits = record_linger_waits(monkeypatch)
 
     def launch(config, job, stop, quiet):  # as rrfp.node.cli._launch ends a finished run
         stop.ended = True
@@ -61,4 +46,4 @@ def test_a_sigterm_right_after_the_last_line_ends_the_metrics_linger_at_once(mon
         signal.signal(signal.SIGTERM, before)
     assert code == 0, said
     assert said[-1] == "rrfp node: done", said
-    assert False not in _Recorded.waits, "the linger waited although a SIGTERM had come"
+    assert False not in waits, "the linger waited although a SIGTERM had come"

@@ -10,6 +10,7 @@ import signal
 import sys
 
 import pytest
+from linger_waits import record_linger_waits
 from procs import Proc
 from runs import SMALL
 
@@ -29,3 +30,42 @@ def test_sigterm_during_the_metrics_linger_exits_0(tmp_path):
     assert rc == 0, run.output()
     assert "rrfp train: SIGTERM ended --metrics-linger; training had finished" in run.output()
     assert "stopped by" not in run.output() and "error" not in run.output(), run.output()
+
+
+def test_a_stop_asked_while_the_ranks_mark_their_training_over_ends_the_linger_at_once(tmp_path, monkeypatch):
+    """Forced order: the launcher's SIGTERM comes while this rank, its training marked over,
+    waits in the barrier for a rank that has not marked yet. The launcher then asks a stop
+    (its stop file, then SIGTERM to the ranks), which the rank's graceful stop takes. The
+    linger that follows must end at once, exit 0 (the launcher then says training finished).
+    Before, it lasted its whole --metrics-linger, and the launcher waited for it."""
+    import argparse
+    import types
+
+    import torch.distributed as dist
+
+    from rrfp.train import worker
+    from rrfp.train.linger import FINISHED_ENV
+    from rrfp.train.stop import STOP_FILE_ENV, GracefulStop
+
+    stop_file = tmp_path / "stop-requested"
+    monkeypatch.setenv(STOP_FILE_ENV, str(stop_file))
+    monkeypatch.setenv(FINISHED_ENV, str(tmp_path))
+
+    def barrier():  # the launcher's handler, while this rank waits here
+        stop_file.write_text("launcher")
+        os.kill(os.getpid(), signal.SIGTERM)  # the rank's handler runs here, in the main thread
+
+    monkeypatch.setattr(dist, "barrier", barrier)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    waits = record_linger_waits(monkeypatch)
+    closed: list[int] = []
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stop = GracefulStop(dist.HashStore(), 1, 2)  # armed: the stop file is in the environment
+        code = worker._finished(argparse.Namespace(metrics_linger=600.0), 1,
+                                types.SimpleNamespace(close=lambda: closed.append(1)), stop)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert (tmp_path / "rank-1").exists() and stop.requested  # marked, then the stop came
+    assert code == 0 and closed == [1]
+    assert False not in waits, "the linger waited although a SIGTERM had come"

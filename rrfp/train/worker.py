@@ -116,18 +116,29 @@ def _main(args: argparse.Namespace) -> int:
         if metrics_server is not None:
             metrics_server.close()
         return PREEMPTED
+    return _finished(args, layout.rank, metrics_server, run.stop)
+
+
+def _finished(args: argparse.Namespace, rank: int, metrics_server, stop) -> int:
+    """A finished run's end on one rank: the process group destroyed and, with a metrics
+    server, ``--metrics-linger`` served (under the ``rrfp train`` launcher once every rank has
+    marked its training over); returns 0. ``stop``: the rank's
+    :class:`~rrfp.train.stop.GracefulStop`."""
     from .linger import mark_finished
 
-    if metrics_server is not None and args.metrics_linger > 0 and mark_finished(layout.rank):
+    if metrics_server is not None and args.metrics_linger > 0 and mark_finished(rank):
         dist.barrier()  # every rank marked: from the line below, a SIGTERM finds training over
-        if layout.rank == 0:
+        if rank == 0:
             say(f"rrfp train: training finished; serving the final metrics for {args.metrics_linger:g} s "
                 "(--metrics-linger; SIGTERM or Ctrl-C ends it, exit 0)")
     dist.destroy_process_group()
     if metrics_server is not None:
         from ..obs.server import linger
 
-        linger(args.metrics_linger)
+        # A SIGTERM before linger's handler is in went to the graceful stop's: while some rank
+        # had not yet marked (the launcher then asks a stop, not the end of a linger), or in
+        # the last step. It ends the linger at once, which otherwise lasted its whole time.
+        linger(args.metrics_linger, ended=lambda: stop.requested)
         metrics_server.close()
     return 0
 
