@@ -21,7 +21,7 @@ import rrfp
 from rrfp.errors import PipelineError
 from handover import rank_env, run_ranks
 from reference import ATOL, RTOL, sequential_reference
-from rrfp.sim.auto import EXTRA_ROUNDS, TRIAL_ROUNDS, trial_order
+from rrfp.sim.trial import EXTRA_ROUNDS, TRIAL_ROUNDS, trial_order
 
 M = 4
 STEPS = 3 + 3 * TRIAL_ROUNDS + 1  # measuring, a trial of up to three candidates, one kept step
@@ -163,13 +163,13 @@ def test_the_control_plane_share_gathers_in_rank_order_and_keeps_other_messages(
     not auto's stays in the rank's control queue for its reader."""
     import asyncio
 
-    from rrfp.runtime.features import auto
+    from rrfp.runtime.features import share
 
     with rrfp.LocalPipeline(_modules(), M, F.mse_loss, hint="bf") as pipe:
         pipe.step(*_batch(0)[:1], target=_batch(0)[1])  # the ranks receive from their first step on
         rts = pipe.runtimes
-        shares = [auto.ControlShare(rt, 2, timeout=600) for rt in rts]
-        n = 2 * auto._PART_ITEMS + 3
+        shares = [share.ControlShare(rt, 2, timeout=600) for rt in rts]
+        n = 2 * share._PART_ITEMS + 3
         items = [[(r, i, 0.5 * i) for i in range(n)] for r in range(2)]
 
         async def both(make):
@@ -206,21 +206,21 @@ def test_a_malformed_auto_part_from_a_peer_is_refused_naming_it(parts, says):
     repeat) stops the exchange with one error naming the sender and the field; on main before
     this check some were taken as figures (``of`` 0 ends the wait with no part) and others left
     the rank waiting for parts that never come."""
-    from rrfp.runtime.features import auto
+    from rrfp.runtime.features import share
 
     with rrfp.LocalPipeline(_modules(), M, F.mse_loss, hint="bf") as pipe:
         pipe.step(*_batch(0)[:1], target=_batch(0)[1])
         rts = pipe.runtimes
-        share = auto.ControlShare(rts[0], 2, timeout=60)  # a hang bound only
+        ctl = share.ControlShare(rts[0], 2, timeout=60)  # a hang bound only
 
         async def peer_sends():
             for p in parts:
-                rts[1].send_control(0, 1, {"kind": auto.KIND, "rrfp-auto": 1, "part": 0, "of": 1, "items": [9.0], **p})
+                rts[1].send_control(0, 1, {"kind": share.KIND, "rrfp-auto": 1, "part": 0, "of": 1, "items": [9.0], **p})
 
         pipe.run(peer_sends())
         with pytest.raises(PipelineError, match=re.escape(f"rank 1 sent a malformed auto message (exchange 1): ")
                            + ".*" + re.escape(says)):
-            pipe.run(share.max(1.0))
+            pipe.run(ctl.max(1.0))
 
 
 # ------------------------------------------------------------------ processes

@@ -79,7 +79,7 @@ class StepStats:
             (:mod:`rrfp.scheduler.backfill`; 0 under any other hint).
         input_elems: elements of the step's input tensors, positional and keyword, on the
             rank holding stage 0 (0 elsewhere): how large the step's batch was, a figure no
-            hint changes (``auto``'s measure of a batch's work, :func:`rrfp.sim.auto.scaled`).
+            hint changes (``auto``'s measure of a batch's work, :func:`rrfp.sim.trial.scaled`).
     """
 
     step: int
