@@ -88,6 +88,26 @@ def test_local_pipeline_keeps_a_candidate_measured_faster():
     assert ran[end:] == [auto.chosen] * (len(ran) - end)
 
 
+def test_a_batchs_work_counts_tensors_nested_in_keyword_arguments():
+    """A keyword argument may hold a list or dict of tensors (one per image, say), which torch's
+    microbatch split accepts: their elements are part of the batch's work (on main before this,
+    only a tuple of tensors and a dict's own tensor values were counted: 48 of 112 here)."""
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+
+        def forward(self, x, aux=None):
+            return self.lin(x) + sum(t.sum() for t in aux["extra"])
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+    aux = {"extra": [torch.randn(8, 3, generator=g), torch.randn(8, 5, generator=g)]}
+    with rrfp.LocalPipeline([Stage(), Stage()], 4, F.mse_loss, hint="bf") as pipe:
+        pipe.step(x, target=y, aux=aux)
+        assert [st.input_elems for st in pipe.last_stats] == [x.numel() + 8 * 3 + 8 * 5, 0]
+
+
 def test_the_trial_rescales_by_the_inputs_elements_not_by_the_forwards_seconds():
     """Each trial step's work figure is the elements of the batch it ran (8, 12 or 16 rows of
     6), whichever hint ran it and however long its forwards took: a figure of the forwards'
