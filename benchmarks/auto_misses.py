@@ -13,12 +13,12 @@ per point) and every one of its candidates on the point's own seed, and prints e
 - ``trial``: it ran in the trial, but another hint's trial median was smaller (the trial's
   steps, other batches than the judged one, said otherwise);
 - ``keep``: its trial median was the smallest, but within the margin
-  (:func:`rrfp.sim.auto.margin`: the larger of 1% and the trial's spread), so the order of
+  (:func:`rrfp.sim.trial.margin`: the larger of 1% and the trial's spread), so the order of
   preference (the strict schedule first) kept another.
 
 Columns: the point; the best candidate and its makespan; ``auto``'s choice and its makespan over
 the best's; the ranking's order (simulated ms on the profile); the trial's medians (ms,
-adjusted to equal batch work, :func:`rrfp.sim.auto.scaled`) with the kept hint starred; the margin.
+adjusted to equal batch work, :func:`rrfp.sim.trial.scaled`) with the kept hint starred; the margin.
 
 Pure simulation (seconds at 4 ranks, minutes at 16): no OR-Tools, no torch.
 """
@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rrfp.sim import auto, suite  # noqa: E402
+from rrfp.sim.trial import margin, medians  # noqa: E402
 from rrfp.sim.compare import default_baseline, run_one  # noqa: E402
 
 TOLERANCE = 0.02
@@ -84,7 +85,7 @@ class Point:
             tried = [h for h in run.walls if h != run.ranking.strict]
             tie = any(run.ranking.makespan(h) == sim for h in tried)
             return "ranking (tie)" if tie else "ranking"
-        med = auto.medians(run.walls)
+        med = medians(run.walls)
         return "keep" if med[best] == min(med.values()) else "trial"
 
 
@@ -123,12 +124,12 @@ def cells(points: Sequence[Point]) -> tuple[list[str], list[list[str]]]:
     for p in points:
         if not p.missed:
             continue
-        rk, med = p.run.ranking, auto.medians(p.run.walls)
+        rk, med = p.run.ranking, medians(p.run.walls)
         order = ", ".join(f"{h} {1e3 * t:.1f}" for h, t in rk.order)
         trial = ", ".join(f"{h}{'*' if h == p.run.chosen else ''} {1e3 * t:.1f}" for h, t in
                           sorted(med.items(), key=lambda x: x[1]))
         rows.append([p.name, f"{p.best} {p.makespan[p.best]:.4f}", p.run.chosen, f"{p.ratio():.3f}", p.cause(),
-                     order, trial, f"{100 * auto.margin(p.run.walls):.1f}%"])
+                     order, trial, f"{100 * margin(p.run.walls):.1f}%"])
     return header, rows
 
 

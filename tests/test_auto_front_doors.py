@@ -21,7 +21,7 @@ import rrfp
 from rrfp.errors import PipelineError
 from handover import rank_env, run_ranks
 from reference import ATOL, RTOL, sequential_reference
-from rrfp.sim.auto import EXTRA_ROUNDS, TRIAL_ROUNDS, trial_order
+from rrfp.sim.trial import EXTRA_ROUNDS, TRIAL_ROUNDS, trial_order
 
 M = 4
 STEPS = 3 + 3 * TRIAL_ROUNDS + 1  # measuring, a trial of up to three candidates, one kept step
@@ -86,6 +86,26 @@ def test_local_pipeline_keeps_a_candidate_measured_faster():
     assert all(sorted(ran[3 + r * len(auto.trial):3 + (r + 1) * len(auto.trial)]) == sorted(auto.trial)
                for r in range(TRIAL_ROUNDS))
     assert ran[end:] == [auto.chosen] * (len(ran) - end)
+
+
+def test_a_batchs_work_counts_tensors_nested_in_keyword_arguments():
+    """A keyword argument may hold a list or dict of tensors (one per image, say), which torch's
+    microbatch split accepts: their elements are part of the batch's work (on main before this,
+    only a tuple of tensors and a dict's own tensor values were counted: 48 of 112 here)."""
+    class Stage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6)
+
+        def forward(self, x, aux=None):
+            return self.lin(x) + sum(t.sum() for t in aux["extra"])
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+    aux = {"extra": [torch.randn(8, 3, generator=g), torch.randn(8, 5, generator=g)]}
+    with rrfp.LocalPipeline([Stage(), Stage()], 4, F.mse_loss, hint="bf") as pipe:
+        pipe.step(x, target=y, aux=aux)
+        assert [st.input_elems for st in pipe.last_stats] == [x.numel() + 8 * 3 + 8 * 5, 0]
 
 
 def test_the_trial_rescales_by_the_inputs_elements_not_by_the_forwards_seconds():
@@ -163,13 +183,13 @@ def test_the_control_plane_share_gathers_in_rank_order_and_keeps_other_messages(
     not auto's stays in the rank's control queue for its reader."""
     import asyncio
 
-    from rrfp.runtime.features import auto
+    from rrfp.runtime.features import share
 
     with rrfp.LocalPipeline(_modules(), M, F.mse_loss, hint="bf") as pipe:
         pipe.step(*_batch(0)[:1], target=_batch(0)[1])  # the ranks receive from their first step on
         rts = pipe.runtimes
-        shares = [auto.ControlShare(rt, 2, timeout=600) for rt in rts]
-        n = 2 * auto._PART_ITEMS + 3
+        shares = [share.ControlShare(rt, 2, timeout=600) for rt in rts]
+        n = 2 * share._PART_ITEMS + 3
         items = [[(r, i, 0.5 * i) for i in range(n)] for r in range(2)]
 
         async def both(make):
@@ -206,21 +226,21 @@ def test_a_malformed_auto_part_from_a_peer_is_refused_naming_it(parts, says):
     repeat) stops the exchange with one error naming the sender and the field; on main before
     this check some were taken as figures (``of`` 0 ends the wait with no part) and others left
     the rank waiting for parts that never come."""
-    from rrfp.runtime.features import auto
+    from rrfp.runtime.features import share
 
     with rrfp.LocalPipeline(_modules(), M, F.mse_loss, hint="bf") as pipe:
         pipe.step(*_batch(0)[:1], target=_batch(0)[1])
         rts = pipe.runtimes
-        share = auto.ControlShare(rts[0], 2, timeout=60)  # a hang bound only
+        ctl = share.ControlShare(rts[0], 2, timeout=60)  # a hang bound only
 
         async def peer_sends():
             for p in parts:
-                rts[1].send_control(0, 1, {"kind": auto.KIND, "rrfp-auto": 1, "part": 0, "of": 1, "items": [9.0], **p})
+                rts[1].send_control(0, 1, {"kind": share.KIND, "rrfp-auto": 1, "part": 0, "of": 1, "items": [9.0], **p})
 
         pipe.run(peer_sends())
         with pytest.raises(PipelineError, match=re.escape(f"rank 1 sent a malformed auto message (exchange 1): ")
                            + ".*" + re.escape(says)):
-            pipe.run(share.max(1.0))
+            pipe.run(ctl.max(1.0))
 
 
 # ------------------------------------------------------------------ processes

@@ -22,7 +22,7 @@ from torch import nn
 import rrfp
 from rrfp.scheduler.tasks import W
 from reference import ATOL, RTOL, sequential_reference
-from rrfp.sim.auto import TRIAL_ROUNDS
+from rrfp.sim.trial import TRIAL_ROUNDS
 
 M = 4
 STEPS = 3 + 3 * TRIAL_ROUNDS + 2  # measuring, a trial of up to three candidates, two kept steps

@@ -10,6 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import auto_misses as am  # noqa: E402
 from rrfp.sim import auto, suite  # noqa: E402
+from rrfp.sim.trial import keep as keep_rule  # noqa: E402
 
 
 def point(ms: dict[str, float], order: list[tuple[str, float]], walls: dict[str, list[float]], chosen: str,
@@ -41,7 +42,7 @@ def test_the_trial_and_the_keep_rule_are_told_apart():
     assert trial.cause() == "trial"
     # backfill measured fastest, by 0.5% (< the 1% tie): the order of preference kept strict-split.
     walls = {"strict-1f1b": [0.8] * 3, "strict-split": [0.70] * 3, "backfill": [0.6965] * 3}
-    assert auto.keep({h: [(t, 0.0) for t in w] for h, w in walls.items()}, "strict-1f1b") == "strict-split"
+    assert keep_rule({h: [(t, 0.0) for t in w] for h, w in walls.items()}, "strict-1f1b") == "strict-split"
     keep = point(ms, ORDER, walls, "strict-split")
     assert keep.cause() == "keep" and keep.missed
     # Within 2%: not a miss, whatever the cause.

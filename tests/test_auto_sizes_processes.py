@@ -1,5 +1,5 @@
 """``auto``'s measured microbatch sizes through rrfp's own control plane, two real processes
-(:class:`~rrfp.runtime.features.auto.ControlShare`, the items msgpack-packed in control messages):
+(:class:`~rrfp.runtime.features.share.ControlShare`, the items msgpack-packed in control messages):
 with a memory budget on both ranks, both rank on the same measured sizes, equal to what autograd
 saves by hand; with a budget on one rank only, neither ranks on sizes (the other measured none)
 and both keep that one rank's budget. Either way both processes reach the same ranking and trial,

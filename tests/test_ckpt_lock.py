@@ -178,3 +178,26 @@ def test_a_pid_no_process_can_have_is_no_live_holder(pid):
 
     assert _pid_alive(pid) is False
     assert _pid_alive(os.getpid()) is True
+
+
+def test_a_plain_torchrun_jobs_rank_0_holds_the_folder_for_the_torchrun_job(tmp_path, monkeypatch):
+    """Only global rank 0 of a job no rrfp launcher holds the folder for takes it, named after
+    torchrun's run id; a rank of an rrfp launcher's job (its identity inherited) takes nothing."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(checkpoint_dir=str(tmp_path / "ck"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    monkeypatch.setenv("RANK", "1")
+    assert ckpt_lock.hold_in_rank(args) is None
+    monkeypatch.setenv("RANK", "0")
+    assert ckpt_lock.hold_in_rank(SimpleNamespace(checkpoint_dir=None)) is None
+    lease = ckpt_lock.hold_in_rank(args)
+    try:
+        assert _lock(tmp_path / "ck")["job"] == "torchrun-abc" and os.environ[ckpt_lock.JOB_ENV] == "torchrun-abc"
+        assert ckpt_lock.hold_in_rank(args) is None  # the job's identity is set: held already
+    finally:
+        lease.release()
+    assert not (tmp_path / "ck" / LOCK_FILE).exists()
+    monkeypatch.setenv(ckpt_lock.JOB_ENV, "train-launcher")
+    assert ckpt_lock.hold_in_rank(args) is None
+

@@ -99,6 +99,36 @@ def test_rrfp_train_runs_under_torchrun_launcher(pp2_run, tmp_path):
     assert len(lines) == 6, out
     assert "done: 6 steps" in out
     assert losses(tmp_path / "losses") == pp2_run[0]
+    assert not (tmp_path / "ck" / ".rrfp-lock").exists()  # rank 0 held it (below) and let it go
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_plain_torchrun_job_is_refused_a_checkpoint_folder_another_job_holds(tmp_path):
+    """Under a plain torchrun (no rrfp launcher holds the folder), rank 0 takes the folder's
+    lock for the torchrun job: a folder another live job holds is refused in one line and
+    nothing is written into it (on main before this, the run wrote its checkpoints there)."""
+    from rrfp.train.ckpt_lock import Lease
+
+    from runs import SMALL
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    other = Lease(ck, "other-job")
+    other.acquire()  # this test's own pid: a live holder
+    try:
+        flags = [f for f in SMALL if f != "--quiet"]
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "rrfp", "train", *flags, "--stages", "2", "--steps", "2", "--checkpoint-dir",
+                            str(ck), "--checkpoint-every", "1"], capture_output=True, text=True, timeout=600,
+                           env={k: v for k, v in os.environ.items()
+                                if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RRFP_CHECKPOINT_JOB")})
+        assert p.returncode != 0, p.stdout[-2000:]
+        ours = [ln for ln in p.stderr.splitlines() if ln.startswith("rrfp train: rank 0: error: ")]
+        assert ours and f"--checkpoint-dir={str(ck)!r}: in use by job 'other-job'" in ours[0], p.stderr[-3000:]
+        assert sorted(x.name for x in ck.iterdir()) == [".rrfp-lock"]
+    finally:
+        other.release()
 
 
 @pytest.mark.timeout(1500)

@@ -7,8 +7,10 @@ import logging
 
 import pytest
 
-from rrfp.sim.auto import (EXTRA_ROUNDS, PROFILE_SEED, SPREAD_MAD, undecided, all_candidates, TIE, TRIAL_ROUNDS, TRIAL_SEED, Profile, keep, known_candidates, margin, medians, preference, spread,
-                           batch_work, profile_from_samples, profile_of_config, rank, scaled, simulate_auto, trial_candidates, trial_order)
+from rrfp.sim.auto import (PROFILE_SEED, TRIAL_SEED, Profile, all_candidates, batch_work, known_candidates,
+                           profile_from_samples, profile_of_config, rank, simulate_auto)
+from rrfp.sim.trial import (EXTRA_ROUNDS, SPREAD_MAD, TIE, TRIAL_ROUNDS, keep, margin, medians, preference, scaled, spread,
+                            trial_candidates, trial_order, undecided)
 from rrfp.sim.compare import SimConfig, run_one
 from rrfp.sim.costs import CostModel, StageCost
 from rrfp.scheduler.tasks import F, Task

@@ -34,10 +34,10 @@ def test_hints_auto_is_the_run_of_the_hint_it_kept(capsys, tmp_path) -> None:
 
 def test_the_kept_line_after_extra_rounds_counts_their_steps_and_gives_the_medians_it_chose_on(capsys) -> None:
     """At 4 ranks, 16 microbatches, J2, 1F1B's memory the trial leaves two hints to its noise
-    (rrfp.sim.auto.undecided): they run EXTRA_ROUNDS more rounds and the choice is made on their
+    (rrfp.sim.trial.undecided): they run EXTRA_ROUNDS more rounds and the choice is made on their
     six steps each. The line said "median of 3 trial steps" and listed the three hints' medians
     adjusted together (backfill first, strict-split kept)."""
-    from rrfp.sim.auto import EXTRA_ROUNDS, TRIAL_ROUNDS, keep, margin, medians
+    from rrfp.sim.trial import EXTRA_ROUNDS, TRIAL_ROUNDS, keep, margin, medians
 
     argv = ["-p", "4", "-m", "16", "--jitter", "J2", "--limit", "16", "--memory-budget", "1f1b", "--act-bytes", "1MiB"]
     rc, out, _ = _sim(capsys, *argv, "--hints", "auto")

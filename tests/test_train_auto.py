@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch.distributed as dist
 
-from rrfp.runtime.features.auto import TRIAL_ROUNDS, AutoHint, DistShare, LocalShare
-from rrfp.sim.auto import EXTRA_ROUNDS
+from rrfp.runtime.features.auto import TRIAL_ROUNDS, AutoHint
+from rrfp.runtime.features.share import DistShare, LocalShare
+from rrfp.sim.trial import EXTRA_ROUNDS
 from rrfp.runtime.doors.config import RuntimeConfig, plan
 from rrfp.runtime.doors.front import FrontDoor
 from rrfp.runtime.engine.rank import RankRuntime

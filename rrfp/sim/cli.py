@@ -25,7 +25,8 @@ from ..errors import UsageError
 from ..plugins import add_flag as add_plugin_flag, load as load_plugins
 from ..resources import doc_path
 from ..scheduler.registry import forms as hint_forms
-from .auto import AUTO, EXTRA_ROUNDS, TRIAL_ROUNDS, decided_on, margin, medians, simulate_auto
+from .auto import AUTO, simulate_auto
+from .trial import EXTRA_ROUNDS, TRIAL_ROUNDS, decided_on, margin, medians
 from .compare import SimConfig, compare, default_baseline, sweep, sweep_table
 from .costs import MAX_BYTES, MAX_SECONDS, CostModel, StageCost, load_costs, short
 from .duration import Dist
@@ -543,7 +544,7 @@ def run(args: argparse.Namespace) -> int:
     if baseline:
         print(f"# speedup = makespan of {baseline} / makespan; bound = lower bound of that run (docs/simulator.md)")
     if chosen is not None:
-        # After extra rounds the choice is made on their two hints' steps alone (rrfp.sim.auto.undecided).
+        # After extra rounds the choice is made on their two hints' steps alone (rrfp.sim.trial.undecided).
         pair = chosen.extension
         basis = decided_on(chosen.walls, pair)
         med = ", ".join(f"{h} {v:.4g} s" for h, v in sorted(medians(basis).items(), key=lambda x: x[1]))

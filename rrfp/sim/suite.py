@@ -32,8 +32,8 @@ the point's runs so that it holds for every hint run there.
 
 ``auto`` (:mod:`rrfp.sim.auto`) is judged as it runs (:func:`rrfp.sim.auto.simulate_auto`): it
 ranks its candidates on a profile measured under its own seed, then runs its trial (the strict
-schedule and the best two, :data:`~rrfp.sim.auto.TRIAL_ROUNDS` rounds of one simulated step
-each, every step under a seed of its own) and keeps by :func:`rrfp.sim.auto.keep`. Neither step
+schedule and the best two, :data:`~rrfp.sim.trial.TRIAL_ROUNDS` rounds of one simulated step
+each, every step under a seed of its own) and keeps by :func:`rrfp.sim.trial.keep`. Neither step
 sees the draws it is judged on; the choice is made once per point and its makespan at each seed
 is that of the candidate it kept.
 
@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 from ..scheduler.hints import DEFAULT_HINT
 from ..scheduler.tasks import PipelineSpec
-from . import auto
+from . import auto, trial
 from .compare import SimConfig, compare, default_baseline
 from .costs import CostModel
 from .duration import Dist
@@ -376,7 +376,7 @@ def suite_markdown(rows: Sequence[SuiteRow], hints: Sequence[str], wall_s: float
         f"Regenerate with `{command}` (last run: {wall_s:.0f} s of wall time"
         + (f", {cpu_s:.0f} s of CPU" if cpu_s is not None else "") + " on the shared 2-core machine;",
         "`--suite-jobs N` runs N worker processes and gives the same figures).",
-        "Scenarios, seeds, memory settings and costs: `rrfp/sim/suite.py`; `auto`: `rrfp/sim/auto.py`.",
+        "Scenarios, seeds, memory settings and costs: `rrfp/sim/suite.py`; `auto`: `rrfp/sim/auto.py` (its trial rule: `rrfp/sim/trial.py`).",
         "Speedups are over the placement's fixed-order baseline (strict 1F1B; strict interleaved",
         "1F1B with 2 `loop` virtual stages; strict ZB-V with 2 `v` virtual stages) on the same",
         "workload and seed. At `1f1b` memory every rank's byte budget is what the baseline holds",
@@ -395,11 +395,11 @@ def suite_markdown(rows: Sequence[SuiteRow], hints: Sequence[str], wall_s: float
         "smallest over the point's runs, so no hint run there can beat them.",
         "`auto` is modelled as `rrfp train` runs it (`rrfp.sim.auto.simulate_auto`): it ranks its",
         "candidates with the simulator on a profile measured under a seed of its own, then runs its",
-        f"trial, the strict schedule and the best two by simulation, {auto.TRIAL_ROUNDS} rounds of one step each in",
+        f"trial, the strict schedule and the best two by simulation, {trial.TRIAL_ROUNDS} rounds of one step each in",
         "rotating order, every trial step simulated on the point's workload under a seed of its own,",
         "and keeps the smallest median step time (a hint counts as faster only beyond",
-        f"{100 * auto.TIE:g}% or the trial steps' spread, where larger; among the tied, the strict schedule,",
-        "else the first candidate in order: `rrfp.sim.auto.keep`, the rule `rrfp train` uses). Neither step sees the",
+        f"{100 * trial.TIE:g}% or the trial steps' spread, where larger; among the tied, the strict schedule,",
+        "else the first candidate in order: `rrfp.sim.trial.keep`, the rule `rrfp train` uses). Neither step sees the",
         "draws `auto` is judged on; it chooses once per point and is judged at every seed by the",
         "makespan of the hint it kept" + (f"; candidates not known to this build: {', '.join(skipped)}." if skipped else "."),
         "",

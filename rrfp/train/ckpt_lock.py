@@ -253,6 +253,24 @@ def hold(args, job: str) -> Lease | None:
     return lease.start()
 
 
+def hold_in_rank(args) -> Lease | None:
+    """Under a plain ``torchrun ... rrfp train`` (no rrfp launcher or daemon holds the folder:
+    :data:`JOB_ENV` unset), global rank 0 takes ``--checkpoint-dir`` for the torchrun job
+    (``torchrun-`` + its ``TORCHELASTIC_RUN_ID``: a restarted rank 0 of the same job takes its
+    lock over) and keeps it until :meth:`Lease.release`; None on any other rank, without the
+    flag, or where a launcher holds it already.
+
+    Raises:
+        FolderInUse: one line naming the flag and the live job that holds the folder.
+        OSError: the folder cannot be created or written.
+    """
+    root = getattr(args, "checkpoint_dir", None)
+    if not root or os.environ.get(JOB_ENV) or os.environ.get("RANK") != "0":
+        return None
+    Path(root).mkdir(parents=True, exist_ok=True)  # no launcher's checks created it
+    return hold(args, f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}")
+
+
 def check_owner(root: str | os.PathLike) -> str | None:
     """Before a commit: the job that holds ``root`` if it is not this rank's job
     (:data:`JOB_ENV`), else None (also when there is no lock or no job identity)."""

@@ -62,10 +62,17 @@ def main(args: argparse.Namespace) -> int:
     logging.getLogger("rrfp.transport").addFilter(QuietAfterReaderLeft())
     from .guard import configure_auth, write_error_file
 
+    from .ckpt_lock import hold_in_rank
+
     try:
-        configure_auth(args)
-        code = _main(args)
-        flush_output()  # here: a reader gone meanwhile is the quiet stop below
+        lease = hold_in_rank(args)  # a plain torchrun job's: rrfp's launchers hold the folder already
+        try:
+            configure_auth(args)
+            code = _main(args)
+            flush_output()  # here: a reader gone meanwhile is the quiet stop below
+        finally:
+            if lease is not None:
+                lease.release()  # before any exit below: they skip finalization
     except BrokenPipeError:
         # `rrfp train | head`: the reader is gone. Stop as Unix tools do, quietly, and tell the
         # other ranks (through the launcher's store) that this is no failure to report.

@@ -67,7 +67,7 @@ class RuntimeConfig:
         job: job id in every message key and store entry (None: one per pipeline).
         auto_recheck: under ``hint="auto"``, steps between re-checks (one more trial round
             each; a switch needs a hint measured faster than the kept one beyond
-            :func:`~rrfp.sim.auto.margin`, the 1% tie or the trial steps' spread); 0: never,
+            :func:`~rrfp.sim.trial.margin`, the 1% tie or the trial steps' spread); 0: never,
             the first choice is kept throughout.
     """
 

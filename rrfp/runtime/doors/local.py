@@ -112,7 +112,7 @@ class LocalPipeline(FrontDoor):
         self.runtimes = self.run(build())
         self.last_stats: list[StepStats] = []
         if the_plan.auto:
-            from ..features.auto import LocalShare
+            from ..features.share import LocalShare
             from .front import log
 
             self._start_auto(LocalShare(), log.info)  # every rank's records are here

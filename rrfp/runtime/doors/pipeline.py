@@ -234,7 +234,7 @@ def _auto_share(runtime, rank: int, n_ranks: int, group: Any, timeout_s: float):
     own control plane; its lines logged by the group's rank 0 only."""
     import torch.distributed as dist
 
-    from ..features.auto import ControlShare, DistShare
+    from ..features.share import ControlShare, DistShare
     from .front import log
 
     if dist.is_available() and dist.is_initialized():

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ...scheduler.arbiter import Arbiter
 from ...scheduler.hints import Hint
@@ -79,7 +80,7 @@ class StepStats:
             (:mod:`rrfp.scheduler.backfill`; 0 under any other hint).
         input_elems: elements of the step's input tensors, positional and keyword, on the
             rank holding stage 0 (0 elsewhere): how large the step's batch was, a figure no
-            hint changes (``auto``'s measure of a batch's work, :func:`rrfp.sim.auto.scaled`).
+            hint changes (``auto``'s measure of a batch's work, :func:`rrfp.sim.trial.scaled`).
     """
 
     step: int
@@ -450,6 +451,18 @@ class RankRuntime:
 
 
 def _elements(inputs: Sequence[tuple] | None, kwargs: Sequence[dict] | None) -> int:
-    """Elements of the tensors among the microbatches' inputs (one level deep: a tuple of
-    tensors, a dict of keyword tensors)."""
-    return sum(numel(as_tuple(x)) for x in inputs or ()) + sum(numel(kw.values()) for kw in kwargs or ())
+    """Elements of the tensors among the microbatches' inputs, at any depth: a keyword argument
+    may hold a list or dict of tensors (one per image, say), as torch's microbatch split allows
+    (its pytree leaves)."""
+    return sum(_numel_deep(as_tuple(x)) for x in inputs or ()) + sum(_numel_deep(kw.values()) for kw in kwargs or ())
+
+
+def _numel_deep(items: Any) -> int:
+    # Tensors counted here, containers through torch's pytree (three times the cost per step).
+    n = 0
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            n += t.numel()
+        elif isinstance(t, (list, tuple, dict)):
+            n += numel(tree_leaves(t))
+    return n

@@ -2,7 +2,8 @@
 
 The default of :class:`~rrfp.runtime.doors.pipeline.Pipeline`, :class:`~rrfp.runtime.doors.local.LocalPipeline`
 and ``rrfp train``. The plan, the same on every rank (each decision reads only figures all ranks
-share, :class:`Share`, so every rank switches to the same hint before the same step):
+share, :class:`~rrfp.runtime.features.share.Share`, so every rank switches to the same hint
+before the same step):
 
 1. Step 1 runs the placement's strict schedule (its one-time costs are not measured).
 2. Steps 2 and 3 measure: the strict schedule (``F``, ``B``), then the first split-backward
@@ -19,23 +20,23 @@ share, :class:`Share`, so every rank switches to the same hint before the same s
 3. :func:`rrfp.sim.auto.rank` simulates every known candidate on that profile and calibration
    at every rank's own in-flight limit and memory budget (shared while measuring).
 4. Trial: the strict schedule and the best two by simulation
-   (:func:`rrfp.sim.auto.trial_candidates`) run :data:`rrfp.sim.auto.TRIAL_ROUNDS` rounds,
+   (:func:`rrfp.sim.trial.trial_candidates`) run :data:`rrfp.sim.trial.TRIAL_ROUNDS` rounds,
    one step each, in rotating order (paired: each round's steps are neighbours, so machine
    drift cancels); the step time is the slowest rank's, and the elements of the step's input
-   tensors measure its batch's work (a figure no hint changes). :func:`rrfp.sim.auto.keep`
+   tensors measure its batch's work (a figure no hint changes). :func:`rrfp.sim.trial.keep`
    decides (the smallest median of step times adjusted to the trial's median batch work; among the hints within
-   :data:`rrfp.sim.auto.TIE` of it, or within the trial steps' own spread where that is
-   larger (:func:`rrfp.sim.auto.margin`), the strict schedule, else the first in the fixed order of
+   :data:`rrfp.sim.trial.TIE` of it, or within the trial steps' own spread where that is
+   larger (:func:`rrfp.sim.trial.margin`), the strict schedule, else the first in the fixed order of
    :func:`rrfp.sim.auto.all_candidates`, so a policy measured slower than the strict schedule is
    never kept and noise below the tie cannot flip the choice), the rule the suite's ``auto``
    uses too. Where the fastest beat the hint kept so by more than the tie but not by the
-   steps' spread (:func:`rrfp.sim.auto.undecided`), the two run
-   :data:`rrfp.sim.auto.EXTRA_ROUNDS` more rounds first (once, where the run has room) and
+   steps' spread (:func:`rrfp.sim.trial.undecided`), the two run
+   :data:`rrfp.sim.trial.EXTRA_ROUNDS` more rounds first (once, where the run has room) and
    the choice is made between them, the margin narrowed as their medians' noise is.
 5. Every ``recheck_every`` steps (default :data:`RECHECK_EVERY`; 0: never) one more round is
    measured and the choice is made again over every round so far; it switches only to a hint
    measured faster than the kept one by more than that margin (the kept one is the incumbent
-   of :func:`~rrfp.sim.auto.keep`).
+   of :func:`~rrfp.sim.trial.keep`).
 
 Between re-checks a step runs what the kept hint run directly runs: a switch to a full backward
 gives the stage modules' affine layers their own forwards back (the split candidates route them
@@ -56,188 +57,20 @@ not fit the shape are skipped and named in the last line.
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 from ...errors import PipelineError
 from ...scheduler.hints import resolve_hint
 from ...scheduler.tasks import PipelineSpec, Task, TaskRecord
 from ...sim import auto as sim_auto
-from ...sim.auto import AUTO, EXTRA_ROUNDS, TIE, TRIAL_ROUNDS, auto_first_hint
+from ...sim import trial as sim_trial
+from ...sim.auto import AUTO, auto_first_hint
+from ...sim.trial import EXTRA_ROUNDS, TIE, TRIAL_ROUNDS
 from ...sim.calibration import Calibration, Fit, RankStep, fit
-from ..engine.inbox import ControlQueue
 from .recheck import RECHECK_EVERY, check_recheck, recheck_steps
+from .share import Share
 
-__all__ = ["AUTO", "RECHECK_EVERY", "TIE", "TRIAL_ROUNDS", "AutoHint", "ControlShare", "DistShare", "LocalShare",
-           "Share", "check_recheck", "recheck_steps"]
-
-_PART_ITEMS = 256
-"""Items per control message of :class:`ControlShare` (a record is ~50 bytes packed: well
-under the codec's 64 KiB header limit)."""
-
-_MAX_PARTS = 4096
-"""Most parts one exchange may have (a million items): a peer announcing more is refused
-before this rank waits for them."""
-
-KIND = "auto"
-"""The ``kind`` of :class:`ControlShare`'s control messages (its inbox handler's)."""
-
-
-class Share(Protocol):
-    """How the ranks of a pipeline share ``auto``'s figures. Every rank calls each method at
-    the same point with its own part and gets the same answer."""
-
-    async def max(self, x: float) -> float:
-        """The largest ``x`` over the ranks."""
-
-    async def sum(self, x: float) -> float:
-        """The sum of ``x`` over the ranks."""
-
-    async def gather(self, items: list) -> list:
-        """Every rank's ``items`` (msgpack-able tuples), concatenated in rank order."""
-
-
-class LocalShare:
-    """Every rank runs in this process (:class:`~rrfp.runtime.doors.local.LocalPipeline`): this
-    process's figures are already everyone's."""
-
-    async def max(self, x: float) -> float:
-        return x
-
-    async def sum(self, x: float) -> float:
-        return x
-
-    async def gather(self, items: list) -> list:
-        return list(items)
-
-
-class DistShare:
-    """Through a torch.distributed process group (default: the default one, every process
-    of the job). Collectives block this process until every member calls them."""
-
-    def __init__(self, group: Any = None) -> None:
-        self.group = group
-
-    async def _reduce(self, x: float, op) -> float:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([float(x)], dtype=torch.float64)
-        dist.all_reduce(t, op=op, group=self.group)
-        return float(t.item())
-
-    async def max(self, x: float) -> float:
-        import torch.distributed as dist
-
-        return await self._reduce(x, dist.ReduceOp.MAX)
-
-    async def sum(self, x: float) -> float:
-        import torch.distributed as dist
-
-        return await self._reduce(x, dist.ReduceOp.SUM)
-
-    async def gather(self, items: list) -> list:
-        import torch.distributed as dist
-
-        everyone: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, list(items), group=self.group)
-        return [x for part in everyone for x in part]
-
-
-class ControlShare:
-    """Over rrfp's own control plane, for a pipeline without a torch.distributed process group:
-    each rank sends its part to every other rank (:meth:`RankRuntime.send_control`), in
-    messages of at most :data:`_PART_ITEMS` items, and waits for theirs. Wire format: meta
-    ``{"kind": "auto", "rrfp-auto": exchange, "part": i, "of": parts, "items": [...]}``.
-
-    A step feature: the rank's inbox hands it the control messages of kind :data:`KIND`
-    (:meth:`~rrfp.runtime.engine.inbox.Inbox.on_control`) into a queue of its own, so the
-    caller's own control traffic stays in ``runtime.control()``, untouched.
-
-    Args:
-        runtime: this rank's :class:`~rrfp.runtime.engine.rank.RankRuntime`.
-        n_ranks: the pipeline's ranks.
-        timeout: seconds to wait for a peer's part.
-
-    Raises (from each method):
-        TimeoutError: a peer's part did not arrive within ``timeout`` seconds.
-        PipelineError: a peer was lost, or sent a part that this code cannot send (see
-            :func:`_check_part`).
-    """
-
-    def __init__(self, runtime: Any, n_ranks: int, timeout: float) -> None:
-        self.rt, self.n, self.timeout = runtime, n_ranks, timeout or None
-        self.seq = 0
-        self._early: dict[tuple[int, int], dict[int, dict]] = {}  # (seq, src) -> part -> its message
-        self._parts = ControlQueue(runtime.inbox)
-        runtime.inbox.on_control(KIND, lambda msg, step: self._parts.put(msg))
-
-    async def _exchange(self, items: list) -> list[list]:
-        self.seq += 1
-        seq, me = self.seq, self.rt.rank
-        parts = [items[i:i + _PART_ITEMS] for i in range(0, len(items), _PART_ITEMS)] or [[]]
-        for dst in range(self.n):
-            if dst != me:
-                for i, part in enumerate(parts):
-                    self.rt.send_control(dst, seq, {"kind": KIND, "rrfp-auto": seq, "part": i, "of": len(parts),
-                                                    "items": part})
-        got: dict[int, dict[int, list]] = {r: {} for r in range(self.n) if r != me}
-        want: dict[int, int] = {}
-        for src in list(got):
-            for meta in self._early.pop((seq, src), {}).values():
-                _check_part(meta, src, seq, self.n, me, got[src], want.get(src))
-                got[src][meta["part"]], want[src] = meta["items"], meta["of"]
-        while any(len(got[r]) < want.get(r, 1) for r in got):
-            msg = await self._parts.get(timeout=self.timeout)
-            meta = msg.meta
-            early = self._early.setdefault((seq + 1, msg.src), {}) if meta.get("rrfp-auto") == seq + 1 else None
-            _check_part(meta, msg.src, seq, self.n, me, got.get(msg.src, {}), want.get(msg.src), early)
-            if early is not None:
-                early[meta["part"]] = meta
-            else:
-                got[msg.src][meta["part"]], want[msg.src] = meta["items"], meta["of"]
-        out = []
-        for r in range(self.n):
-            out.append(items if r == me else [x for i in sorted(got[r]) for x in got[r][i]])
-        return out
-
-    async def max(self, x: float) -> float:
-        return max(p[0] for p in await self._exchange([float(x)]))
-
-    async def sum(self, x: float) -> float:
-        return sum(p[0] for p in await self._exchange([float(x)]))
-
-    async def gather(self, items: list) -> list:
-        return [x for part in await self._exchange(list(items)) for x in part]
-
-
-def _check_part(meta: dict, src: Any, seq: int, n: int, me: int, have: dict, of: int | None,
-                early: dict | None = None) -> None:
-    """Refuse an ``auto`` part that a peer running this code cannot send: the ranks exchange in
-    lockstep, so a peer is at most one exchange ahead (it needs this rank's next part to finish
-    the one after), and every part of an exchange comes once, in one count of parts.
-
-    Raises:
-        PipelineError: naming the sender and the bad field; the ranks' choices would diverge.
-    """
-    def bad(what: str) -> PipelineError:
-        return PipelineError(f"rank {src} sent a malformed auto message (exchange {seq}): {what}")
-
-    if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < n or src == me:
-        raise bad(f"sender {src!r}: expected another rank of 0..{n - 1}")
-    k, part, parts, items = (meta.get(f) for f in ("rrfp-auto", "part", "of", "items"))
-    if type(k) is not int or k not in (seq, seq + 1):
-        raise bad(f"exchange {k!r}: expected {seq} or {seq + 1}")
-    if type(parts) is not int or not 1 <= parts <= _MAX_PARTS:
-        raise bad(f"'of' {parts!r}: expected a count of parts, 1..{_MAX_PARTS}")
-    if type(part) is not int or not 0 <= part < parts:
-        raise bad(f"'part' {part!r}: expected 0..{parts - 1}")
-    if not isinstance(items, list) or len(items) > _PART_ITEMS:
-        raise bad(f"'items': expected a list of at most {_PART_ITEMS} items")
-    if k == seq and ((of is not None and parts != of) or part in have):
-        raise bad(f"part {part} of {parts} again, or a second count of parts (first {of})")
-    if early is not None and part in early:
-        raise bad(f"part {part} of exchange {k} again")
-
+__all__ = ["AUTO", "RECHECK_EVERY", "TIE", "TRIAL_ROUNDS", "AutoHint", "check_recheck", "recheck_steps"]
 
 def _size_item(item: Sequence[Any], n_stages: int, n_microbatches: int) -> tuple[int, int, int]:
     """``(stage, microbatch, bytes)`` of a gathered ``("s", stage, microbatch, bytes)`` item.
@@ -268,11 +101,11 @@ class AutoHint:
 
     Args:
         pipe: the front door, built with the placement's strict schedule (``Plan.auto``).
-        share: how the ranks share figures (:class:`LocalShare`, :class:`DistShare`,
-            :class:`ControlShare`).
+        share: how the ranks share figures (:mod:`rrfp.runtime.features.share`:
+            ``LocalShare``, ``DistShare``, ``ControlShare``).
         say: writes the process's lines (None: silent; give it on one process only).
         recheck_every: steps between re-checks (0: never); a re-check switches only to a
-            hint measured faster than the kept one beyond :func:`rrfp.sim.auto.margin`.
+            hint measured faster than the kept one beyond :func:`rrfp.sim.trial.margin`.
         same_backward: only candidates with the strict schedule's backward form (bitwise
             reproducible runs: a split backward computes the same gradients by another path).
 
@@ -318,7 +151,7 @@ class AutoHint:
         self.sample_bytes: dict[tuple[int, str], list[int]] = {}  # beside samples: each one's bytes
         self.rank_memory: dict[int, tuple[int, int | None]] = {}  # rank -> its own (limit, budget)
         self.trial: list[str] = []
-        self.walls: dict[str, list[sim_auto.Step]] = {}
+        self.walls: dict[str, list[sim_trial.Step]] = {}
         self.extension: list[str] = []  # the two hints of the trial's extra rounds (none: none ran)
         self.chosen: str | None = None
         self.ranking: sim_auto.Ranking | None = None
@@ -420,7 +253,7 @@ class AutoHint:
         self.steps = k + 1
         if not self.plan:
             if self.recheck_every and (k + 1) % self.recheck_every == 0 and self.chosen and self.trial:
-                self.plan = sim_auto.trial_order(self.trial, len(self.walls.get(self.trial[0], [])))
+                self.plan = sim_trial.trial_order(self.trial, len(self.walls.get(self.trial[0], [])))
             return
         step_hint = self.plan.pop(0)
         if self.ranking is None:
@@ -428,7 +261,7 @@ class AutoHint:
                 await self._gather(stats, self._splits(step_hint))
             if not self.plan:
                 self._rank()
-                self.plan = [h for r in range(TRIAL_ROUNDS) for h in sim_auto.trial_order(self.trial, r)]
+                self.plan = [h for r in range(TRIAL_ROUNDS) for h in sim_trial.trial_order(self.trial, r)]
                 if self.run_steps is not None and k + 1 + len(self.plan) > self.run_steps:
                     # A trial of three candidates that the run would end inside: none is kept.
                     self.plan, self.too_short = [], True
@@ -443,7 +276,7 @@ class AutoHint:
                              f"{', '.join(self.trial)}, {TRIAL_ROUNDS} rounds of one step each "
                              f"({self.ranking.reason()})")
             return
-        # The step's input elements over every rank: its batch's work (rrfp.sim.auto.scaled).
+        # The step's input elements over every rank: its batch's work (rrfp.sim.trial.scaled).
         wall, work = self.measure(step_hint, stats)
         wall, work = await self.share.max(wall), await self.share.sum(work)
         self.walls.setdefault(step_hint, []).append((wall, work))
@@ -454,18 +287,18 @@ class AutoHint:
 
     def _extend(self, k: int) -> bool:
         # The trial left the choice to its steps' noise: its fastest and the hint keep() keeps
-        # run EXTRA_ROUNDS more rounds (rrfp.sim.auto.undecided), once, where the run has room.
-        pair = sim_auto.undecided(self.walls, self.strict, prefer=self.known)
+        # run EXTRA_ROUNDS more rounds (rrfp.sim.trial.undecided), once, where the run has room.
+        pair = sim_trial.undecided(self.walls, self.strict, prefer=self.known)
         n = len(pair) * EXTRA_ROUNDS
         if not pair or (self.run_steps is not None and k + 1 + n > self.run_steps):
             return False
         self.extension = pair
-        self.plan = [h for r in range(EXTRA_ROUNDS) for h in sim_auto.trial_order(pair, r)]
+        self.plan = [h for r in range(EXTRA_ROUNDS) for h in sim_trial.trial_order(pair, r)]
         if self.say:
-            med = sim_auto.medians(self.walls)
+            med = sim_trial.medians(self.walls)
             self.say(f"hint auto: steps {k + 2}-{k + 1 + n} of this run try {pair[1]} and {pair[0]} "
                      f"{EXTRA_ROUNDS} more rounds each: {pair[1]} measured {100 * (1 - med[pair[1]] / med[pair[0]]):.1f}% "
-                     f"faster, within the steps' spread ({100 * sim_auto.margin(self.walls):.1f}%)")
+                     f"faster, within the steps' spread ({100 * sim_trial.margin(self.walls):.1f}%)")
         return True
 
     async def _gather(self, stats: Sequence[Any], split: bool) -> None:
@@ -569,24 +402,24 @@ class AutoHint:
                                      memory_budget=budgets, backpressure=self.backpressure, candidates=self.known,
                                      calibration=fitted.calibration if fitted else None)
         self.profile = prof
-        self.trial = sim_auto.trial_candidates([h for h, _ in self.ranking.order], self.strict)
+        self.trial = sim_trial.trial_candidates([h for h, _ in self.ranking.order], self.strict)
 
     @staticmethod
     def _narrowed(trial: dict) -> str:
         # Said, or a reader sees the extra rounds' "spread (27.0%)" become "beyond 10.3%" unexplained.
-        n = sim_auto.margin_steps(trial)
+        n = sim_trial.margin_steps(trial)
         return f" x sqrt({TRIAL_ROUNDS}/{n}), {n} steps each" if n > TRIAL_ROUNDS else ""
 
     def _choose(self) -> None:
         # A re-check's incumbent stays unless another hint was measured faster beyond the margin.
         before = self.chosen
         # The first choice after an extension is between its two hints (the third lost already).
-        trial = sim_auto.decided_on(self.walls, self.extension if before is None else [])
-        med = sim_auto.medians(trial)
-        best = sim_auto.keep(trial, self.strict, incumbent=before, prefer=self.known)
+        trial = sim_trial.decided_on(self.walls, self.extension if before is None else [])
+        med = sim_trial.medians(trial)
+        best = sim_trial.keep(trial, self.strict, incumbent=before, prefer=self.known)
         changed = best != before
         self.chosen = best
-        need = sim_auto.margin(trial)
+        need = sim_trial.margin(trial)
         if self.say and changed and before is not None:
             self.say(f"hint auto: the re-check after step {self.steps} measured {best} faster than {before} by more "
                      f"than {100 * need:.1f}%: it runs {best} from the next step")
