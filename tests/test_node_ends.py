@@ -1,12 +1,14 @@
 """``rrfp node``'s last moments with the order of events forced: a SIGTERM that reaches the
-daemon right after its last line, before ``--metrics-linger`` has taken over the signal. The
-daemon runs in this process with its launch replaced (no rank, no agent), so the signal comes
-exactly there, every time; nothing waits on a clock."""
+daemon right after its last line, before ``--metrics-linger`` has taken over the signal, or
+while its agent waits for the other nodes after training. The daemon (or its launch) runs in
+this process with the agent replaced, so the signal comes exactly there, every time; nothing
+waits on a clock."""
 
 from __future__ import annotations
 
 import os
 import signal
+import types
 
 import pytest
 from linger_waits import record_linger_waits
@@ -47,3 +49,38 @@ def test_a_sigterm_right_after_the_last_line_ends_the_metrics_linger_at_once(mon
     assert code == 0, said
     assert said[-1] == "rrfp node: done", said
     assert False not in waits, "the linger waited although a SIGTERM had come"
+
+
+def test_a_sigterm_while_the_agent_waits_for_the_other_nodes_after_training_is_a_finished_run(monkeypatch, tmp_path):
+    """Every rank of this node finished; torch's agent waits in its exit barrier for the other
+    nodes' agents, with no rank running. A SIGTERM then (Kubernetes deleting the pods of a job
+    whose last node is finishing) is a finished run: one line saying so, exit 0. Before, the
+    forwarder saw no rank and raised torch's SignalException, and the daemon said the stop
+    committed no checkpoint (on stderr) and exited 143, so the job was restarted. Forced
+    order: the agent is replaced by one that reports the group finished, then takes the
+    signal where the exit barrier would wait."""
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from rrfp.node import cli
+    from rrfp.train.stop import StopForwarder
+
+    stop = StopForwarder(tmp_path / "stop-requested", "unused", children=lambda: [])  # no rank runs
+
+    def launcher(config, entry):
+        def run(*args):
+            LocalElasticAgent._monitor_workers(None, None)  # the group finished
+            stop(signal.SIGTERM, None)  # its handler, inside the exit barrier
+            raise AssertionError("the SIGTERM did not end the exit barrier's wait")
+        return run
+
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers",
+                        lambda agent, group: RunResult(state=WorkerState.SUCCEEDED))
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", launcher)
+    said: list[tuple[str, bool]] = []
+    monkeypatch.setattr("rrfp.lines.say", lambda line, file=None: said.append((line, file is not None)))
+    job = types.SimpleNamespace(nnodes=2, train_args=[], targs=types.SimpleNamespace(checkpoint_dir=None, dp=1, tp=1))
+    assert cli._launch(types.SimpleNamespace(rdzv_configs={"join_timeout": 20}), job, stop, lambda: None) == 0, said
+    assert said == [("rrfp node: SIGTERM came after the last step: training finished; nothing saved "
+                     "(no --checkpoint-dir)", False)]
+    assert not (tmp_path / "stop-requested").exists()

@@ -439,17 +439,28 @@ def _launch(config, job, stop, quiet) -> int:
     ckdir = job.targs.checkpoint_dir
     signalled = LauncherSignals()  # which ranks the agent stopped, so blame skips them
     _quiet_launcher_logs(signalled)
+
+    def finished() -> str:  # read at the end: the newest checkpoint then
+        return f"rrfp node: SIGTERM came after the last step: training finished; {saved(ckdir)}"
+
+    # Every rank of this node finished: the agent waits in its exit barrier for the other
+    # nodes' agents, no rank runs, and a SIGTERM ends that wait (the forwarder raises torch's
+    # SignalException) as a finished run, exit 0 (it was a stop that committed nothing, 143).
+    over = threading.Event()
+    stop.finished = over.is_set
     try:
-        with no_restart_after(lambda: stop.requested or stop.stop_file.exists()):
+        with no_restart_after(lambda: stop.requested or stop.stop_file.exists(), on_success=over.set):
             try:
                 elastic_launch(config, sys.executable)("-m", "rrfp", "train", *job.train_args)
             finally:
                 stop.ended = True
                 quiet()  # the last line is the last: no "waiting ... giving up in 0 s" after it
-        say("rrfp node: " + (f"SIGTERM came after the last step: training finished; {saved(ckdir)}" if stop.requested
-                             else "done"))
+        say(finished() if stop.requested else "rrfp node: done")
         return 0
     except (ChildFailedError, SignalException) as e:
+        if isinstance(e, SignalException) and getattr(stop, "after_training", False):
+            say(finished())
+            return 0
         if stop.requested or stop.peer_asked():
             why = "on SIGTERM" if stop.requested else "because a peer node was preempted (SIGTERM)"
             line, clean = stopped_line("rrfp node", why, getattr(e, "failures", {}), ckdir)

@@ -15,11 +15,13 @@ from collections.abc import Callable, Iterator
 
 
 @contextlib.contextmanager
-def no_restart_after(stopping: Callable[[], bool]) -> Iterator[None]:
+def no_restart_after(stopping: Callable[[], bool], on_success: Callable[[], None] | None = None) -> Iterator[None]:
     """While inside, torch's elastic agent (this process's) restarts a failed group only
     while ``stopping()`` is False; afterwards a failed group ends the run as if no restart
     were left: the agent stops the ranks still running (SIGTERM, SIGKILL after its shutdown
     timeout) and ``elastic_launch`` raises ``ChildFailedError`` with the ranks' exit codes.
+    ``on_success`` is called once the agent has seen every rank of the node finish (it then
+    waits in its exit barrier for the other nodes' agents, with no rank running).
 
     The agent exposes no hook between "the group failed" and "restart it"; after
     ``_monitor_workers`` (``LocalElasticAgent``, torch >= 1.9) reports the failure, its
@@ -35,6 +37,8 @@ def no_restart_after(stopping: Callable[[], bool]) -> Iterator[None]:
         result = original(agent, worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and stopping():
             agent._remaining_restarts = 0
+        elif result.state == WorkerState.SUCCEEDED and on_success is not None:
+            on_success()
         return result
 
     LocalElasticAgent._monitor_workers = monitor_no_restart_when_stopping
