@@ -112,3 +112,34 @@ def test_asking_which_ranks_run_from_the_sigterm_handler_never_takes_a_ranks_exi
     assert {r: f.exitcode for r, f in failures.items()} == {0: 3}
     assert asked == [[p.pid]]  # still running as far as the launcher has read
     assert job.running() == []
+
+
+def test_a_sigterm_after_every_rank_exited_0_is_a_finished_run(tmp_path, monkeypatch, capsys):
+    """Forced order: the launcher's SIGTERM comes once its wait has seen the last rank exit 0,
+    before the launch is marked over; no rank runs, so the forwarder raises. The run finished:
+    one line saying so, exit 0 (before: "stopped by SIGTERM", exit 143, and the job would be
+    restarted). The job's one rank is a process that exits 0 at once."""
+    import argparse
+    import multiprocessing
+
+    from rrfp.train import cli
+
+    def start(job):
+        p = multiprocessing.get_context("forkserver").Process(target=os._exit, args=(0,))
+        p.start()
+        job.procs.append(p)
+
+    real_wait = LocalJob.wait
+
+    def wait(job):
+        assert real_wait(job) == {}
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # the launcher's handler, right here
+        raise AssertionError("the forwarder did not raise with no rank running")
+
+    monkeypatch.setattr(LocalJob, "start", start)
+    monkeypatch.setattr(LocalJob, "wait", wait)
+    code = cli._launch_local(["train"], 1, dict(os.environ), argparse.Namespace(metrics_linger=0.0), None)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out == "rrfp train: SIGTERM came after the last step: training finished; nothing saved (no --checkpoint-dir)\n"
+    assert err == ""

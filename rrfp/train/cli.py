@@ -362,6 +362,13 @@ def _launch_local(argv: list[str], world: int, env: dict[str, str], args: argpar
                 if finished is not None and all_finished(finished, world):
                     say(f"rrfp train: {name} ended --metrics-linger; training had finished")
                     return 0
+                if job.procs and all(p.exitcode == 0 for p in job.procs):
+                    # Every rank had exited 0 when the signal came (after wait() saw the last
+                    # end, before the launch was marked ended): the run finished.
+                    from .stop import saved
+
+                    say(f"rrfp train: {name} came after the last step: training finished; {saved(checkpoint_dir)}")
+                    return 0
                 say(f"rrfp train: stopped by {name}; the ranks were stopped too", sys.stderr)
                 return 128 + int(e.sigval)
             except RuntimeError as e:  # the store's process could not start
