@@ -14,10 +14,11 @@ import pytest
 from linger_waits import record_linger_waits
 
 from rrfp.cli import main
+from rrfp.lines import say
 
 
 @pytest.mark.slow  # imports torch's elastic agent and serves HTTP: seconds of CPU
-def test_a_sigterm_right_after_the_last_line_ends_the_metrics_linger_at_once(monkeypatch, tmp_path):
+def test_a_sigterm_right_after_the_last_line_ends_the_metrics_linger_at_once(monkeypatch, tmp_path, capsys):
     """The daemon says ``rrfp node: done``; a SIGTERM (the operator, Kubernetes deleting the
     pod once the job is done) comes before the linger starts. It must end the linger at once
     with exit code 0. Before: the daemon's stop handler took the signal and the linger then
@@ -27,14 +28,12 @@ def test_a_sigterm_right_after_the_last_line_ends_the_metrics_linger_at_once(mon
     for k in ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT",
               "JOB_COMPLETION_INDEX", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
-    said: list[str] = []
-    monkeypatch.setattr("rrfp.lines.say", lambda line, *a: said.append(line))
     waits = record_linger_waits(monkeypatch)
 
     def launch(config, job, stop, quiet):  # as rrfp.node.cli._launch ends a finished run
         stop.ended = True
         quiet()
-        said.append("rrfp node: done")
+        say("rrfp node: done")
         os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, in the main thread
         return 0
 
@@ -46,12 +45,14 @@ def test_a_sigterm_right_after_the_last_line_ends_the_metrics_linger_at_once(mon
                      "--metrics-linger", "600", "--run-dir", str(tmp_path / "run"), "--", "--stages", "2"])
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert code == 0, said
-    assert said[-1] == "rrfp node: done", said
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert out.splitlines()[-1] == "rrfp node: done" and err == "", out + err
     assert False not in waits, "the linger waited although a SIGTERM had come"
 
 
-def test_a_sigterm_while_the_agent_waits_for_the_other_nodes_after_training_is_a_finished_run(monkeypatch, tmp_path):
+def test_a_sigterm_while_the_agent_waits_for_the_other_nodes_after_training_is_a_finished_run(monkeypatch, tmp_path,
+                                                                                               capsys):
     """Every rank of this node finished; torch's agent waits in its exit barrier for the other
     nodes' agents, with no rank running. A SIGTERM then (Kubernetes deleting the pods of a job
     whose last node is finishing) is a finished run: one line saying so, exit 0. Before, the
@@ -77,10 +78,10 @@ def test_a_sigterm_while_the_agent_waits_for_the_other_nodes_after_training_is_a
     monkeypatch.setattr(LocalElasticAgent, "_monitor_workers",
                         lambda agent, group: RunResult(state=WorkerState.SUCCEEDED))
     monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", launcher)
-    said: list[tuple[str, bool]] = []
-    monkeypatch.setattr("rrfp.lines.say", lambda line, file=None: said.append((line, file is not None)))
     job = types.SimpleNamespace(nnodes=2, train_args=[], targs=types.SimpleNamespace(checkpoint_dir=None, dp=1, tp=1))
-    assert cli._launch(types.SimpleNamespace(rdzv_configs={"join_timeout": 20}), job, stop, lambda: None) == 0, said
-    assert said == [("rrfp node: SIGTERM came after the last step: training finished; nothing saved "
-                     "(no --checkpoint-dir)", False)]
+    code = cli._launch(types.SimpleNamespace(rdzv_configs={"join_timeout": 20}), job, stop, lambda: None)
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert (out, err) == ("rrfp node: SIGTERM came after the last step: training finished; nothing saved "
+                          "(no --checkpoint-dir)\n", "")
     assert not (tmp_path / "stop-requested").exists()
