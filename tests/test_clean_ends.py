@@ -119,6 +119,38 @@ def test_a_stuck_task_keeps_its_loop_busy_until_its_report_reaches_the_loop(capf
     assert capfd.readouterr().err.count("where rank 0's task 0F0 is stuck:") == 1
 
 
+def test_a_launched_task_not_yet_running_or_not_yet_taken_in_keeps_its_loop_busy(monkeypatch):
+    """Between a worker-thread launch and the thread starting the task, and between its return
+    and the loop taking its result in, the rank runs no task the watchdog thread sees; a rank of
+    the same loop waiting for it must still not judge itself stalled (it would fail the step
+    and be named). Forced states: a task queued, none current; then nothing queued; then the
+    queued one reported stuck (its report taken in: the rank no longer keeps others waiting)."""
+    import asyncio
+    import collections
+    import types
+
+    import rrfp.runtime.engine.watchdog as wd
+
+    loop = asyncio.new_event_loop()
+    queued = collections.deque()
+    w = wd.TaskWatch(0, 0.5, [0], lambda step, exc: None, queued)
+    w.loop = loop
+    monkeypatch.setattr(wd, "_WATCHER", types.SimpleNamespace(watches=lambda: [w]))
+    try:
+        assert not w.busy and not wd.loop_busy(loop)
+        queued.append("0F0 launched")
+        assert w.current is None and w.busy and wd.loop_busy(loop)
+        queued.clear()
+        assert not w.busy
+        w.current = ("0F0", 3, 9.0, -1)
+        queued.append("0F0 launched")
+        assert w.busy
+        w._reported = w.current  # its stuck report taken in on the loop
+        assert not w.busy and not wd.loop_busy(loop)
+    finally:
+        loop.close()
+
+
 def test_a_step_after_a_stuck_thread_stage_fails_at_once_naming_the_stuck_task(tmp_path):
     """The stuck task's worker thread never returns: a step started after the WatchdogTimeout
     would queue behind it (one rank: for ever; two: the other rank timed out and was named).

@@ -92,7 +92,8 @@ class SchedulerLoop:
         self.observers: tuple[StepObserver, ...] = ()  # every registered observer
         self._watching: tuple[StepObserver, ...] = ()  # those taking this step's task events
         self.decide: DeciderFn | None = None  # None: the arbiter's own next()
-        self.task_watch = TaskWatch(rank, watchdog, list(inbox.stages), self._stuck)  # a task that never returns
+        # A task that never returns; a launched one counts as busy for this loop's other ranks.
+        self.task_watch = TaskWatch(rank, watchdog, list(inbox.stages), self._stuck, self._running)
         executor.bind(inbox.wake.set)
 
     def add_observer(self, observer: StepObserver) -> None:

@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Callable
+from typing import Callable, Sized
 
 from ...errors import WatchdogTimeout
 from .pending import RunFn
@@ -58,14 +58,17 @@ class TaskWatch:
         on_stuck: ``on_stuck(step, exc)``, called on the rank's event loop thread when a task
             of ``step`` on a worker thread is stuck: the scheduler loop raises ``exc`` from
             that step.
+        pending: the rank's tasks launched and not yet taken back in by its loop (the
+            scheduler loop's queue; only its length is read).
     """
 
     def __init__(self, rank: int, period: float, stages: list[int],
-                 on_stuck: Callable[[int, WatchdogTimeout], None]) -> None:
+                 on_stuck: Callable[[int, WatchdogTimeout], None], pending: Sized = ()) -> None:
         self.rank = rank
         self.period = period
         self.stages = stages
         self.on_stuck = on_stuck
+        self.pending = pending  # the rank's launched tasks its loop has not taken back in
         self.current: tuple | None = None  # (task, step, start, thread ident) while a task runs
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_thread: int | None = None
@@ -104,9 +107,14 @@ class TaskWatch:
 
     @property
     def busy(self) -> bool:
-        """A task runs and its stuck report, if any, has not reached the rank's loop yet."""
+        """A task runs and its stuck report, if any, has not reached the rank's loop yet; or,
+        none running, a launched task is not yet taken back in by the loop: queued for its
+        worker thread, or returned and its result not yet handed on (a neighbour's loop
+        watchdog judging then would name the rank that only waits for this one)."""
         cur = self.current
-        return cur is not None and cur is not self._reported
+        if cur is not None:
+            return cur is not self._reported
+        return len(self.pending) > 0
 
     def still_stuck(self) -> str | None:
         """One line naming this rank's task that was reported stuck and has not returned (its
