@@ -366,3 +366,23 @@ def test_sigterm_to_every_process_of_rrfp_node_stops_as_sigterm_to_the_daemon_do
             os.killpg(d.p.pid, signal.SIGKILL)
         d.kill()
     _stopped_at_a_committed_step(d, rc, "rrfp node", ckdir, steps, argv, node_env())
+
+
+def test_a_stop_file_there_when_a_starved_waiter_first_looks_is_a_stop_not_a_death(tmp_path, monkeypatch):
+    """A SIGTERM came before the launcher's stop file; the thread that waits for the file ran
+    only after its window had passed (a loaded machine), when the file was there: a stop asked
+    in time, not a rank killed (on main before this the thread never looked once)."""
+    from rrfp.train import stop as stop_mod
+    from rrfp.train.stop import GracefulStop
+
+    (tmp_path / "stop").write_text("")
+    g = GracefulStop.__new__(GracefulStop)
+    g.stop_file, g._die = str(tmp_path / "stop"), False
+    asked, killed = [], []
+    g._request = lambda: asked.append(True)
+    clock = iter([0.0] + [1e9] * 10)  # the window's start, then long past it
+    monkeypatch.setattr(stop_mod.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(stop_mod.os, "kill", lambda pid, sig: killed.append(sig))
+    g._await_launcher()
+    assert asked == [True] and killed == [] and not g._die
+

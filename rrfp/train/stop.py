@@ -132,10 +132,15 @@ class GracefulStop:
         :data:`LAUNCHER_WINDOW_S` (the launcher got the same signal), else the rank dies (the
         main thread's handler, the only one that may reset it, runs on the SIGTERM sent here)."""
         deadline = time.monotonic() + LAUNCHER_WINDOW_S
-        while time.monotonic() < deadline:
+        while True:
+            late = time.monotonic() >= deadline
+            # Looked at once more after the deadline: a thread starved past it (or a file that
+            # came during the last sleep) is still a stop asked in time.
             if self._launcher_asked():
                 self._request()
                 return
+            if late:
+                break
             time.sleep(FILE_POLL_S)
         self._die = True
         os.kill(os.getpid(), signal.SIGTERM)
