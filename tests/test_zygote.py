@@ -143,3 +143,23 @@ def test_a_sigterm_after_every_rank_exited_0_is_a_finished_run(tmp_path, monkeyp
     assert code == 0, err
     assert out == "rrfp train: SIGTERM came after the last step: training finished; nothing saved (no --checkpoint-dir)\n"
     assert err == ""
+
+
+def test_a_sigterm_before_the_launchers_forwarder_is_in_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """Forced order: the SIGTERM comes after LocalJob put its handler in (it raises), before the
+    launcher's forwarder replaced it. One line and 128 + SIGTERM, no rank started (before:
+    the exception left the launcher as a traceback)."""
+    import argparse
+
+    from rrfp.train import cli, stop, zygote
+
+    def forwarder(*a, **k):
+        zygote._raise(signal.SIGTERM, None)  # LocalJob's handler, right here
+
+    monkeypatch.setattr(stop, "StopForwarder", forwarder)
+    monkeypatch.setattr(LocalJob, "start", lambda job: pytest.fail("no rank may start"))
+    code = cli._launch_local(["train"], 1, dict(os.environ), argparse.Namespace(metrics_linger=0.0), None)
+    out, err = capsys.readouterr()
+    assert code == 128 + signal.SIGTERM and out == ""
+    assert err == "rrfp train: stopped by SIGTERM; the ranks were stopped too\n"
+

@@ -346,16 +346,19 @@ def _launch_local(argv: list[str], world: int, env: dict[str, str], args: argpar
         then = ", commit a checkpoint" if checkpoint_dir else ""
         env[STOP_FILE_ENV] = os.path.join(folder, "stop-requested")
         with LocalJob(argv, world, env, folder) as job:
-            stop = StopForwarder(env[STOP_FILE_ENV], f"rrfp train: SIGTERM: asking the ranks to end the step in "
-                                 f"progress{then} and exit {PREEMPTED}", children=job.running,
-                                 finished=finished and (lambda: all_finished(finished, world)), raises=Signalled)
-            signal.signal(signal.SIGTERM, stop)  # LocalJob puts the launcher's own back
+            stop = None
             try:
-                try:
+                try:  # a signal before the forwarder is in: LocalJob's handler raises Signalled
+                    stop = StopForwarder(env[STOP_FILE_ENV], f"rrfp train: SIGTERM: asking the ranks to end the "
+                                         f"step in progress{then} and exit {PREEMPTED}", children=job.running,
+                                         finished=finished and (lambda: all_finished(finished, world)),
+                                         raises=Signalled)
+                    signal.signal(signal.SIGTERM, stop)  # LocalJob puts the launcher's own back
                     job.start()
                     failures = job.wait()
                 finally:
-                    stop.ended = True
+                    if stop is not None:
+                        stop.ended = True  # from here a SIGTERM only marks the run's end as asked
             except Signalled as e:
                 job.stop(e.sigval)
                 name = signal.Signals(e.sigval).name
@@ -374,7 +377,9 @@ def _launch_local(argv: list[str], world: int, env: dict[str, str], args: argpar
             except RuntimeError as e:  # the store's process could not start
                 say(f"rrfp train: error: {e}", sys.stderr)
                 return 1
-    return _outcome(failures, job.signalled, (args.dp, args.tp), stop.requested, checkpoint_dir)
+            # Said while the forwarder is still in: once LocalJob puts the default back, a
+            # SIGTERM would end the launcher without its last line.
+            return _outcome(failures, job.signalled, (args.dp, args.tp), stop.requested, checkpoint_dir)
 
 
 def _outcome(failures: dict, signalled: set[int], degrees: tuple[int, int], stopped: bool,
