@@ -433,15 +433,12 @@ def _launch(config, job, stop, quiet) -> int:
     from ..lines import say
     from ..train.cli import _quiet_launcher_logs, describe_failures
     from ..train.guard import LauncherSignals
-    from ..train.stop import saved, stopped_line
+    from ..train.stop import finished_line, stopped_line
     from .sigterm import no_restart_after
 
     ckdir = job.targs.checkpoint_dir
     signalled = LauncherSignals()  # which ranks the agent stopped, so blame skips them
     _quiet_launcher_logs(signalled)
-
-    def finished() -> str:  # read at the end: the newest checkpoint then
-        return f"rrfp node: SIGTERM came after the last step: training finished; {saved(ckdir)}"
 
     # Every rank of this node finished: the agent waits in its exit barrier for the other
     # nodes' agents, no rank runs, and a SIGTERM ends that wait (the forwarder raises torch's
@@ -455,11 +452,11 @@ def _launch(config, job, stop, quiet) -> int:
             finally:
                 stop.ended = True
                 quiet()  # the last line is the last: no "waiting ... giving up in 0 s" after it
-        say(finished() if stop.requested else "rrfp node: done")
+        say(finished_line("rrfp node", "SIGTERM", ckdir) if stop.requested else "rrfp node: done")
         return 0
     except (ChildFailedError, SignalException) as e:
-        if isinstance(e, SignalException) and getattr(stop, "after_training", False):
-            say(finished())
+        if isinstance(e, SignalException) and stop.after_training:
+            say(finished_line("rrfp node", "SIGTERM", ckdir))
             return 0
         if stop.requested or stop.peer_asked():
             why = "on SIGTERM" if stop.requested else "because a peer node was preempted (SIGTERM)"

@@ -368,9 +368,9 @@ def _launch_local(argv: list[str], world: int, env: dict[str, str], args: argpar
                 if job.procs and all(p.exitcode == 0 for p in job.procs):
                     # Every rank had exited 0 when the signal came (after wait() saw the last
                     # end, before the launch was marked ended): the run finished.
-                    from .stop import saved
+                    from .stop import finished_line
 
-                    say(f"rrfp train: {name} came after the last step: training finished; {saved(checkpoint_dir)}")
+                    say(finished_line("rrfp train", name, checkpoint_dir))
                     return 0
                 say(f"rrfp train: stopped by {name}; the ranks were stopped too", sys.stderr)
                 return 128 + int(e.sigval)
@@ -387,7 +387,7 @@ def _outcome(failures: dict, signalled: set[int], degrees: tuple[int, int], stop
     """The launcher's last line and exit code from its ranks' ends (``failures``: the ranks
     that exited non-zero, :class:`~rrfp.train.zygote.Failure`); ``stopped``: a SIGTERM asked
     the ranks to stop."""
-    from .stop import saved, stopped_line
+    from .stop import finished_line, stopped_line
 
     if any(f.exitcode == PIPE_CLOSED for f in failures.values()):
         return PIPE_CLOSED  # `rrfp train | head`: the reader left; nothing failed
@@ -399,7 +399,7 @@ def _outcome(failures: dict, signalled: set[int], degrees: tuple[int, int], stop
         say(f"rrfp train: error: {describe_failures(failures, signalled, degrees)}", sys.stderr)
         return 1
     if stopped:
-        say(f"rrfp train: SIGTERM came after the last step: training finished; {saved(checkpoint_dir)}")
+        say(finished_line("rrfp train", "SIGTERM", checkpoint_dir))
     return 0
 
 

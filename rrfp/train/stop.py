@@ -384,6 +384,12 @@ def stopped_line(who: str, why: str, failures: dict, checkpoint_dir: str | None)
             f"progress could end); {saved(checkpoint_dir)}"), False
 
 
+def finished_line(who: str, signal_name: str, checkpoint_dir: str | None) -> str:
+    """The last line of a job whose ``signal_name`` (``SIGTERM``, ...) came once its training
+    had finished, said by ``who`` (``rrfp train``, ``rrfp node``): a finished run, exit 0."""
+    return f"{who}: {signal_name} came after the last step: training finished; {saved(checkpoint_dir)}"
+
+
 def saved(checkpoint_dir: str | None) -> str:
     """What a stopped job leaves to resume from, as the tail of the last line: the newest
     committed checkpoint of ``checkpoint_dir`` and its step, or why there is none."""
