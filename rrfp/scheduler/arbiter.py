@@ -230,6 +230,12 @@ class Arbiter:
         """Most activation bytes held at once this step (0 without ``act_bytes``)."""
         return 0 if self.memory is None else self.memory.peak_held
 
+    @property
+    def peak_one(self) -> int:
+        """Most activation bytes one microbatch held at once this step (0 without ``act_bytes``;
+        :func:`~rrfp.scheduler.memory.over_budget`)."""
+        return 0 if self.memory is None else self.memory.peak_one
+
     def complete(self, task: Task, nbytes: int | None = None) -> None:
         """The dispatched ``task`` finished; for a forward, ``nbytes`` is the measured size of
         what it holds (None: ``act_bytes``'s estimate).

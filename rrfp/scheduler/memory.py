@@ -183,10 +183,12 @@ class MemoryLedger:
             stage at admission would have to set aside).
         n_admitted: microbatches admitted so far this step (admission is in microbatch order,
             so the next one to admit is this number).
+        peak_one: the most bytes one microbatch held on the rank at once (what a budget below
+            it still lets the oldest microbatch hold: :func:`over_budget`).
     """
 
     __slots__ = ("budget", "size", "stages", "held", "peak_held", "reserved", "peak_reserved", "n_admitted",
-                 "_got", "_res", "_hold", "_left")
+                 "peak_one", "_got", "_res", "_hold", "_left")
 
     def __init__(self, stages: Sequence[int], size: SizeFn, budget: int | None) -> None:
         if budget is not None and (not isinstance(budget, int) or budget < 1):
@@ -194,7 +196,7 @@ class MemoryLedger:
         self.budget = budget
         self.size = size
         self.stages = tuple(stages)
-        self.held = self.peak_held = self.reserved = self.peak_reserved = self.n_admitted = 0
+        self.held = self.peak_held = self.reserved = self.peak_reserved = self.n_admitted = self.peak_one = 0
         self._got: dict[tuple[int, int], int] = {}  # bytes held by (stage, mb)
         self._res: dict[tuple[int, int], int] = {}  # bytes reserved for (stage, mb)
         # In-flight microbatches in admission (= microbatch) order: bytes held, and the stages
@@ -304,6 +306,8 @@ class MemoryLedger:
             self.peak_held = self.held
         if mb in self._hold:
             self._hold[mb] += got
+            if self._hold[mb] > self.peak_one:
+                self.peak_one = self._hold[mb]
             self._left[mb].remove(stage)
         est = self._res.get((stage, mb), got)
         if got != est:  # a measured size replaces its estimate in the reservation
@@ -347,6 +351,19 @@ class MemoryLedger:
             if stage == self.stages[0]:
                 del self._hold[mb]
                 del self._left[mb]
+
+
+def over_budget(peak: int, one: int, budget: int | None) -> bool:
+    """Whether a rank that held at most ``peak`` bytes, at most ``one`` of them for a single
+    microbatch, broke ``budget`` (None: no budget): it held more than the budget and more than
+    one microbatch alone (the budget's rule always lets the oldest microbatch run, however
+    large). A strict order ignores the budget (it cannot wait for bytes), so its run can."""
+    return budget is not None and peak > budget and peak > one
+
+
+def mib(n: int | float) -> str:
+    """``n`` bytes as ``"8.07 MiB"`` (``"4096 bytes"`` below 1 MiB), for one-line messages."""
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{int(n)} bytes"
 
 
 def budget_bytes(memory_budget: int | str | None) -> int | None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from ..scheduler.hints import resolve_hint
+from ..scheduler.memory import mib, over_budget
 from ..scheduler.registry import auto_candidates
 from ..scheduler.tasks import B, F, I, W, Task
 from .compare import SimConfig, default_baseline, run_one
@@ -352,12 +353,12 @@ def rank(
     if memory_budget is not None:  # resolved once for every candidate (on each step's sizes)
         cfgs = [replace(c, memory_budget=c.memory_budgets()) for c in cfgs]
     draws = max(seeds, len(cfgs))
-    times = []
+    ones = [_one_microbatch(c) for c in cfgs] if memory_budget is not None else []
+    times, over = [], {}
     for i, name in enumerate(known):
         try:
-            t = statistics.fmean(
-                run_one(replace(cfgs[k % len(cfgs)], seed=PROFILE_SEED + k), name, record=False)[0].makespan
-                for k in range(draws))
+            runs = [(k, run_one(replace(cfgs[k % len(cfgs)], seed=PROFILE_SEED + k), name, record=False)[0])
+                    for k in range(draws)]
         except (ValueError, DeadlockError) as e:
             # At the user's limits (wfloat below its order's own) or a policy's bug: that
             # candidate cannot run here, the others still can.
@@ -365,12 +366,44 @@ def rank(
             log.info("auto: candidate %s dropped (%s)", name, why)
             skipped.append((name, why))
             continue
-        times.append((t, i, name))
+        if ones:
+            over_by = next((_over(cfgs[k % len(cfgs)], ones[k % len(cfgs)], run) for k, run in runs
+                            if _over(cfgs[k % len(cfgs)], ones[k % len(cfgs)], run)), None)
+            if over_by:
+                over[name] = over_by
+        times.append((statistics.fmean(run.makespan for _, run in runs), i, name))
     if not times:
         raise ValueError(f"auto: no candidate can run here: {'; '.join(f'{n}: {w}' for n, w in skipped)}")
+    if over and len(over) < len(times):
+        # A candidate that breaks the budget is never kept while another holds to it (a strict
+        # order cannot wait for bytes: its run holds what its order holds, whatever the budget).
+        for name, why in over.items():
+            log.info("auto: candidate %s dropped (%s)", name, why)
+            skipped.append((name, why))
+        times = [x for x in times if x[2] not in over]
     times.sort()
     strict = default_baseline(n_virtual, placement)
     return Ranking([(n, t) for t, _, n in times], strict if any(n == strict for *_, n in times) else None, skipped)
+
+
+def _one_microbatch(cfg: SimConfig) -> list[int]:
+    """Per rank, the most bytes one microbatch holds on it (its forwards on every virtual stage
+    of the rank) in ``cfg``'s steps: what the budget's rule lets the oldest microbatch hold."""
+    place, model = cfg.make_placement(), cfg.duration_model()
+    return [max((sum(model.act_bytes(k, s, m) for s in place.stages_of(r))
+                 for k in range(cfg.steps) for m in range(cfg.n_microbatches)), default=0)
+            for r in range(cfg.n_ranks)]
+
+
+def _over(cfg: SimConfig, ones: Sequence[int], run: Any) -> str | None:
+    """Why a simulated run broke ``cfg``'s memory budget on its first rank that did
+    (:func:`rrfp.scheduler.memory.over_budget`), or None."""
+    budgets = cfg.memory_budget if isinstance(cfg.memory_budget, (list, tuple)) else cfg.memory_budgets()
+    for r, (peak, one) in enumerate(zip(run.peak_memory_rank or [], ones)):
+        b = budgets[r] if budgets else None
+        if over_budget(peak, one, b):
+            return f"holds {mib(peak)} on rank {r}, over the memory budget {mib(b)}"
+    return None
 
 
 def batch_work(cfg: SimConfig) -> float:

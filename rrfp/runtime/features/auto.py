@@ -141,8 +141,19 @@ class AutoHint:
                              for c in self.known if self._splits(c) != form]
             self.known = [c for c in self.known if self._splits(c) == form]
         self.split = next((c for c in self.known if self._splits(c)), None)
+        # What runs when no choice is made (a run too short): the strict schedule, or under a
+        # memory budget the first candidate the budget gates (a strict order cannot wait for
+        # bytes, so it holds what its order holds whatever the budget).
+        self.fallback = self.strict
+        first = self.strict
+        if self.budget is not None:
+            full = next((c for c in self.known if self._held(c) and not self._splits(c)), None)
+            split = next((c for c in self.known if self._held(c) and self._splits(c)), None)
+            if full or split:
+                self.fallback = first = full or split  # type: ignore[assignment]
+                self.split = split if full else None
         self.current = self.strict
-        self.plan: list[str] = [self.strict, self.strict] + ([self.split] if self.split else [])
+        self.plan: list[str] = [first, first] + ([self.split] if self.split else [])
         self.samples: dict[tuple[int, str], list[float]] = {}
         self.measured: list[tuple[bool, list[TaskRecord]]] = []  # (split backward?, records) per measured step
         self.act: dict[int, int] = {}
@@ -181,7 +192,8 @@ class AutoHint:
             self.plan = []
             if self.say:
                 self.say(f"hint auto: a run of {steps} step{'s' if steps != 1 else ''} is too short to "
-                         f"measure and try candidates (needs at least {self.steps_needed()}); it runs {self.strict}")
+                         f"measure and try candidates (needs at least {self.steps_needed()}); it runs {self.fallback}"
+                         f"{self._gated_why()}")
 
     def adopt(self, hint: Any, source: str = "an earlier run") -> bool:
         """Keep ``hint``, the choice an earlier run of this job made (``rrfp train`` reads it
@@ -228,10 +240,23 @@ class AutoHint:
         return (f"hint auto: closed after {self.steps} step{'s' if self.steps != 1 else ''}, "
                 f"{'' if self.ranking is not None else 'at least '}{left} more were needed for a choice; "
                 f"the last ran {self.current} "
-                f"(run_length() keeps {self.strict} throughout a run too short to choose)")
+                f"(run_length() keeps {self.fallback} throughout a run too short to choose)")
 
     def _splits(self, name: str) -> bool:
         return resolve_hint(name, self.place, self.M)[0].split_backward
+
+    def _held(self, name: str) -> bool:
+        # A policy in readiness mode: the memory budget gates every forward it runs (a strict
+        # order runs its order, and wfloat keeps its order's forwards: both hold what their
+        # order holds where that is more than the budget).
+        _, hint, strict = resolve_hint(name, self.place, self.M)
+        return not strict and hint.order is None
+
+    def _gated_why(self) -> str:
+        if self.fallback == self.strict:
+            return ""
+        return (f" (under the memory budget: {self.strict} cannot wait for bytes, "
+                f"{self.fallback} holds to the budget)")
 
     def before_step(self, k: int) -> None:
         """Set the hint of step ``k`` (0-based, counted from this run's first step)."""
@@ -239,7 +264,7 @@ class AutoHint:
             n = len(self.plan)
             self.say(f"hint auto: steps 1-{n} of this run measure costs ({self.plan[0]} warms up, "
                      f"then {', '.join(self.plan[1:])}), then {TRIAL_ROUNDS} trial rounds of one step per candidate")
-        want = self.plan[0] if self.plan else (self.chosen or self.strict)
+        want = self.plan[0] if self.plan else (self.chosen or self.fallback)
         if want != self.current:
             self.pipe.set_hint(want)
             self.current = want
@@ -268,7 +293,7 @@ class AutoHint:
                     if self.say:
                         self.say(f"hint auto: a run of {self.run_steps} steps is too short to try "
                                  f"{', '.join(self.trial)} ({len(self.trial) * TRIAL_ROUNDS} trial steps after "
-                                 f"{k + 1} measuring); it runs {self.strict}")
+                                 f"{k + 1} measuring); it runs {self.fallback}{self._gated_why()}")
                     return
                 if self.say:
                     assert self.ranking is not None
@@ -402,7 +427,11 @@ class AutoHint:
                                      memory_budget=budgets, backpressure=self.backpressure, candidates=self.known,
                                      calibration=fitted.calibration if fitted else None)
         self.profile = prof
-        self.trial = sim_trial.trial_candidates([h for h, _ in self.ranking.order], self.strict)
+        if self.ranking.strict is None and budgets is not None:
+            # The strict schedule broke the budget in the ranking's simulation (rrfp.sim.auto.rank
+            # drops a candidate that does where another holds to it): neither tried nor kept.
+            self.fallback = self.ranking.best
+        self.trial = sim_trial.trial_candidates([h for h, _ in self.ranking.order], self.ranking.strict)
 
     @staticmethod
     def _narrowed(trial: dict) -> str:
