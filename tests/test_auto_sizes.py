@@ -212,7 +212,7 @@ def test_a_local_pipeline_with_a_budget_measures_each_microbatchs_bytes():
             pipe.step(microbatches=xs, targets=ys)
         prof = pipe.auto.profile
         want = (tuple(48 * n for n in rows), tuple(72 * n for n in rows))
-        assert prof.sizes == (want, want)  # both measuring steps: the strict schedule's, the split's
+        assert prof.sizes == (want, want)  # both measuring steps: under the budget bf's, then bfw-mem's
         assert pipe.auto.ranking is not None and pipe.auto.trial
 
 

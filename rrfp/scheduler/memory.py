@@ -361,6 +361,15 @@ def over_budget(peak: int, one: int, budget: int | None) -> bool:
     return budget is not None and peak > budget and peak > one
 
 
+def overrun_line(hint: str, budget: int, step: int, over: Sequence[tuple[int, int, int]]) -> str:
+    """The one line that says a step broke the memory budget: ``over`` is ``(rank, bytes held,
+    microbatches in flight)`` of each rank that did (:func:`over_budget`), ``step`` 1-based."""
+    held = ", ".join(f"rank {r} held {mib(b)} ({n} microbatch{'es' if n != 1 else ''})" for r, b, n in over)
+    return (f"hint {hint} broke the memory budget {mib(budget)} in step {step}: {held}; it runs its order's "
+            f"forwards whatever the budget (a strict order cannot wait for bytes); bf, bfw-mem, auto or the "
+            f"order as a hint (without strict-) hold to it (said once)")
+
+
 def mib(n: int | float) -> str:
     """``n`` bytes as ``"8.07 MiB"`` (``"4096 bytes"`` below 1 MiB), for one-line messages."""
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{int(n)} bytes"

@@ -85,6 +85,6 @@ def accumulated_step(pipe, mbs, per_step: int, n: int, first: bool, last: bool):
         stats[-1], wall=sum(s.wall for s in stats), busy=sum(s.busy for s in stats),
         peak_inflight=max(s.peak_inflight for s in stats), peak_mb_inflight=max(s.peak_mb_inflight for s in stats),
         n_tasks=sum(s.n_tasks for s in stats), records=[r for s in stats for r in s.records],
-        peak_bytes=max(s.peak_bytes for s in stats), loss=loss,
+        peak_bytes=max(s.peak_bytes for s in stats), peak_one=max(s.peak_one for s in stats), loss=loss,
         input_elems=sum(s.input_elems for s in stats))  # auto's batch work: every step's batch
     return loss, combined

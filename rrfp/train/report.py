@@ -103,6 +103,7 @@ class Reporter:
                 more = self.extras.text(row) + "  "
                 self.extras.publish(row)
             self.rows.append(row)
+            self._say_overrun(k, per_rank)
             mem_text = step_text(mem)
             self.out.step(
                 f"step {k + 1:4d}/{self.args.steps}  loss {loss:7.4f}  tok/s {row['tok_s']:8.0f}  {more}"
@@ -113,6 +114,20 @@ class Reporter:
             self.next_step += 1
             for line in self.notes.pop(self.next_step, []):
                 self.out.message(line)
+
+    def _say_overrun(self, k: int, per_rank: dict) -> None:
+        # Never a silent overrun: the first step in which a rank broke the memory budget, once.
+        over = [(r, per_rank[r]["mem"]["activations"], per_rank[r]["peak"]) for r in range(self.n_ranks)
+                if per_rank[r].get("over")]
+        if over and not self.overrun_said and getattr(self.args, "memory_budget", None) is not None:
+            from ..scheduler.memory import budget_bytes, overrun_line
+
+            self.overrun_said = True
+            hint = per_rank[over[0][0]]["over"]
+            self.note(k + 1, "rrfp train: " + overrun_line(hint, budget_bytes(self.args.memory_budget), k + 1, over))
+
+    overrun_said = False
+    """The line of a broken memory budget was said (:meth:`_say_overrun`)."""
 
     def summary(self, total: float) -> None:
         rows = self.rows
@@ -183,6 +198,9 @@ def _stats_problem(meta: object, src: int, rep: Reporter) -> str | None:
         return "no loss from the rank holding the last stage"
     if "mem" in meta and (why := mem_problem(meta["mem"])) is not None:
         return why
+    over = meta.get("over", False)
+    if over is not False and not (type(over) is str and 0 < len(over) <= 200 and "mem" in meta):
+        return f"over={str(over)[:80]!r} is neither False nor a hint's name beside memory figures"
     if rep.extras is not None:
         from .stepline import fields_problem
 

@@ -210,6 +210,14 @@ class _RankData:
             use_autocast(st.submod, args.precision, st.device.type, last=st.stage_index == n_stages - 1)
 
 
+def _over(pipe, st) -> str | bool:
+    """The hint this rank's step ran where it broke the memory budget
+    (:func:`~rrfp.scheduler.memory.over_budget`), else False: rank 0's report says it once."""
+    from ..scheduler.memory import over_budget
+
+    return pipe.hint_name if over_budget(st.peak_bytes, st.peak_one, pipe.runtime.memory_budget) else False
+
+
 def _pipeline(args: argparse.Namespace, layout, place: Placement, data: _RankData, record: bool):
     """This rank's :class:`Pipeline` and, under ``--hint auto``, its chooser
     (:class:`~rrfp.runtime.features.auto.AutoHint`), driven here per optimizer step."""
@@ -224,6 +232,7 @@ def _pipeline(args: argparse.Namespace, layout, place: Placement, data: _RankDat
         auto_recheck=recheck_steps(getattr(args, "auto_recheck", None)),
         **device.pipeline_kwargs(args),
     )
+    pipe.on_overrun = None  # rank 0's report says a broken memory budget once, for every rank
     chooser = pipe.auto
     if chooser is not None:
         pipe.drive_auto = False  # one choice per optimizer step (--grad-accum runs several pipeline steps)
@@ -389,7 +398,7 @@ class _Run:
         args, layout, pipe, metrics, reporter = self.args, self.layout, self.pipe, self.metrics, self.reporter
         meta = {"kind": "stats", "step": k, "busy": st.busy, "wall": st.wall, "peak": st.peak_mb_inflight,
                 "loss": None if loss is None else float(loss), **rank_fields(self.lr, self.grad_sq, self.flops),
-                "mem": self.memory.fields(st)}
+                "mem": self.memory.fields(st), "over": _over(pipe, st)}
         if metrics is not None:
             metrics.observe_memory(meta["mem"])
             metrics.observe(st, loss=meta["loss"], tokens=sum(mb.n_tokens for mb in mbs) if self.data.first else 0,

@@ -18,6 +18,7 @@ import torch
 
 from .compat import StepIO, check_grad_mode, merge_outputs, prepare_inputs
 from ...scheduler.hints import resolve_hint
+from ...scheduler.memory import over_budget, overrun_line
 from ...scheduler.tasks import Placement
 from .config import Plan, RuntimeConfig
 from ..engine.executor import EXECUTORS, make_executor
@@ -132,6 +133,10 @@ class FrontDoor:
         spec, hint, strict: what the next step runs (:meth:`set_hint` changes them).
         auto: the ``auto`` controller (:class:`~rrfp.runtime.features.auto.AutoHint`; None under a
             named hint), run around every training step while ``drive_auto`` is True.
+        on_overrun: says the first training step in which a rank of this process broke the
+            memory budget (:func:`~rrfp.scheduler.memory.overrun_line`; a strict order cannot
+            wait for bytes); default: a warning on the ``rrfp`` logger; None: nothing
+            (``rrfp train`` says it once for every rank instead).
     """
 
     #: what :meth:`step` returns by default: the last stage's outputs (True) or the loss.
@@ -158,6 +163,8 @@ class FrontDoor:
         self.auto = None
         self.drive_auto = True
         self._auto_steps = 0
+        self.on_overrun: Callable[[str], None] | None = log.warning
+        self._over_said = False
 
     def _start_auto(self, share, say: Callable[[str], None] | None) -> None:
         """Under ``hint="auto"``, the controller (:class:`~rrfp.runtime.features.auto.AutoHint`) that
@@ -335,6 +342,17 @@ class FrontDoor:
             losses.extend(mb_losses)
         if not forward_only:
             self._after_backward()
+            self._check_budget(stats)
+
+    def _check_budget(self, stats: list[StepStats]) -> None:
+        # Never a silent overrun (the rule: over_budget), said once per pipeline.
+        if self._over_said or self.on_overrun is None or self.plan.budget is None:
+            return
+        over = [(rt.rank, s.peak_bytes, s.peak_mb_inflight) for s, rt in zip(stats, self.runtimes)
+                if over_budget(s.peak_bytes, s.peak_one, rt.memory_budget)]
+        if over:
+            self._over_said = True
+            self.on_overrun(overrun_line(self.hint_name, self.plan.budget, self._step, over))
 
     def _book_stats(self, stats: list[StepStats]) -> None:
         self.last_stats = stats

@@ -28,7 +28,6 @@ This module keeps :meth:`RankRuntime.run_step` and :class:`StepStats`.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -46,7 +45,6 @@ from ...transport.keys import Direction
 from .compute import LossFn, TaskCompute, run_backward
 from .executor import Executor, InlineExecutor
 from ...scheduler.forward import ForwardArbiter
-from ...scheduler.memory import mib, over_budget
 from .hooks import HookRunner, StepHooks
 from .inbox import Inbox
 from .loop import DelayFn, SchedulerLoop
@@ -80,6 +78,8 @@ class StepStats:
             budget (0 without one; :mod:`rrfp.runtime.engine.memory`).
         n_backfilled: tasks a backfilling hint ran ahead of its strict order
             (:mod:`rrfp.scheduler.backfill`; 0 under any other hint).
+        peak_one: the most of those bytes one microbatch held at once (a budget's rule lets
+            the oldest microbatch hold it, however large: :func:`rrfp.scheduler.memory.over_budget`).
         input_elems: elements of the step's input tensors, positional and keyword, on the
             rank holding stage 0 (0 elsewhere): how large the step's batch was, a figure no
             hint changes (``auto``'s measure of a batch's work, :func:`rrfp.sim.trial.scaled`).
@@ -96,6 +96,7 @@ class StepStats:
     peak_bytes: int = 0
     n_backfilled: int = 0
     input_elems: int = 0
+    peak_one: int = 0
 
     @property
     def bubble(self) -> float:
@@ -206,7 +207,6 @@ class RankRuntime:
             dst_rank, inbox.step, m, dst_stage, direction, tensors))
         self._ordered = {s: _OrderedGrads(st.submod) for s, st in self.stages.items()} if deterministic else None
         self.memory_budget = memory_budget
-        self._over_said = False  # said once that a step broke the memory budget (_say_over)
         self.sizer = self._wbytes = None
         self.compute = TaskCompute(rank, self.stages, self.last_stage, loss_fn, self.router, self._ordered)
         if memory_budget is not None:
@@ -362,9 +362,7 @@ class RankRuntime:
         stats.peak_inflight = arb.peak_inflight
         stats.peak_mb_inflight = arb.peak_mb_inflight
         stats.peak_bytes = arb.peak_bytes
-        if not forward_only and not self._over_said and over_budget(arb.peak_bytes, arb.peak_one, self.memory_budget):
-            self._over_said = True
-            self._say_over(step, stats)
+        stats.peak_one = arb.peak_one
         if weights is not None:
             if losses is not None:
                 losses.extend(mb_losses)
@@ -375,16 +373,6 @@ class RankRuntime:
             await self.pace.ends(step, self.loop.watchdog)
         inbox.end_step(step)
         return stats
-
-    def _say_over(self, step: int, stats: StepStats) -> None:
-        # Never a silent overrun: a strict order (and wfloat, which keeps its order's forwards)
-        # cannot wait for bytes, so under a budget below what its order holds it breaks it.
-        name = f"strict-{self.hint.name}" if self.strict else self.hint.name
-        logging.getLogger("rrfp").warning(
-            "rank %d: hint %s held %s of activations (%d microbatches) in step %d, over the memory budget %s: "
-            "its order runs its forwards whatever the budget (a strict order cannot wait for bytes); "
-            "bf, bfw-mem or auto hold to it (said once)", self.rank, name, mib(stats.peak_bytes),
-            stats.peak_mb_inflight, step, mib(self.memory_budget or 0))
 
     def _feed(self, inputs, targets, sum_losses: bool) -> tuple[list[float] | None, list]:
         """Put the step's inputs in stage 0's buffers and its targets and loss weights in the

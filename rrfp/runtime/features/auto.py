@@ -368,6 +368,13 @@ class AutoHint:
             self.sample_bytes.setdefault((s, kind), []).append(sizes.get(s, {}).get(m, 0) if sized else 0)
             recs.append(TaskRecord(self.place.rank_of(s), self.steps, Task(s, kind, m), t0, t1))
         self.measured.append((split, recs))
+        given = sorted({b is not None for _, b in self.rank_memory.values()})
+        if given == [False, True]:
+            # Under a budget the measuring steps run hints the budget gates, elsewhere the strict
+            # schedule: ranks running both in one step can wait on each other for good.
+            with_ = [r for r, (_, b) in sorted(self.rank_memory.items()) if b is not None]
+            raise PipelineError(f"auto: ranks {with_} were given a memory budget and the others none: give every "
+                                "process the same memory_budget presence (each may have its own size)")
 
     def measured_sizes(self) -> list[list[list[int]]]:
         """Per measured step, per stage, each microbatch's activation bytes as the ranks measured
