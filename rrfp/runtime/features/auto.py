@@ -142,18 +142,13 @@ class AutoHint:
             self.known = [c for c in self.known if self._splits(c) == form]
         self.split = next((c for c in self.known if self._splits(c)), None)
         # What runs when no choice is made (a run too short): the strict schedule, or under a
-        # memory budget the first candidate the budget gates (a strict order cannot wait for
-        # bytes, so it holds what its order holds whatever the budget).
+        # memory budget the first candidate the budget gates (_gate).
         self.fallback = self.strict
-        first = self.strict
-        if self.budget is not None:
-            full = next((c for c in self.known if self._held(c) and not self._splits(c)), None)
-            split = next((c for c in self.known if self._held(c) and self._splits(c)), None)
-            if full or split:
-                self.fallback = first = full or split  # type: ignore[assignment]
-                self.split = split if full else None
+        self.gated = False
         self.current = self.strict
-        self.plan: list[str] = [first, first] + ([self.split] if self.split else [])
+        self.plan: list[str] = [self.strict, self.strict] + ([self.split] if self.split else [])
+        if self.budget is not None:
+            self._gate()
         self.samples: dict[tuple[int, str], list[float]] = {}
         self.measured: list[tuple[bool, list[TaskRecord]]] = []  # (split backward?, records) per measured step
         self.act: dict[int, int] = {}
@@ -252,6 +247,29 @@ class AutoHint:
         _, hint, strict = resolve_hint(name, self.place, self.M)
         return not strict and hint.order is None
 
+    def _gate(self) -> None:
+        """Under a memory budget, measure with (and fall back to) the first candidates the budget
+        gates, a full and a split backward: a strict order cannot wait for bytes, so it holds what
+        its order holds whatever the budget. Nothing changes where none is a candidate."""
+        full = next((c for c in self.known if self._held(c) and not self._splits(c)), None)
+        split = next((c for c in self.known if self._held(c) and self._splits(c)), None)
+        if not full or (split is None) != (self.split is None):
+            return  # (the count of measuring steps stays what every process planned)
+        self.gated, self.fallback, self.split = True, full, split
+        n = len(self.plan) - (1 if split else 0)  # the full backward's steps left
+        self.plan = [full] * n + ([split] if split else []) if self.plan else []
+
+    async def _agree_on_gating(self) -> None:
+        # After the first step every process knows whether any rank was given a budget: all then
+        # measure alike (ranks of one step running a strict order and a gated hint could wait on
+        # each other for good). Only the first step can differ, where processes were given a
+        # budget and others none.
+        if await self.share.max(1 if self.budget is not None else 0) and not self.gated:
+            self._gate()
+            if self.gated and self.say:
+                self.say(f"hint auto: a rank was given a memory budget: {', '.join(dict.fromkeys(self.plan)) or self.fallback} "
+                         f"from the next step{self._gated_why()}")
+
     def _gated_why(self) -> str:
         if self.fallback == self.strict:
             return ""
@@ -276,6 +294,8 @@ class AutoHint:
         """Book step ``k``'s figures from this process's ranks' ``stats`` (every process
         calls it: it shares figures through :attr:`share`)."""
         self.steps = k + 1
+        if k == 0 and not self.adopted:
+            await self._agree_on_gating()
         if not self.plan:
             if self.recheck_every and (k + 1) % self.recheck_every == 0 and self.chosen and self.trial:
                 self.plan = sim_trial.trial_order(self.trial, len(self.walls.get(self.trial[0], [])))
@@ -368,13 +388,6 @@ class AutoHint:
             self.sample_bytes.setdefault((s, kind), []).append(sizes.get(s, {}).get(m, 0) if sized else 0)
             recs.append(TaskRecord(self.place.rank_of(s), self.steps, Task(s, kind, m), t0, t1))
         self.measured.append((split, recs))
-        given = sorted({b is not None for _, b in self.rank_memory.values()})
-        if given == [False, True]:
-            # Under a budget the measuring steps run hints the budget gates, elsewhere the strict
-            # schedule: ranks running both in one step can wait on each other for good.
-            with_ = [r for r, (_, b) in sorted(self.rank_memory.items()) if b is not None]
-            raise PipelineError(f"auto: ranks {with_} were given a memory budget and the others none: give every "
-                                "process the same memory_budget presence (each may have its own size)")
 
     def measured_sizes(self) -> list[list[list[int]]]:
         """Per measured step, per stage, each microbatch's activation bytes as the ranks measured
