@@ -1,0 +1,178 @@
+"""A memory budget is never silently broken: ``auto`` measures with, tries, keeps and falls back
+to hints the budget gates (a strict order cannot wait for bytes, so it holds what its order holds
+whatever the budget: on main ``rrfp train --memory-budget 4MiB`` kept ``strict-1f1b`` and held
+8.07 MiB on rank 0, exit 0, no word), and a hint whose step breaks the budget anyway (a strict
+one the user named) is said in one line naming the budget, the hint and what each rank held.
+
+Peaks are the runtime's own meter (``StepStats.peak_bytes``) or the simulator's
+(``peak_memory_rank``); the budget's rule lets a rank hold one microbatch however large, so a
+rank may hold ``max(budget, its largest microbatch)``, its largest microbatch measured by an
+independent strict probe run."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+
+from rrfp.data.batches import make_microbatches
+from rrfp.model.gpt import GPT, GPTConfig, count_tokens, lm_loss, split_gpt
+from rrfp.runtime.doors.local import LocalPipeline
+from rrfp.sim.auto import Profile, rank, simulate_auto
+from rrfp.sim.compare import SimConfig, run_one
+from rrfp.sim.costs import CostModel, StageCost
+
+def mib(n: int) -> str:
+    """How the line writes bytes (an independent copy: 2 decimals of MiB, plain bytes below 1 MiB)."""
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+ACT = 1000  # bytes one microbatch's forward holds on every stage (the simulated profile's)
+STAGES = tuple(StageCost(0.010, 0.020, 0.011, 0.011, ACT, 1) for _ in range(4))
+
+
+def _sim_peaks(hint: str, budget: int) -> list[int]:
+    cfg = SimConfig(n_ranks=4, n_microbatches=8, costs=CostModel(STAGES), memory_budget=budget)
+    return run_one(cfg, hint, record=False)[0].peak_memory_rank
+
+
+def test_the_ranking_drops_candidates_whose_simulated_peak_breaks_the_budget():
+    # 2.5 microbatches: strict 1F1B holds 4 on rank 0 (4000 bytes), whatever the budget.
+    budget = 2500
+    assert _sim_peaks("strict-1f1b", budget)[0] == 4 * ACT
+    r = rank(Profile(STAGES, (0.0, 0.0, 0.0)), n_ranks=4, n_microbatches=8, memory_budget=budget)
+    names = [h for h, _ in r.order]
+    skipped = dict(r.skipped)
+    assert "strict-1f1b" not in names and r.strict is None
+    assert skipped["strict-1f1b"] == "holds 4000 bytes on rank 0, over the memory budget 2500 bytes"
+    # What is left holds to the budget in an independent simulation; what was dropped does not.
+    assert names and all(max(_sim_peaks(h, budget)) <= budget for h in names)
+    for h in ("strict-split", "backfill", "wfloat"):
+        assert h not in names and max(_sim_peaks(h, budget)) > budget, h
+    # Above the strict order's own peak nothing is dropped for the budget.
+    r = rank(Profile(STAGES, (0.0, 0.0, 0.0)), n_ranks=4, n_microbatches=8, memory_budget=4 * ACT)
+    assert r.strict == "strict-1f1b" and not any("over the memory budget" in w for _, w in r.skipped)
+
+
+def test_simulated_auto_keeps_a_hint_within_the_budget():
+    cfg = SimConfig(n_ranks=4, n_microbatches=8, costs=CostModel(STAGES), memory_budget=2500, seed=5)
+    run = simulate_auto(cfg)
+    assert "strict-1f1b" not in run.walls and run.chosen != "strict-1f1b"
+    assert max(_sim_peaks(run.chosen, 2500)) <= 2500
+
+
+# ---------------------------------------------------------------- the runtime, in process
+CFG = GPTConfig(n_layer=4, n_head=2, d_model=32, max_len=64)
+M = 4
+
+
+def _batch():
+    text = b"def f(x):\n    return x * 2 + 1\n" * 8
+    return make_microbatches([text[i: i + 30 + 3 * i] for i in range(8)], M)
+
+
+def _steps(hint: str, budget, steps: int, run_length: int | None = None):
+    """Each step's ``(hint, [peak bytes per rank], [microbatches in flight per rank])``."""
+    stages = split_gpt(GPT(CFG, seed=1), 4)
+    mbs, out = _batch(), []
+    with LocalPipeline(stages, M, lm_loss, hint=hint, loss_weight_fn=count_tokens, memory_budget=budget) as pipe:
+        if run_length is not None:
+            pipe.auto.run_length(run_length)
+        for _ in range(steps):
+            pipe.step(microbatches=[(mb.tokens,) for mb in mbs], targets=[mb.targets for mb in mbs])
+            out.append((pipe.hint_name, [s.peak_bytes for s in pipe.last_stats],
+                        [s.peak_mb_inflight for s in pipe.last_stats]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def probe():
+    """Strict 1F1B under a budget it ignores: per rank its own peak, and the largest microbatch
+    (a budget of one byte runs one microbatch at a time under ``bf``)."""
+    strict = _steps("strict-1f1b", 2**40, 1)[0][1]
+    one = [max(p) for p in zip(*(peaks for _, peaks, _ in _steps("bf", 1, 2)))]
+    budget = one[0] * 5 // 2  # 2.5 microbatches of rank 0: strict 1F1B holds 4 there
+    assert one[0] < budget < strict[0]
+    return strict, one, budget
+
+
+@pytest.mark.timeout(600)
+def test_default_auto_holds_to_the_budget_in_every_step(probe, caplog):
+    strict, one, budget = probe
+    with caplog.at_level(logging.INFO, logger="rrfp"):
+        got = _steps("auto", budget, 12, run_length=12)
+    for k, (hint, peaks, _) in enumerate(got):
+        assert hint != "strict-1f1b", k
+        assert all(p <= max(budget, o) for p, o in zip(peaks, one)), (k, hint, peaks, budget, one)
+        assert peaks[0] <= budget < strict[0]
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == ("hint auto: steps 1-3 of this run measure costs (bf warms up, then bf, bfw-mem), "
+                       "then 3 trial rounds of one step per candidate")
+    assert not [s for s in said if "broke the memory budget" in s]
+    assert re.search(r"hint auto chose (bf|bfw-mem):", "\n".join(said))
+
+
+@pytest.mark.timeout(600)
+def test_a_run_too_short_to_choose_falls_back_to_a_hint_the_budget_gates(probe, caplog):
+    _, one, budget = probe
+    with caplog.at_level(logging.INFO, logger="rrfp"):
+        got = _steps("auto", budget, 2, run_length=2)
+    assert [h for h, _, _ in got] == ["bf", "bf"]
+    assert all(p <= max(budget, o) for _, peaks, _ in got for p, o in zip(peaks, one))
+    assert ("hint auto: a run of 2 steps is too short to measure and try candidates (needs at least 9); it runs bf "
+            "(under the memory budget: strict-1f1b cannot wait for bytes, bf holds to the budget)") in caplog.text
+
+
+@pytest.mark.timeout(600)
+def test_a_strict_hint_over_the_budget_says_so_once_naming_what_each_rank_held(probe, caplog):
+    strict, _, budget = probe
+    with caplog.at_level(logging.WARNING, logger="rrfp"):
+        got = _steps("strict-1f1b", budget, 2)
+    assert got[0][1] == strict and got[0][2] == [4, 3, 2, 1]  # the budget cannot change a strict order
+    said = [r.getMessage() for r in caplog.records if "memory budget" in r.getMessage()]
+    assert len(said) == 1, said  # once, not once per step or rank
+    over = [(r, b, n) for r, (b, n) in enumerate(zip(got[0][1], got[0][2])) if b > budget and n > 1]
+    assert over and over[0][0] == 0
+    held = ", ".join(f"rank {r} held {mib(b)} ({n} microbatches)" for r, b, n in over)
+    assert said[0] == (f"hint strict-1f1b broke the memory budget {mib(budget)} in step 1: {held}; it runs its "
+                       "order's forwards whatever the budget (a strict order cannot wait for bytes); bf, bfw-mem, "
+                       "auto or the order as a hint (without strict-) hold to it (said once)")
+
+
+# ---------------------------------------------------------------- rrfp train, 4 processes
+_ACTS = re.compile(r"activations \[([0-9. ]+)\]")
+
+
+def _train(*flags: str) -> str:
+    p = subprocess.run([sys.executable, "-m", "rrfp", "train", "--steps", "14", "--memory-budget", "4MiB", *flags],
+                       capture_output=True, text=True, timeout=540)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_rrfp_train_auto_holds_the_users_budget():
+    # The user's run: on main auto kept strict-1f1b, peak in-flight [4 3 2 1] at every step and
+    # rank 0 held 8.07 MiB. Every step is checked by the ranks' own meter (no line said).
+    out = _train()
+    assert "broke the memory budget" not in out
+    assert "steps 1-3 of this run measure costs (bf warms up, then bf, bfw-mem)" in out
+    assert "peak in-flight [4 3 2 1]" not in out
+    acts = [float(x) for x in _ACTS.search(out).group(1).split()]
+    # Rank 3's one microbatch (the logits) is 2.77 MiB: under 4 MiB, so every rank is held to it.
+    assert max(acts) <= 4.0, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_rrfp_train_strict_over_the_budget_says_it_in_one_line():
+    out = _train("--hint", "strict-1f1b")
+    lines = [ln for ln in out.splitlines() if "broke the memory budget" in ln]
+    assert len(lines) == 1, out[-3000:]
+    assert lines[0].startswith("rrfp train: hint strict-1f1b broke the memory budget 4.00 MiB in step 1: rank 0 held ")
+    held = [float(x) for x in re.findall(r"held ([0-9.]+) MiB", lines[0])]
+    assert held and all(h > 4.0 for h in held)
