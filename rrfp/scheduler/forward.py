@@ -35,7 +35,7 @@ class ForwardArbiter:
         self.n_done = 0
         self.running: Task | None = None
         # Forwards only keep no activations for a backward: nothing is held, nothing counted.
-        self.peak_inflight = self.peak_mb_inflight = self.peak_bytes = 0
+        self.peak_inflight = self.peak_mb_inflight = self.peak_bytes = self.peak_one = 0
         if self.stages[0] == 0:
             for m in range(self._n_mb):
                 self.ready.act[m] = 1
