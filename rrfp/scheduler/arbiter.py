@@ -13,7 +13,9 @@ the bounds and why they cannot deadlock). :meth:`Arbiter.propose` is that choice
 :meth:`Arbiter.commit` takes it.
 
 Strict mode runs exactly the hint's order (the fixed-order baseline) and ignores the limit
-and the memory budget.
+and the memory budget: it cannot wait for bytes (a rank holding a forward back would stall a
+neighbour that waits for it in its own order), so it holds what its order holds, and the front
+doors say a step that broke the budget (:func:`~rrfp.scheduler.memory.over_budget`).
 
 Pure module: no torch, no asyncio, no I/O.
 """

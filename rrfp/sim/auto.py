@@ -324,7 +324,12 @@ def rank(
     the profile's measured sizes vary, on each measured step's own sizes, makespans averaged:
     :func:`rrfp.sim.sized.sized_configs`; a named budget resolved on each). A
     candidate that cannot run there (refused at those limits, or a simulation that deadlocks)
-    is dropped, logged at INFO on ``rrfp.auto`` and named in :attr:`Ranking.skipped`.
+    is dropped, logged at INFO on ``rrfp.auto`` and named in :attr:`Ranking.skipped`; so is,
+    under a memory budget, one whose simulated peak breaks it on a rank
+    (:func:`rrfp.scheduler.memory.over_budget`: a strict order cannot wait for bytes) while
+    another candidate holds to it (``"holds 4000 bytes on rank 0, over the memory budget 2500
+    bytes"``; where none does, none is dropped for it). :attr:`Ranking.strict` is None once the
+    strict schedule is dropped: the trial neither tries nor keeps it.
 
     Args:
         limit, memory_budget, backpressure: as :class:`~rrfp.sim.compare.SimConfig` (the

@@ -38,6 +38,13 @@ before the same step):
    measured faster than the kept one by more than that margin (the kept one is the incumbent
    of :func:`~rrfp.sim.trial.keep`).
 
+Under a memory budget a strict order cannot wait for bytes (it holds what its order holds), so
+the measuring steps run the first candidates the budget gates instead (``bf``, then ``bfw-mem``
+for ``I`` and ``W``: :meth:`AutoHint._gate`), the ranking drops a candidate whose simulated peak
+breaks the budget while another holds to it (:func:`rrfp.sim.auto.rank`; then the strict schedule
+is neither tried nor kept), and a run too short to choose runs ``bf``. Whether any rank has a
+budget is shared after the first step, which alone runs each process's own plan.
+
 Between re-checks a step runs what the kept hint run directly runs: a switch to a full backward
 gives the stage modules' affine layers their own forwards back (the split candidates route them
 through a Python autograd Function, 5-8% slower forwards on the bench's stages: :meth:`RankRuntime.set_hint
