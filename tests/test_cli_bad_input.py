@@ -153,6 +153,16 @@ def test_damaged_shard_is_one_line_naming_the_file(checkpoint, tmp_path, capsys,
     rc, _, err = _resume(capsys, d, "--steps", "4")
     assert rc == 2 and err == (f"rrfp train: error: checkpoint {str(step)!r}: shard __1_0.distcp has {n // 2} "
                                f"bytes, expected {n} (truncated or damaged)\n")
+    # An intact older checkpoint is named as the way on (never taken silently).
+    import shutil
+
+    older = ck.step_dir(d, 1)
+    shutil.copytree(checkpoint / step.name, older)
+    rc, _, err = _resume(capsys, d, "--steps", "4")
+    assert rc == 2 and err == (f"rrfp train: error: checkpoint {str(step)!r}: shard __1_0.distcp has {n // 2} "
+                               f"bytes, expected {n} (truncated or damaged); the newest intact one is "
+                               f"{str(older)!r} (resume it with --resume {older})\n")
+    shutil.rmtree(older)
     shard.unlink()
     rc, _, err = _resume(capsys, d, "--steps", "4")
     assert rc == 2 and "shard __1_0.distcp is unreadable (No such file or directory)" in err and err.count("\n") == 1
