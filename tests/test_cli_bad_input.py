@@ -356,3 +356,18 @@ def test_rrfp_train_refuses_bad_flags_before_importing_torch(flags, needle):
     assert p.stdout.split() == ["False", "2"], (p.stdout, p.stderr)
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rrfp train: error: ") and needle in lines[0], p.stderr
+
+
+def test_an_hf_folder_with_fewer_positions_than_max_len_names_the_most_it_takes(tmp_path):
+    import argparse
+    import json
+
+    from rrfp.train.models import hf_layers, hf_missing
+
+    if hf_missing() is not None:
+        pytest.skip(hf_missing())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 64, "n_layer": 2}))
+    args = argparse.Namespace(model=f"hf:{tmp_path}", tp=1, max_len=128)
+    with pytest.raises(Exception, match=rf"^--max-len=128 exceeds the 64 positions of --model='hf:{tmp_path}': "
+                                        r"expected --max-len 64 or less$"):
+        hf_layers(args)
