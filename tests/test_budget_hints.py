@@ -176,3 +176,35 @@ def test_rrfp_train_strict_over_the_budget_says_it_in_one_line():
     assert lines[0].startswith("rrfp train: hint strict-1f1b broke the memory budget 4.00 MiB in step 1: rank 0 held ")
     held = [float(x) for x in re.findall(r"held ([0-9.]+) MiB", lines[0])]
     assert held and all(h > 4.0 for h in held)
+
+
+def test_rank_zeros_report_says_the_ranks_over_the_budget_once_and_drops_a_forged_flag(capsys):
+    import io
+    from types import SimpleNamespace
+
+    from rrfp.scheduler.tasks import Placement
+    from rrfp.train.progress import Output
+    from rrfp.train.report import Reporter
+
+    MiB = 2**20
+    args = SimpleNamespace(steps=2, microbatches=4, quiet=False, hint="strict-1f1b", skip_nonfinite=False,
+                           memory_budget="3MiB")
+    out = io.StringIO()
+    rep = Reporter(args, 2, Placement(2, 1, "loop"), Output(2, stream=out, bar=False))
+    mem = lambda act: {"params": 0, "grads": 0, "optimizer": 0, "activations": act, "gathered": 0,  # noqa: E731
+                       "rss": MiB, "cuda_allocated": None, "cuda_reserved": None, "limit": None, "headroom": None}
+    for k in range(2):
+        rep.step_time[k], rep.tokens[k] = 1.0, 10
+        base = {"kind": "stats", "step": k, "busy": 0.5, "wall": 1.0}
+        if k == 0:
+            rep.add({**base, "peak": 2, "loss": 2.0, "mem": mem(MiB), "over": 5}, 1)  # forged: dropped
+            assert "over=5 is neither False nor a hint's name" in capsys.readouterr().err
+        rep.add({**base, "peak": 2, "loss": None, "mem": mem(5 * MiB), "over": "strict-1f1b"}, 0)
+        rep.add({**base, "peak": 1, "loss": 2.0, "mem": mem(MiB), "over": False}, 1)
+        rep.flush()
+    lines = out.getvalue().splitlines()
+    assert lines[1] == ("rrfp train: hint strict-1f1b broke the memory budget 3.00 MiB in step 1: rank 0 held 5.00 MiB "
+                        "(2 microbatches); it runs its order's forwards whatever the budget (a strict order cannot "
+                        "wait for bytes); bf, bfw-mem, auto or the order as a hint (without strict-) hold to it "
+                        "(said once)")
+    assert lines[0].startswith("step    1/2") and lines[2].startswith("step    2/2") and len(lines) == 3

@@ -200,7 +200,7 @@ def _stats_problem(meta: object, src: int, rep: Reporter) -> str | None:
         return why
     over = meta.get("over", False)
     if over is not False and not (type(over) is str and 0 < len(over) <= 200 and "mem" in meta):
-        return f"over={str(over)[:80]!r} is neither False nor a hint's name beside memory figures"
+        return f"over={repr(over)[:80]} is neither False nor a hint's name beside memory figures"
     if rep.extras is not None:
         from .stepline import fields_problem
 
