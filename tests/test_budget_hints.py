@@ -208,3 +208,30 @@ def test_rank_zeros_report_says_the_ranks_over_the_budget_once_and_drops_a_forge
                         "wait for bytes); bf, bfw-mem, auto or the order as a hint (without strict-) hold to it "
                         "(said once)")
     assert lines[0].startswith("step    1/2") and lines[2].startswith("step    2/2") and len(lines) == 3
+
+
+def test_a_process_given_no_budget_measures_as_one_given_a_budget_from_the_second_step():
+    # A pipeline whose processes were given a budget and none (test_auto_limits' two processes in
+    # one event loop): after the first step, which runs each one's own plan, both learn that a rank
+    # has a budget and measure with the hints it gates; the one given none says so.
+    import asyncio
+
+    from rrfp.runtime.features.auto import AutoHint
+    from test_auto_limits import ACT as UNIT, Pair, _process, _stats
+
+    pair, lines = Pair(), []
+    pipes = [_process(r, 2, b) for r, b in enumerate([UNIT, None])]
+    ctls = [AutoHint(p, pair.member(r), recheck_every=0, say=lines.append if r else None) for r, p in enumerate(pipes)]
+    ran = []
+    for k in range(3):
+        for c in ctls:
+            c.before_step(k)
+        ran.append([c.current for c in ctls])
+
+        async def both():
+            await asyncio.gather(*(c.after_step(k, [_stats(p, r)]) for r, (c, p) in enumerate(zip(ctls, pipes))))
+
+        asyncio.run(both())
+    assert ran == [["bf", "strict-1f1b"], ["bf", "bf"], ["bfw-mem", "bfw-mem"]]
+    assert lines[1] == ("hint auto: a rank was given a memory budget: bf, bfw-mem from the next step (under the memory "
+                        "budget: strict-1f1b cannot wait for bytes, bf holds to the budget)")

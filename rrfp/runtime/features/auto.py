@@ -274,8 +274,8 @@ class AutoHint:
         if await self.share.max(1 if self.budget is not None else 0) and not self.gated:
             self._gate()
             if self.gated and self.say:
-                self.say(f"hint auto: a rank was given a memory budget: {', '.join(dict.fromkeys(self.plan)) or self.fallback} "
-                         f"from the next step{self._gated_why()}")
+                runs = ", ".join(dict.fromkeys(self.plan[1:])) or self.fallback  # plan[0]: the step just run
+                self.say(f"hint auto: a rank was given a memory budget: {runs} from the next step{self._gated_why()}")
 
     def _gated_why(self) -> str:
         if self.fallback == self.strict:
