@@ -110,6 +110,8 @@ CASES = [
     (["train", "--job-secret-file", ""], "--job-secret-file='': expected a file path"),
     (["train", "--port-range", ""], "--port-range='': expected LO-HI"),
     (["node", "--", "--checkpoint-dir", ""], "--checkpoint-dir='': expected a folder path"),
+    (["simulate", "--costs", ""], "--costs '': expected a cost file"),
+    (["simulate", "--baseline", ""], "--baseline '': expected a hint name, auto or none"),
 ]
 
 
