@@ -1,7 +1,8 @@
 """The job secret's one rule (standard library only, so ``rrfp train`` checks
 ``--job-secret-file`` before torch loads): surrounding whitespace is stripped (a file's
 trailing newline) and at least :data:`MIN_SECRET_BYTES` bytes remain; and where the secret
-``rrfp train`` makes for one run waits for its ranks (:func:`private_secret_file`)."""
+``rrfp train`` makes for one run waits for its ranks: in each rank's memory
+(:func:`in_memory_file`, Linux), else a private file (:func:`private_secret_file`)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,36 @@ def private_secret_file(secret: str) -> tuple[str, Callable[[], None]]:
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return path, lambda: shutil.rmtree(folder, ignore_errors=True)
+
+
+IN_MEMORY_NAME = "rrfp-job-secret"
+"""The name an in-memory secret file shows (``/proc/<pid>/fd/N -> /memfd:rrfp-job-secret``)."""
+
+
+def in_memory_supported() -> bool:
+    """Whether :func:`in_memory_file` works here: ``memfd_create`` (Linux 3.17) and
+    ``/proc/self/fd``. Asked by the launcher, which falls back to :func:`private_secret_file`."""
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        return False
+    try:
+        os.close(os.memfd_create(IN_MEMORY_NAME))
+    except OSError:  # ENOSYS in some sandboxes
+        return False
+    return True
+
+
+def in_memory_file(secret: str) -> str:
+    """Write ``secret`` to a file that exists only in this process's memory (``memfd_create``,
+    close-on-exec, mode 0600) and return a path this process opens it by,
+    ``/proc/self/fd/N``: what a rank of ``rrfp train`` is given as ``--job-secret-file``. No
+    folder holds it and nothing has to delete it: it is gone when this process ends, however it
+    ends (a file the launcher wrote outlived every launcher that was SIGKILLed). Linux only
+    (:func:`in_memory_supported`).
+
+    Raises:
+        OSError: the file cannot be made.
+    """
+    fd = os.memfd_create(IN_MEMORY_NAME, os.MFD_CLOEXEC)
+    os.fchmod(fd, 0o600)  # the folder /proc/<pid>/fd is this user's alone already
+    os.write(fd, secret.encode())
+    return f"/proc/self/fd/{fd}"
