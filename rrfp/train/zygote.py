@@ -443,11 +443,21 @@ def _rank(argv: list[str], env: dict[str, str], secret: str | None = None) -> No
 
         argv = [*argv, "--job-secret-file", in_memory_file(secret)]
     sys.argv = [sys.argv[0], *argv]  # runpy puts rrfp/__main__.py's path first, as -m does
+    signal.signal(signal.SIGINT, _interrupt_once)
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one that came meanwhile raises here
         runpy.run_module("rrfp", run_name="__main__", alter_sys=True)
     except KeyboardInterrupt:
         interrupted()
+
+
+def _interrupt_once(signum, frame) -> None:
+    """A rank's SIGINT handler: KeyboardInterrupt, once. Ctrl-C reaches a rank up to three
+    times (the terminal's, ``timeout -s INT``'s second to the group, the launcher's stop); a
+    second KeyboardInterrupt raised while the first unwound (asyncio closing its loop) turned
+    the rank's "interrupted" line into an error's ("Cannot close a running event loop")."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _host_store(world: int, conn, env: dict[str, str]) -> None:
