@@ -50,21 +50,30 @@ def read_secret_file(path: str | os.PathLike) -> bytes:
         raise ValueError(f"job secret file {str(path)!r}: {e}") from None
 
 
-def private_secret_file(secret: str) -> tuple[str, Callable[[], None]]:
+SHM = "/dev/shm"
+"""Where :func:`private_secret_file` writes by default: memory, never a disk."""
+
+
+def private_secret_file(secret: str, dir: str | None = None) -> tuple[str, Callable[[], None]]:
     """Write a run's secret where only this user (and root) can read it, for its ranks to read
-    through ``--job-secret-file``: a file of mode 0600 in a new folder of mode 0700, in
-    ``/dev/shm`` where there is one (memory, never written to disk), else in the temporary
-    folder, named ``rrfp-secret-<this pid>-*``. Not the ranks' environment: ``/proc/<pid>/environ`` keeps the value a process
-    started with for its whole life, whatever it unsets.
+    through ``--job-secret-file``: a file of mode 0600 in a new folder of mode 0700, in ``dir``
+    (default: ``/dev/shm`` where there is one, memory, never written to disk; else the
+    temporary folder), named ``rrfp-secret-<this pid>-*``. The launcher's fallback where
+    :func:`in_memory_supported` is False. Not the ranks' environment: ``/proc/<pid>/environ``
+    keeps the value a process started with for its whole life, whatever it unsets.
+
+    A folder of this name whose pid has ended (its launcher was SIGKILLed) is deleted first
+    (:func:`sweep`).
 
     Returns:
         The file's path, and a function that deletes the file and its folder (call it when
         the run ends).
     """
-    shm = "/dev/shm"
+    if dir is None:
+        dir = SHM if os.path.isdir(SHM) and os.access(SHM, os.W_OK) else tempfile.gettempdir()
+    sweep(dir)
     # Named after the process that made it: the folder a SIGKILLed launcher left is its pid's.
-    folder = tempfile.mkdtemp(prefix=f"rrfp-secret-{os.getpid()}-",
-                              dir=shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None)
+    folder = tempfile.mkdtemp(prefix=f"rrfp-secret-{os.getpid()}-", dir=dir)
     path = os.path.join(folder, "job-secret")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -74,6 +83,37 @@ def private_secret_file(secret: str) -> tuple[str, Callable[[], None]]:
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return path, lambda: shutil.rmtree(folder, ignore_errors=True)
+
+
+def sweep(dir: str) -> list[str]:
+    """Delete the ``rrfp-secret-<pid>-*`` folders in ``dir`` that this user owns and whose pid
+    no longer runs (a launcher SIGKILLed before it could delete its own); returns them. A pid
+    reused since is taken for alive: that folder waits for a later sweep. Folders of other
+    users, and the older ``rrfp-secret-*`` names without a pid, are left alone."""
+    import re
+
+    gone = []
+    try:
+        names = os.listdir(dir)
+    except OSError:
+        return gone
+    for name in names:
+        m = re.fullmatch(r"rrfp-secret-(\d+)-\w+", name)
+        path = os.path.join(dir, name)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(m.group(1)), 0)
+            continue  # alive (or a pid reused)
+        except ProcessLookupError:
+            pass
+        except OSError:  # PermissionError: another user's live process holds the pid
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(path)
+    return gone
 
 
 IN_MEMORY_NAME = "rrfp-job-secret"

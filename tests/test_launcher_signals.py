@@ -152,3 +152,45 @@ def test_a_sigkilled_launcher_leaves_no_job_secret_anywhere(tmp_path):
             import shutil
 
             shutil.rmtree(leaked, ignore_errors=True)
+
+
+def test_where_there_is_no_memfd_the_secrets_folder_goes_on_a_signal_and_a_sigkilled_ones_at_the_next_run(
+        tmp_path, monkeypatch, capsys):
+    """The fallback (no ``memfd_create``): ``rrfp train``'s launcher, its job forced to get
+    SIGINT as it starts, deletes its secret's folder; and the folder a SIGKILLed launcher left
+    (named after its pid, which has ended) is deleted when the next one makes its own. A live
+    pid's folder, another user's name scheme and other files stay. All in ``tmp_path``
+    (``rrfp._secret.SHM``), never the machine's /dev/shm."""
+    import argparse
+
+    from rrfp import _secret
+    from rrfp.train import cli
+
+    monkeypatch.setattr(_secret, "SHM", str(tmp_path))
+    monkeypatch.setattr(_secret, "in_memory_supported", lambda: False)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"rrfp-secret-{dead.pid}-abc_12"
+    alive = tmp_path / f"rrfp-secret-{os.getppid()}-live"
+    for d in (left, alive, tmp_path / "rrfp-secret-oldname", tmp_path / "other"):
+        d.mkdir()
+        (d / "job-secret").write_text("s" * 32)
+    seen = {}
+
+    def start(job):
+        seen["argv"] = job.argv
+        seen["during"] = sorted(p.name for p in tmp_path.iterdir())
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # Ctrl-C, right here
+
+    monkeypatch.setattr(LocalJob, "start", start)
+    args = argparse.Namespace(stages=2, dp=1, tp=1, threads=1, argv=["train"], job_secret_file=None,
+                              checkpoint_dir=None, metrics_linger=0.0)
+    monkeypatch.delenv("RRFP_JOB_SECRET", raising=False)
+    with LauncherSignals() as signals:
+        code = cli.launch(args, signals)
+    assert code == 128 + signal.SIGINT
+    assert capsys.readouterr().err == "rrfp train: stopped by SIGINT; the ranks were stopped too\n"
+    mine = f"rrfp-secret-{os.getpid()}-"
+    assert [n for n in seen["during"] if n.startswith(mine)] and seen["argv"][-2] == "--job-secret-file"
+    assert seen["argv"][-1].startswith(str(tmp_path / mine))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, "rrfp-secret-oldname", "other"])
