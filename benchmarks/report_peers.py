@@ -77,10 +77,10 @@ def predictions(res: dict) -> dict[str, dict[str, list[float]]]:
             by = placed[pl] if pl in placed else placed.setdefault(pl, ByBackward(res, pi, ph, 2, pl, fallback=model,
                                                                                   one=one))
             kept = kept_hint(ph, peer_default(label), default)
-            rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"], model=by(p["strict"]),
-                                                                 **kw)
+            rows[peer_strict(label)], b_strict = predict_bounded(cfg, cal, pi, ph, p["strict"],
+                                                                 model=by(p["strict"], peer_strict(label)), **kw)
             rows[peer_default(label)], b_default = predict_bounded(cfg, cal, pi, ph, kept, budgets=budgets,
-                                                                   model=by(kept), **kw)
+                                                                   model=by(kept, peer_default(label)), **kw)
             rows[BOUND + label] = [min(a, b) for a, b in zip(b_strict, b_default)]
         if cfg.get("sleep") or model is not None:
             rows.update(flat_rows(res, pi, ph, names, default, one if model is not None else None))
@@ -120,7 +120,7 @@ def flat_rows(res: dict, pi: int, ph: dict, names, default: str, model) -> dict[
             kw = dict(budgets=[int(b[spec["budget"]]) for b in budgets],
                       stage_bytes=[[max(1, int(b["1f1b"]) // (P - r))] for r, b in enumerate(budgets)])
         hint = kept_hint(ph, n, default)
-        rows[n] = predict(cfg, cal, pi, ph, hint, limit=spec["limit"], model=by(hint), **kw)
+        rows[n] = predict(cfg, cal, pi, ph, hint, limit=spec["limit"], model=by(hint, n) if model else None, **kw)
     return rows
 
 
@@ -145,34 +145,47 @@ class ByBackward:
     all of them (:func:`calibrated`)."""
 
     def __init__(self, res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str = "loop", fallback=None,
-                 one: "ByBackward | None" = None):
+                 one: "ByBackward | None" = None, held: str | None = ""):
         self.cfg, self.nv, self.pl = res["config"], n_virtual, placement
-        self.all = calibrated(res, pi, ph, n_virtual, placement) or fallback
-        self.forms = {f: calibrated(res, pi, ph, n_virtual, placement, backward=f) for f in ("full", "split")}
+        self.args = (res, pi, ph, n_virtual, placement, fallback, one)
+        self.rows: dict[str, ByBackward] = {}
+        # Held factors are read only where each rank has a core (fit_model): elsewhere a row's
+        # model is the phase's.
+        self.per_row = held is not None and run_cores(res) >= res["config"]["n_ranks"]
+        ex = None if held is None else [held] if held else []
+        self.all = calibrated(res, pi, ph, n_virtual, placement, held=ex) or fallback
+        self.forms = {f: calibrated(res, pi, ph, n_virtual, placement, backward=f, held=ex) for f in ("full", "split")}
         self.derived = (one is not None and self.forms["full"] is None and self.forms["split"] is not None
                         and one.forms["full"] is not None and one.forms["split"] is not None)
         if self.derived:
             self.forms["full"] = full_backward(self.forms["split"], one.forms["full"], one.forms["split"])
 
-    def __call__(self, hint: str):
+    def __call__(self, hint: str, row: str = ""):
+        """The model of ``hint``'s backward form; with ``row`` (a recorded row it predicts), one
+        whose held-activation factors are read off the other rows only (:func:`calibrated`)."""
+        by = self
+        if row and self.per_row:
+            by = self.rows.get(row) or self.rows.setdefault(row, ByBackward(*self.args, held=row))
         split = splits(hint, self.cfg, self.nv, self.pl)
-        m = None if split is None else self.forms["split" if split else "full"]
-        return m or self.all
+        m = None if split is None else by.forms["split" if split else "full"]
+        return m or by.all
 
 
 def calibrated(res: dict, pi: int, ph: dict, n_virtual: int = 1, placement: str = "loop",
-               backward: str | None = None):
+               backward: str | None = None, held: list[str] | None = None):
     """The calibrated model of phase ``ph`` on a placement (:func:`benchmarks.sim_pred.fit_model`),
     read off that placement's strict rows' task records where the setting kept them
     (``record_tasks``); None without them (with one stage per rank the predictions are then
     uncalibrated: no runtime cost, a core per rank; a virtual-stage row falls back to the
-    one-stage model, halved per virtual stage)."""
+    one-stage model, halved per virtual stage). ``held``: the rows whose records the
+    held-activation factors leave out (``fit_model``'s; None: no such factor, ``[]``: every
+    row's)."""
     if not ph.get("recorded"):
         return None
     recorded = {row: {int(k): v for k, v in steps.items()} for row, steps in ph["recorded"].items()}
     try:  # costs in place, rescaled to each row's own duty on the cores the ranks shared
         return fit_model(res["config"], res["calibration"], pi, ph, recorded, n_virtual=n_virtual,
-                         placement=placement, backward=backward, cores=run_cores(res))
+                         placement=placement, backward=backward, cores=run_cores(res), held_without=held)
     except ValueError:  # no strict row of the placement recorded in this phase
         return None
 

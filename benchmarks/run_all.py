@@ -452,15 +452,16 @@ How to read the targets:
   measures them; `rrfp.scheduler.memory.order_peak_bytes` over the schedule's order). The peak
   saved activations both systems then measure on each rank are in the tables below.
 - The simulator's ideal is the same arbiter on the setting's calibrated task costs with no runtime
-  overhead, no communication time and one processor per rank. This machine runs 4 rank processes
-  on 2 shared cores, so a task's time depends on what the other ranks run; the ideal is the
-  reference for the setting, not an upper bound here.
+  overhead, no communication time and one processor per rank. Where a setting runs more rank
+  processes than this machine has cores (4, 8 or 16 ranks on 2), a task's time depends on what
+  the other ranks run; the ideal is the reference for the setting, not an upper bound there.
 - The calibrated figure beside it is the simulator on the model of what this run's runtime paid
   (`rrfp.sim.calibration`, read off the strict rows' task records in the same timed rounds, per
   placement: strict 1F1B's for one stage per rank, the strict Int1F1B and IntZB orders' for
   interleaved rows, the strict ZBV and DualPipeV orders' for V rows: each task's own cost in
   place, the runtime's time per task, per received input, per message and per step, half of a
-  message's time on its receiving rank; each round the median over one simulation per recorded
+  message's time on its receiving rank; where each rank has a core, how the activations a rank
+  holds slow its tasks, read off the run's other rows; each round the median over one simulation per recorded
   step, at that step's own task costs and message times; docs/simulator.md), with the very
   delays the run injected, round by round; a
   PyTorch schedule is predicted as its order run strictly on that model (PyTorch's own runtime

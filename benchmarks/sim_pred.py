@@ -51,6 +51,7 @@ from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.schedules import one_f_one_b_limits
 from rrfp.scheduler.tasks import B, F, I, W, Placement, PipelineSpec, Task, TaskRecord
 from rrfp.sim.calibration import Calibration, RankStep, busy_share, fit, remote_inputs, stage_costs, step_factors
+from rrfp.sim.held import read_held, record_factors, without_held
 from rrfp.sim.engine import simulate
 from rrfp.sim.jitter import LEVELS, STREAM_COMM_HIT, STREAM_COMM_SIZE, injected_delay
 
@@ -350,7 +351,7 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
               rows: Sequence[str] | None = None, cores: int | None = None, background: float = 0.0,
               n_virtual: int = 1, placement: str = "loop", draws: bool = True,
               hop_on_rank: float = 0.0, backward: str | None = None,
-              recv_in_hop: bool = RECV_IN_HOP) -> RuntimeModel:
+              recv_in_hop: bool = RECV_IN_HOP, held_without: Sequence[str] | None = None) -> RuntimeModel:
     """The calibrated model of a setting's phase on one placement, read off the recorded steps
     of ``rows`` (those that ran; default the placement's :data:`PLACEMENT_ROWS`): each task's own
     cost per stage (its recorded duration less what the harness slept in it,
@@ -374,6 +375,10 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
             backward routes the layers' forwards through the deferring function, so its ``F``
             costs more than a full backward's: :func:`rrfp.runtime.engine.split.enable_split_backward`);
             None: every row.
+        held_without: read how held activations slow each rank's tasks off every recorded row but
+            these (:func:`rrfp.sim.held.read_held`: a prediction of a row reads the other rows'),
+            and measure the costs as with nothing held (:func:`rrfp.sim.held.without_held`);
+            None: no such factor (a strict row holds what it holds).
 
     Raises:
         ValueError: none of ``rows`` was recorded in the phase's timed rounds, or a figure
@@ -412,7 +417,24 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
     cal = Calibration(**{k: med([getattr(f.calibration, k) for f in fits]) for k in ("task", "recv", "hop", "step")},
                       hop_on_rank=hop_on_rank, recv_in_hop=recv_in_hop)
     wait = lambda sid, rank, t: sleep(sid % 10**6, rank, t)  # noqa: E731
-    measured = stage_costs(records, place.n_stages, wait=wait)
+    factor = None
+    if held_without is not None and (cores is None or cores >= P):
+        by_row = {}
+        for row, steps_of in recorded.items():
+            recs = [TaskRecord(rs["rank"], int(sid), Task(int(a), str(k), int(m)), t0, t1)
+                    for sid, ranks in steps_of.items() if int(sid) in ids for rs in ranks
+                    for a, k, m, t0, t1 in rs["tasks"]]
+            # Only rows of this placement: the same task ids then name the same work.
+            if ({r.task.stage for r in recs} == set(range(place.n_stages))
+                    and all(place.rank_of(r.task.stage) == r.rank for r in recs)):
+                by_row[row] = recs
+        table = read_held(by_row, P, exclude=held_without, wait=wait)
+        if table is not None:
+            cal = dataclasses.replace(cal, held=table)
+            factor = record_factors(records, table)
+            records_own = without_held(records, table, wait)
+    own_records = records if factor is None else records_own
+    measured = stage_costs(own_records, place.n_stages, wait=wait)
     # stage 0's I is the runtime's no-op (its whole backward runs in W) when no split row ran.
     per = [{k: c.cost(k) for k in (F, B, I, W)} for c in measured.stages]
     if not any(r.task.kind == W for r in records):
@@ -422,7 +444,8 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
         # time per task, the receiving of a remote input), so the rows' own schedule, simulated,
         # runs at the duty its costs were measured at (rescaled by 1).
         remote, on = remote_inputs(steps[0][0]), cal.on_rank()
-        cpu = lambda k, r, t: (per[t.stage][t.kind] + cal.task  # noqa: E731
+        fac = (lambda k, r, t: 1.0) if factor is None else (lambda k, r, t: factor[(k, r, t)])  # noqa: E731
+        cpu = lambda k, r, t: (per[t.stage][t.kind] * fac(k, r, t) + cal.task  # noqa: E731
                                + (on if (t.stage, t.kind) in remote else 0.0))
         cal = dataclasses.replace(cal, cores=cores, background=background, duty=busy_share(records, P, cpu))
         by_step: dict[int, list[TaskRecord]] = {}
@@ -432,7 +455,7 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
     else:
         duties = []
     n = sum(len(s) for _, s in steps) // P
-    factors = step_factors(records, measured, wait=wait) if draws else []
+    factors = step_factors(own_records, measured, wait=wait) if draws else []
     hops = [f.hops for f in fits] if draws else []
     draw_ids = [k % 10**6 for k in sorted({r.step for r in records})] if draws else []  # step_factors' order
     return RuntimeModel(cal, per, f"{', '.join(used)}: {n} timed step{'s' if n != 1 else ''}", n_virtual,

@@ -62,12 +62,17 @@ class ArgumentParser(argparse.ArgumentParser):
     (``--help`` still prints it). :func:`main` passes it to ``add_subparsers`` as
     ``parser_class``, so every subcommand's parser is one too.
 
+    Flags are never abbreviated (``--step`` is an unknown flag, not ``--steps``).
+
     A value that reads as a negative quantity (``-5MiB``, ``-1e-3``, ``-2.5``) is taken as the
     flag's value, so the flag's own check names it; argparse would take it for a flag and say
     only "expected one argument".
     """
 
     def __init__(self, *args, **kwargs) -> None:
+        # No prefix matching: ``--step 5`` must not silently mean ``--steps 5``, and a flag
+        # added later must not change what an old command line means.
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?[A-Za-z]*$")
 

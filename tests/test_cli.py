@@ -62,6 +62,9 @@ def test_launcher_summary_names_the_rank_that_died_first():
         (["train", "--placement", "zigzag"], "rrfp train: error: argument --placement: invalid choice: 'zigzag'"),
         (["train", "--lr", "fast"], "rrfp train: error: argument --lr: invalid float value: 'fast'"),
         (["train", "--no-such-flag", "3"], "rrfp train: error: unrecognized arguments: --no-such-flag 3"),
+        # Never a prefix: --step is not --steps (it ran 5 steps silently before).
+        (["train", "--step", "5"], "rrfp train: error: unrecognized arguments: --step 5"),
+        (["simulate", "--microbatch", "8"], "rrfp simulate: error: unrecognized arguments: --microbatch 8"),
         (["simulate", "-p", "x"], "rrfp simulate: error: argument --pp/-p/--ranks: invalid int value: 'x'"),
         (["simulate", "--latency", "soon"], "rrfp simulate: error: argument --latency: invalid float value: 'soon'"),
         (["bench", "--rounds", "q"], "rrfp bench: error: argument --rounds: invalid int value: 'q'"),

@@ -153,6 +153,16 @@ def test_damaged_shard_is_one_line_naming_the_file(checkpoint, tmp_path, capsys,
     rc, _, err = _resume(capsys, d, "--steps", "4")
     assert rc == 2 and err == (f"rrfp train: error: checkpoint {str(step)!r}: shard __1_0.distcp has {n // 2} "
                                f"bytes, expected {n} (truncated or damaged)\n")
+    # An intact older checkpoint is named as the way on (never taken silently).
+    import shutil
+
+    older = ck.step_dir(d, 1)
+    shutil.copytree(checkpoint / step.name, older)
+    rc, _, err = _resume(capsys, d, "--steps", "4")
+    assert rc == 2 and err == (f"rrfp train: error: checkpoint {str(step)!r}: shard __1_0.distcp has {n // 2} "
+                               f"bytes, expected {n} (truncated or damaged); the newest intact one is "
+                               f"{str(older)!r} (resume it with --resume {older})\n")
+    shutil.rmtree(older)
     shard.unlink()
     rc, _, err = _resume(capsys, d, "--steps", "4")
     assert rc == 2 and "shard __1_0.distcp is unreadable (No such file or directory)" in err and err.count("\n") == 1
@@ -346,3 +356,18 @@ def test_rrfp_train_refuses_bad_flags_before_importing_torch(flags, needle):
     assert p.stdout.split() == ["False", "2"], (p.stdout, p.stderr)
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rrfp train: error: ") and needle in lines[0], p.stderr
+
+
+def test_an_hf_folder_with_fewer_positions_than_max_len_names_the_most_it_takes(tmp_path):
+    import argparse
+    import json
+
+    from rrfp.train.models import hf_layers, hf_missing
+
+    if hf_missing() is not None:
+        pytest.skip(hf_missing())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 64, "n_layer": 2}))
+    args = argparse.Namespace(model=f"hf:{tmp_path}", tp=1, max_len=128)
+    with pytest.raises(Exception, match=rf"^--max-len=128 exceeds the 64 positions of --model='hf:{tmp_path}': "
+                                        r"expected --max-len 64 or less$"):
+        hf_layers(args)

@@ -215,6 +215,36 @@ def test_progress_bar_on_a_terminal_plain_lines_otherwise(tmp_path):
     assert pipe.getvalue() == "step 1/2 line\n"
 
 
+def test_a_terminal_0_columns_wide_gets_plain_lines_not_an_invisible_bar():
+    """A pty nobody sized (``script``, some CI runners) reports 0 columns: a tqdm bar there
+    draws nothing, so the run showed no step at all; it gets plain lines. Sized, the bar."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    from rrfp.train.progress import Output
+
+    master, slave = pty.openpty()
+    try:
+        with open(slave, "w", closefd=False) as tty:
+            assert tty.isatty() and os.get_terminal_size(slave).columns == 0
+            out = Output(2, stream=tty)
+            assert out.bar is None
+            out.step("step 1/2 line")
+            out.close()
+            tty.flush()
+            assert b"step 1/2 line" in os.read(master, 4096)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+            out = Output(2, stream=tty)
+            assert out.bar is not None
+            out.close()
+    finally:
+        os.close(slave)
+        os.close(master)
+
+
 def test_version():
     p = subprocess.run([sys.executable, "-m", "rrfp", "--version"], capture_output=True, text=True, timeout=60)
     import rrfp

@@ -66,6 +66,7 @@ from ..scheduler.hints import Hint
 from ..scheduler.tasks import B, F, I, W, PipelineSpec, Task, TaskRecord
 from .costs import MAX_SECONDS, CostModel, StageCost, read_json
 from .engine import DelayFn, DurationFn, SimResult, simulate
+from .held import Held, held_tracker
 
 _SECONDS = ("task", "recv", "hop", "step")
 
@@ -91,11 +92,13 @@ class Calibration:
         duty: the ranks' CPU duty (``0..1``) when the costs were measured (None: measured
             with no other rank busy, as one rank at a time).
         source: where the figures come from (a line for reports).
+        held: per rank, a task's factor by the microbatches its rank holds at its start
+            (:mod:`rrfp.sim.held`; None: none). Costs then stand for a task with nothing held.
 
     Raises:
         ValueError: a time that is negative, not finite or above
             :data:`~rrfp.sim.costs.MAX_SECONDS`, cores below 1, a negative background, or a
-            duty outside ``0..1``.
+            duty outside ``0..1``, or ``held`` not a :class:`~rrfp.sim.held.Held`.
     """
 
     task: float = 0.0
@@ -108,8 +111,11 @@ class Calibration:
     background: float = 0.0
     duty: float | None = None
     source: str = ""
+    held: Held | None = None
 
     def __post_init__(self) -> None:
+        if self.held is not None and not isinstance(self.held, Held):
+            raise ValueError(f"calibration held={self.held!r:.80}: expected per rank forward and backward factors")
         for k in _SECONDS:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_SECONDS:
@@ -173,7 +179,8 @@ class Calibration:
         :attr:`cores`, each task's CPU part (``cpu(step, rank, task)`` seconds of its
         duration, default all of it, plus :attr:`task` and :meth:`on_rank`) rescaled to the
         run's own duty: a first run measures the duty (the ranks' CPU seconds over their number
-        times the makespan), the second runs at it.
+        times the makespan), the second runs at it. With :attr:`held`, each task's CPU part
+        first times its factor at what its rank holds as it starts (:mod:`rrfp.sim.held`).
 
         Args:
             duration, delay: as :func:`~rrfp.sim.engine.simulate` (delay None: none).
@@ -185,6 +192,14 @@ class Calibration:
         Raises:
             as :func:`~rrfp.sim.engine.simulate`.
         """
+        if self.held is not None:  # each task's CPU part by what its rank holds as it starts
+            g = held_tracker(self.held)
+            plain, plain_cpu = duration, cpu
+            if plain_cpu is None:
+                duration = lambda k, r, t: plain(k, r, t) * g(k, r, t)  # noqa: E731
+            else:
+                duration = lambda k, r, t: plain(k, r, t) + (g(k, r, t) - 1.0) * plain_cpu(k, r, t)  # noqa: E731
+                cpu = lambda k, r, t: plain_cpu(k, r, t) * g(k, r, t)  # noqa: E731
         task = self.task
         remote = remote_inputs(spec)
         if hops is None:
@@ -248,6 +263,8 @@ class Calibration:
         if bad:
             raise ValueError(f"{source}: unknown field {bad[0]!r}: expected {', '.join(sorted(names))}")
         try:
+            if d.get("held") is not None:
+                d = {**d, "held": Held.from_mapping(d["held"], "held")}
             return cls(**d)
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
@@ -267,8 +284,12 @@ class Calibration:
                                                f"{'' if self.duty is None else f', measured at duty {self.duty:.2f}'}")
         on = f" ({self.hop_on_rank:.0%} of it on the receiving rank)" if self.hop_on_rank else ""
         on += " (recv of it on the receiving rank)" if self.recv_in_hop else ""
+        held = ""
+        if self.held is not None:
+            top = [max(fs) for fs in (*self.held.forward, *self.held.backward)]
+            held = f", held activations slow a task by up to {max(top):.2f}x"
         return (f"task {1e3 * self.task:.3f} ms, recv {1e3 * self.recv:.3f} ms, hop {1e3 * self.hop:.3f} ms{on}, "
-                f"step {1e3 * self.step:.2f} ms{cores}")
+                f"step {1e3 * self.step:.2f} ms{cores}{held}")
 
 
 def remote_inputs(spec: PipelineSpec) -> set[tuple[int, str]]:

@@ -130,7 +130,29 @@ def check_flags(args: argparse.Namespace) -> str | None:
             from .ckpt_verify import check_files
 
             problem = check_files(path, meta)
+            if problem is not None and args.resume == "auto":
+                older = _intact_before(args, path)
+                if older is not None:
+                    problem += f"; the newest intact one is {older!r} (resume it with --resume {older})"
         return problem
+    return None
+
+
+def _intact_before(args: argparse.Namespace, newest: str | os.PathLike) -> str | None:
+    """The newest committed checkpoint older than ``newest`` that this run could resume (its
+    files whole, its settings this run's), or None: the way on when ``--resume auto``'s newest is
+    damaged (never taken silently: which step to lose is the user's call)."""
+    from .ckpt_verify import check_files
+
+    found = committed(args.checkpoint_dir)
+    for path in reversed([p for p in found if p.name < Path(newest).name]):
+        try:
+            meta = read_meta(path)
+        except ValueError:
+            continue
+        what = os.fspath(path)
+        if check_compatible(meta, args, what) is None and meta["step"] <= args.steps and check_files(path, meta) is None:
+            return what
     return None
 
 

@@ -79,7 +79,8 @@ def hf_layers(args: argparse.Namespace) -> int:
         raise UsageError(f"{flag}: model type {kind!r}, expected one of {', '.join(FAMILY_NAMES)}")
     positions = config.get("max_position_embeddings", config.get("n_positions"))
     if isinstance(positions, int) and positions < args.max_len:
-        raise UsageError(f"--max-len={args.max_len} exceeds the {positions} positions of {flag}")
+        raise UsageError(f"--max-len={args.max_len} exceeds the {positions} positions of {flag}: expected "
+                         f"--max-len {positions} or less")
     layers = config.get("num_hidden_layers", config.get("n_layer"))
     if not isinstance(layers, int) or layers < 1:
         raise UsageError(f"{flag}: config.json gives no layer count (num_hidden_layers or n_layer)")

@@ -3,10 +3,21 @@ plain line per step otherwise, and every line also in ``--log-file``."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import IO
 
 from ..lines import say
+
+
+def _columns(stream: IO[str]) -> int | None:
+    """The terminal's width in columns; None when it cannot say. A terminal that says 0 (a pty
+    nobody sized: ``script``, some CI runners) gets plain lines: a bar 0 columns wide shows
+    nothing at all."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 class Output:
@@ -17,7 +28,8 @@ class Output:
         quiet: no per-step lines or bar, only :meth:`message` lines (summary, evaluations).
         log_file: a path that receives every step and message line (truncated first).
         stream: where lines go (default: stdout).
-        bar: draw a tqdm bar; default: when ``stream`` is a terminal and not quiet.
+        bar: draw a tqdm bar; default: when ``stream`` is a terminal of some width and not
+            quiet.
 
     Raises:
         OSError: the log file cannot be opened.
@@ -30,7 +42,7 @@ class Output:
         self.log = open(log_file, "w", buffering=1) if log_file else None
         if bar is None:
             isatty = getattr(self.stream, "isatty", None)
-            bar = bool(isatty and isatty()) and not quiet
+            bar = bool(isatty and isatty()) and not quiet and _columns(self.stream) != 0
         self.bar = None
         if bar:
             from tqdm import tqdm
