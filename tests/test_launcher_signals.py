@@ -186,8 +186,8 @@ def test_where_there_is_no_memfd_the_secrets_folder_goes_on_a_signal_and_a_sigki
     args = argparse.Namespace(stages=2, dp=1, tp=1, threads=1, argv=["train"], job_secret_file=None,
                               checkpoint_dir=None, metrics_linger=0.0)
     monkeypatch.delenv("RRFP_JOB_SECRET", raising=False)
-    with LauncherSignals() as signals:
-        code = cli.launch(args, signals)
+    with LauncherSignals():
+        code = cli.launch(args)
     assert code == 128 + signal.SIGINT
     assert capsys.readouterr().err == "rrfp train: stopped by SIGINT; the ranks were stopped too\n"
     mine = f"rrfp-secret-{os.getpid()}-"

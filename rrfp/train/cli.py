@@ -292,26 +292,25 @@ def run(args: argparse.Namespace) -> int:
     # From here to the last line, a signal waits for the job to start (no lease, folder or
     # secret half made) and stops it then; one that comes once its end is decided waits out the
     # cleanup (LauncherSignals).
-    with LauncherSignals() as signals:
+    with LauncherSignals():
         try:
             lease = hold(args, f"train-{uuid.uuid4().hex[:12]}")  # each launch is a job of its own
         except FolderInUse as e:
             raise UsageError(str(e)) from None
         try:
-            return launch(args, signals)
+            return launch(args)
         finally:
             if lease is not None:
                 lease.release()
 
 
-def launch(args: argparse.Namespace, signals=None) -> int:
+def launch(args: argparse.Namespace) -> int:
     """Start ``stages x dp x tp`` ranks on this machine, forked from a zygote that imported
     torch once (:mod:`rrfp.train.zygote`); the exit code of ``rrfp train``: 0 when the run
     finished, :data:`~rrfp.train.stop.PREEMPTED` when a SIGTERM stopped it (the launcher's
     :class:`~rrfp.train.stop.StopForwarder` asks the ranks to end the step in progress),
     1 with one line naming the rank that failed first, :data:`PIPE_CLOSED`, or 128 + another
-    signal that stopped the run. ``signals``: the launcher's
-    :class:`~rrfp.train.zygote.LauncherSignals`, in already (None: the job's own)."""
+    signal that stopped the run."""
     from .._secret import in_memory_supported, private_secret_file
     from ..transport.auth import ENV_SECRET, JobAuth
 
@@ -333,18 +332,17 @@ def launch(args: argparse.Namespace, signals=None) -> int:
             argv = [*argv, "--job-secret-file", secret_file]
     checkpoint_dir = getattr(args, "checkpoint_dir", None)
     try:
-        return _launch_local(argv, world, env, args, checkpoint_dir, secret, signals)
+        return _launch_local(argv, world, env, args, checkpoint_dir, secret)
     finally:
         if remove_secret is not None:
             remove_secret()
 
 
 def _launch_local(argv: list[str], world: int, env: dict[str, str], args: argparse.Namespace,
-                  checkpoint_dir: str | None, secret: str | None = None, signals=None) -> int:
+                  checkpoint_dir: str | None, secret: str | None = None) -> int:
     """:func:`launch` once the secret is settled: ``world`` ranks of ``rrfp ARGV`` forked from
     the zygote with ``env`` (and ``secret``, :class:`~rrfp.train.zygote.LocalJob`), the
-    launcher's signals handled (``signals``: its :class:`~rrfp.train.zygote.LauncherSignals`;
-    None: the job's own)."""
+    launcher's signals handled (:class:`~rrfp.train.zygote.LauncherSignals`: :func:`run`'s)."""
     import tempfile
 
     from .stop import STOP_FILE_ENV, StopForwarder
@@ -357,7 +355,7 @@ def _launch_local(argv: list[str], world: int, env: dict[str, str], args: argpar
             os.mkdir(finished)
         then = ", commit a checkpoint" if checkpoint_dir else ""
         env[STOP_FILE_ENV] = os.path.join(folder, "stop-requested")
-        with LocalJob(argv, world, env, folder, secret, signals) as job:
+        with LocalJob(argv, world, env, folder, secret) as job:
             stop = None
             try:
                 try:  # a signal before the forwarder is in raises Signalled once the job starts

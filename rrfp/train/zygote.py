@@ -116,8 +116,9 @@ class Failure:
 
 class LauncherSignals:
     """The launcher's handler of :data:`SIGNALS`, from before its job starts until its end is
-    said (``rrfp train``'s :func:`~rrfp.train.cli.run`; a :class:`LocalJob` makes its own when
-    given none). Use it as a context manager: inside, its handler is in; leaving puts the old ones back.
+    said (``rrfp train``'s :func:`~rrfp.train.cli.run`; a :class:`LocalJob` made outside one
+    has its own). Use it as a context manager: inside, its handler is in and it is
+    :meth:`active`; leaving puts the old ones back.
 
     A signal raises :class:`Signalled` where the launcher is, SIGTERM going to
     :attr:`forwarder` first where there is one, once the job is :meth:`open` and outside the
@@ -139,15 +140,25 @@ class LauncherSignals:
         self._pending: list[int] = []  # the signals that came meanwhile
         self._settled = False  # raised once, or the run's end decided: signals change nothing
         self._old: dict = {}
+        self._outer: LauncherSignals | None = None
+
+    _active: "LauncherSignals | None" = None
+
+    @classmethod
+    def active(cls) -> "LauncherSignals | None":
+        """The one in now, if any (the process's signal handlers are one set)."""
+        return cls._active
 
     def __enter__(self) -> "LauncherSignals":
         self._old = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        self._outer, LauncherSignals._active = LauncherSignals._active, self
         return self
 
     def __exit__(self, *exc) -> None:
         self.end()
         for s, h in self._old.items():
             signal.signal(s, h)
+        LauncherSignals._active = self._outer
 
     def open(self) -> None:
         """The job starts: from here a signal raises (or waits for a step :meth:`holding`); the
@@ -216,22 +227,24 @@ class LocalJob:
     ``folder``. The launcher's side of torchrun's agent on one machine: :meth:`wait` returns
     when every rank ended or one failed, and stops the rest (SIGTERM, SIGKILL after
     :data:`GRACE_S`); :meth:`stop` also ends the job on a signal. Use it as a context
-    manager: leaving it stops what still runs and the store. ``signals``: the launcher's
-    :class:`LauncherSignals` (None: the job's own, in while inside).
+    manager: leaving it stops what still runs and the store. Its signals are the launcher's
+    :class:`LauncherSignals` where one is :meth:`~LauncherSignals.active`, else its own, in while inside.
 
     ``secret``: the run's job secret, handed to each rank in memory (never a file on disk,
     :func:`rrfp._secret.in_memory_file`); None: the ranks' argv names one already."""
 
     def __init__(self, argv: list[str], world: int, env: dict[str, str], folder: str,
-                 secret: str | None = None, signals: LauncherSignals | None = None) -> None:
+                 secret: str | None = None) -> None:
         self.argv, self.world, self.env, self.folder = list(argv), world, dict(env), folder
         self.secret = secret
         self.run_id = str(uuid.uuid4())
         self.procs: list = []
         self.signalled: set[int] = set()
         """The pids this launcher signalled itself (:func:`rrfp.train.guard.root_cause`)."""
-        self._own_signals = signals is None
-        self.signals = LauncherSignals() if signals is None else signals
+        self.signals = LauncherSignals.active()
+        self._own_signals = self.signals is None
+        if self.signals is None:
+            self.signals = LauncherSignals()
         self._ended: set[int] = set()  # pids of the ranks whose end the main thread has read
         self._store = self._store_conn = None
 
