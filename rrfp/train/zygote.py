@@ -11,7 +11,8 @@ under torch's elastic agent: ranks a user's launcher starts are not ours to fork
 Each rank gets what a fresh process under torchrun's agent gets: the launcher's environment
 plus the agent's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_ERROR_FILE``, ...), default signal
-handlers (the forkserver restores them in each child), ``PR_SET_PDEATHSIG`` on its parent,
+handlers (the forkserver restores them in each child; SIGINT's is taken once the rank can say
+it was interrupted, :data:`HELD_BY_ZYGOTE`), ``PR_SET_PDEATHSIG`` on its parent,
 the zygote, which exits when the launcher does (the launcher holds its end of a pipe),
 unbuffered stdout and stderr (torchrun runs ranks with ``python -u``), and its own random
 state (Python's ``random`` reseeds itself after a fork; ranks seed torch from ``--seed``).
@@ -275,8 +276,9 @@ class LocalJob:
 
     def start(self) -> None:
         """Start the zygote (unless this process runs one already), the store's host, then the
-        ranks; returns once all are forked. A signal raises here only while the zygote imports
-        (seconds: the launcher would not answer Ctrl-C meanwhile); each rank's fork waits for it.
+        ranks; returns once all are forked. A signal raises here while the zygote imports and
+        starts the store (seconds: the launcher would not answer Ctrl-C meanwhile); the zygote's
+        spawn and each rank's fork wait for it (:class:`LauncherSignals`).
 
         Raises:
             RuntimeError: the store's host died before it said its port.
