@@ -58,7 +58,7 @@ def options_error(args: argparse.Namespace) -> str | None:
 
     if getattr(args, "candidates", None) is not None and not _candidates(args):
         return f"--candidates {args.candidates!r}: expected one or more hint names, comma-separated"
-    for flag, hints in (("--hint", [args.hint] if args.hint else []), ("--candidates", _candidates(args))):
+    for flag, hints in (("--hint", [] if args.hint is None else [args.hint]), ("--candidates", _candidates(args))):
         for h in hints:
             if h == "auto":
                 return (f"{flag} 'auto': auto chooses among hints on a job's own steps, more steps than a "

@@ -95,6 +95,8 @@ def _check_paths(args: argparse.Namespace) -> None:
     for flag, path in (("--out", args.out), ("--json", args.json)):
         if path is not None and (problem := output_file_problem(path)):
             raise UsageError(f"{flag} {path}: {problem}")
+    if args.from_json == "":  # read as no flag: the whole benchmark ran
+        raise UsageError("--from-json '': expected a file")
     if args.from_json and not Path(args.from_json).is_file():
         what = "is a folder, expected a file" if Path(args.from_json).is_dir() else "no such file"
         raise UsageError(f"--from-json {args.from_json}: {what}")

@@ -51,6 +51,8 @@ def test_a_missing_hint_file_or_a_folder_for_from_json_is_one_line(tmp_path, cap
     assert len(err) == 1 and err[0].startswith(f"rrfp bench: error: --hint {str(missing)!r}: ") and "No such file" in err[0]
     assert main(["bench", "--from-json", str(tmp_path)]) == 2
     assert capfd.readouterr().err.strip() == f"rrfp bench: error: --from-json {tmp_path}: is a folder, expected a file"
+    assert main(["bench", "--from-json", ""]) == 2  # read as no flag: the whole benchmark ran
+    assert capfd.readouterr().err.strip() == "rrfp bench: error: --from-json '': expected a file"
 
 
 @pytest.mark.parametrize("argv,line", [
@@ -60,6 +62,7 @@ def test_a_missing_hint_file_or_a_folder_for_from_json_is_one_line(tmp_path, cap
     (["--candidates", "bf,zzz"], "rrfp bench: error: --candidates 'zzz': unknown hint 'zzz'"),
     (["--candidates", ""], "rrfp bench: error: --candidates '': expected one or more hint names, comma-separated"),
     (["--candidates", "auto,bf"], "rrfp bench: error: --candidates 'auto': auto chooses among hints"),
+    (["--hint", ""], "rrfp bench: error: --hint '': unknown hint ''"),  # ran the benchmark with auto
 ])
 def test_bad_options_are_refused_before_torch_loads(argv, line, tmp_path):
     """``rrfp bench`` and the benchmark program it starts: one line, exit 2, and neither process

@@ -201,3 +201,66 @@ def test_a_plain_torchrun_jobs_rank_0_holds_the_folder_for_the_torchrun_job(tmp_
     monkeypatch.setenv(ckpt_lock.JOB_ENV, "train-launcher")
     assert ckpt_lock.hold_in_rank(args) is None
 
+
+_HOLD_IN_CHILD = """
+import sys
+from types import SimpleNamespace
+from rrfp.train import ckpt_lock
+try:
+    lease = ckpt_lock.hold_in_rank(SimpleNamespace(checkpoint_dir=sys.argv[1]))
+except ckpt_lock.FolderInUse as e:
+    print("refused:", e)
+else:
+    print("took:", lease.job)
+    lease.release()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("run_id", ["none", None])
+def test_two_torchrun_jobs_without_a_run_id_of_their_own_are_two_jobs(tmp_path, monkeypatch, run_id):
+    """torchrun's run id is 'none' unless --rdzv-id or --standalone gives one (the README's
+    multi-node example), and absent where no torchrun started the rank: two such live jobs on
+    one folder are two jobs, the second refused (on main both were 'torchrun-none': the second
+    took the live first's lock over and wrote, and pruned its half-written folders, beside it)."""
+    from types import SimpleNamespace
+
+    ck = tmp_path / "ck"
+    monkeypatch.setenv("RANK", "0")
+    if run_id is None:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    lease = ckpt_lock.hold_in_rank(SimpleNamespace(checkpoint_dir=str(ck)))  # this process: job A's rank 0
+    try:
+        env = {k: v for k, v in os.environ.items() if k != ckpt_lock.JOB_ENV}
+        p = subprocess.run([sys.executable, "-c", _HOLD_IN_CHILD, str(ck)], env=env, capture_output=True,
+                           text=True, timeout=100)  # job B's rank 0: another agent (its parent is this process)
+        assert p.returncode == 0, p.stderr
+        expected = f"refused: --checkpoint-dir={str(ck)!r}: in use by job 'torchrun-none-{socket.gethostname()}-"
+        assert p.stdout.startswith(expected), p.stdout
+        assert _lock(ck)["nonce"] == lease.nonce  # A's lock untouched
+    finally:
+        lease.release()
+    assert not (ck / LOCK_FILE).exists()
+
+
+def test_a_rank_0_its_agent_restarts_takes_the_jobs_lock_over_whatever_the_run_id(tmp_path, monkeypatch):
+    """A new attempt of rank 0 under the same agent (same run id, or torchrun's 'none' from the
+    same parent) finds its job's lock held by the earlier attempt and takes it over."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(checkpoint_dir=str(tmp_path / "ck"))
+    monkeypatch.setenv("RANK", "0")
+    for run_id in ("none", "job-7"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        first = ckpt_lock.hold_in_rank(args)
+        first._stop.set()  # the first attempt was killed: it renews no more, its lock stays
+        del os.environ[ckpt_lock.JOB_ENV]  # the new attempt is a new process
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        second = ckpt_lock.hold_in_rank(args)
+        try:
+            assert second.job == first.job and _lock(tmp_path / "ck")["nonce"] == second.nonce
+        finally:
+            second.release()
+        assert not (tmp_path / "ck" / LOCK_FILE).exists()

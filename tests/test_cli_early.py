@@ -103,6 +103,15 @@ CASES = [
     (["train", "--steps", "99999999999999999999999"], "--steps=99999999999999999999999: expected at most 1000000000"),
     (["node", "--job-id", ""], "--job-id='': expected a non-empty job name"),
     (["train", "--job-secret-file", "/no/such/secret"], "--job-secret-file: job secret file '/no/such/secret': "),
+    # An empty value (an unset shell variable) was taken as no flag: a run without the
+    # checkpoints, trace, secret or ports it was asked for, exit 0.
+    (["train", "--checkpoint-dir", "", "--checkpoint-every", "1"], "--checkpoint-dir='': expected a folder path"),
+    (["train", "--trace", ""], "--trace='': expected a folder path"),
+    (["train", "--job-secret-file", ""], "--job-secret-file='': expected a file path"),
+    (["train", "--port-range", ""], "--port-range='': expected LO-HI"),
+    (["node", "--", "--checkpoint-dir", ""], "--checkpoint-dir='': expected a folder path"),
+    (["simulate", "--costs", ""], "--costs '': expected a cost file"),
+    (["simulate", "--baseline", ""], "--baseline '': expected a hint name, auto or none"),
 ]
 
 

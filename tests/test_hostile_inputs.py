@@ -232,11 +232,11 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_naming_no_space_left(t
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_per_run_secret_is_in_no_ranks_environment(tmp_path):
-    """``rrfp train``'s per-run secret reaches its ranks as a ``--job-secret-file`` of mode
-    0600 in a folder of mode 0700 (README "Security"), not in their environment, which
-    ``/proc/<rank>/environ`` shows for the process's whole life (main: it is there); the
-    folder is gone once the run ends. The ranks are forks of the launcher's zygote, so their
-    ``/proc/<pid>/cmdline`` is the zygote's: the file is found by its launcher's pid."""
+    """``rrfp train``'s per-run secret reaches its ranks in memory: each holds it as a file of
+    mode 0600 that no folder holds (``memfd_create``, README "Security"), not in their
+    environment, which ``/proc/<rank>/environ`` shows for the process's whole life (main: it
+    is there), and no ``rrfp-secret-*`` folder of the launcher's is ever made (before: one in
+    /dev/shm, which a SIGKILLed launcher left behind)."""
     import glob
     import signal
     import stat
@@ -252,16 +252,17 @@ def test_the_per_run_secret_is_in_no_ranks_environment(tmp_path):
         launcher.wait_for("loss", 600)  # a step line: both ranks run
         ranks = rank_pids(launcher.p.pid)
         assert sorted(ranks) == [0, 1], ranks
+        secrets = []
         for pid in ranks.values():
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             assert not [e for e in environ if e.startswith(b"RRFP_JOB_SECRET=")]
-        (secret,) = [f for d in ("/dev/shm", tempfile.gettempdir())
-                     for f in glob.glob(f"{d}/rrfp-secret-{launcher.p.pid}-*/job-secret")]
-        st, folder = os.stat(secret), os.stat(os.path.dirname(secret))
-        assert (stat.S_IMODE(st.st_mode), stat.S_IMODE(folder.st_mode), st.st_uid) == (0o600, 0o700, os.getuid())
-        assert len(Path(secret).read_bytes().strip()) >= 16
+            (fd,) = [f for f in Path(f"/proc/{pid}/fd").iterdir() if os.readlink(f) == "/memfd:rrfp-job-secret (deleted)"]
+            st = os.stat(fd)
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, os.getuid())
+            secrets.append(fd.read_bytes().strip())
+        assert len(secrets[0]) >= 16 and secrets[0] == secrets[1]
+        assert not [f for d in ("/dev/shm", tempfile.gettempdir()) for f in glob.glob(f"{d}/rrfp-secret-{launcher.p.pid}-*")]
         launcher.p.send_signal(signal.SIGTERM)
         assert launcher.finish(300) == 128 + signal.SIGTERM
-        assert not os.path.exists(os.path.dirname(secret))
     finally:
         launcher.kill()

@@ -85,3 +85,33 @@ def test_a_sigterm_while_the_agent_waits_for_the_other_nodes_after_training_is_a
     assert (out, err) == ("rrfp node: SIGTERM came after the last step: training finished; nothing saved "
                           "(no --checkpoint-dir)\n", "")
     assert not (tmp_path / "stop-requested").exists()
+
+
+def test_a_sigterm_before_any_rank_started_says_no_rank_ran(monkeypatch, tmp_path, capsys):
+    """A SIGTERM while the agent joins the rendezvous (no rank started yet) stops the daemon,
+    exit 143, saying that no rank ran and what is saved. Before, it said on stderr that 'a rank
+    ended before the step in progress could end': there was no rank and no step. Forced order:
+    the agent is replaced by one that takes the signal where the rendezvous would wait."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from rrfp.node import cli
+    from rrfp.train.stop import PREEMPTED, StopForwarder
+
+    stop = StopForwarder(tmp_path / "stop-requested", "unused", children=lambda: [])  # no rank runs
+    monitored = []
+
+    def launcher(config, entry):
+        def run(*args):
+            stop(signal.SIGTERM, None)  # its handler, inside the rendezvous
+            raise AssertionError("the SIGTERM did not end the rendezvous' wait")
+        return run
+
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", lambda agent, group: monitored.append(1))
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", launcher)
+    job = types.SimpleNamespace(nnodes=2, train_args=[], targs=types.SimpleNamespace(checkpoint_dir=None, dp=1, tp=1))
+    code = cli._launch(types.SimpleNamespace(rdzv_configs={"join_timeout": 20}), job, stop, lambda: None)
+    out, err = capsys.readouterr()
+    assert code == PREEMPTED and monitored == [], out + err
+    assert (out, err) == ("rrfp node: stopped on SIGTERM while no rank ran (joining the rendezvous, or between a "
+                          "failure and a restart): no step was in progress; nothing saved (no --checkpoint-dir)\n", "")
+    assert not (tmp_path / "stop-requested").exists()

@@ -146,15 +146,15 @@ def test_a_sigterm_after_every_rank_exited_0_is_a_finished_run(tmp_path, monkeyp
 
 
 def test_a_sigterm_before_the_launchers_forwarder_is_in_is_one_line_not_a_traceback(monkeypatch, capsys):
-    """Forced order: the SIGTERM comes after LocalJob put its handler in (it raises), before the
-    launcher's forwarder replaced it. One line and 128 + SIGTERM, no rank started (before:
-    the exception left the launcher as a traceback)."""
+    """Forced order: the SIGTERM comes after LocalJob put its handler in, before the
+    launcher's forwarder is in. One line and 128 + SIGTERM, no rank started (before: the
+    exception left the launcher as a traceback)."""
     import argparse
 
-    from rrfp.train import cli, stop, zygote
+    from rrfp.train import cli, stop
 
     def forwarder(*a, **k):
-        zygote._raise(signal.SIGTERM, None)  # LocalJob's handler, right here
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # the launcher's handler, right here
 
     monkeypatch.setattr(stop, "StopForwarder", forwarder)
     monkeypatch.setattr(LocalJob, "start", lambda job: pytest.fail("no rank may start"))

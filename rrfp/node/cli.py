@@ -460,7 +460,8 @@ def _launch(config, job, stop, quiet) -> int:
             return 0
         if stop.requested or stop.peer_asked():
             why = "on SIGTERM" if stop.requested else "because a peer node was preempted (SIGTERM)"
-            line, clean = stopped_line("rrfp node", why, getattr(e, "failures", {}), ckdir)
+            line, clean = stopped_line("rrfp node", why, getattr(e, "failures", {}), ckdir,
+                                       without_ranks=isinstance(e, SignalException) and stop.without_ranks)
             say(line, None if clean else sys.stderr)
             return PREEMPTED
         if isinstance(e, ChildFailedError):

@@ -44,6 +44,29 @@ def default_store() -> dist.Store:
     return _get_default_store()
 
 
+def wait_for_keys(store: dist.Store, keys: list[str], timeout_s: float) -> None:
+    """Return once every key of ``keys`` is set in ``store``, asking in short polls.
+
+    Why not ``store.wait``: its C++ call retries on EINTR, so Python runs no signal handler
+    while it blocks, and a Ctrl-C or SIGTERM waited for the whole timeout (30 s seen, then the
+    launcher's SIGKILL with nothing said); polling with Python sleeps between asks lets a signal
+    act at once (and ``check`` logs no socket timeouts).
+
+    Raises:
+        TimeoutError: some key still unset after ``timeout_s`` seconds.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not store.check(keys):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"store keys not set within {timeout_s:g} s: {keys[:3]}")
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, 0.05)
+
+
 def default_transport(
     rank: int, world_size: int, job: str, transport: str = "zmq", device: torch.device | str | None = None
 ):

@@ -440,6 +440,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if args.sweep:
         outputs.append(("--out", args.out))
     outputs.append(("--trace", args.trace))
+    for flag, value, expected in (("--costs", args.costs, "a cost file"),
+                                  ("--baseline", args.baseline, "a hint name, auto or none")):
+        if value == "":  # read as no flag: a run without the costs or baseline asked for
+            raise UsageError(f"{flag} '': expected {expected}")
     for flag, path in outputs:
         if path == "":
             raise UsageError(f"{flag} '': expected a {'folder' if flag == '--trace' else 'file'} name")

@@ -260,6 +260,13 @@ def hold_in_rank(args) -> Lease | None:
     lock over) and keeps it until :meth:`Lease.release`; None on any other rank, without the
     flag, or where a launcher holds it already.
 
+    torchrun's run id is ``none`` unless ``--rdzv-id`` or ``--standalone`` gives one, and
+    there is none where no torchrun started the rank: unrelated jobs share that, so the job
+    is then named after the agent that starts rank 0 too (``torchrun-none-<host>-<parent
+    pid>``: the agent restarts its ranks; another job has another). A restart whose rank 0
+    lands under another agent finds the earlier attempt's lock on this host with its pid
+    gone (stale: taken), on another host taken once its lease runs out.
+
     Raises:
         FolderInUse: one line naming the flag and the live job that holds the folder.
         OSError: the folder cannot be created or written.
@@ -268,7 +275,11 @@ def hold_in_rank(args) -> Lease | None:
     if not root or os.environ.get(JOB_ENV) or os.environ.get("RANK") != "0":
         return None
     Path(root).mkdir(parents=True, exist_ok=True)  # no launcher's checks created it
-    return hold(args, f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or "none"
+    job = f"torchrun-{run_id}"
+    if run_id == "none":
+        job += f"-{socket.gethostname()}-{os.getppid()}"
+    return hold(args, job)
 
 
 def check_owner(root: str | os.PathLike) -> str | None:

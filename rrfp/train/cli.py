@@ -287,16 +287,21 @@ def run(args: argparse.Namespace) -> int:
     import uuid
 
     from .ckpt_lock import FolderInUse, hold
+    from .zygote import LauncherSignals
 
-    try:
-        lease = hold(args, f"train-{uuid.uuid4().hex[:12]}")  # each launch is a job of its own
-    except FolderInUse as e:
-        raise UsageError(str(e)) from None
-    try:
-        return launch(args)
-    finally:
-        if lease is not None:
-            lease.release()
+    # From here to the last line, a signal waits for the job to start (no lease, folder or
+    # secret half made) and stops it then; one that comes once its end is decided waits out the
+    # cleanup (LauncherSignals).
+    with LauncherSignals():
+        try:
+            lease = hold(args, f"train-{uuid.uuid4().hex[:12]}")  # each launch is a job of its own
+        except FolderInUse as e:
+            raise UsageError(str(e)) from None
+        try:
+            return launch(args)
+        finally:
+            if lease is not None:
+                lease.release()
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -306,33 +311,38 @@ def launch(args: argparse.Namespace) -> int:
     :class:`~rrfp.train.stop.StopForwarder` asks the ranks to end the step in progress),
     1 with one line naming the rank that failed first, :data:`PIPE_CLOSED`, or 128 + another
     signal that stopped the run."""
-    from .._secret import private_secret_file
+    from .._secret import in_memory_supported, private_secret_file
     from ..transport.auth import ENV_SECRET, JobAuth
 
     world = args.stages * args.dp * args.tp
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # before the zygote loads OpenMP
     env = dict(os.environ)
     argv = getattr(args, "argv", None) or ["train"]
-    # One secret per run, handed to the ranks as a --job-secret-file only this user can read
-    # (rrfp/_secret.py), deleted when the run ends: never in argv, nor in their environment,
-    # which /proc/<pid>/environ shows for the process's whole life. A --job-secret-file or a
-    # secret already in the environment is kept.
-    remove_secret = None
+    # One secret per run, never in argv nor in the ranks' environment (/proc/<pid>/environ shows
+    # a process's first one for its whole life). Linux: it reaches each rank in memory through
+    # the zygote's socket and lives there only (rrfp/_secret.py), so that no exit of the
+    # launcher, SIGKILL included, leaves it behind. Elsewhere a --job-secret-file only this user
+    # can read, deleted when the run ends. A --job-secret-file or a secret in the environment is kept.
+    secret = remove_secret = None
     if not getattr(args, "job_secret_file", None) and not env.get(ENV_SECRET):
-        secret_file, remove_secret = private_secret_file(JobAuth.generate())
-        argv = [*argv, "--job-secret-file", secret_file]
+        if in_memory_supported():
+            secret = JobAuth.generate()
+        else:
+            secret_file, remove_secret = private_secret_file(JobAuth.generate())
+            argv = [*argv, "--job-secret-file", secret_file]
     checkpoint_dir = getattr(args, "checkpoint_dir", None)
     try:
-        return _launch_local(argv, world, env, args, checkpoint_dir)
+        return _launch_local(argv, world, env, args, checkpoint_dir, secret)
     finally:
         if remove_secret is not None:
             remove_secret()
 
 
 def _launch_local(argv: list[str], world: int, env: dict[str, str], args: argparse.Namespace,
-                  checkpoint_dir: str | None) -> int:
+                  checkpoint_dir: str | None, secret: str | None = None) -> int:
     """:func:`launch` once the secret is settled: ``world`` ranks of ``rrfp ARGV`` forked from
-    the zygote with ``env``, the launcher's signals handled."""
+    the zygote with ``env`` (and ``secret``, :class:`~rrfp.train.zygote.LocalJob`), the
+    launcher's signals handled (:class:`~rrfp.train.zygote.LauncherSignals`: :func:`run`'s)."""
     import tempfile
 
     from .stop import STOP_FILE_ENV, StopForwarder
@@ -345,20 +355,22 @@ def _launch_local(argv: list[str], world: int, env: dict[str, str], args: argpar
             os.mkdir(finished)
         then = ", commit a checkpoint" if checkpoint_dir else ""
         env[STOP_FILE_ENV] = os.path.join(folder, "stop-requested")
-        with LocalJob(argv, world, env, folder) as job:
+        with LocalJob(argv, world, env, folder, secret) as job:
             stop = None
             try:
-                try:  # a signal before the forwarder is in: LocalJob's handler raises Signalled
+                try:  # a signal before the forwarder is in raises Signalled once the job starts
                     stop = StopForwarder(env[STOP_FILE_ENV], f"rrfp train: SIGTERM: asking the ranks to end the "
                                          f"step in progress{then} and exit {PREEMPTED}", children=job.running,
                                          finished=finished and (lambda: all_finished(finished, world)),
                                          raises=Signalled)
-                    signal.signal(signal.SIGTERM, stop)  # LocalJob puts the launcher's own back
+                    job.signals.forwarder = stop  # the launcher's handler passes SIGTERM to it
+                    job.signals.open()  # a signal that came meanwhile raises here
                     job.start()
                     failures = job.wait()
                 finally:
                     if stop is not None:
                         stop.ended = True  # from here a SIGTERM only marks the run's end as asked
+                    job.signals.end()  # and no other signal cuts the stop or the last line short
             except Signalled as e:
                 job.stop(e.sigval)
                 name = signal.Signals(e.sigval).name
@@ -377,8 +389,6 @@ def _launch_local(argv: list[str], world: int, env: dict[str, str], args: argpar
             except RuntimeError as e:  # the store's process could not start
                 say(f"rrfp train: error: {e}", sys.stderr)
                 return 1
-            # Said while the forwarder is still in: once LocalJob puts the default back, a
-            # SIGTERM would end the launcher without its last line.
             return _outcome(failures, job.signalled, (args.dp, args.tp), stop.requested, checkpoint_dir)
 
 

@@ -310,12 +310,24 @@ def _check_job_flags(args: argparse.Namespace) -> None:
     args.trace_range = parse_trace_steps(args.trace_steps, args.steps)
 
 
+EMPTY_REFUSED = (("--checkpoint-dir", "a folder path"), ("--trace", "a folder path"),
+                 ("--job-secret-file", "a file path"),
+                 ("--port-range", "LO-HI, two ports 1..65535 with LO <= HI (e.g. 29500-29599)"))
+"""Flags whose empty value is refused (``--log-file`` and the others checked by their own rule
+say the same their way)."""
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     """Files and folders the run writes or reads, and the metrics ports, before any rank starts."""
     from ..obs.server import check_flags as check_metrics_flags
     from .checkpoint import check_flags as check_checkpoint_flags
     from .guard import check_writable_dir
 
+    # An empty value (an unset shell variable) would read as no flag below: a run without
+    # what it was asked for.
+    for name, expected in EMPTY_REFUSED:
+        if getattr(args, name[2:].replace("-", "_"), None) == "":
+            raise UsageError(f"{name}='': expected {expected}")
     for name in ("--log-file", "--loss-file"):  # rank 0 writes both
         path = getattr(args, name[2:].replace("-", "_"), None)
         if path is not None and (problem := output_file_problem(path)):

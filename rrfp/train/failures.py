@@ -9,6 +9,15 @@ import os
 import sys
 
 
+def interrupted():
+    """A rank's end on Ctrl-C (KeyboardInterrupt): one line on stderr, exit 130 (128 + SIGINT),
+    without the interpreter's finalization. Never returns."""
+    from ..lines import say
+
+    say(f"rrfp train: rank {os.environ.get('RANK', '?')}: interrupted", sys.stderr)
+    os._exit(130)
+
+
 class QuietAfterReaderLeft:
     """Drops the transport's lost-peer error records once rank 0's reader has gone: the peer
     stopped on purpose (`rrfp train | head`)."""

@@ -319,6 +319,8 @@ class StopForwarder:
         self.raises = raises
         self.requested = False
         self.after_training = False
+        self.without_ranks = False
+        """Set when the SIGTERM came while no rank ran (it raised): no step was in progress."""
         self.ended = False
         """Set once the launch returned or raised: a SIGTERM then only marks the request (an
         exception would surface wherever the launcher is, e.g. writing its last line)."""
@@ -340,6 +342,7 @@ class StopForwarder:
             self.after_training = True
             raise SignalException(f"{os.getpid()} got SIGTERM after training", sigval=signal.SIGTERM)
         if not ranks:
+            self.without_ranks = True
             raise SignalException(f"{os.getpid()} got SIGTERM", sigval=signal.SIGTERM)
         self.stop_file.write_text(str(os.getpid()))
         say(self.line)
@@ -373,10 +376,16 @@ def stopped_cleanly(failures: dict) -> bool:
     return any(getattr(f, "exitcode", None) == PREEMPTED for f in failures.values())
 
 
-def stopped_line(who: str, why: str, failures: dict, checkpoint_dir: str | None) -> tuple[str, bool]:
+def stopped_line(who: str, why: str, failures: dict, checkpoint_dir: str | None,
+                 without_ranks: bool = False) -> tuple[str, bool]:
     """The last line of a job that ``why`` (``"on SIGTERM"``, ...) stopped, said by ``who``
     (``rrfp train``, ``rrfp node``), and whether it stopped cleanly (:func:`stopped_cleanly`:
-    the step in progress ended and was saved; else the line is an error's, for stderr)."""
+    the step in progress ended and was saved; else the line is an error's, for stderr).
+    ``without_ranks``: the stop came while no rank ran (:attr:`StopForwarder.without_ranks`):
+    clean, nothing was in progress."""
+    if without_ranks:
+        return (f"{who}: stopped {why} while no rank ran (joining the rendezvous, or between a failure and a "
+                f"restart): no step was in progress; {saved(checkpoint_dir)}"), True
     if stopped_cleanly(failures):
         return (f"{who}: stopped {why}: every rank ended the step in progress and exited {PREEMPTED}; "
                 f"{saved(checkpoint_dir)}"), True

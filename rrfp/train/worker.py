@@ -32,7 +32,7 @@ from ..scheduler.tasks import Placement
 from . import device
 from .accum import accumulated_step
 from .early import SAMPLE_POOL, inflight_limits
-from .failures import (GlobalRankNames, QuietAfterReaderLeft, PIPE_CLOSED, end_finished, flush_output, lost_peer,
+from .failures import (GlobalRankNames, QuietAfterReaderLeft, PIPE_CLOSED, end_finished, flush_output, interrupted, lost_peer,
                        mark_reader_gone, named_globally, reader_gone, stop_quietly)
 from .guard import check_finite, pause_for_test
 from .heldout import eval_steps, evaluate, split_held_out
@@ -78,8 +78,7 @@ def main(args: argparse.Namespace) -> int:
         # other ranks (through the launcher's store) that this is no failure to report.
         stop_quietly()
     except KeyboardInterrupt:
-        say(f"rrfp train: rank {os.environ.get('RANK', '?')}: interrupted", sys.stderr)
-        os._exit(130)
+        interrupted()
     except Exception as e:  # one line per rank, then a non-zero exit the launcher reports
         if reader_gone():
             os._exit(PIPE_CLOSED)

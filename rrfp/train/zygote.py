@@ -11,7 +11,8 @@ under torch's elastic agent: ranks a user's launcher starts are not ours to fork
 Each rank gets what a fresh process under torchrun's agent gets: the launcher's environment
 plus the agent's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_ERROR_FILE``, ...), default signal
-handlers (the forkserver restores them in each child), ``PR_SET_PDEATHSIG`` on its parent,
+handlers (the forkserver restores them in each child; SIGINT's is taken once the rank can say
+it was interrupted, :data:`HELD_BY_ZYGOTE`), ``PR_SET_PDEATHSIG`` on its parent,
 the zygote, which exits when the launcher does (the launcher holds its end of a pipe),
 unbuffered stdout and stderr (torchrun runs ranks with ``python -u``), and its own random
 state (Python's ``random`` reseeds itself after a fork; ranks seed torch from ``--seed``).
@@ -27,6 +28,7 @@ Nothing in :data:`PRELOAD` may do either at import; tests/test_zygote.py checks 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -48,6 +50,15 @@ The first, :mod:`rrfp.train.zygote_init`, makes the zygote die with its launcher
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 """The launcher's signals, torchrun's: each stops the ranks with the same signal."""
 
+HELD_BY_ZYGOTE = (signal.SIGINT, signal.SIGTERM)
+"""Blocked while the launcher starts the zygote, so that Ctrl-C or a group's SIGTERM cannot
+reach it before :mod:`rrfp.train.zygote_init` runs (Python's startup and its first imports:
+a KeyboardInterrupt traceback, or a zygote dead before its store started). There SIGTERM is
+ignored and unblocked; SIGINT stays blocked in the zygote for good, and in its forks until a
+rank is ready to say it was interrupted (:func:`_rank`): a Ctrl-C that reaches a rank while
+it starts waits for it, neither lost (the launcher's stop would wait :data:`GRACE_S` for it)
+nor a traceback."""
+
 GRACE_S = 30.0
 """How long stopped ranks may take before SIGKILL, and SIGKILLed ones before they are left
 (torchrun's agent waits as long)."""
@@ -67,10 +78,6 @@ class Signalled(Exception):
     def __init__(self, message: str, sigval: int) -> None:
         super().__init__(message)
         self.sigval = sigval
-
-
-def _raise(signum, frame) -> None:
-    raise Signalled(f"{os.getpid()} got {signal.Signals(signum).name}", sigval=signum)
 
 
 def context():
@@ -108,6 +115,112 @@ class Failure:
             self.message = f"Signal {-self.exitcode} ({signal.Signals(-self.exitcode).name}) received by PID {self.pid}"
 
 
+class LauncherSignals:
+    """The launcher's handler of :data:`SIGNALS`, from before its job starts until its end is
+    said (``rrfp train``'s :func:`~rrfp.train.cli.run`; a :class:`LocalJob` made outside one
+    has its own). Use it as a context manager: inside, its handler is in and it is
+    :meth:`active`; leaving puts the old ones back.
+
+    A signal raises :class:`Signalled` where the launcher is, SIGTERM going to
+    :attr:`forwarder` first where there is one, once the job is :meth:`open` and outside the
+    steps it :meth:`holding` waits for. Before the job opens (the checkpoint folder taken, the
+    job's folder made) and during such a step (a rank forked and booked, a rank's end read,
+    ranks stopped), a signal waits for it to end, then acts (between a fork and its bookkeeping
+    it left a rank no one stopped; inside a stop it left a traceback). After the first raise,
+    and once :meth:`end` said the run's end is decided, a signal changes nothing: the stop
+    under way ends the job (a second Ctrl-C, or ``timeout -s INT`` signalling the launcher and
+    then its group, does not cut it short, nor the cleanup after it); SIGTERM still reaches a
+    forwarder that has ``ended``, which only marks it."""
+
+    def __init__(self) -> None:
+        self.forwarder = None
+        """Called with SIGTERM instead of raising (:class:`rrfp.train.stop.StopForwarder`);
+        the :class:`Signalled` it raises is the launcher's."""
+        self._held = 0  # depth of the steps a signal waits for (holding)
+        self._opened = False  # before open(), a signal waits too
+        self._pending: list[int] = []  # the signals that came meanwhile
+        self._settled = False  # raised once, or the run's end decided: signals change nothing
+        self._old: dict = {}
+        self._outer: LauncherSignals | None = None
+
+    _active: "LauncherSignals | None" = None
+
+    @classmethod
+    def active(cls) -> "LauncherSignals | None":
+        """The one in now, if any (the process's signal handlers are one set)."""
+        return cls._active
+
+    def __enter__(self) -> "LauncherSignals":
+        self._old = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        self._outer, LauncherSignals._active = LauncherSignals._active, self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.end()
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        LauncherSignals._active = self._outer
+
+    def open(self) -> None:
+        """The job starts: from here a signal raises (or waits for a step :meth:`holding`); the
+        first that came before raises here.
+
+        Raises:
+            Signalled: one of :data:`SIGNALS` came before.
+        """
+        if not self._opened:
+            self._opened = True
+            self._release()
+
+    def end(self) -> None:
+        """The run's end is decided (its last line is being said, or the job is left): from
+        here a signal changes nothing, and SIGTERM only reaches :attr:`forwarder`."""
+        self._settled = True
+
+    @contextlib.contextmanager
+    def holding(self):
+        """A step a signal waits for; once the outermost ends, what came meanwhile acts.
+
+        Raises:
+            Signalled: on leaving, one of :data:`SIGNALS` came meanwhile.
+        """
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+        self._release()
+
+    def _release(self) -> None:
+        if self._held or not self._opened:
+            return
+        pending, self._pending = self._pending, []
+        for signum in pending:
+            if not self._settled:
+                self._act(signum, None)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._settled:
+            if signum == signal.SIGTERM and getattr(self.forwarder, "ended", False):
+                self.forwarder(signum, frame)  # marks the request only
+            return
+        if self._held or not self._opened:
+            self._pending.append(signum)
+            return
+        self._act(signum, frame)
+
+    def _act(self, signum: int, frame) -> None:
+        if signum == signal.SIGTERM and self.forwarder is not None:
+            try:
+                self.forwarder(signum, frame)
+                return  # passed on to the ranks, which end their step: the wait sees them end
+            except Signalled:
+                self._settled = True
+                raise
+        self._settled = True
+        raise Signalled(f"{os.getpid()} got {signal.Signals(signum).name}", sigval=signum)
+
+
 class LocalJob:
     """``world`` ranks of ``rrfp ARGV`` forked from the zygote around a store hosted by one
     more forked process (as torchrun's agent hosts it: every rank a client), each rank with
@@ -115,22 +228,34 @@ class LocalJob:
     ``folder``. The launcher's side of torchrun's agent on one machine: :meth:`wait` returns
     when every rank ended or one failed, and stops the rest (SIGTERM, SIGKILL after
     :data:`GRACE_S`); :meth:`stop` also ends the job on a signal. Use it as a context
-    manager: leaving it stops what still runs and the store."""
+    manager: leaving it stops what still runs and the store. Its signals are the launcher's
+    :class:`LauncherSignals` where one is :meth:`~LauncherSignals.active`, else its own, in while inside.
 
-    def __init__(self, argv: list[str], world: int, env: dict[str, str], folder: str) -> None:
+    ``secret``: the run's job secret, handed to each rank in memory (never a file on disk,
+    :func:`rrfp._secret.in_memory_file`); None: the ranks' argv names one already."""
+
+    def __init__(self, argv: list[str], world: int, env: dict[str, str], folder: str,
+                 secret: str | None = None) -> None:
         self.argv, self.world, self.env, self.folder = list(argv), world, dict(env), folder
+        self.secret = secret
         self.run_id = str(uuid.uuid4())
         self.procs: list = []
         self.signalled: set[int] = set()
         """The pids this launcher signalled itself (:func:`rrfp.train.guard.root_cause`)."""
+        self.signals = LauncherSignals.active()
+        self._own_signals = self.signals is None
+        if self.signals is None:
+            self.signals = LauncherSignals()
         self._ended: set[int] = set()  # pids of the ranks whose end the main thread has read
         self._store = self._store_conn = None
 
     def __enter__(self) -> "LocalJob":
-        self._old = {s: signal.signal(s, _raise) for s in SIGNALS}
+        if self._own_signals:
+            self.signals.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self.signals.end()
         try:
             self.stop(signal.SIGTERM)
         finally:
@@ -140,44 +265,62 @@ class LocalJob:
                 except OSError:
                     pass
                 self._store_conn.close()
-                self._store.join(GRACE_S)
-                if self._store.exitcode is None:
-                    self._store.kill()
-            for s, h in self._old.items():
-                signal.signal(s, h)
+                # No pid: a signal came while the zygote was still importing, before it said the
+                # store's; that process, if it starts at all, leaves by itself (_host_store).
+                if self._store.pid is not None:
+                    self._store.join(GRACE_S)
+                    if self._store.exitcode is None:
+                        self._store.kill()
+            if self._own_signals:
+                self.signals.__exit__()
 
     def start(self) -> None:
-        """Start the store's host, then the ranks; returns once all are forked.
+        """Start the zygote (unless this process runs one already), the store's host, then the
+        ranks; returns once all are forked. A signal raises here while the zygote imports and
+        starts the store (seconds: the launcher would not answer Ctrl-C meanwhile); the zygote's
+        spawn and each rank's fork wait for it (:class:`LauncherSignals`).
 
         Raises:
             RuntimeError: the store's host died before it said its port.
+            Signalled: one of :data:`SIGNALS` came (what started is stopped on leaving).
         """
+        from multiprocessing import forkserver, resource_tracker
         from multiprocessing.connection import wait
 
         from .._pdeathsig import LAUNCHER_PID_ENV
 
+        self.signals.open()  # a signal that came before raises here
         ctx = context()
+        resource_tracker.ensure_running()  # first: starting it unblocks SIGINT and SIGTERM again
         os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # for the zygote (zygote_init), if it starts now
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_BY_ZYGOTE)
+        try:
+            forkserver.ensure_running()  # the zygote inherits the blocked signals (HELD_BY_ZYGOTE)
+        finally:
+            os.environ.pop(LAUNCHER_PID_ENV, None)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # one that came is raised here
         self._store_conn, child = ctx.Pipe()
         self._store = ctx.Process(target=_host_store, args=(self.world, child, self.env), name="rrfp store")
-        self._store.start()  # starts the zygote, unless this process runs one already
-        os.environ.pop(LAUNCHER_PID_ENV, None)
-        child.close()
-        wait([self._store_conn, self._store.sentinel])  # the zygote's imports come first: no bound here
+        try:
+            self._store.start()  # returns once the zygote has imported PRELOAD and forked it
+        finally:
+            child.close()
+        wait([self._store_conn, self._store.sentinel])
         if not self._store_conn.poll():
             raise RuntimeError(f"the rendezvous store's process ended (exit code {self._store.exitcode}) before it started")
         port = self._store_conn.recv()
-        for r in range(self.world):
-            env = {**self.env, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0", "ROLE_RANK": str(r),
-                   "ROLE_NAME": "default", "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.world),
-                   "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(self.world), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                   "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
-                   "TORCH_NCCL_ASYNC_ERROR_HANDLING": self.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-                   "TORCHELASTIC_ERROR_FILE": self._error_file(r)}
-            p = ctx.Process(target=_rank, args=(self.argv, env), name=f"rrfp rank {r}")
-            p.start()
-            self.procs.append(p)
+        with self.signals.holding():
+            for r in range(self.world):
+                env = {**self.env, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0", "ROLE_RANK": str(r),
+                       "ROLE_NAME": "default", "WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.world),
+                       "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(self.world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                       "TORCHELASTIC_RUN_ID": self.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+                       "TORCH_NCCL_ASYNC_ERROR_HANDLING": self.env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                       "TORCHELASTIC_ERROR_FILE": self._error_file(r)}
+                p = ctx.Process(target=_rank, args=(self.argv, env, self.secret), name=f"rrfp rank {r}")
+                p.start()
+                self.procs.append(p)
 
     def running(self) -> list[int]:
         """The pids of the ranks started and not yet seen ended. Safe in a signal handler (the
@@ -213,18 +356,24 @@ class LocalJob:
             ready = wait(list(live), None if left is None else max(left, 0.0))
             if not ready:
                 break
-            for s in ready:
-                p = live.pop(s)
-                p.join()
-                if self._exitcode(p) != 0 and failed_at is None:
-                    failed_at = time.monotonic()
+            with self.signals.holding():  # a rank's end is one read of the zygote's pipe: never cut
+                for s in ready:
+                    p = live.pop(s)
+                    p.join()
+                    if self._exitcode(p) != 0 and failed_at is None:
+                        failed_at = time.monotonic()
         self.stop(signal.SIGTERM)
         return {r: Failure(r, p.pid, code, self._error_file(r))
                 for r, p in enumerate(self.procs) if (code := self._exitcode(p)) not in (0, None)}
 
     def stop(self, sig: int) -> None:
         """Send ``sig`` to the ranks still running, SIGKILL to those left after
-        :data:`GRACE_S`, and wait as long again (a rank stuck in the kernel is left)."""
+        :data:`GRACE_S`, and wait as long again (a rank stuck in the kernel is left). A signal
+        meanwhile waits for the stop to end (see the class)."""
+        with self.signals.holding():
+            self._stop(sig)
+
+    def _stop(self, sig: int) -> None:
         from multiprocessing.connection import wait
 
         for kill in (sig, signal.SIGKILL):
@@ -248,7 +397,7 @@ def _become(env: dict[str, str], name: str) -> None:
     with its parent (the zygote), its name, and ``python -u``'s unbuffered stdout/stderr."""
     import io
 
-    from .._pdeathsig import LAUNCHER_PID_ENV, die_with_parent, set_parent_death_signal
+    from .._pdeathsig import LAUNCHER_PID_ENV, die_with_parent
 
     release_server_pipe()
     os.environ.clear()
@@ -259,7 +408,7 @@ def _become(env: dict[str, str], name: str) -> None:
         die_with_parent()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the zygote's ignore (zygote_init) is not a rank's
     else:
-        set_parent_death_signal()
+        die_with_parent(launched_only=False)  # a zygote already gone (its launcher was): leave at once
     _set_name(name)
     for attr, fd in (("stdout", 1), ("stderr", 2)):
         old = getattr(sys, attr)
@@ -294,14 +443,36 @@ def _set_name(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)
 
 
-def _rank(argv: list[str], env: dict[str, str]) -> None:
+def _rank(argv: list[str], env: dict[str, str], secret: str | None = None) -> None:
     """A rank: ``python -u -m rrfp ARGV`` as torchrun's agent runs it, by the same mechanism
-    (runpy, what ``-m`` uses) in a fork of the zygote."""
+    (runpy, what ``-m`` uses) in a fork of the zygote; with ``secret``, ``--job-secret-file``
+    names it in this process's memory (:func:`rrfp._secret.in_memory_file`). Ctrl-C, blocked
+    since the fork (:data:`HELD_BY_ZYGOTE`), is taken from here: its one line, exit 130."""
     import runpy
 
+    from .failures import interrupted
+
     _become(env, f"rrfp rank {env['RANK']}")
+    if secret is not None:
+        from .._secret import in_memory_file
+
+        argv = [*argv, "--job-secret-file", in_memory_file(secret)]
     sys.argv = [sys.argv[0], *argv]  # runpy puts rrfp/__main__.py's path first, as -m does
-    runpy.run_module("rrfp", run_name="__main__", alter_sys=True)
+    signal.signal(signal.SIGINT, _interrupt_once)
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # one that came meanwhile raises here
+        runpy.run_module("rrfp", run_name="__main__", alter_sys=True)
+    except KeyboardInterrupt:
+        interrupted()
+
+
+def _interrupt_once(signum, frame) -> None:
+    """A rank's SIGINT handler: KeyboardInterrupt, once. Ctrl-C reaches a rank up to three
+    times (the terminal's, ``timeout -s INT``'s second to the group, the launcher's stop); a
+    second KeyboardInterrupt raised while the first unwound (asyncio closing its loop) turned
+    the rank's "interrupted" line into an error's ("Cannot close a running event loop")."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _host_store(world: int, conn, env: dict[str, str]) -> None:
@@ -315,7 +486,10 @@ def _host_store(world: int, conn, env: dict[str, str]) -> None:
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    conn.send(store.port)
+    try:
+        conn.send(store.port)
+    except OSError:  # the launcher left the job before the zygote, still importing, forked this
+        return
     try:
         conn.recv()  # the launcher's word that the job is over
     except EOFError:

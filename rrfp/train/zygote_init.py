@@ -12,7 +12,9 @@ The zygote ignores SIGTERM: one sent to the launcher's whole process group (``ti
 ``kill -TERM -PGID``, systemd's control-group stop, Slurm) must leave the launcher to end the
 job gracefully, not kill the ranks with their zygote (its exit is their SIGKILL). It still
 dies with the launcher. Its forks inherit the ignore: :func:`rrfp.train.zygote._become` gives
-a rank SIGTERM's default back.
+a rank SIGTERM's default back. Ctrl-C reaches the whole group too: SIGINT stays blocked in the
+zygote (its forks unblock it when they can say so, :data:`rrfp.train.zygote.HELD_BY_ZYGOTE`);
+the launcher starts the zygote with both blocked, so neither can reach it before this module.
 """
 
 from __future__ import annotations
@@ -24,5 +26,7 @@ from .._pdeathsig import LAUNCHER_PID_ENV, set_parent_death_signal
 
 set_parent_death_signal(signal.SIGKILL)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # already, where the launcher started it
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # ignored: one that came is dropped
 if os.environ.get(LAUNCHER_PID_ENV, "").isdigit() and os.getppid() != int(os.environ[LAUNCHER_PID_ENV]):
     os._exit(128 + signal.SIGKILL)

@@ -23,7 +23,6 @@ arguments) and share construction, stepping and closing (:mod:`rrfp.runtime.door
 
 from __future__ import annotations
 
-import datetime
 from typing import Any, Sequence
 
 import torch
@@ -289,7 +288,7 @@ def _agree_on_construction(job: str, rank: int, n_ranks: int, error: BaseExcepti
         if error is not None:
             raise error
         return
-    from ...parallel.bootstrap import default_store
+    from ...parallel.bootstrap import default_store, wait_for_keys
 
     store = default_store()
     key = f"rrfp/{job}/constructed/"
@@ -298,8 +297,8 @@ def _agree_on_construction(job: str, rank: int, n_ranks: int, error: BaseExcepti
     store.set(f"{key}{rank}", text)
     keys = [f"{key}{r}" for r in range(n_ranks)]
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    except Exception as e:  # torch raises DistStoreError or RuntimeError by version
+        wait_for_keys(store, keys, timeout_s)
+    except Exception as e:  # TimeoutError, or the store's DistStoreError / RuntimeError
         if error is not None:
             raise error
         raise RuntimeError(f"rank {rank}: a peer did not finish building its pipeline within {timeout_s:g} s "

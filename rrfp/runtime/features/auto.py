@@ -63,6 +63,7 @@ not fit the shape are skipped and named in the last line.
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Callable, Sequence
 
@@ -91,6 +92,41 @@ def _size_item(item: Sequence[Any], n_stages: int, n_microbatches: int) -> tuple
         raise PipelineError(f"auto: a malformed activation size item {tuple(item)!r}: expected ('s', stage "
                             f"0..{n_stages - 1}, microbatch 0..{n_microbatches - 1}, bytes 0..2**53)")
     return item[1], item[2], item[3]
+
+
+def _number(x: Any) -> bool:
+    return type(x) in (int, float) and math.isfinite(x)
+
+
+def _check_item(item: Any, n_stages: int, n_microbatches: int, n_ranks: int) -> None:
+    """Refuse a gathered item this code cannot send (a peer running other code) before any
+    figure is taken from it: every process sees the same items, so each raises the same error.
+
+    Raises:
+        PipelineError: naming the item and the form expected of its kind.
+    """
+    shown = tuple(item) if isinstance(item, (list, tuple)) else item
+    kind = shown[0] if isinstance(shown, tuple) and shown else None
+    S, M = f"stage 0..{n_stages - 1}", f"microbatch 0..{n_microbatches - 1}"
+    forms = {"r": f"('r', {S}, kind F/B/I/W, {M}, start, end (finite seconds, start <= end), last step (bool))",
+             "l": f"('l', rank 0..{n_ranks - 1}, in-flight limit >= 1, memory budget (None or positive bytes))",
+             "a": f"('a', {S}, mean bytes 0..2**53)"}
+    ok = False
+    if kind == "r" and len(shown) == 7:
+        _, s, k, m, t0, t1, last = shown
+        ok = (type(s) is int and 0 <= s < n_stages and k in ("F", "B", "I", "W") and type(m) is int
+              and 0 <= m < n_microbatches and _number(t0) and _number(t1) and t0 <= t1 and type(last) is bool)
+    elif kind == "l" and len(shown) == 4:
+        _, r, lim, b = shown
+        ok = (type(r) is int and 0 <= r < n_ranks and type(lim) is int and lim >= 1
+              and (b is None or (_number(b) and 0 < b <= 2**62)))
+    elif kind == "a" and len(shown) == 3:
+        ok = type(shown[1]) is int and 0 <= shown[1] < n_stages and type(shown[2]) is int and 0 <= shown[2] <= 2**53
+    elif kind == "s":
+        return  # _size_item's
+    if not ok:
+        expected = forms.get(kind, "a sequence whose first field is 'r', 'l', 'a' or 's'")
+        raise PipelineError(f"auto: a malformed item {shown!r}: expected {expected}")
 
 
 def step_figures(hint: str, stats: Sequence[Any]) -> tuple[float, float]:
@@ -373,6 +409,8 @@ class AutoHint:
                     # Each microbatch's own bytes: the ranking simulates the sizes this job has.
                     mine += [("s", s, m, int(b)) for m, b in enumerate(got) if b]
         items = await self.share.gather(mine)
+        for item in items:
+            _check_item(item, self.place.n_stages, self.M, self.place.n_ranks)
         sizes: dict[int, dict[int, int]] = {}
         for item in items:
             if item[0] == "s":

@@ -148,11 +148,21 @@ class ControlShare:
             out.append(items if r == me else [x for i in sorted(got[r]) for x in got[r][i]])
         return out
 
+    async def _figures(self, x: float) -> list[float]:
+        # Each rank's part is the one float it sent: anything else (an empty part, a string, a
+        # second number) would be an IndexError or TypeError here, or a figure taken unchecked.
+        parts = await self._exchange([float(x)])
+        for r, p in enumerate(parts):
+            if not (len(p) == 1 and type(p[0]) is float):
+                raise PipelineError(f"rank {r} sent a malformed auto message (exchange {self.seq}): "
+                                    f"'items' {p!r}: expected one number")
+        return [p[0] for p in parts]
+
     async def max(self, x: float) -> float:
-        return max(p[0] for p in await self._exchange([float(x)]))
+        return max(await self._figures(x))
 
     async def sum(self, x: float) -> float:
-        return sum(p[0] for p in await self._exchange([float(x)]))
+        return sum(await self._figures(x))
 
     async def gather(self, items: list) -> list:
         return [x for part in await self._exchange(list(items)) for x in part]
