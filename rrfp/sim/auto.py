@@ -371,24 +371,29 @@ def rank(
             log.info("auto: candidate %s dropped (%s)", name, why)
             skipped.append((name, why))
             continue
-        if ones:
-            over_by = next((_over(cfgs[k % len(cfgs)], ones[k % len(cfgs)], run) for k, run in runs
-                            if _over(cfgs[k % len(cfgs)], ones[k % len(cfgs)], run)), None)
-            if over_by:
-                over[name] = over_by
+        over_by = next(filter(None, (_over(cfgs[k % len(cfgs)], ones[k % len(cfgs)], run) for k, run in runs)),
+                       None) if ones else None
+        if over_by:
+            over[name] = over_by
         times.append((statistics.fmean(run.makespan for _, run in runs), i, name))
     if not times:
         raise ValueError(f"auto: no candidate can run here: {'; '.join(f'{n}: {w}' for n, w in skipped)}")
-    if over and len(over) < len(times):
-        # A candidate that breaks the budget is never kept while another holds to it (a strict
-        # order cannot wait for bytes: its run holds what its order holds, whatever the budget).
-        for name, why in over.items():
-            log.info("auto: candidate %s dropped (%s)", name, why)
-            skipped.append((name, why))
-        times = [x for x in times if x[2] not in over]
+    times = _within_budget(times, over, skipped)
     times.sort()
     strict = default_baseline(n_virtual, placement)
     return Ranking([(n, t) for t, _, n in times], strict if any(n == strict for *_, n in times) else None, skipped)
+
+
+def _within_budget(times: list, over: dict[str, str], skipped: list) -> list:
+    """``times`` (``(makespan, index, name)``) less the candidates in ``over`` (name -> why it
+    broke the memory budget), each named in ``skipped``, while another candidate holds to the
+    budget: a strict order cannot wait for bytes, so its run holds what its order holds."""
+    if not over or len(over) >= len(times):
+        return times
+    for name, why in over.items():
+        log.info("auto: candidate %s dropped (%s)", name, why)
+        skipped.append((name, why))
+    return [x for x in times if x[2] not in over]
 
 
 def _one_microbatch(cfg: SimConfig) -> list[int]:
