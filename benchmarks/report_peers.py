@@ -24,7 +24,7 @@ from rrfp.scheduler.hints import resolve_hint
 from rrfp.scheduler.tasks import Placement
 
 from .markdown import table as _table
-from .sim_pred import fit_model, full_backward, predict, predict_bounded, ratio_summary
+from .sim_pred import fit_model, full_backward, held_applies, predict, predict_bounded, ratio_summary
 from .systems import (PEERS, RRFP_SYSTEMS, ZERO_BUBBLE, candidate_systems, kept_hint, peer_default, peer_strict,
                       torch_order_hint)
 
@@ -151,7 +151,7 @@ class ByBackward:
         self.rows: dict[str, ByBackward] = {}
         # Held factors are read only where each rank has a core (fit_model): elsewhere a row's
         # model is the phase's.
-        self.per_row = held is not None and run_cores(res) >= res["config"]["n_ranks"]
+        self.per_row = held is not None and held_applies(run_cores(res), res["config"]["n_ranks"])
         ex = None if held is None else [held] if held else []
         self.all = calibrated(res, pi, ph, n_virtual, placement, held=ex) or fallback
         self.forms = {f: calibrated(res, pi, ph, n_virtual, placement, backward=f, held=ex) for f in ("full", "split")}
@@ -165,7 +165,9 @@ class ByBackward:
         whose held-activation factors are read off the other rows only (:func:`calibrated`)."""
         by = self
         if row and self.per_row:
-            by = self.rows.get(row) or self.rows.setdefault(row, ByBackward(*self.args, held=row))
+            if row not in self.rows:
+                self.rows[row] = ByBackward(*self.args, held=row)
+            by = self.rows[row]
         split = splits(hint, self.cfg, self.nv, self.pl)
         m = None if split is None else by.forms["split" if split else "full"]
         return m or by.all

@@ -342,6 +342,19 @@ taken as half of its rank's (the fixed costs of a task, autograd's set-up, the s
 the outputs' encoding, do not halve with its layers)."""
 
 
+def held_applies(cores: int | None, n_ranks: int) -> bool:
+    """Whether :func:`fit_model` reads held-activation factors for ranks on ``cores`` cores
+    (None: each its own): only where each rank has a core; where ranks share cores, what a rank
+    holds moves with how many ranks are busy, which :attr:`Calibration.cores` models instead."""
+    return cores is None or cores >= n_ranks
+
+
+def _task_records(rs: dict, sid: int) -> list[TaskRecord]:
+    """One rank's recorded step (``{"rank", "tasks": [[stage, kind, mb, start, end], ...]}``)
+    as task records of step ``sid``."""
+    return [TaskRecord(rs["rank"], sid, Task(int(a), str(k), int(m)), t0, t1) for a, k, m, t0, t1 in rs["tasks"]]
+
+
 def ran_split(steps: dict) -> bool:
     """Whether a row's recorded steps (step id -> per rank records) ran a split backward."""
     return any(t[1] in (I, W) for ranks in steps.values() for rs in ranks for t in rs["tasks"])
@@ -406,8 +419,7 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
             step = []
             for rs in ranks:
                 # The rows' steps apart (a row's own step ids: n * 10**6 on), the records per step.
-                recs = [TaskRecord(rs["rank"], int(sid), Task(int(a), str(k), int(m)), t0, t1)
-                        for a, k, m, t0, t1 in rs["tasks"]]
+                recs = _task_records(rs, int(sid))
                 records += [dataclasses.replace(r, step=r.step + n * 10**6) for r in recs]
                 step.append(RankStep(rs["rank"], recs, rs.get("t0"), rs.get("t1")))
             steps.append((spec, step))
@@ -418,12 +430,11 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
                       hop_on_rank=hop_on_rank, recv_in_hop=recv_in_hop)
     wait = lambda sid, rank, t: sleep(sid % 10**6, rank, t)  # noqa: E731
     factor = None
-    if held_without is not None and (cores is None or cores >= P):
+    if held_without is not None and held_applies(cores, P):
         by_row = {}
         for row, steps_of in recorded.items():
-            recs = [TaskRecord(rs["rank"], int(sid), Task(int(a), str(k), int(m)), t0, t1)
-                    for sid, ranks in steps_of.items() if int(sid) in ids for rs in ranks
-                    for a, k, m, t0, t1 in rs["tasks"]]
+            recs = [r for sid, ranks in steps_of.items() if int(sid) in ids for rs in ranks
+                    for r in _task_records(rs, int(sid))]
             # Only rows of this placement: the same task ids then name the same work.
             if ({r.task.stage for r in recs} == set(range(place.n_stages))
                     and all(place.rank_of(r.task.stage) == r.rank for r in recs)):
@@ -432,8 +443,7 @@ def fit_model(cfg: dict, calibration: Sequence[dict], phase_index: int, phase: d
         if table is not None:
             cal = dataclasses.replace(cal, held=table)
             factor = record_factors(records, table)
-            records_own = without_held(records, table, wait)
-    own_records = records if factor is None else records_own
+    own_records = records if factor is None else without_held(records, factor, wait)
     measured = stage_costs(own_records, place.n_stages, wait=wait)
     # stage 0's I is the runtime's no-op (its whole backward runs in W) when no split row ran.
     per = [{k: c.cost(k) for k in (F, B, I, W)} for c in measured.stages]

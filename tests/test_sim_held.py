@@ -12,7 +12,7 @@ from rrfp.scheduler import Placement, resolve_hint
 from rrfp.scheduler.tasks import Task, TaskRecord
 from rrfp.sim import held as held_mod
 from rrfp.sim.calibration import Calibration
-from rrfp.sim.held import Held, held_counts, read_held, without_held
+from rrfp.sim.held import Held, held_counts, read_held, record_factors, without_held
 
 # Per rank, forward factors by held count and backward ones (a backward counts its own).
 TRUE = Held(forward=((1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7), (1.0, 1.2, 1.25, 1.3, 1.35, 1.4, 1.45, 1.5)),
@@ -88,7 +88,7 @@ def test_runs_without_a_held_cost_read_factors_of_1_and_a_row_can_be_left_out():
 def test_costs_measured_in_place_are_taken_back_to_nothing_held():
     rows = _rows(TRUE, steps=1)
     recs = rows["strict-gpipe"]
-    plain = without_held(recs, TRUE)
+    plain = without_held(recs, record_factors(recs, TRUE))
     # Rank 0, step 0: F7 starts with 7 held (x1.7), its cost 1 + 0.1 x 7.
     f7 = next(r for r in plain if r.rank == 0 and r.task == Task(0, "F", 7))
     assert f7.end - f7.start == pytest.approx(1.7)

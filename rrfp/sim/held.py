@@ -105,22 +105,35 @@ class Held:
             raise ValueError(f"{source}: {e}") from None
 
 
+def _start(holding: set[tuple[int, int]], task: Task) -> int:
+    """What a rank holding ``holding`` (``(stage, microbatch)``) holds as ``task`` starts (module
+    docstring's count), and ``holding`` updated past it: a forward's microbatch is held from
+    then on, a backward counts its own, and ``B`` or ``W`` frees it."""
+    s, k, m = task
+    if k == F:
+        n = len(holding)
+        holding.add((s, m))
+        return n
+    holding.add((s, m))  # a backward counts its own (a record whose forward another rank ran)
+    n = len(holding)
+    if k in (B, W):
+        holding.discard((s, m))
+    return n
+
+
 def held_counts(records: Iterable[TaskRecord]) -> list[tuple[TaskRecord, int]]:
     """One rank's records of one step, in start order, each with the microbatches its rank
     held when it started (module docstring)."""
-    held: set[tuple[int, int]] = set()
-    out = []
-    for r in sorted(records, key=lambda r: r.start):
-        s, k, m = r.task
-        if k == F:
-            out.append((r, len(held)))
-            held.add((s, m))
-        else:
-            held.add((s, m))  # a backward counts its own (a record whose forward another rank ran)
-            out.append((r, len(held)))
-            if k in (B, W):
-                held.discard((s, m))
-    return out
+    holding: set[tuple[int, int]] = set()
+    return [(r, _start(holding, r.task)) for r in sorted(records, key=lambda r: r.start)]
+
+
+def _counted(records: Iterable[TaskRecord]) -> list[tuple[TaskRecord, int]]:
+    """:func:`held_counts` of records of several ranks and steps, each rank's step apart."""
+    by: dict[tuple[int, int], list[TaskRecord]] = {}
+    for r in records:
+        by.setdefault((r.step, r.rank), []).append(r)
+    return [x for rs in by.values() for x in held_counts(rs)]
 
 
 def read_held(rows: Mapping[str, Sequence[TaskRecord]], n_ranks: int, exclude: Iterable[str] = (),
@@ -144,14 +157,10 @@ def read_held(rows: Mapping[str, Sequence[TaskRecord]], n_ranks: int, exclude: I
     for row, recs in rows.items():
         if row in skip:
             continue
-        by: dict[tuple[int, int], list[TaskRecord]] = {}
-        for r in recs:
-            by.setdefault((r.step, r.rank), []).append(r)
-        for rs in by.values():
-            for r, h in held_counts(rs):
-                d = r.end - r.start - (wait(r.step, r.rank, r.task) if wait else 0.0)
-                if d > 0:
-                    own.append(((r.step, r.task), r.rank, F if r.task.kind == F else B, h, d))
+        for r, h in _counted(recs):
+            d = r.end - r.start - (wait(r.step, r.rank, r.task) if wait else 0.0)
+            if d > 0:
+                own.append(((r.step, r.task), r.rank, F if r.task.kind == F else B, h, d))
     counts: dict[tuple[int, Task], set[int]] = {}
     for key, _, _, h, _ in own:
         counts.setdefault(key, set()).add(h)
@@ -218,24 +227,20 @@ def _factors(by_h: Mapping[int, list[float]]) -> tuple[float, ...]:
 def record_factors(records: Sequence[TaskRecord], held: Held) -> dict[tuple[int, int, Task], float]:
     """Per ``(step, rank, task)`` of ``records`` (several ranks and steps), its factor at what
     its rank held when it started."""
-    by: dict[tuple[int, int], list[TaskRecord]] = {}
-    for r in records:
-        by.setdefault((r.step, r.rank), []).append(r)
-    return {(r.step, r.rank, r.task): held.factor(r.rank, r.task.kind, h)
-            for rs in by.values() for r, h in held_counts(rs)}
+    return {(r.step, r.rank, r.task): held.factor(r.rank, r.task.kind, h) for r, h in _counted(records)}
 
 
-def without_held(records: Sequence[TaskRecord], held: Held,
+def without_held(records: Sequence[TaskRecord], factors: Mapping[tuple[int, int, Task], float],
                  wait: Callable[[int, int, Task], float] | None = None) -> list[TaskRecord]:
     """``records`` (several ranks and steps) with each task's own part (its duration less
-    ``wait``) divided by its factor: what it would have taken with nothing held, for costs
-    measured in place (:func:`rrfp.sim.calibration.stage_costs`) that a simulation multiplies
-    by the factors of its own schedule. In the records' order."""
-    fs = record_factors(records, held)
+    ``wait``) divided by its factor (``factors``: :func:`record_factors`'): what it would have
+    taken with nothing held, for costs measured in place
+    (:func:`rrfp.sim.calibration.stage_costs`) that a simulation multiplies by the factors of
+    its own schedule. In the records' order."""
     out = []
     for r in records:
         w = wait(r.step, r.rank, r.task) if wait else 0.0
-        d = max(0.0, r.end - r.start - w) / fs[(r.step, r.rank, r.task)]
+        d = max(0.0, r.end - r.start - w) / factors[(r.step, r.rank, r.task)]
         out.append(TaskRecord(r.rank, r.step, r.task, r.start, r.start + w + d))
     return out
 
@@ -253,17 +258,7 @@ def held_tracker(held: Held) -> Callable[[int, int, Task], float]:
         f = seen.get(key)
         if f is not None:
             return f
-        hs = holding.setdefault((step, rank), set())
-        s, k, m = t
-        if k == F:
-            f = held.factor(rank, k, len(hs))
-            hs.add((s, m))
-        else:
-            hs.add((s, m))
-            f = held.factor(rank, k, len(hs))
-            if k in (B, W):
-                hs.discard((s, m))
-        seen[key] = f
+        f = seen[key] = held.factor(rank, t.kind, _start(holding.setdefault((step, rank), set()), t))
         return f
 
     return factor
