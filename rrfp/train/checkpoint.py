@@ -115,44 +115,48 @@ def check_flags(args: argparse.Namespace) -> str | None:
             what = f"--resume auto (newest checkpoint {os.fspath(path)!r})"
         else:
             path, what = args.resume, f"--resume={args.resume!r}"
-        try:
-            meta = read_meta(path)
-        except ValueError as e:
-            return f"{what}: {e}"
-        problem = check_compatible(meta, args, what)
-        if problem is None and meta["step"] > args.steps:
-            problem = (f"{what} is at step {meta['step']}, past --steps={args.steps}: --steps counts every "
-                       f"optimizer step of the run, expected at least {meta['step']}")
         from .._launch_env import in_launched_worker
 
+        problem = _resume_problem(path, args, what, files=False)
         if problem is None and not in_launched_worker():
             # Before any process starts; the ranks check again, each its share (Checkpointer.load).
             from .ckpt_verify import check_files
 
-            problem = check_files(path, meta)
+            problem = check_files(path, read_meta(path))
             if problem is not None and args.resume == "auto":
-                older = _intact_before(args, path)
+                older = _intact_before(args)
                 if older is not None:
                     problem += f"; the newest intact one is {older!r} (resume it with --resume {older})"
         return problem
     return None
 
 
-def _intact_before(args: argparse.Namespace, newest: str | os.PathLike) -> str | None:
-    """The newest committed checkpoint older than ``newest`` that this run could resume (its
-    files whole, its settings this run's), or None: the way on when ``--resume auto``'s newest is
-    damaged (never taken silently: which step to lose is the user's call)."""
-    from .ckpt_verify import check_files
+def _resume_problem(path: str | os.PathLike, args: argparse.Namespace, what: str, files: bool) -> str | None:
+    """Why this run cannot resume the checkpoint ``path`` (``what`` names it in the line), or
+    None: unreadable, written for another run, past ``--steps``, or with ``files`` its files not
+    the ones written with it."""
+    try:
+        meta = read_meta(path)
+    except ValueError as e:
+        return f"{what}: {e}"
+    problem = check_compatible(meta, args, what)
+    if problem is None and meta["step"] > args.steps:
+        problem = (f"{what} is at step {meta['step']}, past --steps={args.steps}: --steps counts every "
+                   f"optimizer step of the run, expected at least {meta['step']}")
+    if problem is None and files:
+        from .ckpt_verify import check_files
 
-    found = committed(args.checkpoint_dir)
-    for path in reversed([p for p in found if p.name < Path(newest).name]):
-        try:
-            meta = read_meta(path)
-        except ValueError:
-            continue
-        what = os.fspath(path)
-        if check_compatible(meta, args, what) is None and meta["step"] <= args.steps and check_files(path, meta) is None:
-            return what
+        problem = check_files(path, meta)
+    return problem
+
+
+def _intact_before(args: argparse.Namespace) -> str | None:
+    """The newest committed checkpoint before the newest in ``--checkpoint-dir`` that this run
+    could resume (:func:`_resume_problem`), or None: the way on when ``--resume auto``'s newest
+    is damaged (never taken silently: which step to lose is the user's call)."""
+    for path in reversed(committed(args.checkpoint_dir)[:-1]):
+        if _resume_problem(path, args, os.fspath(path), files=True) is None:
+            return os.fspath(path)
     return None
 
 
