@@ -408,7 +408,7 @@ def _one_microbatch(cfg: SimConfig) -> list[int]:
 def _over(cfg: SimConfig, ones: Sequence[int], run: Any) -> str | None:
     """Why a simulated run broke ``cfg``'s memory budget on its first rank that did
     (:func:`rrfp.scheduler.memory.over_budget`), or None."""
-    budgets = cfg.memory_budget if isinstance(cfg.memory_budget, (list, tuple)) else cfg.memory_budgets()
+    budgets = cfg.memory_budget  # per rank already: rank() resolves it once for every candidate
     for r, (peak, one) in enumerate(zip(run.peak_memory_rank or [], ones)):
         b = budgets[r] if budgets else None
         if over_budget(peak, one, b):
